@@ -1,0 +1,1 @@
+"""Identities and trust: Ed25519 keys, encrypted keystores, peer IDs, genesis, attestations."""

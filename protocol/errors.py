@@ -1,0 +1,31 @@
+"""The one exception hierarchy of meshnode (STYLE.md: h11's Local/Remote split).
+
+``MeshError`` is the root every project error derives from, so a caller can catch
+the project's failures without catching programming bugs. A ``RemoteProtocolError``
+means a peer (or a file from outside) sent something invalid: drop it, count it,
+keep going. A ``LocalProtocolError`` means this process asked for something illegal.
+"""
+
+
+class MeshError(Exception):
+    """Root of every error meshnode raises on purpose."""
+
+
+class RemoteProtocolError(MeshError):
+    """Bad remote input: malformed, oversized, forged, replayed or stale."""
+
+
+class LocalProtocolError(MeshError):
+    """This node asked the protocol core for something the rules forbid."""
+
+
+class KeystoreError(MeshError):
+    """A keystore could not be created or opened (wrong passphrase, corrupt, unsafe mode)."""
+
+
+class ManifestError(MeshError):
+    """A job manifest is invalid; the message names the field and what was expected."""
+
+
+class ConfigError(MeshError):
+    """A node config, genesis document or data directory is missing or invalid."""

@@ -1,0 +1,434 @@
+"""Every message kind of the meshnode protocol (SPEC.md section 4).
+
+Each class is a frozen record whose SCHEMA is the normative field list: names, types
+and limits. ``KIND`` is the envelope kind string. Integers carry milli-units where a
+fraction is needed (``util_milli`` = percent x 1000), never floats. Nested signed
+messages (bids in a proposal, votes in a certificate) travel as the exact envelope
+bytes their signer produced, so anyone can re-verify them offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+from protocol import codec
+from protocol.envelope import Envelope, open_envelope, seal
+from protocol.errors import RemoteProtocolError
+from protocol.schema import (Bool, Bytes, Int, Key, List, Nested, Optional, Record, Text, TextMap,
+                             check_schema_matches_fields)
+
+MAX_NODES = 4096          # members of one mesh epoch
+MAX_BIDS_PER_PROPOSAL = 32  # justification kept O(1) per voter (SPEC.md 6.3)
+MAX_STATE_BYTES = 900 * 1024  # checkpoint state; leaves room in the 1 MiB frame
+STRATEGIES = ("latency", "throughput", "sovereign")
+DECLINE_REASONS = ("owner_not_allowed", "entrypoint_not_allowed", "not_enough_gpus",
+                   "not_enough_gpu_memory", "not_enough_cpu", "not_enough_memory",
+                   "zone_not_allowed", "labels_missing", "attestation_missing",
+                   "node_unhealthy", "fenced")
+VALUE_KINDS = ("placement", "eviction", "membership")
+ENVELOPE = Bytes(1, codec.MAX_FRAME_BYTES)  # a nested signed envelope, as its wire bytes
+MILLI_PERCENT = Int(0, 100_000)
+
+
+def record(cls):
+    """Class decorator: frozen dataclass + schema/field consistency check."""
+    cls = dataclass(frozen=True)(cls)
+    check_schema_matches_fields(cls)
+    return cls
+
+
+# --- capability vectors ---------------------------------------------------------------------
+
+@record
+class GpuState(Record):
+    index: int
+    model: str
+    mem_total_mib: int
+    mem_used_mib: int
+    util_milli: int
+    temp_milli_c: int
+    sm_clock_mhz: int
+    throttle_reasons: int
+    ecc_errors: int
+    power_mw: int
+    SCHEMA: ClassVar = {
+        "index": Int(0, 63), "model": Text(0, 96), "mem_total_mib": Int(0, 1 << 24),
+        "mem_used_mib": Int(0, 1 << 24), "util_milli": MILLI_PERCENT, "temp_milli_c": Int(0, 200_000),
+        "sm_clock_mhz": Int(0, 100_000), "throttle_reasons": Int(0, (1 << 64) - 1),
+        "ecc_errors": Int(0, (1 << 63) - 1), "power_mw": Int(0, 10_000_000),
+    }
+
+
+@record
+class CapabilityVector(Record):
+    KIND: ClassVar = "cap"
+    node: bytes
+    epoch: int
+    seq: int
+    taken_ms: int
+    zone: str
+    rail_group: str
+    gpus: tuple
+    gpus_free: tuple
+    cpu_milli_free: int
+    mem_mib_free: int
+    labels: tuple
+    simulated: bool
+    SCHEMA: ClassVar = {
+        "node": Key(), "epoch": Int(), "seq": Int(), "taken_ms": Int(), "zone": Text(1, 64),
+        "rail_group": Text(0, 64), "gpus": List(Nested(GpuState), 64), "gpus_free": List(Int(0, 63), 64),
+        "cpu_milli_free": Int(), "mem_mib_free": Int(), "labels": TextMap(), "simulated": Bool(),
+    }
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+@record
+class Resources(Record):
+    gpus: int
+    gpu_mem_mib: int
+    cpu_milli: int
+    mem_mib: int
+    SCHEMA: ClassVar = {"gpus": Int(0, 64), "gpu_mem_mib": Int(0, 1 << 24),
+                        "cpu_milli": Int(0, 1 << 20), "mem_mib": Int(0, 1 << 24)}
+
+
+@record
+class Constraints(Record):
+    zones: tuple
+    labels: tuple
+    attested: tuple
+    SCHEMA: ClassVar = {"zones": List(Text(1, 64), 16), "labels": TextMap(), "attested": TextMap()}
+
+
+@record
+class JobManifest(Record):
+    KIND: ClassVar = "job"
+    owner: bytes
+    name: str
+    nonce: int
+    entrypoint: str
+    args: tuple
+    resources: Resources
+    strategy: str
+    constraints: Constraints
+    priority: int
+    backups: int
+    max_retries: int
+    created_ms: int
+    SCHEMA: ClassVar = {
+        "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
+        "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
+        "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
+        "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
+    }
+
+
+def job_id(job: JobManifest) -> bytes:
+    """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ)."""
+    return hashlib.sha256(codec.pack(job.to_body())).digest()
+
+
+# --- consensus: bids, proposals, votes, certificates -----------------------------------------
+
+@record
+class Bid(Record):
+    KIND: ClassVar = "bid"
+    instance: bytes
+    epoch: int
+    capability: bytes
+    reserved_gpus: tuple
+    rtt_us: int
+    attestations: tuple
+    SCHEMA: ClassVar = {
+        "instance": Key(), "epoch": Int(), "capability": ENVELOPE, "reserved_gpus": List(Int(0, 63), 64),
+        "rtt_us": Int(), "attestations": List(ENVELOPE, 8),
+    }
+
+
+@record
+class Decline(Record):
+    KIND: ClassVar = "decline"
+    instance: bytes
+    epoch: int
+    reason: str
+    detail: str
+    SCHEMA: ClassVar = {"instance": Key(), "epoch": Int(), "reason": Text(choices=DECLINE_REASONS),
+                        "detail": Text(0, 256)}
+
+
+@record
+class Placement(Record):
+    """The value a placement instance decides."""
+    job: bytes
+    primary: bytes
+    backups: tuple
+    gpus: tuple
+    SCHEMA: ClassVar = {"job": ENVELOPE, "primary": Key(), "backups": List(Key(), 4),
+                        "gpus": List(Int(0, 63), 64)}
+
+
+@record
+class Migration(Record):
+    job_id: bytes
+    to_node: bytes
+    backups: tuple
+    SCHEMA: ClassVar = {"job_id": Key(), "to_node": Key(), "backups": List(Key(), 4)}
+
+
+@record
+class Eviction(Record):
+    """The value an emergency instance decides: fence ``node`` and move its workloads."""
+    KIND: ClassVar = "eviction"
+    node: bytes
+    epoch: int
+    migrations: tuple
+    SCHEMA: ClassVar = {"node": Key(), "epoch": Int(), "migrations": List(Nested(Migration), 1024)}
+
+
+@record
+class Member(Record):
+    public_key: bytes
+    stake: int
+    zone: str
+    labels: tuple
+    addrs: tuple
+    SCHEMA: ClassVar = {"public_key": Key(), "stake": Int(1, 1 << 48), "zone": Text(1, 64),
+                        "labels": TextMap(), "addrs": List(Text(1, 256), 8)}
+
+
+@record
+class MembershipChange(Record):
+    """The value a membership instance decides; ``epoch`` is the epoch it creates."""
+    change: str
+    member: Member
+    epoch: int
+    evidence: tuple
+    SCHEMA: ClassVar = {"change": Text(choices=("join", "leave")), "member": Nested(Member),
+                        "epoch": Int(), "evidence": List(ENVELOPE, 16)}
+
+
+@record
+class Proposal(Record):
+    KIND: ClassVar = "proposal"
+    instance: bytes
+    round: int
+    epoch: int
+    value_kind: str
+    value: bytes
+    justification: tuple
+    pol_round: int | None
+    pol_certificate: bytes | None
+    SCHEMA: ClassVar = {
+        "instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(), "value_kind": Text(choices=VALUE_KINDS),
+        "value": Bytes(1, codec.MAX_FRAME_BYTES), "justification": List(ENVELOPE, MAX_BIDS_PER_PROPOSAL),
+        "pol_round": Optional(Int(0, 1 << 20)), "pol_certificate": Optional(ENVELOPE),
+    }
+
+
+@record
+class Prevote(Record):
+    KIND: ClassVar = "prevote"
+    instance: bytes
+    round: int
+    epoch: int
+    value_hash: bytes | None
+    SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
+                        "value_hash": Optional(Key())}
+
+
+@record
+class Precommit(Record):
+    KIND: ClassVar = "precommit"
+    instance: bytes
+    round: int
+    epoch: int
+    value_hash: bytes | None
+    SCHEMA: ClassVar = dict(Prevote.SCHEMA)
+
+
+@record
+class PrevoteCertificate(Record):
+    """More than 2/3 of the epoch's stake prevoted ``value_hash`` in ``round`` (a "polka")."""
+    KIND: ClassVar = "prevote_cert"
+    instance: bytes
+    round: int
+    epoch: int
+    value_hash: bytes | None
+    prevotes: tuple
+    SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
+                        "value_hash": Optional(Key()), "prevotes": List(ENVELOPE, MAX_NODES)}
+
+
+@record
+class CommitCertificate(Record):
+    """More than 2/3 of the epoch's stake precommitted ``value``: the decision, verifiable offline."""
+    KIND: ClassVar = "commit"
+    instance: bytes
+    round: int
+    epoch: int
+    value_kind: str
+    value: bytes
+    precommits: tuple
+    SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
+                        "value_kind": Text(choices=VALUE_KINDS), "value": Bytes(1, codec.MAX_FRAME_BYTES),
+                        "precommits": List(ENVELOPE, MAX_NODES)}
+
+
+@record
+class RoundChange(Record):
+    """Sent to the next round's leader on timeout, carrying the sender's lock (SPEC.md 6.5)."""
+    KIND: ClassVar = "round_change"
+    instance: bytes
+    round: int
+    epoch: int
+    locked_round: int | None
+    lock_certificate: bytes | None
+    SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
+                        "locked_round": Optional(Int(0, 1 << 20)), "lock_certificate": Optional(ENVELOPE)}
+
+
+@record
+class Evidence(Record):
+    """Two conflicting envelopes signed by one key: proof of equivocation."""
+    KIND: ClassVar = "evidence"
+    offender: bytes
+    first: bytes
+    second: bytes
+    SCHEMA: ClassVar = {"offender": Key(), "first": ENVELOPE, "second": ENVELOPE}
+
+
+# --- liveness, failure, checkpoints ---------------------------------------------------------
+
+@record
+class Heartbeat(Record):
+    KIND: ClassVar = "heartbeat"
+    epoch: int
+    seq: int
+    sent_ms: int
+    SCHEMA: ClassVar = {"epoch": Int(), "seq": Int(), "sent_ms": Int()}
+
+
+@record
+class Suspicion(Record):
+    KIND: ClassVar = "suspicion"
+    suspect: bytes
+    epoch: int
+    silent_ms: int
+    SCHEMA: ClassVar = {"suspect": Key(), "epoch": Int(), "silent_ms": Int()}
+
+
+@record
+class Checkpoint(Record):
+    KIND: ClassVar = "checkpoint"
+    job_id: bytes
+    fence: int
+    seq: int
+    progress: int
+    taken_ms: int
+    state: bytes
+    state_hash: bytes
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "seq": Int(), "progress": Int(),
+                        "taken_ms": Int(), "state": Bytes(0, MAX_STATE_BYTES), "state_hash": Key()}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if hashlib.sha256(self.state).digest() != self.state_hash:
+            raise ValueError("Checkpoint.state_hash does not match state")
+
+
+@record
+class CheckpointAck(Record):
+    KIND: ClassVar = "checkpoint_ack"
+    job_id: bytes
+    fence: int
+    seq: int
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "seq": Int()}
+
+
+# --- membership -----------------------------------------------------------------------------
+
+@record
+class Attestation(Record):
+    """An attestation authority's statement about a key: attributes and, optionally, stake."""
+    KIND: ClassVar = "attestation"
+    subject: bytes
+    attributes: tuple
+    stake: int
+    issued_ms: int
+    expires_ms: int
+    SCHEMA: ClassVar = {"subject": Key(), "attributes": TextMap(), "stake": Int(0, 1 << 48),
+                        "issued_ms": Int(), "expires_ms": Int()}
+
+
+@record
+class Endorsement(Record):
+    """A member vouching stake for a joining key (SPEC.md 7.2)."""
+    KIND: ClassVar = "endorsement"
+    candidate: bytes
+    stake: int
+    epoch: int
+    SCHEMA: ClassVar = {"candidate": Key(), "stake": Int(1, 1 << 48), "epoch": Int()}
+
+
+@record
+class Join(Record):
+    KIND: ClassVar = "join"
+    member: Member
+    epoch: int
+    vouchers: tuple
+    SCHEMA: ClassVar = {"member": Nested(Member), "epoch": Int(), "vouchers": List(ENVELOPE, 16)}
+
+
+@record
+class Leave(Record):
+    KIND: ClassVar = "leave"
+    epoch: int
+    SCHEMA: ClassVar = {"epoch": Int()}
+
+
+MESSAGE_TYPES = {cls.KIND: cls for cls in (
+    CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
+    CommitCertificate, RoundChange, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
+    Attestation, Endorsement, Join, Leave,
+)}
+
+
+def sign_message(identity, mesh_id: bytes, message: Record) -> Envelope:
+    return seal(identity, mesh_id, type(message).KIND, message.to_body())
+
+
+def encode_message(identity, mesh_id: bytes, message: Record) -> bytes:
+    return sign_message(identity, mesh_id, message).encode()
+
+
+def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
+                   allow_any_mesh: bool = False) -> tuple[Envelope, Record]:
+    """Verify an envelope and parse its body strictly. Raises RemoteProtocolError."""
+    envelope = open_envelope(data, mesh_id, allow_any_mesh=allow_any_mesh)
+    cls = MESSAGE_TYPES.get(envelope.kind)
+    if cls is None:
+        raise RemoteProtocolError("unknown message kind %r" % envelope.kind)
+    if expect is not None and cls is not expect:
+        raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, envelope.kind))
+    try:
+        return envelope, cls.from_body(envelope.body)
+    except ValueError as exc:  # a record's own cross-field check (e.g. checkpoint hash)
+        raise RemoteProtocolError(str(exc)) from None
+
+
+def decode_value(value_kind: str, data: bytes):
+    """Decode the unsigned value inside a proposal or certificate."""
+    cls = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange}.get(value_kind)
+    if cls is None:
+        raise RemoteProtocolError("unknown value kind %r" % value_kind)
+    try:
+        return cls.from_body(codec.unpack(data))
+    except ValueError as exc:
+        raise RemoteProtocolError(str(exc)) from None
+
+
+def value_hash(value_bytes: bytes) -> bytes:
+    return hashlib.sha256(b"meshnode/v1/value\x00" + value_bytes).digest()

@@ -1,0 +1,67 @@
+"""The output contract of the protocol core (STYLE.md: etcd raft's Ready).
+
+Every input to ``protocol.mesh.MeshCore`` (``step``, ``tick``, ``submit``,
+``local_checkpoint`` ...) returns one ``Ready`` batch. The driver handles it in
+this order, and only then feeds the next input:
+
+1. ``persist``: write every record durably (SQLite) BEFORE sending anything, because
+   the messages may promise what the records say (a vote, a lock, an ack).
+2. ``messages``: send each to its recipient (``to=None``: every other member of the
+   current epoch). Sending is best effort; the protocol tolerates loss.
+3. ``decisions``: apply commit certificates in order (start, migrate, fence workloads).
+4. ``events``: log them and publish them to control-API subscribers.
+
+The core never blocks, never reads a clock and never raises on bad remote input
+(it counts it); a LocalProtocolError means the driver broke this contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Outbound:
+    to: bytes | None  # recipient public key; None = broadcast to all other current members
+    data: bytes       # an encoded signed envelope, ready for the wire
+
+
+@dataclass(frozen=True)
+class PersistRecord:
+    table: str        # "certificates", "votes", "locks", "evidence", "checkpoints", "membership", ...
+    key: str          # primary key within the table (hex ids)
+    value: dict[str, Any]  # canonical-encodable columns
+
+
+@dataclass(frozen=True)
+class Decision:
+    value_kind: str       # "placement" | "eviction" | "membership"
+    instance: bytes
+    value: Any            # Placement | Eviction | MembershipChange
+    certificate: bytes    # encoded signed CommitCertificate envelope (verifiable offline)
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str             # short machine name: "job_submitted", "bid", "declined", "decided", ...
+    at_ms: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Ready:
+    persist: list[PersistRecord] = field(default_factory=list)
+    messages: list[Outbound] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def extend(self, other: "Ready") -> "Ready":
+        self.persist.extend(other.persist)
+        self.messages.extend(other.messages)
+        self.decisions.extend(other.decisions)
+        self.events.extend(other.events)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.persist or self.messages or self.decisions or self.events)

@@ -1,0 +1,205 @@
+"""Declarative field types for strict message schemas (SPEC.md section 3).
+
+Every message body is a map whose keys are exactly the declared field names. Each
+field type checks the decoded value (type, length, range) and converts it to the
+Python value the dataclass holds; ``encode`` is its inverse. Limits are part of the
+type, so no field is unbounded (STYLE.md: "put a limit on everything").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from protocol.errors import RemoteProtocolError
+
+
+class FieldType:
+    def check(self, value: Any, where: str) -> Any:
+        raise NotImplementedError
+
+    def encode(self, value: Any) -> Any:
+        return value
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+def _fail(where: str, expected: str, value: Any) -> RemoteProtocolError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return RemoteProtocolError("%s: expected %s, got %s" % (where, expected, shown))
+
+
+@dataclass(frozen=True)
+class Int(FieldType):
+    low: int = 0
+    high: int = (1 << 63) - 1
+
+    def check(self, value, where):
+        if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
+            raise _fail(where, self.describe(), value)
+        return value
+
+    def describe(self):
+        return "int in [%d, %d]" % (self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Bool(FieldType):
+    def check(self, value, where):
+        if not isinstance(value, bool):
+            raise _fail(where, "bool", value)
+        return value
+
+    def describe(self):
+        return "bool"
+
+
+@dataclass(frozen=True)
+class Bytes(FieldType):
+    min_len: int = 0
+    max_len: int = 1 << 20
+
+    def check(self, value, where):
+        if not isinstance(value, (bytes, bytearray)) or not self.min_len <= len(value) <= self.max_len:
+            raise _fail(where, self.describe(), value)
+        return bytes(value)
+
+    def describe(self):
+        if self.min_len == self.max_len:
+            return "bin of %d bytes" % self.min_len
+        return "bin of %d..%d bytes" % (self.min_len, self.max_len)
+
+
+def Key() -> Bytes:  # an Ed25519 public key or a SHA-256 digest
+    return Bytes(32, 32)
+
+
+@dataclass(frozen=True)
+class Text(FieldType):
+    min_len: int = 0
+    max_len: int = 256
+    choices: tuple = ()
+
+    def check(self, value, where):
+        if not isinstance(value, str) or not self.min_len <= len(value.encode("utf-8")) <= self.max_len:
+            raise _fail(where, self.describe(), value)
+        if self.choices and value not in self.choices:
+            raise _fail(where, "one of " + ", ".join(self.choices), value)
+        return value
+
+    def describe(self):
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        return "text of %d..%d bytes" % (self.min_len, self.max_len)
+
+
+@dataclass(frozen=True)
+class Optional(FieldType):
+    inner: FieldType
+
+    def check(self, value, where):
+        return None if value is None else self.inner.check(value, where)
+
+    def encode(self, value):
+        return None if value is None else self.inner.encode(value)
+
+    def describe(self):
+        return self.inner.describe() + " or nil"
+
+
+@dataclass(frozen=True)
+class List(FieldType):
+    item: FieldType
+    max_items: int = 64
+
+    def check(self, value, where):
+        if not isinstance(value, (list, tuple)) or len(value) > self.max_items:
+            raise _fail(where, "array of at most %d" % self.max_items, value)
+        return tuple(self.item.check(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+
+    def encode(self, value):
+        return [self.item.encode(v) for v in value]
+
+    def describe(self):
+        return "array of at most %d x (%s)" % (self.max_items, self.item.describe())
+
+
+@dataclass(frozen=True)
+class TextMap(FieldType):
+    """A map of short text keys to short text values (labels, attested attributes)."""
+    max_items: int = 32
+
+    def check(self, value, where):
+        if isinstance(value, tuple):  # the Python form held by a record: sorted pairs
+            value = dict(value)
+        if not isinstance(value, dict) or len(value) > self.max_items:
+            raise _fail(where, self.describe(), value)
+        for k, v in value.items():
+            Text(1, 64).check(k, where + " key")
+            Text(0, 256).check(v, "%s[%s]" % (where, k))
+        return tuple(sorted(value.items()))  # hashable, canonical order
+
+    def encode(self, value):
+        return dict(value)
+
+    def describe(self):
+        return "map of at most %d text -> text" % self.max_items
+
+
+@dataclass(frozen=True)
+class Nested(FieldType):
+    cls: type
+
+    def check(self, value, where):
+        if isinstance(value, self.cls):
+            return value
+        return self.cls.from_body(value, where)
+
+    def encode(self, value):
+        return value.to_body()
+
+    def describe(self):
+        return self.cls.__name__
+
+
+class Record:
+    """Base of frozen, self-validating records. Subclasses are frozen dataclasses with SCHEMA."""
+
+    SCHEMA: ClassVar[dict[str, FieldType]] = {}
+
+    def __post_init__(self):
+        # Validate on construction too: a locally built record is as strict as a decoded one.
+        for name, ftype in self.SCHEMA.items():
+            try:
+                checked = ftype.check(getattr(self, name), name)
+            except RemoteProtocolError as exc:
+                raise ValueError("%s.%s" % (type(self).__name__, exc)) from None
+            object.__setattr__(self, name, checked)
+
+    @classmethod
+    def from_body(cls, body: Any, where: str | None = None):
+        where = where or cls.__name__
+        if not isinstance(body, dict):
+            raise _fail(where, "map", body)
+        expected = set(cls.SCHEMA)
+        if set(body) != expected:
+            missing = sorted(expected - set(body))
+            extra = sorted(set(body) - expected)
+            raise RemoteProtocolError("%s: missing fields %s, unknown fields %s" % (where, missing, extra))
+        record = object.__new__(cls)  # fields are checked here, so skip __post_init__'s second pass
+        for name, ftype in cls.SCHEMA.items():
+            object.__setattr__(record, name, ftype.check(body[name], "%s.%s" % (where, name)))
+        return record
+
+    def to_body(self) -> dict:
+        return {name: ftype.encode(getattr(self, name)) for name, ftype in self.SCHEMA.items()}
+
+
+def check_schema_matches_fields(cls) -> None:
+    """Import-time guard: a record's dataclass fields and SCHEMA must name the same things."""
+    names = [f.name for f in fields(cls)]
+    if names != list(cls.SCHEMA):
+        raise TypeError("%s: dataclass fields %s differ from SCHEMA %s" % (cls.__name__, names, list(cls.SCHEMA)))
