@@ -21,6 +21,18 @@ COMMAND_MODULES = {
     "keys": "meshnode.cli_keys",
     "mesh": "meshnode.cli_mesh",
     "job": "meshnode.cli_job",
+    "run": "meshnode.cli_node",
+    "status": "meshnode.cli_node",
+    "nodes": "meshnode.cli_node",
+    "jobs": "meshnode.cli_node",
+    "events": "meshnode.cli_node",
+    "submit": "meshnode.cli_node",
+    "why": "meshnode.cli_node",
+    "consensus": "meshnode.cli_node",
+    "join": "meshnode.cli_node",
+    "testnet": "meshnode.cli_testnet",
+    "cert": "meshnode.cli_cert",
+    "tui": "meshnode.cli_tui",
 }
 
 

@@ -286,8 +286,10 @@ class RoundChange(Record):
     epoch: int
     locked_round: int | None
     lock_certificate: bytes | None
+    lock_proposal: bytes | None  # the signed Proposal whose value is locked: lets the new leader re-propose it
     SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
-                        "locked_round": Optional(Int(0, 1 << 20)), "lock_certificate": Optional(ENVELOPE)}
+                        "locked_round": Optional(Int(0, 1 << 20)), "lock_certificate": Optional(ENVELOPE),
+                        "lock_proposal": Optional(ENVELOPE)}
 
 
 @record

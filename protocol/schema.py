@@ -192,6 +192,13 @@ class Record:
         record = object.__new__(cls)  # fields are checked here, so skip __post_init__'s second pass
         for name, ftype in cls.SCHEMA.items():
             object.__setattr__(record, name, ftype.check(body[name], "%s.%s" % (where, name)))
+        if cls.__post_init__ is not Record.__post_init__:
+            # The subclass adds cross-field rules (Checkpoint.state_hash, Genesis members):
+            # a decoded record must obey them too, or a signed but invalid message gets in.
+            try:
+                record.__post_init__()
+            except ValueError as exc:
+                raise RemoteProtocolError("%s: %s" % (where, exc)) from None
         return record
 
     def to_body(self) -> dict:

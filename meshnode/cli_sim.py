@@ -1,0 +1,148 @@
+"""`meshnode sim`: run the deterministic simulator over one or many seeds.
+
+Exit status 0 only when every seed passed every checker (spec_parts/simulator.md). Any
+failing seed prints the one command line that replays it exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from testnet.sim import FAULTS, SimConfig, SimResult, run_simulation
+
+MAX_SEEDS = 1_000_000
+MAX_SHOWN_VIOLATIONS = 10
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("sim", help="run the deterministic fault-injecting simulator",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
+    parser.add_argument("--jobs", type=int, default=4, help="jobs submitted per run (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--seeds", type=int, default=1, help="number of consecutive seeds to run (default 1)")
+    parser.add_argument("--byzantine", type=float, default=0.0, metavar="F",
+                        help="Byzantine share of the stake, 0..1 (under 1/3: bound never reached; "
+                             ">= 0.334: at least that much, expect stalls)")
+    parser.add_argument("--faults", default=",".join(FAULTS), metavar="LIST",
+                        help="comma-separated faults from %s, or 'none' (default: all)" % ",".join(FAULTS))
+    parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
+    parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(func=run)
+
+
+def parse_faults(text: str) -> tuple[str, ...]:
+    if text.strip() in ("", "none"):
+        return ()
+    faults = tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError("unknown faults %s (known: %s)" % (unknown, ",".join(FAULTS)))
+    return tuple(f for f in FAULTS if f in faults)
+
+
+def percentile(values: list[int], fraction_milli: int) -> int | None:
+    """Nearest-rank percentile (p50: 500, p99: 990)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * fraction_milli // 1000))
+    return ordered[rank - 1]
+
+
+def summarize(results: list[SimResult], wall_s: float) -> dict:
+    latencies = [ms for r in results for ms in r.latencies_ms]
+    decisions = sum(r.decisions for r in results)
+    messages = sum(r.messages for r in results)
+    failed = [r for r in results if not r.ok]
+    by_check: dict[str, int] = {}
+    for r in results:
+        for v in r.violations:
+            by_check[v.check] = by_check.get(v.check, 0) + 1
+    first = results[0].config if results else None
+    return {
+        "seeds": len(results),
+        "first_seed": first.seed if first else None,
+        "nodes": first.nodes if first else None,
+        "jobs": first.jobs if first else None,
+        "faults": list(first.faults) if first else [],
+        "violations": sum(r.violation_count for r in results),
+        "violations_by_check": by_check,
+        "failed_seeds": [r.config.seed for r in failed][:100],
+        "stalled_seeds": sum(1 for r in results if r.liveness_missing),
+        "decisions": decisions,
+        "messages": messages,
+        "messages_per_decision": round(messages / decisions, 1) if decisions else None,
+        "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
+        "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
+        "byzantine_stake_max_milli": max((1000 * r.byzantine_stake[0] // r.byzantine_stake[1]
+                                          for r in results), default=0),
+        "wall_s": round(wall_s, 3),
+        "reproduce": [r.config.reproduce() for r in failed][:10],
+    }
+
+
+def _run_seed(config: SimConfig) -> SimResult:
+    return run_simulation(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.seeds <= MAX_SEEDS:
+        raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
+    if not 0.0 <= args.byzantine < 1.0:
+        raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
+    try:
+        faults = parse_faults(args.faults)
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit("meshnode sim: %s" % exc)
+    configs = [SimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k,
+                         byzantine_milli=round(args.byzantine * 1000), faults=faults,
+                         heartbeats=not args.no_heartbeats) for k in range(args.seeds)]
+    started = time.perf_counter()
+    if args.workers > 1 and len(configs) > 1:
+        with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+            results = pool.map(_run_seed, configs, chunksize=max(1, len(configs) // (args.workers * 8)))
+    else:
+        results = [_run_seed(c) for c in configs]
+    summary = summarize(results, time.perf_counter() - started)
+    failed = [r for r in results if not r.ok]
+    out = sys.stderr if args.json else sys.stdout
+    for result in failed[:MAX_SHOWN_VIOLATIONS]:
+        for violation in result.violations[:3]:
+            print("seed %d: %s" % (result.config.seed, violation.line()), file=out)
+        print("reproduce with: %s" % result.config.reproduce(), file=out)
+    if args.json:
+        json.dump(summary, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        render(Console(), summary, results)
+    return 1 if failed else 0
+
+
+def render(console: Console, summary: dict, results: list[SimResult]) -> None:
+    table = Table(title="meshnode sim", title_justify="left")
+    for column in ("seed", "byz stake", "decisions", "msgs/decision", "p50 ms", "p99 ms", "virtual ms",
+                   "violations"):
+        table.add_column(column, justify="right")
+    shown = results if len(results) <= 20 else [r for r in results if not r.ok][:20]
+    for r in shown:
+        stake, total = r.byzantine_stake
+        table.add_row(str(r.config.seed), "%d/%d" % (stake, total), str(r.decisions),
+                      "%.1f" % r.messages_per_decision, str(percentile(r.latencies_ms, 500)),
+                      str(percentile(r.latencies_ms, 990)), str(r.virtual_ms),
+                      ("[red]%d[/red]" % r.violation_count) if r.violation_count else "0")
+    console.print(table)
+    lat = summary["latency_ms"]
+    console.print("%d seeds, %d violations (%s), %d stalled, %d decisions, %s messages/decision, "
+                  "latency p50 %s ms p99 %s ms (virtual), %.2f s wall"
+                  % (summary["seeds"], summary["violations"], summary["violations_by_check"] or "none",
+                     summary["stalled_seeds"], summary["decisions"], summary["messages_per_decision"],
+                     lat["p50"], lat["p99"], summary["wall_s"]))

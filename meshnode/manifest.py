@@ -1,0 +1,134 @@
+"""Job manifests: TOML files a workload owner writes and signs (SPEC.md section 4.2).
+
+:func:`parse_manifest` turns TOML text into a ``protocol.messages.JobManifest``. Every
+error names the field and what was expected, and unknown keys are refused (a typo
+like ``gpu = 1`` must not silently mean "no GPU"). Limits come from the message
+SCHEMA, so this file and the wire format cannot disagree.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from protocol import codec
+from protocol.envelope import Envelope
+from protocol.errors import ManifestError, RemoteProtocolError
+from protocol.messages import Constraints, JobManifest, Resources, decode_message
+from protocol.schema import Bool, Bytes, FieldType, Int, List, Optional, Text, TextMap
+
+MAX_MANIFEST_BYTES = 64 * 1024
+
+# Fields a manifest may leave out, and the value they then take (SPEC.md 4.2).
+TOP_LEVEL_DEFAULTS = {"args": [], "strategy": "throughput", "priority": 0, "backups": 1,
+                      "max_retries": 3, "nonce": 0}
+REQUIRED = ("name", "entrypoint")
+TABLES = {"resources": Resources, "constraints": Constraints}
+TABLE_DEFAULTS = {
+    "resources": {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0},
+    "constraints": {"zones": [], "labels": {}, "attested": {}},
+}
+# Filled in from the signer and the clock, never from the file.
+NOT_IN_FILE = ("owner", "created_ms")
+
+
+def human_expectation(ftype: FieldType) -> str:
+    """What a TOML author must write for a field of this type, in words."""
+    if isinstance(ftype, Int):
+        return "an integer %d..%d" % (ftype.low, ftype.high)
+    if isinstance(ftype, Text):
+        if ftype.choices:
+            return "one of " + ", ".join(repr(c) for c in ftype.choices)
+        return "a string of %d..%d bytes" % (ftype.min_len, ftype.max_len)
+    if isinstance(ftype, List):
+        return "an array of at most %d items, each %s" % (ftype.max_items, human_expectation(ftype.item))
+    if isinstance(ftype, TextMap):
+        return "a table of at most %d string values" % ftype.max_items
+    if isinstance(ftype, Optional):
+        return human_expectation(ftype.inner)
+    if isinstance(ftype, Bool):
+        return "true or false"
+    if isinstance(ftype, Bytes):
+        return "bytes"
+    return ftype.describe()
+
+
+def _checked(ftype: FieldType, value, where: str):
+    try:
+        return ftype.check(value, where)
+    except RemoteProtocolError:
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        raise ManifestError("%s: expected %s, got %s" % (where, human_expectation(ftype), shown)) from None
+
+
+def _reject_unknown(found: dict, allowed, where: str) -> None:
+    unknown = sorted(set(found) - set(allowed))
+    if unknown:
+        raise ManifestError("%s: unknown key %r (allowed: %s)" % (where, unknown[0], ", ".join(sorted(allowed))))
+
+
+def _table(document: dict, name: str):
+    cls = TABLES[name]
+    raw = document.get(name, {})
+    if not isinstance(raw, dict):
+        raise ManifestError("%s: expected a table [%s], got %r" % (name, name, raw))
+    _reject_unknown(raw, cls.SCHEMA, "[%s]" % name)
+    values = {**TABLE_DEFAULTS[name], **raw}
+    return cls(**{field: _checked(ftype, values[field], "%s.%s" % (name, field))
+                  for field, ftype in cls.SCHEMA.items()})
+
+
+def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int) -> JobManifest:
+    """Parse a TOML manifest for ``owner_pubkey``, stamped ``created_ms = now_ms``."""
+    if len(text.encode("utf-8")) > MAX_MANIFEST_BYTES:
+        raise ManifestError("manifest is larger than %d bytes" % MAX_MANIFEST_BYTES)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError("manifest is not valid TOML: %s" % exc) from None
+    allowed = [f for f in JobManifest.SCHEMA if f not in NOT_IN_FILE]
+    _reject_unknown(document, allowed, "manifest")
+    for name in REQUIRED:
+        if name not in document:
+            raise ManifestError("%s: required, expected %s" % (name, human_expectation(JobManifest.SCHEMA[name])))
+    values = {**TOP_LEVEL_DEFAULTS, **document}
+    fields = {}
+    for name, ftype in JobManifest.SCHEMA.items():
+        if name in NOT_IN_FILE:
+            continue
+        fields[name] = _table(document, name) if name in TABLES else _checked(ftype, values[name], name)
+    if fields["strategy"] == "sovereign" and not (fields["constraints"].zones or fields["constraints"].attested):
+        raise ManifestError("strategy: 'sovereign' needs constraints.zones or constraints.attested")
+    return JobManifest(owner=owner_pubkey, created_ms=now_ms, **fields)
+
+
+def load_manifest(path, owner_pubkey: bytes, now_ms: int) -> JobManifest:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ManifestError("cannot read manifest %s: %s" % (path, exc.strerror)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ManifestError("manifest %s is not UTF-8 text" % path) from None
+    return parse_manifest(text, owner_pubkey, now_ms)
+
+
+def verify_signed_job(data: bytes, mesh_id: bytes | None = None) -> tuple[Envelope, JobManifest]:
+    """Verify a signed job envelope: signature, schema, and owner == signer.
+
+    With ``mesh_id`` the job must be signed for that mesh or for ANY_MESH (SPEC.md
+    4.2); with ``None`` it is checked for whichever mesh it names.
+    """
+    if mesh_id is None:
+        value = codec.unpack(data)
+        if not isinstance(value, list) or len(value) != 6 or not isinstance(value[1], bytes):
+            raise RemoteProtocolError("envelope: expected an array of 6 items")
+        mesh_id = value[1]
+    envelope, job = decode_message(data, mesh_id, expect=JobManifest, allow_any_mesh=True)
+    if job.owner != envelope.signer:
+        raise RemoteProtocolError("job: signed by a key that is not its owner")
+    return envelope, job
+

@@ -1,0 +1,105 @@
+"""Prevote and commit certificates: checking that a quorum of stake signed one vote (SPEC.md 6.7).
+
+A certificate is the collector's signed envelope carrying the exact vote envelopes
+the voters signed, so anyone holding the epoch's membership can re-check it offline:
+every vote's signature, instance, round, epoch and value hash, distinct member
+signers, and more than 2/3 of the stake. The collector's own signature adds nothing
+to the proof; it only names who assembled it.
+
+Verdicts are cached by the certificate envelope's (signer, signature) and the
+membership digest: a node that re-receives the certificate every other member also
+received (or, in the simulator, one process holding many nodes) checks its votes
+once. Keying on the signature is sound because the caller has verified the envelope,
+and an Ed25519 signature binds its signed bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from protocol.envelope import Envelope
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (CommitCertificate, Precommit, Prevote, PrevoteCertificate, decode_message,
+                               value_hash)
+from protocol.quorum import EpochView
+
+CACHE_ENTRIES = 4096
+_verdicts: OrderedDict = OrderedDict()  # (view digest, mesh id, signer, signature) -> None
+
+
+def _remember(key) -> None:
+    _verdicts[key] = None
+    if len(_verdicts) > CACHE_ENTRIES:
+        _verdicts.popitem(last=False)
+
+
+def check_votes(votes: tuple, vote_type: type, *, mesh_id: bytes, view: EpochView, instance: bytes,
+                round: int, expected_hash: bytes | None) -> int:
+    """Check a certificate's vote envelopes; return their total stake. RemoteProtocolError otherwise.
+
+    Each vote must be a validly signed ``vote_type`` for exactly (instance, round, view.epoch,
+    expected_hash), from a distinct member; the total must be a quorum.
+    """
+    seen: set[bytes] = set()
+    stake = 0
+    for index, data in enumerate(votes):
+        envelope, vote = decode_message(data, mesh_id, expect=vote_type)
+        if (vote.instance != instance or vote.round != round or vote.epoch != view.epoch
+                or vote.value_hash != expected_hash):
+            raise RemoteProtocolError("certificate vote %d is for another instance, round, epoch or value" % index)
+        signer = envelope.signer
+        if signer in seen:
+            raise RemoteProtocolError("certificate vote %d repeats a signer" % index)
+        member_stake = view.stakes.get(signer)
+        if member_stake is None:
+            raise RemoteProtocolError("certificate vote %d is signed by a non-member" % index)
+        seen.add(signer)
+        stake += member_stake
+    if not view.is_quorum_stake(stake):
+        raise RemoteProtocolError("certificate holds %d of %d stake, not more than 2/3" % (stake, view.total_stake))
+    return stake
+
+
+def check_prevote_certificate(envelope: Envelope, cert: PrevoteCertificate, *, mesh_id: bytes,
+                              view: EpochView) -> None:
+    """Check a verified PrevoteCertificate envelope's contents (quorum of matching prevotes)."""
+    if cert.epoch != view.epoch:
+        raise RemoteProtocolError("prevote certificate for epoch %d, view is %d" % (cert.epoch, view.epoch))
+    key = (view.digest, mesh_id, envelope.signer, envelope.signature)
+    if key in _verdicts:
+        _verdicts.move_to_end(key)
+        return
+    check_votes(cert.prevotes, Prevote, mesh_id=mesh_id, view=view, instance=cert.instance,
+                round=cert.round, expected_hash=cert.value_hash)
+    _remember(key)
+
+
+def check_commit_certificate(envelope: Envelope, cert: CommitCertificate, *, mesh_id: bytes,
+                             view: EpochView) -> None:
+    """Check a verified CommitCertificate envelope's contents (quorum of precommits for its value)."""
+    if cert.epoch != view.epoch:
+        raise RemoteProtocolError("commit certificate for epoch %d, view is %d" % (cert.epoch, view.epoch))
+    key = (view.digest, mesh_id, envelope.signer, envelope.signature)
+    if key in _verdicts:
+        _verdicts.move_to_end(key)
+        return
+    check_votes(cert.precommits, Precommit, mesh_id=mesh_id, view=view, instance=cert.instance,
+                round=cert.round, expected_hash=value_hash(cert.value))
+    _remember(key)
+
+
+def decode_prevote_certificate(data: bytes, mesh_id: bytes, view: EpochView) -> tuple[Envelope, PrevoteCertificate]:
+    """Open, verify and check encoded PrevoteCertificate envelope bytes."""
+    envelope, cert = decode_message(data, mesh_id, expect=PrevoteCertificate)
+    check_prevote_certificate(envelope, cert, mesh_id=mesh_id, view=view)
+    return envelope, cert
+
+
+def verify_commit_certificate(data: bytes, mesh_id: bytes, view: EpochView) -> tuple[CommitCertificate, bytes]:
+    """Offline check of an encoded CommitCertificate envelope against ``view`` (SPEC.md 6.7).
+
+    Returns (certificate, value bytes). Raises RemoteProtocolError naming the first fault.
+    """
+    envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
+    check_commit_certificate(envelope, cert, mesh_id=mesh_id, view=view)
+    return cert, cert.value

@@ -1,0 +1,122 @@
+"""Adaptive heartbeat failure detector (SPEC.md section 9.1). Pure: time is passed in.
+
+The math (phi-accrual, Hayashibara et al. 2004, with the normal approximation):
+for each peer we keep the last ``WINDOW`` inter-arrival times of its heartbeats and
+their mean ``mu`` and standard deviation ``sigma``. After ``t`` ms of silence,
+
+    phi(t) = -log10(1 - F(t)),   F = CDF of Normal(mu, sigma)
+
+and a peer is suspected when ``phi(t) >= PHI_THRESHOLD``. Because phi is monotone in
+``t`` this is the same as a silence threshold
+
+    T = mu + z * sigma,          z = Phi^-1(1 - 10^-PHI_THRESHOLD)
+
+(PHI_THRESHOLD = 8 gives z ~= 5.61, stored as Z_MILLI = 5612). Evaluating ``T`` once per
+heartbeat keeps ``suspects`` a plain comparison per peer (O(n) per tick, no logs or
+floats). Two clamps make the detector safe whatever the samples say:
+
+    T_eff = min(detection_bound_ms, max(min_silence_ms, T))
+
+* ``min_silence_ms``: a peer silent for less is never suspected, so a hiccup (GC pause,
+  CPU burst) shorter than it cannot start an eviction, even on a jitter-free network
+  where ``sigma`` is tiny.
+* ``detection_bound_ms``: a peer silent this long is always suspected, so a crash is
+  detected within the bound even after a very jittery history inflated ``sigma``.
+
+``sigma`` is floored at ``heartbeat_ms / 4`` so a few identical samples cannot make the
+threshold collapse onto the mean. Until ``MIN_SAMPLES`` intervals are known, T is the
+bound itself (be slow rather than wrong about a peer we know nothing about).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from math import isqrt
+
+WINDOW = 64          # inter-arrival samples kept per peer
+MIN_SAMPLES = 4
+Z_MILLI = 5612       # z for phi = 8, x 1000 (see module docstring)
+
+
+@dataclass
+class _PeerHistory:
+    last_ms: int
+    intervals: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    total: int = 0
+    total_sq: int = 0
+    threshold_ms: int = 0
+
+
+class FailureDetector:
+    def __init__(self, *, heartbeat_ms: int = 50, detection_bound_ms: int = 300,
+                 min_silence_ms: int | None = None):
+        if min_silence_ms is None:
+            # Default: one heartbeat short of the bound, so everything below it is a hiccup.
+            min_silence_ms = max(heartbeat_ms, detection_bound_ms - heartbeat_ms)
+        if not 0 < min_silence_ms <= detection_bound_ms:
+            raise ValueError("need 0 < min_silence_ms <= detection_bound_ms")
+        self.heartbeat_ms = heartbeat_ms
+        self.detection_bound_ms = detection_bound_ms
+        self.min_silence_ms = min_silence_ms
+        self._peers: dict[bytes, _PeerHistory] = {}
+
+    def track(self, peer: bytes, now_ms: int) -> None:
+        """Start watching ``peer`` as if it had just been heard (it joined, or we started)."""
+        if peer not in self._peers:
+            self._peers[peer] = _PeerHistory(last_ms=now_ms, threshold_ms=self.detection_bound_ms)
+
+    def forget(self, peer: bytes) -> None:
+        self._peers.pop(peer, None)
+
+    def peers(self) -> list[bytes]:
+        return list(self._peers)
+
+    def heartbeat(self, peer: bytes, now_ms: int) -> None:
+        history = self._peers.get(peer)
+        if history is None:
+            self.track(peer, now_ms)
+            return
+        interval = now_ms - history.last_ms
+        if interval < 0:
+            return  # a reordered, older arrival: carries no timing information
+        history.last_ms = now_ms
+        if len(history.intervals) == WINDOW:
+            old = history.intervals[0]
+            history.total -= old
+            history.total_sq -= old * old
+        history.intervals.append(interval)
+        history.total += interval
+        history.total_sq += interval * interval
+        history.threshold_ms = self._threshold(history)
+
+    def _threshold(self, history: _PeerHistory) -> int:
+        n = len(history.intervals)
+        if n < MIN_SAMPLES:
+            raw = self.detection_bound_ms
+        else:
+            mean = history.total // n
+            variance = max(0, (history.total_sq * n - history.total * history.total) // (n * n))
+            sigma = max(isqrt(variance), self.heartbeat_ms // 4)
+            raw = mean + (Z_MILLI * sigma) // 1000
+        return min(self.detection_bound_ms, max(self.min_silence_ms, raw))
+
+    def threshold_ms(self, peer: bytes) -> int:
+        """The silence after which ``peer`` is suspected (always within the two clamps)."""
+        return self._peers[peer].threshold_ms
+
+    def silent_ms(self, peer: bytes, now_ms: int) -> int:
+        return max(0, now_ms - self._peers[peer].last_ms)
+
+    def is_suspected(self, peer: bytes, now_ms: int) -> bool:
+        history = self._peers.get(peer)
+        return history is not None and now_ms - history.last_ms >= history.threshold_ms
+
+    def suspects(self, now_ms: int) -> list[tuple[bytes, int]]:
+        """Every peer silent for at least its threshold, with how long it has been silent."""
+        out = []
+        for peer, history in self._peers.items():
+            silent = now_ms - history.last_ms
+            if silent >= history.threshold_ms:
+                out.append((peer, silent))
+        return out

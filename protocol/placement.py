@@ -1,0 +1,214 @@
+"""Deterministic placement scoring (SPEC.md section 8, "Placement").
+
+Every validator recomputes the leader's placement from the bids in the proposal's
+justification, so everything here is a pure function of signed data: no clock, no
+local state, integers only. Two kinds of checks exist:
+
+* ``policy_check``: the bidder's own sovereignty policy (allowed owners and
+  entrypoints). Only the bidder can apply it; nobody else knows its policy.
+* ``capability_check``: facts every voter can verify from the bid's signed capability
+  vector and its authority-signed attestations (resources, zones, labels, attested
+  attributes). ``choose_placement`` filters bids by it, so a leader cannot place a job
+  on a node whose own signed facts say it does not fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, JobManifest,
+                               Placement, decode_message)
+from protocol.policy import NodePolicy
+
+MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages.py)
+
+
+@dataclass(frozen=True)
+class BidFacts:
+    """One verified bid, as scoring sees it."""
+    signer: bytes
+    bid: Bid
+    capability: CapabilityVector
+    attested: tuple  # sorted (name, value) pairs from valid authority attestations
+
+    @property
+    def attested_map(self) -> dict:
+        return dict(self.attested)
+
+
+def attested_attributes(attestation_envelopes: Iterable[bytes], subject: bytes, mesh_id: bytes,
+                        authorities: Iterable[bytes], at_ms: int) -> tuple:
+    """Merge the attributes of every attestation that an authority signed about ``subject``
+    and that is valid at ``at_ms`` (issued_ms <= at_ms < expires_ms). Invalid ones are
+    ignored, not fatal: a node may carry an expired attestation (SPEC.md 8.4)."""
+    trusted = set(authorities)
+    merged: dict[str, str] = {}
+    for data in attestation_envelopes:
+        try:
+            envelope, attestation = decode_message(data, mesh_id, expect=Attestation, allow_any_mesh=True)
+        except RemoteProtocolError:
+            continue
+        if envelope.signer not in trusted or attestation.subject != subject:
+            continue
+        if not attestation.issued_ms <= at_ms < attestation.expires_ms:
+            continue
+        for name, value in attestation.attributes:
+            merged.setdefault(name, value)  # first authority listed wins a conflict
+    return tuple(sorted(merged.items()))
+
+
+def policy_check(job: JobManifest, policy: NodePolicy) -> tuple[bool, str | None, str]:
+    """The bidder's private sovereignty policy. Returns (ok, decline_reason, detail)."""
+    if policy.allowed_owners is not None and job.owner not in policy.allowed_owners:
+        return False, "owner_not_allowed", "owner %s is not on this node's list" % job.owner.hex()[:16]
+    if job.entrypoint not in policy.allowed_entrypoints:
+        return False, "entrypoint_not_allowed", "entrypoint %r is not allowed here" % job.entrypoint
+    return True, None, ""
+
+
+def gpu_free_mem_mib(capability: CapabilityVector) -> dict[int, int]:
+    """Free memory per GPU index, from the signed GPU states."""
+    return {g.index: max(0, g.mem_total_mib - g.mem_used_mib) for g in capability.gpus}
+
+
+def fitting_gpus(job: JobManifest, capability: CapabilityVector) -> list[int]:
+    """GPU indices that are free and have enough memory for one share of the job."""
+    free_mem = gpu_free_mem_mib(capability)
+    need = job.resources.gpu_mem_mib
+    return sorted(i for i in set(capability.gpus_free) if free_mem.get(i, -1) >= need)
+
+
+def capability_check(job: JobManifest, capability: CapabilityVector, attested: dict,
+                     reserved_gpus: tuple | None = None) -> tuple[bool, str | None, str]:
+    """Publicly verifiable fit of a job on a node. ``reserved_gpus``: the GPUs a bid names
+    (validators check them); None when the node asks itself before reserving."""
+    constraints = job.constraints
+    if constraints.zones and capability.zone not in constraints.zones:
+        return False, "zone_not_allowed", "zone %s not in %s" % (capability.zone, ",".join(constraints.zones))
+    labels = dict(capability.labels)
+    for name, value in constraints.labels:
+        if labels.get(name) != value:
+            return False, "labels_missing", "label %s=%s missing" % (name, value)
+    for name, value in constraints.attested:
+        if attested.get(name) != value:
+            return False, "attestation_missing", "no authority attests %s=%s" % (name, value)
+    if job.strategy == "sovereign" and constraints.zones and attested.get("zone") not in constraints.zones:
+        # Sovereign placement trusts no self-declared zone: an authority must attest it.
+        return False, "attestation_missing", "zone is not attested to be in %s" % ",".join(constraints.zones)
+    res = job.resources
+    fitting = fitting_gpus(job, capability)
+    if res.gpus:
+        if len(set(capability.gpus_free)) < res.gpus:
+            return False, "not_enough_gpus", "%d free, %d needed" % (len(set(capability.gpus_free)), res.gpus)
+        if len(fitting) < res.gpus:
+            return False, "not_enough_gpu_memory", "%d GPUs with %d MiB free, %d needed" % (
+                len(fitting), res.gpu_mem_mib, res.gpus)
+    if capability.cpu_milli_free < res.cpu_milli:
+        return False, "not_enough_cpu", "%d milli-CPU free, %d needed" % (capability.cpu_milli_free, res.cpu_milli)
+    if capability.mem_mib_free < res.mem_mib:
+        return False, "not_enough_memory", "%d MiB free, %d needed" % (capability.mem_mib_free, res.mem_mib)
+    if reserved_gpus is not None:
+        named = tuple(reserved_gpus)
+        if len(named) != res.gpus or len(set(named)) != len(named) or not set(named) <= set(fitting):
+            return False, "not_enough_gpus", "bid names GPUs %s that do not fit" % (list(named),)
+    return True, None, ""
+
+
+def eligibility(job: JobManifest, capability: CapabilityVector, policy: NodePolicy,
+                attested: dict) -> tuple[bool, str | None, str]:
+    """A node asks itself whether to bid: its private policy, then the public facts."""
+    ok, reason, detail = policy_check(job, policy)
+    if not ok:
+        return ok, reason, detail
+    return capability_check(job, capability, attested)
+
+
+def tie_break(instance: bytes, node: bytes) -> bytes:
+    """SPEC.md 8.3: equal scores are ordered by SHA-256(instance || node key), lowest first.
+    Per-instance hashing spreads ties over nodes instead of favouring one key forever."""
+    return hashlib.sha256(instance + node).digest()
+
+
+def free_compute(facts: BidFacts) -> tuple[int, int, int]:
+    cap = facts.capability
+    free_mem = gpu_free_mem_mib(cap)
+    gpus_free = set(cap.gpus_free)
+    return len(gpus_free), sum(free_mem.get(i, 0) for i in gpus_free), cap.cpu_milli_free
+
+
+def rank_key(strategy: str, instance: bytes, facts: BidFacts) -> tuple:
+    """Smaller is better. latency: lowest round-trip time, then most free compute;
+    throughput and sovereign: most free compute (GPUs, GPU memory, CPU), then lowest RTT."""
+    gpus, gpu_mem, cpu = free_compute(facts)
+    tie = tie_break(instance, facts.signer)
+    if strategy == "latency":
+        return (facts.bid.rtt_us, -gpus, -gpu_mem, -cpu, tie)
+    return (-gpus, -gpu_mem, -cpu, facts.bid.rtt_us, tie)
+
+
+def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> list[BidFacts]:
+    """Eligible bids, best first, one per signer (a duplicate signer makes the input invalid)."""
+    eligible = []
+    seen = set()
+    for facts in bids:
+        if facts.signer in seen:
+            raise RemoteProtocolError("two bids from one signer in one justification")
+        seen.add(facts.signer)
+        if facts.bid.instance != instance:
+            continue
+        ok, _reason, _detail = capability_check(job, facts.capability, facts.attested_map, facts.bid.reserved_gpus)
+        if ok:
+            eligible.append(facts)
+    eligible.sort(key=lambda f: rank_key(job.strategy, instance, f))
+    return eligible
+
+
+def wanted_backups(job: JobManifest) -> int:
+    # SPEC.md 8.5: at least one backup whenever a second node bid, so a failure never loses a job.
+    return min(MAX_BACKUPS, max(1, job.backups))
+
+
+def choose_backups(primary: BidFacts, ranked_others: list[BidFacts], count: int) -> tuple:
+    """The best ``count`` other bidders, those in another zone than the primary first."""
+    other_zone = [f for f in ranked_others if f.capability.zone != primary.capability.zone]
+    same_zone = [f for f in ranked_others if f.capability.zone == primary.capability.zone]
+    return tuple(f.signer for f in (other_zone + same_zone)[:count])
+
+
+def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
+                     bids: Iterable[BidFacts]) -> Placement | None:
+    """The placement every correct node computes from the same bids, or None if none fits."""
+    ranked = rank_bids(job, instance, bids)
+    if not ranked:
+        return None
+    primary, others = ranked[0], ranked[1:]
+    backups = choose_backups(primary, others, wanted_backups(job))
+    return Placement(job=job_envelope, primary=primary.signer, backups=backups,
+                     gpus=tuple(sorted(primary.bid.reserved_gpus)))
+
+
+def select_justification(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> list[BidFacts]:
+    """The leader keeps the best MAX_BIDS_PER_PROPOSAL eligible bids (SPEC.md 6.3): the
+    proposal stays O(1) in mesh size and choose_placement over the kept set gives the
+    same answer as over all of them."""
+    return rank_bids(job, instance, bids)[:MAX_BIDS_PER_PROPOSAL]
+
+
+def parse_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, members: dict,
+              authorities: Iterable[bytes]) -> BidFacts:
+    """Verify one bid envelope as a validator does (SPEC.md 8.2). Raises RemoteProtocolError.
+
+    ``members``: the epoch's member keys (any mapping or set supporting ``in``)."""
+    envelope, bid = decode_message(data, mesh_id, expect=Bid)
+    if envelope.signer not in members:
+        raise RemoteProtocolError("bid from a non-member")
+    if bid.instance != instance or bid.epoch != epoch:
+        raise RemoteProtocolError("bid for another instance or epoch")
+    cap_envelope, capability = decode_message(bid.capability, mesh_id, expect=CapabilityVector)
+    if cap_envelope.signer != envelope.signer or capability.node != envelope.signer:
+        raise RemoteProtocolError("bid carries another node's capability vector")
+    attested = attested_attributes(bid.attestations, envelope.signer, mesh_id, authorities, capability.taken_ms)
+    return BidFacts(envelope.signer, bid, capability, attested)

@@ -1,0 +1,88 @@
+"""One epoch's membership as the consensus sees it: stake, quorums, leaders (SPEC.md 6.1-6.2).
+
+Quorum is strictly more than 2/3 of the epoch's total stake, so two quorums always
+share more than 1/3 of the stake, i.e. at least one honest member while Byzantine
+stake is under 1/3. All arithmetic is on integers: ``3 * stake > 2 * total``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+LEADER_DOMAIN = b"meshnode/v1/leader\x00"
+VIEW_DOMAIN = b"meshnode/v1/view\x00"
+
+
+@dataclass(frozen=True, eq=False)
+class EpochView:
+    """Immutable membership of one epoch: public key -> stake (every stake >= 1)."""
+
+    epoch: int
+    stakes: Mapping[bytes, int]
+    total_stake: int = field(init=False)
+    digest: bytes = field(init=False)       # names this exact membership (cache keys, logs)
+    _members: tuple = field(init=False, repr=False)     # public keys sorted by their bytes
+    _cumulative: tuple = field(init=False, repr=False)  # running stake sums in that order
+
+    def __post_init__(self):
+        if not self.stakes:
+            raise ValueError("EpochView: an epoch needs at least one member")
+        for key, stake in self.stakes.items():
+            if not isinstance(key, bytes) or len(key) != 32:
+                raise ValueError("EpochView: member keys are 32-byte public keys")
+            if isinstance(stake, bool) or not isinstance(stake, int) or stake < 1:
+                raise ValueError("EpochView: every stake is a positive integer")
+        members = tuple(sorted(self.stakes))
+        cumulative, running = [], 0
+        for key in members:
+            running += self.stakes[key]
+            cumulative.append(running)
+        digest = hashlib.sha256(VIEW_DOMAIN + self.epoch.to_bytes(8, "big") + b"".join(
+            key + self.stakes[key].to_bytes(8, "big") for key in members)).digest()
+        object.__setattr__(self, "stakes", MappingProxyType(dict(self.stakes)))
+        object.__setattr__(self, "total_stake", running)
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "_members", members)
+        object.__setattr__(self, "_cumulative", tuple(cumulative))
+
+    @classmethod
+    def from_genesis(cls, genesis, epoch: int = 0) -> "EpochView":
+        """The genesis members are epoch 0 (SPEC.md 5); later epochs come from membership decisions."""
+        return cls(epoch, {m.public_key: m.stake for m in genesis.members})
+
+    @property
+    def members(self) -> tuple[bytes, ...]:
+        return self._members
+
+    def is_member(self, key: bytes) -> bool:
+        return key in self.stakes
+
+    def stake_of(self, signers: Iterable[bytes]) -> int:
+        """Stake of the distinct members among ``signers`` (non-members count 0)."""
+        stakes = self.stakes
+        return sum(stakes.get(key, 0) for key in set(signers))
+
+    def is_quorum_stake(self, stake: int) -> bool:
+        return 3 * stake > 2 * self.total_stake
+
+    def has_quorum(self, signers: Iterable[bytes]) -> bool:
+        """Strictly more than 2/3 of the total stake (SPEC.md 6.1)."""
+        return self.is_quorum_stake(self.stake_of(signers))
+
+    def exceeds_one_third_stake(self, stake: int) -> bool:
+        return 3 * stake > self.total_stake
+
+    def exceeds_one_third(self, signers: Iterable[bytes]) -> bool:
+        """More stake than any Byzantine coalition (< 1/3) can hold: at least one honest signer."""
+        return self.exceeds_one_third_stake(self.stake_of(signers))
+
+    def leader(self, instance_id: bytes, round: int) -> bytes:
+        """Stake-weighted, deterministic leader of ``round`` of ``instance_id`` (SPEC.md 6.2)."""
+        digest = hashlib.sha256(LEADER_DOMAIN + instance_id + round.to_bytes(8, "big")).digest()
+        x = int.from_bytes(digest, "big") % self.total_stake
+        # First member whose cumulative stake is strictly greater than x.
+        return self._members[bisect.bisect_right(self._cumulative, x)]

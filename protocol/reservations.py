@@ -1,0 +1,154 @@
+"""Local capacity bookkeeping: reservations for bids, allocations for placed jobs
+(SPEC.md section 8.6). A node bids only what it holds free, which is why concurrent
+placement instances can never over-commit it.
+
+Lifecycle of one claim, keyed by the placement instance id:
+reserve (bid sent) -> release (bid lost, instance gave up, or ``expire`` after the
+bid's lifetime) or allocate (our placement committed; keyed by job id from then on)
+-> free (job finished, was evicted from here, or migrated away).
+
+Invariant (tests/test_placement.py checks it with hypothesis): for every resource,
+reserved + allocated <= capacity, and no GPU is held by two claims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.messages import Resources
+
+MAX_CLAIMS = 4096  # outstanding reservations + allocations; a bid beyond it is declined
+
+
+@dataclass(frozen=True)
+class Claim:
+    gpus: tuple[int, ...]
+    cpu_milli: int
+    mem_mib: int
+    expires_ms: int | None  # None once allocated
+
+
+class Reservations:
+    def __init__(self, gpu_mem_total_mib: tuple[int, ...], cpu_milli: int, mem_mib: int):
+        self.gpu_mem_total_mib = tuple(gpu_mem_total_mib)
+        self.cpu_milli = cpu_milli
+        self.mem_mib = mem_mib
+        self._reserved: dict[bytes, Claim] = {}
+        self._allocated: dict[bytes, Claim] = {}
+        self._held_gpus: set[int] = set()
+        self._held_cpu_milli = 0
+        self._held_mem_mib = 0
+        self.version = 0  # bumps on every change: tells the core its capability vector is stale
+
+    # --- views -------------------------------------------------------------------------------
+    def free_gpus(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.gpu_mem_total_mib)) if i not in self._held_gpus)
+
+    def free_cpu_milli(self) -> int:
+        return self.cpu_milli - self._held_cpu_milli
+
+    def free_mem_mib(self) -> int:
+        return self.mem_mib - self._held_mem_mib
+
+    def reserved(self, key: bytes) -> Claim | None:
+        return self._reserved.get(key)
+
+    def allocated(self, key: bytes) -> Claim | None:
+        return self._allocated.get(key)
+
+    def held_totals(self) -> tuple[int, int, int]:
+        """(GPUs, milli-CPU, MiB) held by reservations and allocations together."""
+        return len(self._held_gpus), self._held_cpu_milli, self._held_mem_mib
+
+    # --- transitions -------------------------------------------------------------------------
+    def _pick_gpus(self, resources: Resources, free_mem_mib: dict[int, int] | None) -> tuple[int, ...] | None:
+        candidates = []
+        for index in self.free_gpus():
+            free = self.gpu_mem_total_mib[index] if free_mem_mib is None else free_mem_mib.get(index, 0)
+            if free >= resources.gpu_mem_mib:
+                candidates.append(index)
+        if len(candidates) < resources.gpus:
+            return None
+        return tuple(candidates[:resources.gpus])  # lowest indices: deterministic, packs GPUs
+
+    def _take(self, resources: Resources, expires_ms: int | None,
+              free_mem_mib: dict[int, int] | None) -> Claim | None:
+        if len(self._reserved) + len(self._allocated) >= MAX_CLAIMS:
+            return None
+        if resources.cpu_milli > self.free_cpu_milli() or resources.mem_mib > self.free_mem_mib():
+            return None
+        gpus = self._pick_gpus(resources, free_mem_mib)
+        if gpus is None:
+            return None
+        self._held_gpus.update(gpus)
+        self._held_cpu_milli += resources.cpu_milli
+        self._held_mem_mib += resources.mem_mib
+        self.version += 1
+        return Claim(gpus, resources.cpu_milli, resources.mem_mib, expires_ms)
+
+    def _give_back(self, claim: Claim) -> None:
+        self._held_gpus.difference_update(claim.gpus)
+        self._held_cpu_milli -= claim.cpu_milli
+        self._held_mem_mib -= claim.mem_mib
+        self.version += 1
+
+    def reserve(self, key: bytes, resources: Resources, expires_ms: int,
+                free_mem_mib: dict[int, int] | None = None) -> Claim | None:
+        """Hold capacity for a bid; None if it does not fit. Re-reserving a key returns the
+        existing claim (a bid re-sent to a new round's leader holds the same GPUs)."""
+        if key in self._reserved:
+            return self._reserved[key]
+        if key in self._allocated:
+            return None
+        claim = self._take(resources, expires_ms, free_mem_mib)
+        if claim is not None:
+            self._reserved[key] = claim
+        return claim
+
+    def extend(self, key: bytes, expires_ms: int) -> None:
+        claim = self._reserved.get(key)
+        if claim is not None and expires_ms > (claim.expires_ms or 0):
+            self._reserved[key] = Claim(claim.gpus, claim.cpu_milli, claim.mem_mib, expires_ms)
+
+    def release(self, key: bytes) -> bool:
+        """Drop a reservation (bid lost, instance gave up). True if one was held."""
+        claim = self._reserved.pop(key, None)
+        if claim is None:
+            return False
+        self._give_back(claim)
+        return True
+
+    def allocate(self, key: bytes, job_key: bytes) -> Claim | None:
+        """Our placement committed: the reservation for ``key`` becomes ``job_key``'s allocation."""
+        claim = self._reserved.pop(key, None)
+        if claim is None:
+            return self._allocated.get(job_key)
+        allocated = Claim(claim.gpus, claim.cpu_milli, claim.mem_mib, None)
+        self._allocated[job_key] = allocated
+        return allocated
+
+    def allocate_now(self, job_key: bytes, resources: Resources,
+                     free_mem_mib: dict[int, int] | None = None) -> Claim | None:
+        """Allocate without a prior bid (a migrated job moving here); None if it does not fit."""
+        if job_key in self._allocated:
+            return self._allocated[job_key]
+        claim = self._take(resources, None, free_mem_mib)
+        if claim is not None:
+            self._allocated[job_key] = claim
+        return claim
+
+    def free(self, job_key: bytes) -> bool:
+        """A job finished, failed, was cancelled or moved away: give its capacity back."""
+        claim = self._allocated.pop(job_key, None)
+        if claim is None:
+            return False
+        self._give_back(claim)
+        return True
+
+    def expire(self, now_ms: int) -> list[bytes]:
+        """Release every reservation whose bid lifetime has passed; return their keys."""
+        gone = [key for key, claim in self._reserved.items()
+                if claim.expires_ms is not None and claim.expires_ms <= now_ms]
+        for key in gone:
+            self.release(key)
+        return gone

@@ -1,0 +1,285 @@
+"""A local testnet of real `meshnode run` processes on 127.0.0.1, and its fault injector.
+
+``testnet up`` writes one data directory per node (insecure testnet keystore, node
+config, shared genesis), starts each node in its own process session so the testnet
+outlives the command, and waits until every node's control socket reports the whole
+mesh connected. ``DIR/testnet.json`` records the layout and pids, so later commands
+(kill, pause, down, ...) work from any shell. Every process the testnet started can be
+found again through /proc (its command line or working directory is under DIR), which
+is how ``down`` proves that nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from keys.genesis import DEFAULT_PARAMS, Genesis
+from keys.identity import SigningIdentity
+from keys.keystore import create_keystore
+from meshnode.config import GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
+from meshnode.control_client import ControlClient
+from protocol.errors import ConfigError, MeshError
+from protocol.messages import Member
+
+LAYOUT_FILE = "testnet.json"
+READY_TIMEOUT_S = 60
+STOP_GRACE_S = 5
+MAX_NODES = 64
+
+# Heterogeneous simulated hardware over two zones (issue: at least 2 zones).
+GPU_PROFILES = (
+    ("H100-80GB", 8, 81920, "zone-a", "rail-1"),
+    ("A100-40GB", 4, 40960, "zone-b", "rail-2"),
+    ("L4-24GB", 2, 24576, "zone-a", "rail-3"),
+    ("A10-24GB", 1, 24576, "zone-b", "rail-4"),
+)
+
+
+@dataclass
+class NodeEntry:
+    index: int
+    dir: str
+    public_key: str
+    port: int
+    zone: str
+    pid: int | None = None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _layout_path(root: Path) -> Path:
+    return root / LAYOUT_FILE
+
+
+def load_layout(root) -> dict:
+    path = _layout_path(Path(root))
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("no testnet at %s (run `meshnode testnet up --dir %s` first)" % (root, root)) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError("%s is unreadable: %s" % (path, exc)) from None
+
+
+def save_layout(root: Path, layout: dict) -> None:
+    tmp = _layout_path(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(layout, indent=2))
+    os.replace(tmp, _layout_path(root))
+
+
+def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
+                   run_workloads: bool = True, stake: int = 100) -> dict:
+    """Write keys, genesis and configs for ``nodes`` nodes; start nothing."""
+    root = Path(root)
+    if not 1 <= nodes <= MAX_NODES:
+        raise ConfigError("--nodes must be 1..%d" % MAX_NODES)
+    if _layout_path(root).exists():
+        raise ConfigError("%s already holds a testnet (run `meshnode testnet down --dir %s --purge`)" % (root, root))
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    owner_entries = []
+    (root / "owners").mkdir(exist_ok=True)
+    for k in range(owners):
+        identity = SigningIdentity.generate()
+        path = root / "owners" / ("owner-%d.key" % k)
+        create_keystore(path, identity, None)
+        owner_entries.append({"key_file": str(path), "public_key": identity.public_key.hex()})
+    identities = [SigningIdentity.generate() for _ in range(nodes)]
+    ports = [free_port() for _ in range(nodes)]
+    members = []
+    for i, identity in enumerate(identities):
+        zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
+        members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
+                              labels={"testnet": name}, addrs=("/ip4/127.0.0.1/tcp/%d" % ports[i],)))
+    genesis = Genesis(name=name, created_ms=time.time_ns() // 1_000_000, members=tuple(members),
+                      params=DEFAULT_PARAMS, authorities=())
+    entries = []
+    for i, identity in enumerate(identities):
+        model, count, mem_mib, zone, rail = GPU_PROFILES[i % len(GPU_PROFILES)]
+        node_dir = root / ("node-%d" % i)
+        node_dir.mkdir(exist_ok=True)
+        os.chmod(node_dir, 0o700)
+        paths = node_paths(node_dir)
+        create_keystore(paths.keystore, identity, None)
+        paths.genesis.write_bytes(genesis.encode())
+        write_config(node_dir, NodeConfig(
+            listen=("/ip4/127.0.0.1/tcp/%d" % ports[i],), zone=zone, rail_group=rail,
+            passphrase=PassphraseSource("insecure"),
+            allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
+            gpu=GpuProfile(source="simulated", model=model, count=count, mem_mib=mem_mib, seed=i),
+            labels=(("testnet", name),)))
+        entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone).__dict__)
+    layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
+              "run_workloads": run_workloads}
+    save_layout(root, layout)
+    return layout
+
+
+def _node_command(entry: dict, run_workloads: bool) -> list[str]:
+    command = [sys.executable, "-m", "meshnode.cli", "run", "--node", entry["dir"]]
+    if not run_workloads:
+        command.append("--no-workloads")
+    return command
+
+
+def start_node(root, index: int) -> int:
+    root = Path(root)
+    layout = load_layout(root)
+    entry = _entry(layout, index)
+    if entry.get("pid") and process_alive(entry["pid"]):
+        raise ConfigError("node %d is already running (pid %d)" % (index, entry["pid"]))
+    log = open(Path(entry["dir"]) / "stdout.log", "ab")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(_node_command(entry, layout["run_workloads"]), stdin=subprocess.DEVNULL,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    log.close()
+    entry["pid"] = process.pid
+    save_layout(root, layout)
+    return process.pid
+
+
+def _entry(layout: dict, index: int) -> dict:
+    if not 0 <= index < len(layout["nodes"]):
+        raise ConfigError("no node %d in this testnet (0..%d)" % (index, len(layout["nodes"]) - 1))
+    return layout["nodes"][index]
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    if state == "Z":  # a zombie is dead; reap it if it is ours
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return False
+    return True
+
+
+def process_state(pid: int | None) -> str:
+    if not pid or not process_alive(pid):
+        return "dead"
+    with open("/proc/%d/stat" % pid) as fh:
+        return "paused" if fh.read().rsplit(")", 1)[1].split()[0] == "T" else "running"
+
+
+def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
+    state = process_state(entry.get("pid"))
+    row = {"index": entry["index"], "pid": entry.get("pid"), "process": state, "port": entry["port"],
+           "zone": entry["zone"], "key": entry["public_key"][:16], "connected": None, "epoch": None}
+    if state == "running":
+        try:
+            with ControlClient(entry["dir"], timeout_s=timeout_s) as client:
+                status = client.call("status")
+            row.update(connected=status["connected"], epoch=status["epoch"], members=status["members"])
+        except MeshError as exc:
+            row["error"] = str(exc)
+    return row
+
+
+def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[dict]:
+    """Block until every (listed) running node sees all other running nodes connected."""
+    layout = load_layout(root)
+    nodes = [n for n in layout["nodes"] if indices is None or n["index"] in indices]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [n for n in layout["nodes"] if process_state(n.get("pid")) == "running"]
+        rows = [node_status(n) for n in nodes]
+        for row in rows:
+            if row["process"] == "dead":
+                raise MeshError("node %d exited during start-up; see %s/node.log"
+                                % (row["index"], _entry(layout, row["index"])["dir"]))
+        if all(r["connected"] is not None and r["connected"] >= len(alive) - 1 for r in rows):
+            return rows
+        if time.monotonic() > deadline:
+            raise MeshError("testnet not ready after %d s: %s" % (timeout_s, rows))
+        time.sleep(0.1)
+
+
+def up(root, nodes: int, owners: int = 1, run_workloads: bool = True) -> list[dict]:
+    create_testnet(root, nodes, owners, run_workloads=run_workloads)
+    for i in range(nodes):
+        start_node(root, i)
+    try:
+        return wait_ready(root)
+    except MeshError:
+        down(root)
+        raise
+
+
+def signal_node(root, index: int, signum: int) -> None:
+    entry = _entry(load_layout(root), index)
+    pid = entry.get("pid")
+    if not pid or not process_alive(pid):
+        raise ConfigError("node %d is not running" % index)
+    os.kill(pid, signum)
+
+
+def stop_node(root, index: int, grace_s: float = STOP_GRACE_S) -> None:
+    entry = _entry(load_layout(root), index)
+    _terminate(entry.get("pid"), grace_s)
+
+
+def _terminate(pid: int | None, grace_s: float) -> None:
+    if not pid or not process_alive(pid):
+        return
+    os.kill(pid, signal.SIGCONT)  # a paused node cannot handle SIGTERM
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if process_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        while process_alive(pid):
+            time.sleep(0.01)
+
+
+def testnet_processes(root) -> list[int]:
+    """Every live process whose command line or working directory is under ``root``."""
+    root = str(Path(root).resolve())
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path("/proc/%s/cmdline" % name).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink("/proc/%s/cwd" % name)
+        except (FileNotFoundError, PermissionError, ProcessLookupError, NotADirectoryError):
+            continue
+        if (root in cmdline or cwd.startswith(root)) and process_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def down(root, grace_s: float = STOP_GRACE_S) -> list[int]:
+    """Stop every node (SIGTERM, then SIGKILL), then kill any straggler; return what was left."""
+    layout = load_layout(root)
+    for entry in layout["nodes"]:
+        _terminate(entry.get("pid"), grace_s)
+        entry["pid"] = None
+    save_layout(Path(root), layout)
+    deadline = time.monotonic() + grace_s
+    while testnet_processes(root) and time.monotonic() < deadline:
+        time.sleep(0.05)  # workloads die with their node (PR_SET_PDEATHSIG); give them a moment
+    leftovers = testnet_processes(root)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return leftovers

@@ -1,0 +1,383 @@
+"""The deterministic simulator: N real MeshCores in one process (spec_parts/simulator.md).
+
+One ``random.Random(seed)`` draws the world, the fault schedule, every network delay,
+loss and duplication, and each core's own rng; virtual time is an integer ms clock
+advanced by an event queue (heapq, ties broken by a sequence number). So a seed is a
+complete, replayable description of a run.
+
+A run has two phases (tigerbeetle VOPR style):
+1. safety, ``[0, heal_ms)``: crashes and restarts (a restarted node is a fresh MeshCore
+   built from the commit certificates it persisted), partitions, delay spikes, loss,
+   duplication, reordering, and Byzantine nodes under 1/3 of the stake;
+2. liveness, from ``heal_ms``: every fault is healed and every crashed node restarted;
+   every job must then be decided at every honest node within ``liveness_bound_ms``.
+
+The driver honours the Ready contract (protocol/ready.py): persist, then send, then
+check decisions. Every decision goes through the checkers (testnet/sim_checks.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+
+from protocol.certificate import verify_commit_certificate
+from protocol.errors import RemoteProtocolError
+from protocol.mesh import MeshCore
+from protocol.messages import CommitCertificate, decode_message
+from protocol.quorum import EpochView
+from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
+from testnet.sim_checks import DecisionChecker, NodeFacts
+from testnet.sim_network import DelayModel, SimNetwork, random_partition
+from testnet.sim_world import ZONES, World, build_world
+
+FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL = range(6)
+MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
+MAX_CRASHES = 8
+RETRY_SUBMIT_MS = 50
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    nodes: int = 4
+    jobs: int = 4
+    seed: int = 0
+    byzantine_milli: int = 0          # Byzantine share of the total stake, x 1000
+    faults: tuple[str, ...] = FAULTS
+    heartbeats: bool = True
+    tick_ms: int = 10                 # every node's core.tick period
+    safety_ms: int = 1500             # faults are active in [0, safety_ms) when any are on
+    submit_window_ms: int = 600       # jobs are submitted at seeded times in [0, window]
+    # Stated liveness bound after healing: a few maximal round timeouts (SIM_PARAMS
+    # round_timeout_max_ms = 1600) so a round that started just before the heal, with its
+    # timeout already backed off, can end and the next (healed) round can decide.
+    liveness_bound_ms: int = 5000
+
+    def reproduce(self) -> str:
+        line = "meshnode sim --nodes %d --jobs %d --seed %d" % (self.nodes, self.jobs, self.seed)
+        if self.byzantine_milli:
+            line += " --byzantine %s" % (self.byzantine_milli / 1000)
+        line += " --faults %s" % (",".join(self.faults) if self.faults else "none")
+        if not self.heartbeats:
+            line += " --no-heartbeats"
+        return line
+
+
+@dataclass
+class SimNode:
+    index: int
+    public_key: bytes
+    core: MeshCore | None = None
+    up: bool = True
+    incarnation: int = 0
+    certificates: list = field(default_factory=list)   # persisted commit certificate bytes
+    persisted_records: int = 0
+    behaviour: ByzantineBehaviour | None = None
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    violations: list
+    violation_count: int
+    decisions: int                 # distinct instances decided
+    node_decisions: int            # decisions emitted by all nodes together
+    messages: int                  # point-to-point sends (a broadcast to n-1 peers counts n-1)
+    latencies_ms: list
+    virtual_ms: int
+    wall_s: float
+    byzantine: list
+    byzantine_stake: tuple
+    liveness_missing: int
+    decision_log_digest: str
+    network: dict
+    counters: dict
+
+    @property
+    def messages_per_decision(self) -> float:
+        return self.messages / self.decisions if self.decisions else float(self.messages)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation_count == 0
+
+
+class Simulation:
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        faulty = bool(config.faults)
+        self.heal_ms = config.safety_ms if faulty else 0
+        self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
+                                        config.submit_window_ms)
+        self.mesh_id = self.world.mesh_id
+        self.view = EpochView.from_genesis(self.world.genesis)
+        self.network = self._network(faulty)
+        honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
+        self.honest = honest
+        self.checker = DecisionChecker(self.mesh_id, [
+            NodeFacts(s.identity.public_key, s.zone, s.labels, s.policy, s.capacity, s.index not in self.world.byzantine)
+            for s in self.world.nodes], self._verify_certificate)
+        self.nodes = [SimNode(s.index, s.identity.public_key) for s in self.world.nodes]
+        self.index_of = {node.public_key: node.index for node in self.nodes}
+        self.queue: list = []
+        self.seq = 0
+        self.now_ms = 0
+        self.messages = 0
+        self.node_decisions = 0
+        self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0}
+        self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
+        self.complete = 0                          # placement instances decided at every honest node
+        self.witness_sides: dict[tuple, int] = {}
+        self.witnessed: dict[int, set[int]] = {}
+        self._cert_cache: dict[int, tuple] = {}
+        for index in sorted(self.world.byzantine):
+            spec = self.world.nodes[index]
+            behaviours = self._draw_behaviours()
+            self.nodes[index].behaviour = ByzantineBehaviour(
+                index, spec.identity, self.mesh_id, behaviours, random.Random(self.rng.getrandbits(64)), ZONES)
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def _draw_behaviours(self) -> frozenset[str]:
+        if 3 * self.config.byzantine_milli >= 1000:
+            return frozenset({"silence"})  # withholding: the attack that stalls a mesh at >= 1/3
+        active = [b for b in BEHAVIOURS if b != "silence" and self.rng.randrange(2)]
+        if self.rng.randrange(6) == 0:
+            active = ["silence"]
+        return frozenset(active or ["equivocate", "double_vote"])
+
+    def _network(self, faulty: bool) -> SimNetwork:
+        faults, rng, n = set(self.config.faults), self.rng, self.config.nodes
+        delay = DelayModel(base_ms=1, jitter_ms=4,
+                           spike_per_mille=rng.randint(10, 100) if "delay" in faults else 0,
+                           spike_ms=rng.randint(50, 400))
+        partitions = []
+        for kind, symmetric in (("partition", True), ("asym", False)):
+            if kind in faults and n >= 2:
+                for _ in range(rng.randint(1, 2)):
+                    start = rng.randrange(self.heal_ms)
+                    end = min(self.heal_ms, start + rng.randint(100, 800))
+                    partitions.append(random_partition(rng, n, start, end, symmetric))
+        return SimNetwork(
+            delay=delay,
+            loss_per_mille=rng.randint(10, 100) if "loss" in faults else 0,
+            duplicate_per_mille=rng.randint(10, 100) if "dup" in faults else 0,
+            reorder_per_mille=rng.randint(50, 200) if "reorder" in faults else 0,
+            reorder_ms=rng.randint(10, 100), partitions=tuple(partitions), heal_ms=self.heal_ms)
+
+    def _new_core(self, node: SimNode) -> MeshCore:
+        spec = self.world.nodes[node.index]
+        return MeshCore(identity=spec.identity, genesis=self.world.genesis, policy=spec.policy,
+                        capacity=spec.capacity, rng=random.Random(self.rng.getrandbits(64)),
+                        now_ms=self.now_ms, history=tuple(node.certificates),
+                        heartbeats=self.config.heartbeats)
+
+    def _verify_certificate(self, data: bytes, _epoch) -> tuple:
+        # Every node holds the same certificate object; identity-keyed caching (the object
+        # is kept alive in the entry, so its id cannot be reused) avoids re-hashing it.
+        hit = self._cert_cache.get(id(data))
+        if hit is not None and hit[0] is data:
+            return hit[1]
+        _, certificate = decode_message(data, self.mesh_id, expect=CommitCertificate)
+        if certificate.epoch != self.view.epoch:
+            raise RemoteProtocolError("certificate for epoch %d; the simulated mesh has only epoch %d"
+                                      % (certificate.epoch, self.view.epoch))
+        result = verify_commit_certificate(data, self.mesh_id, self.view)
+        self._cert_cache[id(data)] = (data, result)
+        return result
+
+    def _schedule_faults(self) -> None:
+        rng, cfg = self.rng, self.config
+        if "crash" in cfg.faults:
+            for _ in range(rng.randint(1, min(MAX_CRASHES, max(1, cfg.nodes // 2)))):
+                victim = rng.randrange(cfg.nodes)
+                down_ms = rng.randrange(self.heal_ms)
+                self.push(down_ms, CRASH, victim, None)
+                self.push(min(self.heal_ms, down_ms + rng.randint(20, 700)), RESTART, victim, None)
+        if self.heal_ms:
+            self.push(self.heal_ms, HEAL, -1, None)
+
+    def push(self, at_ms: int, kind: int, target: int, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (at_ms, self.seq, kind, target, payload))
+
+    # --- the event loop ---------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        cfg = self.config
+        for node in self.nodes:
+            node.core = self._new_core(node)
+            self.push(self.rng.randrange(cfg.tick_ms), TICK, node.index, 0)
+        for number, job in enumerate(self.world.jobs):
+            self.push(job.submit_ms, SUBMIT, number, None)
+        self._schedule_faults()
+        last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
+        deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
+        total_jobs = len(self.world.jobs)
+        queue = self.queue
+        while queue:
+            at_ms, _, kind, target, payload = heapq.heappop(queue)
+            if at_ms > deadline_ms:
+                break
+            self.now_ms = at_ms
+            if kind == DELIVER:
+                self._deliver(target, payload)
+            elif kind == TICK:
+                self._tick(target, payload)
+            elif kind == SUBMIT:
+                self._submit(target)
+            elif kind == CRASH:
+                self._crash(target)
+            elif kind == RESTART:
+                self._restart(target)
+            elif kind == HEAL:
+                self._heal()
+            if self.complete >= total_jobs and at_ms >= self.heal_ms:
+                break
+            if len(queue) > MAX_EVENTS_QUEUED:
+                raise RuntimeError("simulator event queue over %d: a message storm" % MAX_EVENTS_QUEUED)
+        return self._finish(deadline_ms, time.perf_counter() - started)
+
+    def _tick(self, index: int, incarnation: int) -> None:
+        node = self.nodes[index]
+        if not node.up or node.incarnation != incarnation:
+            return  # a tick of a crashed incarnation: its timer died with it
+        self._emit(node, node.core.tick(self.now_ms))
+        self.push(self.now_ms + self.config.tick_ms, TICK, index, incarnation)
+
+    def _deliver(self, dst: int, payload) -> None:
+        src, data = payload
+        node = self.nodes[dst]
+        if not node.up:
+            self.counters["dropped_down"] += 1
+            return
+        source = self.nodes[src].behaviour
+        if source is not None and node.behaviour is None and source.conflicts:
+            self._witness(src, dst, source.conflicts.get(data))
+        self._emit(node, node.core.step(data, self.now_ms))
+
+    def _witness(self, src: int, dst: int, side) -> None:
+        if side is None:
+            return
+        pair_id, half = side
+        key = (src, pair_id, dst)
+        seen = self.witness_sides.get(key, 0) | (1 << half)
+        self.witness_sides[key] = seen
+        if seen == 3:
+            self.witnessed.setdefault(src, set()).add(dst)
+
+    def _submit(self, number: int) -> None:
+        up = [i for i in self.honest if self.nodes[i].up]
+        if not up:
+            self.push(self.now_ms + RETRY_SUBMIT_MS, SUBMIT, number, None)
+            return
+        node = self.nodes[self.rng.choice(up)]
+        self._emit(node, node.core.submit(self.world.jobs[number].envelope, self.now_ms))
+
+    def _crash(self, index: int) -> None:
+        node = self.nodes[index]
+        if not node.up:
+            return
+        node.up = False
+        node.incarnation += 1
+        node.core = None  # everything not persisted is lost
+        self.counters["crashes"] += 1
+
+    def _restart(self, index: int) -> None:
+        node = self.nodes[index]
+        if node.up:
+            return
+        node.up = True
+        node.core = self._new_core(node)
+        self.counters["restarts"] += 1
+        self.push(self.now_ms + self.rng.randrange(self.config.tick_ms), TICK, index, node.incarnation)
+
+    def _heal(self) -> None:
+        for node in self.nodes:
+            if not node.up:
+                self._restart(node.index)
+        # The owners' clients retry: a job whose submission died with a crashed node
+        # (before it was broadcast) would otherwise never be known to anyone.
+        placed = self.checker.placement_of
+        for number, job in enumerate(self.world.jobs):
+            if job.job_id not in placed:
+                self.counters["resubmits"] += 1
+                self._submit(number)
+
+    def _emit(self, node: SimNode, ready) -> None:
+        """Drain one Ready batch in contract order: persist, send, decisions (events are counted)."""
+        for record in ready.persist:
+            node.persisted_records += 1
+            if record.table == "certificates":
+                node.certificates.append(certificate_bytes(record))
+        outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
+        if outbound:
+            self._send(node.index, outbound)
+        for decision in ready.decisions:
+            self.node_decisions += 1
+            self.checker.check_decision(node.index, decision, self.now_ms)
+            if node.behaviour is None and decision.value_kind == "placement":
+                done = self.honest_done.get(decision.instance, 0) + 1
+                self.honest_done[decision.instance] = done
+                if done == len(self.honest):
+                    self.complete += 1
+
+    def _peers(self, node: SimNode) -> list[bytes]:
+        return [n.public_key for n in self.nodes if n.index != node.index]
+
+    def _send(self, src: int, outbound) -> None:
+        network, rng, push, n = self.network, self.rng, self.push, self.config.nodes
+        for message in outbound:
+            if message.to is None:
+                recipients = [i for i in range(n) if i != src]
+            else:
+                dst = self.index_of.get(message.to)
+                if dst is None:
+                    continue
+                recipients = [dst]
+            self.messages += len(recipients)
+            payload = (src, message.data)
+            for dst in recipients:
+                for at_ms in network.deliveries(src, dst, self.now_ms, rng):
+                    push(at_ms, DELIVER, dst, payload)
+
+    # --- results ----------------------------------------------------------------------------
+
+    def _finish(self, deadline_ms: int, wall_s: float) -> SimResult:
+        checker = self.checker
+        submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
+        missing = checker.check_liveness(submitted, self.honest, deadline_ms)
+        checker.check_evidence(self.witnessed, self._evidence_of)
+        log_digest = hashlib.sha256(repr(checker.log).encode()).hexdigest()
+        stats = self.network.stats
+        return SimResult(
+            config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
+            decisions=len(checker.canonical), node_decisions=self.node_decisions, messages=self.messages,
+            latencies_ms=checker.latencies_ms(submitted, self.honest), virtual_ms=self.now_ms, wall_s=wall_s,
+            byzantine=sorted(self.world.byzantine), byzantine_stake=self.world.byzantine_stake_fraction(),
+            liveness_missing=missing, decision_log_digest=log_digest,
+            network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
+                     "duplicated": stats.duplicated, "reordered": stats.reordered},
+            counters=dict(self.counters))
+
+    def _evidence_of(self, index: int) -> set[bytes]:
+        node = self.nodes[index]
+        return offenders(node.core.evidence) if node.core is not None else set()
+
+
+def certificate_bytes(record) -> bytes:
+    return record.value["certificate"]
+
+
+def offenders(evidence) -> set[bytes]:
+    return {item.offender for item in evidence}
+
+
+def run_simulation(config: SimConfig) -> SimResult:
+    return Simulation(config).run()

@@ -1,0 +1,262 @@
+"""Invariant checkers of the simulator (spec_parts/simulator.md, "Checkers").
+
+They run on every Decision any node emits, against one canonical history that spans
+crashes and restarts, in the style of tigerbeetle's VOPR:
+
+- agreement: one instance never decides two different values, at any node, ever;
+- certificate: every decision carries a commit certificate that verifies offline
+  against the epoch view it names (SPEC.md 6.4) and certifies exactly the value decided;
+- validity: a placement names a job its owner signed, a primary and backups that are
+  members, the job's resources and constraints hold at the primary, an honest primary's
+  sovereignty policy admits the job, and no honest node is ever over-committed;
+- liveness (after the run): every job decided at every honest node within the bound;
+- evidence (after the run): every key that showed two conflicting signed messages to one
+  honest node appears in that node's evidence.
+
+A checker never raises on a bad decision: it records a Violation, so a run reports all
+of them and a test can assert that a deliberately broken input is caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from keys.identity import short_id
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (Eviction, JobManifest, Placement, decode_message, decode_value, job_id,
+                               value_hash)
+from protocol.policy import LocalCapacity, NodePolicy
+from protocol.ready import Decision
+
+MAX_VIOLATIONS_KEPT = 200  # a broken run can produce millions; keep the first ones and the count
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str          # agreement | certificate | validity | overcommit | liveness | evidence
+    node: int | None    # simulator index of the node whose output broke the rule
+    instance: str       # hex instance id ("" when not about one instance)
+    detail: str
+
+    def line(self) -> str:
+        where = "node %s" % self.node if self.node is not None else "mesh"
+        return "%s: %s %s: %s" % (self.check, where, self.instance[:16], self.detail)
+
+
+@dataclass
+class NodeFacts:
+    """What the simulator knows to be true about a node (not what it claims)."""
+    public_key: bytes
+    zone: str
+    labels: tuple
+    policy: NodePolicy
+    capacity: LocalCapacity
+    honest: bool
+
+
+@dataclass
+class _Load:
+    cpu_milli: int = 0
+    mem_mib: int = 0
+    gpu_mem_mib: dict = field(default_factory=dict)  # gpu index -> MiB committed
+    jobs: dict = field(default_factory=dict)         # job id -> (Resources, gpus)
+
+
+class DecisionChecker:
+    """Holds the canonical history; ``check_decision`` is called for every Decision."""
+
+    def __init__(self, mesh_id: bytes, facts: list[NodeFacts],
+                 verify_certificate: Callable[[bytes, int], tuple]):
+        # verify_certificate(certificate_bytes, epoch) -> (CommitCertificate, value_bytes);
+        # it raises RemoteProtocolError when the certificate does not verify.
+        self.mesh_id = mesh_id
+        self.facts = facts
+        self.index_of = {f.public_key: i for i, f in enumerate(facts)}
+        self.verify_certificate = verify_certificate
+        self.canonical: dict[bytes, tuple[str, bytes]] = {}   # instance -> (kind, value hash)
+        self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
+        self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed it
+        self.loads = [_Load() for _ in facts]
+        self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
+        self.violations: list[Violation] = []
+        self.violation_count = 0
+        self.log: list[tuple] = []                             # (ms, node, kind, instance, hash)
+
+    # --- recording -------------------------------------------------------------------------
+
+    def fail(self, check: str, node: int | None, instance: bytes | None, detail: str) -> None:
+        self.violation_count += 1
+        if len(self.violations) < MAX_VIOLATIONS_KEPT:
+            self.violations.append(Violation(check, node, instance.hex() if instance else "", detail))
+
+    def check_decision(self, node: int, decision: Decision, now_ms: int, epoch: int | None = None) -> None:
+        instance = decision.instance
+        try:
+            certificate, value_bytes = self.verify_certificate(decision.certificate, epoch)
+        except RemoteProtocolError as exc:
+            self.fail("certificate", node, instance, "certificate does not verify: %s" % exc)
+            return
+        if certificate.instance != instance or certificate.value_kind != decision.value_kind:
+            self.fail("certificate", node, instance, "certificate is for another instance or kind")
+            return
+        try:
+            decided_value = decode_value(decision.value_kind, value_bytes)
+        except RemoteProtocolError as exc:
+            self.fail("certificate", node, instance, "certified value does not decode: %s" % exc)
+            return
+        if decided_value != decision.value:
+            self.fail("certificate", node, instance, "decision value differs from the certified value")
+        digest = value_hash(value_bytes)
+        self.log.append((now_ms, node, decision.value_kind, instance.hex(), digest.hex()))
+        seen_at = self.decided_at.setdefault(instance, {})
+        if node in seen_at:
+            # A node re-emitting a decision (after a restart) is fine if it is the same value.
+            if self.canonical[instance][1] != digest:
+                self.fail("agreement", node, instance, "node changed its own decision")
+            return
+        seen_at[node] = now_ms
+        first = self.canonical.get(instance)
+        if first is None:
+            self.canonical[instance] = (decision.value_kind, digest)
+            self._apply_first(node, instance, decided_value)
+        elif first != (decision.value_kind, digest):
+            self.fail("agreement", node, instance, "decided %s, another node decided %s"
+                      % (digest.hex()[:12], first[1].hex()[:12]))
+
+    # --- validity ---------------------------------------------------------------------------
+
+    def _apply_first(self, node: int, instance: bytes, value) -> None:
+        """Validity and capacity are checked once per instance, on its first decision."""
+        if isinstance(value, Placement):
+            self._check_placement(node, instance, value)
+        elif isinstance(value, Eviction):
+            self._apply_eviction(node, instance, value)
+
+    def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
+        try:
+            _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        except RemoteProtocolError as exc:
+            self.fail("validity", node, instance, "placed job is not a valid signed job: %s" % exc)
+            return
+        jid = job_id(job)
+        if jid in self.placement_of and self.placement_of[jid] != instance:
+            self.fail("validity", node, instance, "job %s placed by two instances" % jid.hex()[:12])
+            return
+        self.placement_of[jid] = instance
+        primary = self.index_of.get(placement.primary)
+        backups = [self.index_of.get(b) for b in placement.backups]
+        if primary is None or None in backups:
+            self.fail("validity", node, instance, "placement names a non-member")
+            return
+        if primary in backups or len(set(backups)) != len(backups):
+            self.fail("validity", node, instance, "primary repeated among backups")
+        if len(backups) > job.backups:
+            self.fail("validity", node, instance, "%d backups for a job asking %d" % (len(backups), job.backups))
+        if len(placement.gpus) != job.resources.gpus or len(set(placement.gpus)) != len(placement.gpus):
+            self.fail("validity", node, instance, "gpus %s do not match the job's %d"
+                      % (placement.gpus, job.resources.gpus))
+        facts = self.facts[primary]
+        # Membership attributes are signed in the genesis, so even a Byzantine primary
+        # cannot fake them: every voter checks them (SPEC.md 6.3, sovereign strategy).
+        if job.constraints.zones and facts.zone not in job.constraints.zones:
+            self.fail("validity", node, instance, "primary %s in zone %s, job wants %s"
+                      % (short_id(facts.public_key), facts.zone, list(job.constraints.zones)))
+        labels = dict(facts.labels)
+        for key, wanted in job.constraints.labels:
+            if labels.get(key) != wanted:
+                self.fail("validity", node, instance, "primary lacks label %s=%s" % (key, wanted))
+        if not facts.honest:
+            return  # its policy and capacity are whatever it claims; nothing more is checkable
+        policy = facts.policy
+        if policy.allowed_owners is not None and job.owner not in policy.allowed_owners:
+            self.fail("validity", node, instance, "honest primary's policy refuses this owner")
+        if job.entrypoint not in policy.allowed_entrypoints:
+            self.fail("validity", node, instance, "honest primary's policy refuses entrypoint %s" % job.entrypoint)
+        self._commit(node, instance, primary, jid, job.resources, tuple(placement.gpus))
+
+    def _commit(self, node: int, instance: bytes, holder: int, jid: bytes, resources, gpus: tuple) -> None:
+        facts = self.facts[holder]
+        self.job_home[jid] = holder
+        if not facts.honest:
+            return
+        load = self.loads[holder]
+        load.jobs[jid] = (resources, gpus)
+        load.cpu_milli += resources.cpu_milli
+        load.mem_mib += resources.mem_mib
+        gpu_totals = facts.capacity.gpu_mem_total_mib
+        for index in gpus:
+            if index >= len(gpu_totals):
+                self.fail("overcommit", node, instance, "node %d has no GPU %d" % (holder, index))
+                continue
+            used = load.gpu_mem_mib.get(index, 0) + resources.gpu_mem_mib
+            load.gpu_mem_mib[index] = used
+            if used > gpu_totals[index]:
+                self.fail("overcommit", node, instance, "node %d GPU %d holds %d MiB of %d"
+                          % (holder, index, used, gpu_totals[index]))
+        if load.cpu_milli > facts.capacity.cpu_milli:
+            self.fail("overcommit", node, instance, "node %d cpu %d of %d milli"
+                      % (holder, load.cpu_milli, facts.capacity.cpu_milli))
+        if load.mem_mib > facts.capacity.mem_mib:
+            self.fail("overcommit", node, instance, "node %d memory %d of %d MiB"
+                      % (holder, load.mem_mib, facts.capacity.mem_mib))
+
+    def _apply_eviction(self, node: int, instance: bytes, eviction: Eviction) -> None:
+        evicted = self.index_of.get(eviction.node)
+        if evicted is None:
+            self.fail("validity", node, instance, "eviction of a non-member")
+            return
+        for migration in eviction.migrations:
+            target = self.index_of.get(migration.to_node)
+            if target is None or target == evicted:
+                self.fail("validity", node, instance, "migration to a non-member or to the evicted node")
+                continue
+            if self.job_home.get(migration.job_id) != evicted:
+                continue  # not a job this history placed on the evicted node: nothing to move
+            old = self.loads[evicted].jobs.pop(migration.job_id, None)
+            if old is None:
+                self.job_home[migration.job_id] = target
+                continue
+            resources, gpus = old
+            load = self.loads[evicted]
+            load.cpu_milli -= resources.cpu_milli
+            load.mem_mib -= resources.mem_mib
+            for index in gpus:
+                load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
+            self._commit(node, instance, target, migration.job_id, resources, gpus)
+
+    # --- end-of-run checks ---------------------------------------------------------------
+
+    def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int) -> int:
+        """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``.
+
+        Returns how many (job, node) pairs were missing; each missing job is one violation.
+        """
+        missing_pairs = 0
+        for jid, submitted_ms in jobs.items():
+            instance = self.placement_of.get(jid)
+            seen = self.decided_at.get(instance, {}) if instance is not None else {}
+            late = [n for n in deciders if seen.get(n, deadline_ms + 1) > deadline_ms]
+            if late:
+                missing_pairs += len(late)
+                self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
+                          "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), deadline_ms))
+        return missing_pairs
+
+    def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:
+        """``witnessed``: offender -> honest nodes that received two of its conflicting messages."""
+        for offender, witnesses in sorted(witnessed.items()):
+            offender_key = self.facts[offender].public_key
+            holders = [w for w in sorted(witnesses) if offender_key in evidence_of(w)]
+            if not holders:
+                self.fail("evidence", offender, None, "equivocation seen by honest nodes %s but recorded by none"
+                          % sorted(witnesses)[:8])
+
+    def latencies_ms(self, jobs: dict[bytes, int], deciders: list[int]) -> list[int]:
+        """Per decided job: submit -> commit certificate held by every node in ``deciders``."""
+        out = []
+        for jid, submitted_ms in jobs.items():
+            seen = self.decided_at.get(self.placement_of.get(jid), {})
+            if deciders and all(n in seen for n in deciders):
+                out.append(max(seen[n] for n in deciders) - submitted_ms)
+        return out

@@ -1,0 +1,101 @@
+"""Commit certificates verify offline, and every kind of tampering is refused (SPEC.md 6.7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from consensus_net import Net, identities
+from keys.genesis import DEFAULT_PARAMS, Genesis
+from meshnode.cli import main
+from protocol.certificate import verify_commit_certificate
+from protocol.errors import RemoteProtocolError
+from protocol.messages import CommitCertificate, Member, Precommit, Prevote, decode_message, sign_message
+from protocol.quorum import EpochView
+
+
+@pytest.fixture(scope="module")
+def decided():
+    """A genesis of 4 equal-stake nodes and the commit certificate of one decision among them."""
+    members = tuple(Member(i.public_key, 1, "zone-a", (), ()) for i in identities(4))
+    genesis = Genesis("cert test", 0, members, DEFAULT_PARAMS, ())
+    net = Net(4, mesh_id=genesis.mesh_id)
+    net.run(value_of=lambda key, round: b"the value")
+    return genesis, net
+
+
+def reseal(net: Net, data: bytes, **changes) -> bytes:
+    """Re-sign a certificate with changed fields, as a Byzantine collector could."""
+    _, cert = decode_message(data, net.mesh_id, expect=CommitCertificate)
+    body = {**cert.to_body(), **changes}
+    return sign_message(net.ids[0], net.mesh_id, CommitCertificate.from_body(body)).encode()
+
+
+def test_a_decided_certificate_verifies_offline(decided):
+    genesis, net = decided
+    data = net.node(0).decision_envelope
+    cert, value = verify_commit_certificate(data, genesis.mesh_id, EpochView.from_genesis(genesis))
+    assert value == b"the value" and cert.round == 0 and len(cert.precommits) >= 3
+
+
+def bad_certificates(net: Net, data: bytes):
+    _, cert = decode_message(data, net.mesh_id, expect=CommitCertificate)
+    votes = list(cert.precommits)
+    (outsider,) = identities(1, tag=b"outsider")
+    yield "flipped byte", data[:40] + bytes([data[40] ^ 1]) + data[41:]
+    yield "truncated", data[:-10]
+    yield "other value", reseal(net, data, value=b"another value")
+    yield "too few votes", reseal(net, data, precommits=votes[:2])
+    yield "duplicate signer", reseal(net, data, precommits=votes[:2] + votes[:1])
+    yield "other round", reseal(net, data, round=1)
+    yield "prevotes", reseal(net, data, precommits=[
+        sign_message(i, net.mesh_id, Prevote(cert.instance, 0, 0, decode_message(votes[0], net.mesh_id)[1].value_hash))
+        .encode() for i in net.ids])
+    outsider_vote = sign_message(outsider, net.mesh_id, Precommit(
+        cert.instance, 0, 0, decode_message(votes[0], net.mesh_id)[1].value_hash)).encode()
+    yield "non-member vote", reseal(net, data, precommits=votes[:2] + [outsider_vote])
+
+
+@pytest.mark.parametrize("case", ["flipped byte", "truncated", "other value", "too few votes", "duplicate signer",
+                                  "other round", "prevotes", "non-member vote"])
+def test_tampered_short_or_duplicate_signer_certificates_are_rejected(decided, case):
+    genesis, net = decided
+    data = dict(bad_certificates(net, net.node(0).decision_envelope))[case]
+    with pytest.raises(RemoteProtocolError):
+        verify_commit_certificate(data, genesis.mesh_id, EpochView.from_genesis(genesis))
+
+
+def test_a_certificate_is_checked_against_the_membership_it_is_given(decided):
+    genesis, net = decided
+    data = net.node(0).decision_envelope
+    view = EpochView.from_genesis(genesis)
+    verify_commit_certificate(data, genesis.mesh_id, view)  # valid, and now cached for this view
+    bigger = EpochView(0, {**view.stakes, **{i.public_key: 10 for i in identities(2, tag=b"new")}})
+    with pytest.raises(RemoteProtocolError):
+        verify_commit_certificate(data, genesis.mesh_id, bigger)
+    with pytest.raises(RemoteProtocolError):
+        verify_commit_certificate(data, bytes(32), view)  # signed for another mesh
+
+
+def test_cli_cert_verify_exits_0_for_a_valid_and_2_for_a_tampered_certificate(decided, tmp_path, capsys):
+    genesis, net = decided
+    genesis_file = tmp_path / "genesis.bin"
+    genesis_file.write_bytes(genesis.encode())
+    good = tmp_path / "good.cert"
+    good.write_bytes(net.node(1).decision_envelope)
+    bad = tmp_path / "bad.cert"
+    bad.write_bytes(dict(bad_certificates(net, net.node(1).decision_envelope))["too few votes"])
+
+    assert main(["cert", "verify", str(good), "--genesis", str(genesis_file), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["valid"] and result["stake"] * 3 > result["total_stake"] * 2 and result["round"] == 0
+
+    assert main(["cert", "verify", str(bad), "--genesis", str(genesis_file), "--json"]) == 2
+    result = json.loads(capsys.readouterr().out)
+    assert result == {"valid": False, "reason": result["reason"]} and "2/3" in result["reason"]
+
+    assert main(["cert", "verify", str(bad), "--genesis", str(genesis_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("invalid: ") and err.count("\n") == 1
+    assert main(["cert", "verify", str(tmp_path / "missing"), "--genesis", str(genesis_file)]) == 2

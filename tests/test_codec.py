@@ -1,0 +1,99 @@
+"""Canonical msgpack (SPEC.md 2.1, 2.3): one encoding per value, everything else rejected."""
+
+import msgpack
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from protocol import codec
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+
+canonical_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(canonical_values)
+def test_round_trip_is_identity(value):
+    data = codec.pack(value)
+    assert codec.unpack(data) == value
+    assert codec.pack(codec.unpack(data)) == data
+
+
+def test_map_keys_are_sorted_by_utf8_bytes():
+    # "Z" (0x5a) < "a" (0x61) < "é" (0xc3 0xa9) bytewise, whatever the insertion order.
+    data = codec.pack({"é": 1, "a": 2, "Z": 3})
+    assert data == bytes.fromhex("83") + b"\xa1Z\x03" + b"\xa1a\x02" + b"\xa2\xc3\xa9\x01"
+
+
+def test_unsorted_map_keys_rejected():
+    unsorted = bytes.fromhex("82") + b"\xa1b\x01" + b"\xa1a\x02"
+    with pytest.raises(RemoteProtocolError, match="not canonical"):
+        codec.unpack(unsorted)
+
+
+@pytest.mark.parametrize("data", [
+    bytes.fromhex("cc01"),              # 1 as uint8: fixint is shorter
+    bytes.fromhex("cd0001"),            # 1 as uint16
+    bytes.fromhex("d0ff"),              # -1 as int8: negative fixint is shorter
+    bytes.fromhex("cf0000000000000005"),  # 5 as uint64
+    bytes.fromhex("d90161"),            # "a" as str8: fixstr is shorter
+    bytes.fromhex("dc000101"),          # [1] as array16
+    bytes.fromhex("de0000"),            # {} as map16
+])
+def test_non_minimal_forms_rejected(data):
+    with pytest.raises(RemoteProtocolError):
+        codec.unpack(data)
+
+
+@pytest.mark.parametrize("data", [
+    msgpack.packb(1.5),                       # float64
+    bytes.fromhex("ca3fc00000"),              # float32
+    msgpack.packb({"x": 0.0}),                # float nested in a map
+    msgpack.packb(msgpack.ExtType(1, b"x")),  # ext type
+    msgpack.packb({1: 2}, strict_types=False),  # non-text map key
+    bytes.fromhex("82a16101a16102"),          # duplicate key: decodes to one entry, re-encodes differently
+    bytes.fromhex("a1ff"),                    # str that is not valid UTF-8
+    b"",                                       # nothing at all
+    bytes.fromhex("01 02".replace(" ", "")),  # trailing data after a complete value
+    bytes.fromhex("c1"),                      # never-used msgpack byte
+])
+def test_invalid_or_non_canonical_input_rejected(data):
+    with pytest.raises(RemoteProtocolError):
+        codec.unpack(data)
+
+
+def test_floats_refused_when_encoding():
+    with pytest.raises(LocalProtocolError, match="floats"):
+        codec.pack({"util": 0.5})
+
+
+def test_nesting_deeper_than_cap_rejected():
+    value = []
+    for _ in range(codec.MAX_DEPTH + 1):
+        value = [value]
+    with pytest.raises(LocalProtocolError):
+        codec.pack(value)
+    with pytest.raises(RemoteProtocolError):
+        codec.unpack(b"\x91" * 100_000 + b"\xc0")  # deep nesting within the size cap
+
+
+def test_size_cap_checked_before_decoding():
+    big = codec.pack(b"x" * 1000)
+    with pytest.raises(RemoteProtocolError, match="over the"):
+        codec.unpack(big, max_bytes=999)
+    with pytest.raises(RemoteProtocolError):
+        codec.unpack(b"\xc6\xff\xff\xff\xff")  # bin32 claiming 4 GiB: no allocation, clean error
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_raise_only_remote_protocol_error(data):
+    try:
+        value = codec.unpack(data)
+    except RemoteProtocolError:
+        return
+    assert codec.pack(value) == data  # anything accepted is exactly canonical

@@ -1,0 +1,229 @@
+"""Control API (SPEC.md "Control API"): socket safety, framing, ops, subscriptions.
+
+Socket tests use real Unix sockets in tmp_path (local only) with no clock at all; the
+stall timeout is tested on a lockstep memory stream under MockClock, because autojump
+would also fire while a real socket waits on the kernel.
+"""
+
+import os
+import stat
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from meshnode.control import SEND_STALL_S, ControlServer, EventHub
+from meshnode.control_client import AsyncControlClient, ControlClient, ControlError, FrameBuffer, encode_frame
+from protocol import codec
+from protocol.errors import ConfigError, MeshError, RemoteProtocolError
+from protocol.ready import Event
+
+
+@pytest.fixture
+def node_dir(tmp_path):
+    directory = tmp_path / "n"
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+async def _echo(args):
+    return {"echo": args}
+
+
+async def _refuse(args):
+    raise MeshError("job not found: %s" % args.get("job", "?"))
+
+
+async def _buggy(args):
+    return {}["missing"]
+
+
+async def _unencodable(args):
+    return {"ratio": 0.5}
+
+
+HANDLERS = {"echo": _echo, "refuse": _refuse, "buggy": _buggy, "unencodable": _unencodable}
+
+
+async def start_server(nursery, node_dir, hub=None, **kwargs):
+    server = ControlServer(node_dir / "control.sock", HANDLERS, hub, **kwargs)
+    await nursery.start(server.serve)
+    return server
+
+
+async def raw_exchange(path, data: bytes) -> list[dict]:
+    """Send raw bytes, half-close, and read every frame the server sends back."""
+    stream = await trio.open_unix_socket(str(path))
+    async with stream:
+        await stream.send_all(data)
+        await stream.send_eof()
+        frames, replies = FrameBuffer(), []
+        while data := await stream.receive_some(65536):
+            frames.feed(data)
+            while (payload := frames.next_payload()) is not None:
+                replies.append(codec.unpack(payload))
+        return replies
+
+
+async def test_socket_is_created_mode_0600_and_removed_on_exit(node_dir):
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir)
+        info = os.lstat(node_dir / "control.sock")
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == 0o600
+        nursery.cancel_scope.cancel()
+    assert not (node_dir / "control.sock").exists()
+
+
+async def test_refuses_group_writable_directory(node_dir):
+    os.chmod(node_dir, 0o770)
+    with pytest.raises(ConfigError, match="group- or world-writable"):
+        await ControlServer(node_dir / "control.sock", HANDLERS).serve()
+
+
+async def test_stale_socket_is_replaced_but_live_one_refuses_second_node(node_dir):
+    stale = trio.socket.socket(trio.socket.AF_UNIX)
+    await stale.bind(str(node_dir / "control.sock"))
+    stale.close()  # the file stays, nobody listens: a crashed node's leftover
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir)
+        with pytest.raises(ConfigError, match="already running"):
+            await ControlServer(node_dir / "control.sock", HANDLERS).serve()
+        nursery.cancel_scope.cancel()
+
+
+async def test_request_response_unknown_op_and_handler_errors(node_dir):
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir)
+        client = AsyncControlClient(node_dir)
+        assert await client.call("echo", job="ab", n=3) == {"echo": {"job": "ab", "n": 3}}
+        with pytest.raises(ControlError, match="unknown op 'nope'"):
+            await client.call("nope")
+        with pytest.raises(ControlError, match="job not found: j1"):
+            await client.call("refuse", job="j1")
+        with pytest.raises(ControlError, match="internal error in buggy"):
+            await client.call("buggy")
+        with pytest.raises(ControlError, match="not encodable"):
+            await client.call("unencodable")
+        assert await client.call("echo") == {"echo": {}}  # still serving after all that
+        nursery.cancel_scope.cancel()
+
+
+async def test_malformed_frames_get_errors_and_the_connection_survives(node_dir):
+    good = encode_frame({"id": 7, "op": "echo", "args": {"x": 1}})
+    not_msgpack = struct.pack(">I", 2) + b"\xc1\xc1"
+    not_a_map = struct.pack(">I", len(codec.pack([1]))) + codec.pack([1])
+    missing_args = encode_frame({"id": 8, "op": "echo"})
+    bad_id = encode_frame({"id": "x", "op": "echo", "args": {}})
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir)
+        replies = await raw_exchange(node_dir / "control.sock",
+                                     not_msgpack + not_a_map + missing_args + bad_id + good)
+        assert [r["ok"] for r in replies] == [False, False, False, False, True]
+        assert "not valid msgpack" in replies[0]["error"]
+        assert "not a map" in replies[1]["error"]
+        assert replies[2]["id"] == 8 and "exactly the keys" in replies[2]["error"]
+        assert "request.id" in replies[3]["error"]
+        assert replies[4] == {"id": 7, "ok": True, "result": {"echo": {"x": 1}}}
+        nursery.cancel_scope.cancel()
+
+
+async def test_oversized_frame_closes_that_connection_only(node_dir):
+    oversized = struct.pack(">I", codec.MAX_FRAME_BYTES + 1) + b"\x00" * 16
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, node_dir)
+        replies = await raw_exchange(node_dir / "control.sock", oversized + encode_frame({"id": 1, "op": "echo", "args": {}}))
+        assert len(replies) == 1 and replies[0]["ok"] is False and "over the" in replies[0]["error"]
+        assert server.bad_frames == 1
+        assert await AsyncControlClient(node_dir).call("echo", y=2) == {"echo": {"y": 2}}
+        nursery.cancel_scope.cancel()
+
+
+async def test_sync_client_against_server(node_dir):
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir)
+
+        def use_sync_client():
+            with ControlClient(node_dir) as client:
+                first = client.call("echo", a="b")
+                with pytest.raises(ControlError, match="unknown op"):
+                    client.call("nope")
+                return first, client.call("echo", c=1)
+
+        assert await trio.to_thread.run_sync(use_sync_client) == ({"echo": {"a": "b"}}, {"echo": {"c": 1}})
+        nursery.cancel_scope.cancel()
+
+
+def test_client_says_node_not_running(node_dir):
+    with pytest.raises(ConfigError, match="node not running at .*no control.sock"):
+        ControlClient(node_dir).call("status")
+
+
+async def test_subscribe_streams_events_then_client_close_unsubscribes(node_dir):
+    hub = EventHub()
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir, hub)
+        events = AsyncControlClient(node_dir).subscribe()
+        send_events = [Event("decided", 10, {"job": b"\x01" * 4}), Event("bid", 11, {"gpus": [0, 1]})]
+
+        async def publish_when_subscribed():
+            while hub.subscriber_count == 0:
+                await trio.sleep(0)  # yields only; no clock involved
+            for event in send_events:
+                hub.publish(event)
+
+        nursery.start_soon(publish_when_subscribed)
+        received = [await events.__anext__(), await events.__anext__()]
+        await events.aclose()
+        assert received == [{"kind": e.kind, "at_ms": e.at_ms, "detail": e.detail} for e in send_events]
+        while hub.subscriber_count:
+            await trio.sleep(0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_slow_subscriber_is_dropped_with_a_final_error_frame(node_dir):
+    hub = EventHub(queue_events=4)
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir, hub)
+        stream = await trio.open_unix_socket(str(node_dir / "control.sock"))
+        await stream.send_all(encode_frame({"id": 5, "op": "subscribe", "args": {}}))
+        while hub.subscriber_count == 0:
+            await trio.sleep(0)
+        for n in range(10):  # no checkpoint in between: the queue of 4 overflows at the 5th
+            hub.publish(Event("tick", n))
+        assert hub.subscriber_count == 0 and hub.dropped_subscribers == 1
+        frames, received = FrameBuffer(), []
+        while data := await stream.receive_some(65536):
+            frames.feed(data)
+            while (payload := frames.next_payload()) is not None:
+                received.append(codec.unpack(payload))
+        await stream.aclose()
+        assert received[0] == {"id": 5, "ok": True, "result": {"subscribed": True}}
+        assert [f["event"]["at_ms"] for f in received[1:5]] == [0, 1, 2, 3]
+        assert received[5]["ok"] is False and "too slow" in received[5]["error"]
+        assert len(received) == 6
+        assert await AsyncControlClient(node_dir).call("echo") == {"echo": {}}
+        nursery.cancel_scope.cancel()
+
+
+async def test_stalled_client_is_disconnected_after_the_stall_timeout(mock_clock):
+    mock_clock.autojump_threshold = 0
+    server = ControlServer("/unused/control.sock", HANDLERS, EventHub())
+    server_end, client_end = trio.testing.lockstep_stream_pair()  # a send blocks until it is read
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client_end.send_all, encode_frame({"id": 1, "op": "echo", "args": {}}))
+        start = trio.current_time()
+        await server.handle_connection(server_end)  # the client never reads the reply
+        assert trio.current_time() - start == pytest.approx(SEND_STALL_S)
+        assert server.connections == 0
+
+
+def test_frame_buffer_splits_and_caps():
+    frames = FrameBuffer(max_frame_bytes=8)
+    frames.feed(encode_frame({"a": 1})[:3])
+    assert frames.next_payload() is None
+    frames.feed(encode_frame({"a": 1})[3:] + struct.pack(">I", 9))
+    assert codec.unpack(frames.next_payload()) == {"a": 1}
+    with pytest.raises(RemoteProtocolError, match="over the 8 cap"):
+        frames.next_payload()

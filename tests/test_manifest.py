@@ -1,0 +1,91 @@
+"""Job manifests (SPEC.md 4.2, 4.3): TOML in, JobManifest out, errors that name the field."""
+
+import pathlib
+
+import pytest
+
+from keys.identity import SigningIdentity
+from meshnode.manifest import load_manifest, parse_manifest, verify_signed_job
+from protocol.envelope import ANY_MESH, Envelope, seal
+from protocol.errors import ManifestError, RemoteProtocolError
+from protocol.messages import JobManifest, encode_message, job_id
+
+OWNER = SigningIdentity(bytes(range(32)))
+JOBS = pathlib.Path(__file__).resolve().parent.parent / "jobs"
+MINIMAL = 'name = "c"\nentrypoint = "counter"\n'
+
+
+def parse(text: str) -> JobManifest:
+    return parse_manifest(text, OWNER.public_key, 1_700_000_000_000)
+
+
+def test_minimal_manifest_takes_documented_defaults():
+    job = parse(MINIMAL)
+    assert (job.strategy, job.priority, job.backups, job.max_retries, job.nonce, job.args) == (
+        "throughput", 0, 1, 3, 0, ())
+    assert job.resources.to_body() == {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0}
+    assert job.owner == OWNER.public_key and job.created_ms == 1_700_000_000_000
+
+
+@pytest.mark.parametrize("path", sorted(JOBS.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_examples_parse(path):
+    job = load_manifest(path, OWNER.public_key, 1)
+    assert job.name and job.entrypoint in ("counter", "train")
+
+
+def test_sovereign_example_carries_constraints():
+    job = load_manifest(JOBS / "sovereign.toml", OWNER.public_key, 1)
+    assert job.strategy == "sovereign"
+    assert dict(job.constraints.attested) == {"jurisdiction": "eu"}
+    assert job.constraints.zones == ("zone-a", "zone-b")
+
+
+@pytest.mark.parametrize("text,message", [
+    (MINIMAL + '[resources]\ngpus = "two"\n', "resources.gpus: expected an integer 0..64, got 'two'"),
+    (MINIMAL + "[resources]\ngpus = 65\n", "resources.gpus: expected an integer 0..64, got 65"),
+    (MINIMAL + "[resources]\ncpu_milli = 1.5\n", "resources.cpu_milli: expected an integer"),
+    (MINIMAL + "[resources]\ngpus = true\n", "resources.gpus: expected an integer"),
+    (MINIMAL + "[resources]\ngpu = 1\n", "[resources]: unknown key 'gpu'"),
+    (MINIMAL + "gpus = 1\n", "manifest: unknown key 'gpus'"),
+    (MINIMAL + 'owner = "me"\n', "manifest: unknown key 'owner'"),  # owner comes from the signing key
+    (MINIMAL + 'strategy = "fastest"\n', "strategy: expected one of 'latency', 'throughput', 'sovereign'"),
+    (MINIMAL + "priority = -1\n", "priority: expected an integer 0..1000"),
+    (MINIMAL + "backups = 9\n", "backups: expected an integer 0..4"),
+    (MINIMAL + "args = [1]\n", "args: expected an array of at most 64 items, each a string"),
+    (MINIMAL + "resources = 3\n", "resources: expected a table"),
+    (MINIMAL + "[constraints]\nzones = \"eu\"\n", "constraints.zones: expected an array"),
+    (MINIMAL + "[constraints]\nlabels = { a = 1 }\n", "constraints.labels: expected a table"),
+    (MINIMAL + 'strategy = "sovereign"\n', "strategy: 'sovereign' needs"),
+    ('entrypoint = "counter"\n', "name: required"),
+    ('name = ""\nentrypoint = "counter"\n', "name: expected a string of 1..64 bytes"),
+    ("name = \n", "not valid TOML"),
+])
+def test_errors_name_the_field_and_expectation(text, message):
+    with pytest.raises(ManifestError) as info:
+        parse(text)
+    assert message in str(info.value)
+
+
+def test_signed_job_verifies_and_checks_owner():
+    job = parse(MINIMAL)
+    envelope, decoded = verify_signed_job(encode_message(OWNER, ANY_MESH, job))
+    assert decoded == job and envelope.mesh_id == ANY_MESH
+    mesh_id = bytes(range(32))
+    assert verify_signed_job(encode_message(OWNER, ANY_MESH, job), mesh_id)[1] == job  # ANY_MESH is valid anywhere
+    assert verify_signed_job(encode_message(OWNER, mesh_id, job), mesh_id)[1] == job
+    with pytest.raises(RemoteProtocolError):
+        verify_signed_job(encode_message(OWNER, mesh_id, job), bytes(range(1, 33)))
+    thief = SigningIdentity(bytes(32))
+    with pytest.raises(RemoteProtocolError, match="not its owner"):
+        verify_signed_job(encode_message(thief, ANY_MESH, job))
+
+
+def test_job_id_changes_with_nonce():
+    assert job_id(parse(MINIMAL)) != job_id(parse(MINIMAL + "nonce = 1\n"))
+    assert job_id(parse(MINIMAL)) == job_id(parse(MINIMAL))
+
+
+def test_verify_rejects_garbage_cleanly():
+    for data in (b"", b"\x96", b"not msgpack at all"):
+        with pytest.raises(RemoteProtocolError):
+            verify_signed_job(data)

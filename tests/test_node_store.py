@@ -1,0 +1,120 @@
+"""The node's SQLite store: persist records, certificate history for restart replay,
+bounded events, and one transaction per Ready batch."""
+
+import pytest
+
+from keys.identity import SigningIdentity
+from meshnode.node_store import NodeStore
+from protocol import codec
+from protocol.envelope import seal
+from protocol.errors import LocalProtocolError
+from protocol.ready import Decision, Event, PersistRecord, Ready
+
+SIGNER = SigningIdentity(bytes(32))
+MESH = bytes(range(32))
+
+
+def certificate(instance: bytes, epoch: int) -> bytes:
+    # Only the envelope shape and the epoch field matter to the store.
+    return seal(SIGNER, MESH, "commit", {"instance": instance, "epoch": epoch, "round": 0}).encode()
+
+
+def decision(n: int, epoch: int = 1, kind: str = "placement") -> Decision:
+    instance = bytes([n]) * 32
+    return Decision(kind, instance, None, certificate(instance, epoch))
+
+
+def test_pragmas_are_wal_and_normal(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+
+
+def test_persist_records_upsert_and_round_trip_after_reopen(tmp_path):
+    path = tmp_path / "node.sqlite"
+    store = NodeStore(path)
+    store.apply([
+        PersistRecord("votes", "aa:0:prevote", {"round": 0, "value_hash": b"\x01" * 32, "sent": True}),
+        PersistRecord("locks", "aa", {"round": 2, "value": None, "bids": [b"x", b"y"], "meta": {"k": 1}}),
+    ])
+    store.apply([PersistRecord("locks", "aa", {"round": 3, "value": b"v", "bids": [], "meta": {}})])
+    store.close()
+    store = NodeStore(path)
+    assert store.get("votes", "aa:0:prevote") == {"round": 0, "value_hash": b"\x01" * 32, "sent": True}
+    assert store.load("locks") == {"aa": {"round": 3, "value": b"v", "bids": [], "meta": {}}}
+    assert store.get("votes", "missing") is None
+    assert store.load("evidence") == {}
+
+
+@pytest.mark.parametrize("record, message", [
+    (PersistRecord("sqlite_master", "k", {"a": 1}), "not one of"),
+    (PersistRecord("votes", "k", {"Bad-Col": 1}), "bad column name"),
+    (PersistRecord("votes", "k", {"key": 1}), "bad column name"),
+    (PersistRecord("votes", "k", {"x; DROP TABLE votes": 1}), "bad column name"),
+    (PersistRecord("votes", "", {"a": 1}), "key must be"),
+    (PersistRecord("votes", "k", {"a": 1 << 63}), "64-bit"),
+])
+def test_contract_violations_raise_and_write_nothing(tmp_path, record, message):
+    store = NodeStore(tmp_path / "node.sqlite")
+    with pytest.raises(LocalProtocolError, match=message):
+        store.apply([PersistRecord("votes", "first", {"a": 1}), record])
+    assert store.load("votes") == {}  # the whole batch rolled back
+
+
+def test_a_column_keeps_its_kind(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    store.apply([PersistRecord("jobs", "j", {"state": "running"})])
+    with pytest.raises(LocalProtocolError, match="column holds plain values"):
+        store.apply([PersistRecord("jobs", "j2", {"state": ["a"]})])
+    store.apply([PersistRecord("jobs", "j3", {"gpus": [0, 1]})])
+    with pytest.raises(LocalProtocolError, match="column holds encoded values"):
+        store.apply([PersistRecord("jobs", "j4", {"gpus": 2})])
+    assert store.load("jobs") == {"j": {"state": "running", "gpus": None}, "j3": {"state": None, "gpus": [0, 1]}}
+
+
+def test_rolled_back_batch_forgets_its_column_kinds(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    with pytest.raises(LocalProtocolError):
+        store.apply([PersistRecord("jobs", "j", {"tags": ["x"]}), PersistRecord("bogus", "k", {})])
+    store.apply([PersistRecord("jobs", "j", {"tags": "plain now"})])  # the kind was never committed
+    assert store.load("jobs") == {"j": {"tags": "plain now"}}
+
+
+def test_certificates_replay_in_decision_order_after_restart(tmp_path):
+    path = tmp_path / "node.sqlite"
+    store = NodeStore(path)
+    order = [decision(5, epoch=1), decision(2, epoch=1, kind="membership"), decision(9, epoch=2, kind="eviction")]
+    store.record_ready(Ready(decisions=order[:2]))
+    store.record_ready(Ready(decisions=[order[2], order[0]]))  # a repeated decision is not stored twice
+    store.close()
+    store = NodeStore(path)
+    assert store.certificates_in_order() == [d.certificate for d in order]
+    rows = store.certificates()
+    assert [(r["value_kind"], r["epoch"]) for r in rows] == [("placement", 1), ("membership", 1), ("eviction", 2)]
+    assert [r["certificate"] for r in store.certificates("eviction")] == [order[2].certificate]
+
+
+def test_ready_batch_is_one_transaction(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    bad = Ready(persist=[PersistRecord("votes", "v", {"a": 1})], decisions=[decision(1)],
+                events=[Event("decided", 5, {})])
+    bad.persist.append(PersistRecord("nope", "k", {}))
+    with pytest.raises(LocalProtocolError):
+        store.record_ready(bad)
+    assert store.certificates_in_order() == [] and store.recent_events() == [] and store.load("votes") == {}
+
+
+def test_events_are_bounded_to_the_newest(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite", max_events=5)
+    for batch in range(3):
+        store.record_ready(Ready(events=[Event("tick", batch * 4 + i, {"i": i}) for i in range(4)]))
+    events = store.recent_events(limit=100)
+    assert [e.at_ms for e in events] == [7, 8, 9, 10, 11]
+    assert events[-1] == Event("tick", 11, {"i": 3})
+    assert store.db.execute("SELECT count(*) FROM events").fetchone()[0] == 5
+
+
+def test_malformed_decision_certificate_is_a_local_error(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    with pytest.raises(LocalProtocolError, match="not an encoded CommitCertificate"):
+        store.record_ready(Ready(decisions=[Decision("placement", b"\x01" * 32, None, codec.pack([1, 2]))]))

@@ -1,0 +1,366 @@
+"""The owner's TUI, headless (Textual's run_test pilot) against a fake control server.
+
+The fake node speaks the real control framing (meshnode.control_client) on a Unix
+socket, verifies submitted jobs with the real manifest code, and changes job state
+only when the test tells it to, so every assertion waits for a state the test made.
+Textual runs on asyncio, so each UI test drives its own loop with asyncio.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tempfile
+
+import pytest
+from rich.console import Console
+from textual.widgets import DataTable, Input, Static, TabbedContent
+
+from keys.identity import SigningIdentity
+from keys.keystore import KDF_PROFILES, encode_keystore
+from meshnode.control_client import encode_frame
+from meshnode.manifest import parse_manifest, verify_signed_job
+from meshnode.tui import OwnerTui
+from meshnode.tui_client import ControlUnavailable, read_frame
+from meshnode.tui_form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
+from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
+from meshnode.tui_tables import render_snapshot
+from meshnode.tui_why import format_declines, group_declines, placeable_hint, suggest_changes
+from protocol.messages import job_id
+
+MESH_ID = bytes(range(32))
+WAIT_S = 10.0  # upper bound on any one UI condition; a pass normally takes milliseconds
+
+
+def gpu(index, total, used, util=50_000, temp=60_000, throttle=0):
+    return {"index": index, "model": "H100", "mem_total_mib": total, "mem_used_mib": used, "util_milli": util,
+            "temp_milli_c": temp, "sm_clock_mhz": 1980, "throttle_reasons": throttle, "ecc_errors": 0,
+            "power_mw": 300_000}
+
+
+def node_row(short, zone, gpus=(), free=(), health="alive"):
+    return {"key": short * 8, "short": short, "stake": 100, "zone": zone, "health": health, "rtt_us": 800,
+            "capability": {"gpus": list(gpus), "gpus_free": list(free), "cpu_milli_free": 4000,
+                           "mem_mib_free": 8192, "taken_ms": 1}}
+
+
+class FakeNode:
+    """A control server with a scripted mesh; ``place`` moves a job on like the real node would."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.jobs: dict[str, dict] = {}
+        self.nodes = [node_row("aaaa0001", "zone-a", [gpu(0, 81920, 1024, throttle=0x20)], [0]),
+                      node_row("bbbb0002", "zone-b", [gpu(0, 24576, 0)], [0])]
+        self.requests: list[str] = []
+        self.received_jobs = []
+        self.server = None
+        self.writers: set = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_unix_server(self._serve, self.path)
+
+    async def stop(self) -> None:
+        self.server.close()
+        for writer in list(self.writers):
+            writer.close()
+        await self.server.wait_closed()
+        os.unlink(self.path)
+
+    def place(self, jid: str, state: str = "placed") -> None:
+        self.jobs[jid].update(state=state, primary="aaaa0001" * 8, backups=["bbbb0002" * 8])
+        for writer in list(self.writers):
+            if getattr(writer, "subscribed", False):
+                writer.write(encode_frame({"event": {"kind": "job_" + state, "at_ms": 5, "detail": {"job_id": jid}}}))
+
+    def handle(self, op: str, args: dict):
+        if op == "status":
+            return {"node": "aaaa0001" * 8, "peer_id": "12D3", "mesh_id": MESH_ID.hex(), "epoch": 1, "members": 2,
+                    "connected": 1, "uptime_ms": 1000}
+        if op == "nodes":
+            return {"nodes": self.nodes}
+        if op == "jobs":
+            return {"jobs": list(self.jobs.values())}
+        if op == "consensus":
+            return {"instances": [{"instance": "cc" * 32, "kind": "placement", "round": 0, "leader": "aa" * 32,
+                                   "decided": True}], "certificates": 1, "evidence": []}
+        if op == "submit":
+            envelope, job = verify_signed_job(args["job"], MESH_ID)
+            self.received_jobs.append(job)
+            jid = job_id(job).hex()
+            self.jobs[jid] = {"job_id": jid, "name": job.name, "owner": job.owner.hex(), "state": "pending",
+                              "primary": None, "backups": [], "fence": 0, "checkpoint_age_ms": None,
+                              "checkpoint_seq": None, "migrations": 0, "lost_work_ms": None, "submitted_ms": 1,
+                              "declines": {"not_enough_gpu_memory": 1}, "hint": None}
+            return {"job_id": jid}
+        if op == "why":
+            return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory"}
+        raise KeyError(op)
+
+    async def _serve(self, reader, writer) -> None:
+        self.writers.add(writer)
+        try:
+            while True:
+                request = await read_frame(reader)
+                self.requests.append(request["op"])
+                if request["op"] == "subscribe":
+                    writer.subscribed = True
+                    writer.write(encode_frame({"id": request["id"], "ok": True, "result": {}}))
+                    continue
+                try:
+                    reply = {"id": request["id"], "ok": True, "result": self.handle(request["op"], request["args"])}
+                except KeyError as exc:
+                    reply = {"id": request["id"], "ok": False, "error": "unknown op %s" % exc}
+                writer.write(encode_frame(reply))
+                await writer.drain()
+        except (ControlUnavailable, ConnectionError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+
+def write_keystore(directory: str, passphrase: bytes | None) -> tuple[str, SigningIdentity]:
+    identity = SigningIdentity(bytes([7]) * 32)
+    path = os.path.join(directory, "owner.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(encode_keystore(identity, passphrase, KDF_PROFILES["insecure-test"]))
+    return path, identity
+
+
+async def until(pilot, predicate, what: str) -> None:
+    """Let the app run until ``predicate()`` holds; fail after WAIT_S with ``what``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("timed out waiting for " + what)
+        await pilot.pause(0.02)
+
+
+def short_dir() -> str:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    return tempfile.mkdtemp(prefix="tui", dir="/tmp")
+
+
+def text_of(app, selector: str) -> str:
+    return str(app.screen.query_one(selector, Static).render())
+
+
+def new_app(directory: str, key_path: str | None) -> OwnerTui:
+    return OwnerTui(directory, key_path, poll_s=0.05, retry_min_s=0.02, retry_max_s=0.1, clock_ms=lambda: 1_000)
+
+
+# --- compose -> sign -> broadcast -> placed ---------------------------------------------------
+
+def test_compose_sign_broadcast_and_follow_to_placement():
+    async def scenario():
+        directory = short_dir()
+        key_path, identity = write_keystore(directory, None)
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        await node.start()
+        app = new_app(directory, key_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.connected, "connected")
+            await until(pilot, lambda: app.query_one("#mesh-table", DataTable).row_count == 2, "mesh rows")
+            await pilot.press("n")
+            await until(pilot, lambda: isinstance(app.screen, ComposeScreen), "compose form")
+            await pilot.press(*"train-1")  # the name field has focus first
+            app.screen.query_one("#field-gpus", Input).value = "1"
+            app.screen.query_one("#field-gpu_mem_mib", Input).value = "40000"
+            await pilot.pause()
+            assert app.screen.check.manifest is not None, app.screen.check.error
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: len(node.received_jobs) == 1, "the node to receive the job")
+            job = node.received_jobs[0]
+            assert (job.name, job.owner, job.resources.gpus, job.resources.gpu_mem_mib) == \
+                ("train-1", identity.public_key, 1, 40000)
+            jid = job_id(job).hex()
+            await until(pilot, lambda: app.followed is not None and jid in app.jobs, "the job row")
+            assert app.query_one(TabbedContent).active == "jobs"
+            node.place(jid)
+            await until(pilot, lambda: "placed" in app.followed.states, "placement to show")
+            assert "submitted -> pending -> placed" in text_of(app, "#jobs-note")
+            assert "placed" in app.query_one("#jobs-table", DataTable).get_row(jid)
+        await node.stop()
+    asyncio.run(scenario())
+
+
+def test_encrypted_key_prompts_for_passphrase_in_a_modal_and_retries_a_wrong_one():
+    async def scenario():
+        directory = short_dir()
+        key_path, identity = write_keystore(directory, b"correct horse")
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        await node.start()
+        app = new_app(directory, key_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.connected, "connected")
+            manifest = parse_manifest('name = "p"\nentrypoint = "counter"\n', identity.public_key, 1)
+            app.submit_job(manifest)
+            await until(pilot, lambda: isinstance(app.screen, PassphraseScreen), "passphrase modal")
+            await pilot.press(*"wrong", "enter")
+            await until(pilot, lambda: isinstance(app.screen, PassphraseScreen)
+                        and "wrong passphrase" in text_of(app, "#passphrase-problem"), "wrong passphrase shown")
+            await pilot.press(*"correct horse", "enter")
+            await until(pilot, lambda: len(node.received_jobs) == 1, "the signed job")
+            assert node.received_jobs[0].owner == identity.public_key
+        await node.stop()
+    asyncio.run(scenario())
+
+
+# --- disconnected -> reconnected ------------------------------------------------------------
+
+def test_node_going_away_shows_disconnected_and_reconnects_when_it_returns():
+    async def scenario():
+        directory = short_dir()
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        app = new_app(directory, None)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: "disconnected" in text_of(app, "#connection"), "disconnected before start")
+            await node.start()
+            await until(pilot, lambda: app.connected, "first connection")
+            assert text_of(app, "#connection").startswith("connected")
+            await node.stop()
+            await until(pilot, lambda: not app.connected, "the loss to be noticed")
+            assert "disconnected" in text_of(app, "#connection")
+            await pilot.press("n", "w", "x", "r")  # actions while disconnected must not crash
+            await node.start()
+            await until(pilot, lambda: app.connected, "reconnection")
+            assert node.requests.count("status") >= 1
+        await node.stop()
+    asyncio.run(scenario())
+
+
+# --- form validation --------------------------------------------------------------------------
+
+def test_form_validation_names_the_field_as_you_type():
+    async def scenario():
+        directory = short_dir()
+        key_path, _ = write_keystore(directory, None)
+        app = new_app(directory, key_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("n")
+            await until(pilot, lambda: isinstance(app.screen, ComposeScreen), "compose form")
+            form = app.screen
+            assert "name: " in text_of(app, "#form-error")  # the empty default name is invalid
+            assert form.query_one("#field-name", Input).has_class("invalid")
+            await pilot.press(*"ok-name")
+            await pilot.pause()
+            assert text_of(app, "#form-error").startswith("ok")
+            form.query_one("#field-gpus", Input).value = "two"
+            await pilot.pause()
+            assert text_of(app, "#form-error").startswith("invalid: resources.gpus: expected an integer")
+            assert form.query_one("#field-gpus", Input).has_class("invalid")
+            assert not form.query_one("#field-name", Input).has_class("invalid")
+            assert form.query_one("#submit").disabled
+            await pilot.press("ctrl+s")  # refused while invalid: the form stays
+            assert app.screen is form
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, ComposeScreen), "form to close")
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("field_id, text, field_path", [
+    ("priority", "5000", "priority"),
+    ("strategy", "sovereign", "strategy"),
+    ("labels", "rack", "constraints.labels"),
+    ("args", "'unclosed", "args"),
+    ("gpu_mem_mib", "-1", "resources.gpu_mem_mib"),
+])
+def test_form_errors_name_the_manifest_field(field_id, text, field_path):
+    values = dict(DEFAULT_VALUES, name="j", **{field_id: text})
+    check = check_form(values, parse_manifest, bytes(32), 1)
+    assert check.manifest is None
+    assert check.error.startswith(field_path + ":"), check.error
+    assert check.field == field_id
+
+
+def test_form_builds_the_manifest_a_file_would():
+    values = dict(DEFAULT_VALUES, name='quote"d', args='--steps 100 "two words"', zones="zone-a, zone-b",
+                  labels="rack=r1", attested="country=DE", strategy="sovereign", gpus="2", gpu_mem_mib="8000")
+    manifest = check_form(values, parse_manifest, bytes(32), 7).manifest
+    assert manifest.name == 'quote"d' and manifest.args == ("--steps", "100", "two words")
+    assert manifest.constraints.zones == ("zone-a", "zone-b")
+    assert dict(manifest.constraints.labels) == {"rack": "r1"}
+    assert dict(manifest.constraints.attested) == {"country": "DE"}
+    assert (manifest.resources.gpus, manifest.resources.gpu_mem_mib, manifest.created_ms) == (2, 8000, 7)
+    assert parse_manifest(form_to_toml(values), bytes(32), 7) == manifest
+    assert field_of_error("constraints.zones: expected") == "zones"
+
+
+# --- why pending ------------------------------------------------------------------------------
+
+def test_declines_are_grouped_by_reason_most_common_first():
+    declines = {"zone_not_allowed": ["n4", "n5"], "not_enough_gpu_memory": ["n3", "n1", "n2"], "fenced": []}
+    assert format_declines(declines) == "3 nodes: not enough GPU memory; 2 nodes: zone not allowed"
+    assert group_declines(declines)[0].nodes == ("n1", "n2", "n3")
+    assert format_declines({"not_enough_gpus": 1}) == "1 node: not enough free GPUs"
+    assert format_declines({}) == "no declines yet"
+
+
+def test_hint_names_the_change_that_unblocks_most_nodes():
+    nodes = [node_row("n1", "zone-a", [gpu(0, 24576, 0)], [0]), node_row("n2", "zone-a", [gpu(0, 16384, 0)], [0]),
+             node_row("n3", "zone-b", [gpu(0, 81920, 0)], [0]), node_row("n4", "zone-c", [gpu(0, 81920, 0)], [0]),
+             node_row("n5", "zone-c", [gpu(0, 81920, 0)], [0])]
+    job = {"resources": {"gpus": 1, "gpu_mem_mib": 40000}, "constraints": {"zones": ["zone-b"]}}
+    declines = {"not_enough_gpu_memory": ["n1", "n2"], "zone_not_allowed": ["n4", "n5"], "node_unhealthy": ["n9"]}
+    suggestions = suggest_changes(declines, job, nodes)
+    assert [(s.field, s.unblocks) for s in suggestions] == [("constraints.zones", 2), ("resources.gpu_mem_mib", 1)]
+    assert suggestions[0].change == "add zone-c"
+    assert suggestions[1].change == "lower to <= 24576 MiB (asked 40000)"
+    assert placeable_hint(declines, job, nodes) == "constraints.zones: add zone-c (would unblock 2 nodes)"
+
+
+def test_hint_when_nothing_in_the_job_can_help_or_nothing_declined():
+    assert "no change to the job helps" in placeable_hint({"node_unhealthy": 3, "fenced": 1}, {})
+    assert "still running" in placeable_hint({}, {})
+    # counts only (the jobs op), no capability vectors: still a field to change
+    assert placeable_hint({"not_enough_gpus": 2}, {"resources": {"gpus": 4}}).startswith("resources.gpus: lower it")
+
+
+def test_why_screen_shows_groups_and_hint():
+    async def scenario():
+        directory = short_dir()
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        await node.start()
+        key_path, identity = write_keystore(directory, None)
+        manifest = parse_manifest('name = "big"\nentrypoint = "counter"\n[resources]\ngpus = 1\ngpu_mem_mib = 60000\n',
+                                  identity.public_key, 1)
+        app = new_app(directory, key_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.connected, "connected")
+            app.submit_job(manifest)
+            jid = job_id(manifest).hex()
+            await until(pilot, lambda: jid in app.jobs, "the pending job")
+            await pilot.press("2")
+            await until(pilot, lambda: app.selected_job() is not None, "a selected job")
+            await pilot.press("w")
+            await until(pilot, lambda: isinstance(app.screen, WhyScreen), "why screen")
+            text = text_of(app, "#why-text")
+            assert "1 node: not enough GPU memory (bbbb0002)" in text
+            assert "node says: lower gpu memory" in text
+            assert "resources.gpu_mem_mib: lower to <= 24576 MiB (asked 60000)" in text
+            await pilot.press("escape")
+            await pilot.press("x")  # the fake node has no cancel: the refusal is shown, not raised
+            await until(pilot, lambda: any("cancel refused" in str(n.message) for n in app._notifications),
+                        "the cancel refusal")
+        await node.stop()
+    asyncio.run(scenario())
+
+
+# --- snapshot ---------------------------------------------------------------------------------
+
+def test_snapshot_prints_mesh_and_jobs_tables():
+    node = FakeNode("/nonexistent")
+    node.jobs["ab" * 32] = {"job_id": "ab" * 32, "name": "train-1", "state": "running", "primary": "aa" * 32,
+                            "backups": ["bb" * 32], "checkpoint_age_ms": 40, "checkpoint_seq": 12, "migrations": 1,
+                            "lost_work_ms": 80, "declines": {}}
+    snapshot = {op: node.handle(op, {}) for op in ("status", "nodes", "jobs", "consensus")}
+    out = io.StringIO()
+    render_snapshot(snapshot, Console(file=out, width=80, color_system=None))
+    text = out.getvalue()
+    assert "mesh: 2 nodes" in text and "aaaa0001" in text and "therm" in text and "zone-b" in text
+    assert "train-1" in text and "running" in text and "40 ms #12" in text and "80 ms" in text
+    assert max(len(line) for line in text.splitlines()) <= 80

@@ -1,0 +1,163 @@
+"""Workload runner and SDK with real subprocesses (SPEC.md 9.1-9.4), plus the train kind.
+
+These are the few real multi-process tests of this area: each waits on events from the
+workload (checkpoints, exits) under a bounded trio.fail_after, never on fixed sleeps.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import trio
+
+from meshnode.builtin_workloads import COUNTER_STATE, TrainingRun, decode_counter_state
+from meshnode.runner import WorkloadRunner
+from protocol.errors import LocalProtocolError
+
+JOB = bytes(32)
+WAIT_S = 20  # bound for any one wait on a subprocess; a loaded 2-core CI box needs slack
+
+
+class Recorder:
+    """Collects the runner's callbacks into bounded channels the test can await."""
+
+    def __init__(self):
+        self.checkpoints_send, self.checkpoints = trio.open_memory_channel(1000)
+        self.exits_send, self.exits = trio.open_memory_channel(10)
+
+    async def on_checkpoint(self, job_id, seq, progress, taken_ms, state):
+        self.checkpoints_send.send_nowait((job_id, seq, progress, taken_ms, state))
+
+    async def on_exit(self, job_id, exit_code):
+        self.exits_send.send_nowait((job_id, exit_code))
+
+
+async def open_runner(nursery, tmp_path, **options):
+    recorder = Recorder()
+    runner = WorkloadRunner(tmp_path, 20, recorder.on_checkpoint, recorder.on_exit, **options)
+    await nursery.start(runner.serve)
+    return runner, recorder
+
+
+def process_gone(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+    except FileNotFoundError:
+        return True
+
+
+async def test_counter_checkpoints_progress_and_stop_kills_it(tmp_path):
+    log_path = tmp_path / "progress.log"
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        pid = await runner.start(JOB, "counter", ["--progress-log", str(log_path)], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            seen = [await recorder.checkpoints.receive() for _ in range(4)]
+        assert [c[1] for c in seen] == [1, 2, 3, 4]
+        progresses = [c[2] for c in seen]
+        assert progresses == sorted(progresses) and progresses[-1] > progresses[0]
+        for _, _, progress, _, state in seen:
+            assert decode_counter_state(state)[0] == progress
+        assert runner.running()[JOB]["seq"] >= 4
+        with trio.fail_after(WAIT_S):
+            assert await runner.stop(JOB) == -signal.SIGKILL
+        assert process_gone(pid) and runner.running() == {}
+        nursery.cancel_scope.cancel()
+    units = [int(line.split()[0]) for line in log_path.read_text().splitlines()]
+    assert units[:3] == [1, 2, 3] and units[-1] >= progresses[-1]
+    with pytest.raises(trio.WouldBlock):
+        recorder.exits.receive_nowait()  # a stop() is not reported as an exit
+
+
+async def test_restored_counter_continues_from_the_checkpoint(tmp_path):
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        restore = (COUNTER_STATE.pack(5000, 12345), 5000, 41)
+        await runner.start(JOB, "counter", ["--units", "5050"], gpus=[], restore=restore, fence=2)
+        with trio.fail_after(WAIT_S):
+            _, seq, progress, _, _ = await recorder.checkpoints.receive()
+            assert (seq, 5000 < progress <= 5050) == (42, True)
+            assert await recorder.exits.receive() == (JOB, 0)  # ran its 50 remaining units and finished
+        nursery.cancel_scope.cancel()
+
+
+async def test_gpus_are_passed_as_cuda_visible_devices(tmp_path):
+    show_env = [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"show-env": show_env})
+        await runner.start(JOB, "show-env", [], gpus=[0, 3], restore=None, fence=1)
+        await runner.start(bytes([1] * 32), "show-env", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert {await recorder.exits.receive() for _ in range(2)} == {(JOB, 0), (bytes([1] * 32), 0)}
+        nursery.cancel_scope.cancel()
+    assert (tmp_path / "workloads" / JOB.hex() / "output.log").read_text() == "'0,3'\n"
+    assert (tmp_path / "workloads" / ("01" * 32) / "output.log").read_text() == "''\n"
+
+
+async def test_entrypoints_outside_the_policy_are_refused(tmp_path):
+    async with trio.open_nursery() as nursery:
+        runner, _ = await open_runner(nursery, tmp_path, allowed_entrypoints=frozenset({"counter", "mystery"}))
+        with pytest.raises(LocalProtocolError, match="'train' is not allowed on this node"):
+            await runner.start(JOB, "train", [], gpus=[], restore=None, fence=1)
+        with pytest.raises(LocalProtocolError, match="not allowed on this node"):
+            runner.resolve_argv("rm -rf /", [])
+        with pytest.raises(LocalProtocolError, match="'mystery' is neither a built-in kind"):
+            runner.resolve_argv("mystery", [])  # allowed by policy, but no command declares it
+        assert runner.running() == {}
+        nursery.cancel_scope.cancel()
+
+
+PARENT = textwrap.dedent("""
+    import sys, trio
+    from meshnode.runner import WorkloadRunner
+    async def ignore(*args):
+        pass
+    async def main():
+        sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]  # does not use the SDK
+        runner = WorkloadRunner(sys.argv[1], 100, ignore, ignore, commands={"sleeper": sleeper})
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.serve)
+            print(await runner.start(bytes(32), "sleeper", [], [], None, 1), flush=True)
+            await trio.sleep_forever()
+    trio.run(main)
+""")
+
+
+def test_workload_dies_when_its_node_is_sigkilled(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+        child = os.pidfd_open(child_pid)
+        try:
+            assert not select.select([child], [], [], 0)[0]  # running while its node lives
+            os.kill(parent.pid, signal.SIGKILL)
+            readable, _, _ = select.select([child], [], [], WAIT_S)  # a pidfd turns readable at exit
+            assert readable == [child]
+        finally:
+            os.close(child)
+    finally:
+        parent.kill()
+        parent.wait(timeout=WAIT_S)
+        parent.stdout.close()
+
+
+def test_train_state_grows_and_a_restored_run_matches_an_uninterrupted_one():
+    straight = TrainingRun(features=6, samples=40, seed=3, learning_rate=0.5)
+    losses = [straight.train_step() for _ in range(6)]
+    assert losses[-1] < losses[0]
+
+    first_half = TrainingRun(features=6, samples=40, seed=3, learning_rate=0.5)
+    for _ in range(3):
+        first_half.train_step()
+    halfway_state = first_half.encode_state()
+    resumed = TrainingRun(features=6, samples=40, seed=3, learning_rate=0.5)
+    resumed.restore_state(halfway_state)
+    for _ in range(3):
+        resumed.train_step()
+    assert resumed.encode_state() == straight.encode_state()
+    assert len(straight.encode_state()) > len(halfway_state)
