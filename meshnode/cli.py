@@ -33,6 +33,7 @@ COMMAND_MODULES = {
     "testnet": "meshnode.cli_testnet",
     "cert": "meshnode.cli_cert",
     "tui": "meshnode.cli_tui",
+    "bench": "meshnode.cli_bench",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from keys.attestation import issue_attestation
@@ -65,6 +66,8 @@ def parse_public_key(text: str) -> bytes:
             return public_key_from_peer_id(text)
         except (RemoteProtocolError, ValueError):
             raise KeystoreError("%s is not an Ed25519 peer ID" % text) from None
+    if not os.path.exists(text):
+        raise KeystoreError("%r is not a public key (64 hex digits), a peer ID or a keystore file" % text)
     return read_public_key(text)
 
 

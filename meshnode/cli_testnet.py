@@ -31,6 +31,10 @@ def register(subparsers) -> None:
         parser.add_argument("index", type=int, metavar="I")
         _common(parser)
         parser.set_defaults(func=cmd_fault, action=name)
+    add = sub.add_parser("add", help="create and start a new, not yet admitted node (then `meshnode join`)")
+    add.add_argument("--stake", type=int, default=100, help="stake the testnet authority vouches for")
+    _common(add)
+    add.set_defaults(func=cmd_add)
     down = sub.add_parser("down", help="stop every node and workload of the testnet")
     down.add_argument("--purge", action="store_true", help="also delete DIR")
     _common(down)
@@ -80,6 +84,16 @@ def cmd_fault(args) -> int:
         pid = launcher.load_layout(args.dir)["nodes"][args.index]["pid"]
     result = {"index": args.index, "action": args.action, "pid": pid}
     emit(args, result, lambda console: console.print("node %d: %s" % (args.index, args.action)))
+    return 0
+
+
+def cmd_add(args) -> int:
+    entry = launcher.add_node(args.dir, args.stake)
+    layout = launcher.load_layout(args.dir)
+    result = dict(entry, bootstrap=launcher.bootstrap_multiaddr(layout["nodes"][0]))
+    emit(args, result, lambda console: console.print(
+        "node %d started at %s; admit it with:\n  meshnode join --node %s --bootstrap %s"
+        % (entry["index"], entry["dir"], entry["dir"], result["bootstrap"])))
     return 0
 
 

@@ -28,7 +28,6 @@ from meshnode.node_api import ControlApi
 from meshnode.node_store import NodeStore
 from meshnode.runner import WorkloadRunner
 from meshnode.telemetry import Telemetry
-from protocol import codec
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
@@ -271,8 +270,11 @@ class Node:
         await self._handle(ready)
         return job_id
 
-    async def join(self, request: bytes) -> None:
-        await self._handle(self.core.request_join(request, now_ms()))
+    async def join(self, bootstrap_key: bytes, addr: str) -> dict:
+        """Ask the mesh, through ``bootstrap_key``, to admit this node (SPEC.md 7.2)."""
+        await self.transport.connect(bootstrap_key, addr)
+        await self._handle(self.core.request_join(bootstrap_key, now_ms()))
+        return {"requested": True, "bootstrap": bootstrap_key.hex(), "epoch": self.core.epoch}
 
     def close(self) -> None:
         self.telemetry.close()
@@ -325,5 +327,3 @@ async def run_node(data_dir, *, run_workloads: bool = True) -> None:
         except FileNotFoundError:
             pass
 
-
-__all__ = ["Node", "run_node", "codec"]

@@ -46,6 +46,7 @@ from protocol.messages import MAX_STATE_BYTES
 PR_SET_PDEATHSIG = 1
 STATS_WINDOW = 1024       # checkpoint intervals and pull latencies kept per workload
 MAX_WORKLOADS = 256       # a node runs at most this many at once
+DRAIN_AFTER_EXIT_S = 1.0  # bound on reading frames a dead workload left in its socket
 
 CheckpointCallback = Callable[[bytes, int, int, int, bytes], Awaitable[None]]
 ExitCallback = Callable[[bytes, int], Awaitable[None]]
@@ -112,7 +113,8 @@ class _Job:
         self.stream = stream
         self.restore_frame = restore_frame
         self.stopping = False
-        self.exited = trio.Event()
+        self.exited = trio.Event()         # set once the process is reaped and the job unlisted
+        self.tick_scope = trio.CancelScope()
         self.pull_id = 0
         self.pull_sent_at: float | None = None  # trio clock; None when no PULL is outstanding
 
@@ -227,7 +229,9 @@ class WorkloadRunner:
     async def stop(self, job_id: bytes) -> int | None:
         """SIGKILL the workload's process group and wait for it; its exit code (None if unknown job).
 
-        A stopped workload gets no on_exit call: the caller asked for it.
+        A stopped workload gets no on_exit call (the caller asked for it) and no
+        on_checkpoint call after stop() returns. stop() may be awaited from inside this
+        job's own on_checkpoint (a node that finds itself fenced does that).
         """
         job = self._jobs.get(job_id)
         if job is None:
@@ -247,18 +251,31 @@ class WorkloadRunner:
                 nursery.start_soon(self._tick, job)
                 nursery.start_soon(self._read_replies, job)
                 await trio.lowlevel.wait_readable(pidfd)
-                nursery.cancel_scope.cancel()
+                job.tick_scope.cancel()
+                self._reap(job)
+                # The reader may still hold STATE frames the workload sent before it died,
+                # and may be inside on_checkpoint (which may itself call stop(): the reap
+                # above is what lets that return). It ends at EOF; the deadline only
+                # matters if an escaped grandchild still holds the socket open.
+                nursery.cancel_scope.deadline = trio.current_time() + DRAIN_AFTER_EXIT_S
         finally:
             os.close(pidfd)
-            _kill_group(job.popen)   # also its children; and on runner shutdown, the workload itself
-            job.popen.wait()         # exited or SIGKILLed: returns at once
+            self._reap(job)          # on runner shutdown: kills the workload here
             job.stream.socket.close()
-            del self._jobs[job.info.job_id]
-            job.exited.set()
         if not job.stopping:
             await self._on_exit(job.info.job_id, job.popen.returncode)
 
+    def _reap(self, job: _Job) -> None:
+        _kill_group(job.popen)   # its children too
+        job.popen.wait()         # exited or SIGKILLed: returns at once
+        self._jobs.pop(job.info.job_id, None)
+        job.exited.set()
+
     async def _tick(self, job: _Job) -> None:
+        with job.tick_scope:
+            await self._tick_until_cancelled(job)
+
+    async def _tick_until_cancelled(self, job: _Job) -> None:
         """Send a PULL every checkpoint_ms on absolute deadlines (no drift); skip if one is outstanding."""
         try:
             await job.stream.send_all(job.restore_frame)
@@ -304,6 +321,8 @@ class WorkloadRunner:
                 if frame_type != sdk.STATE:
                     raise RemoteProtocolError("unexpected frame type %d from the workload" % frame_type)
                 (_pull_id, progress, taken_ms), state = sdk.split_frame(body, sdk.STATE_FIELDS)
+                if job.stopping:
+                    return  # after stop() no callback may report this job again
                 job.info.seq += 1
                 job.info.progress = progress
                 job.info.last_taken_ms = taken_ms

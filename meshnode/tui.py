@@ -118,25 +118,36 @@ class OwnerTui(App):
     # --- layout -------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield Static("connecting to %s" % self.socket_path, id="connection", classes="down")
-        with TabbedContent(initial="mesh"):
+        # The views are kept as attributes, not queried: the connection loop updates them
+        # while a dialog is on top and during shutdown, when queries would find nothing.
+        self.connection_bar = Static("connecting to %s" % self.socket_path, id="connection", classes="down")
+        self.mesh_table = DataTable(id="mesh-table", cursor_type="row", zebra_stripes=True)
+        self.jobs_table = DataTable(id="jobs-table", cursor_type="row", zebra_stripes=True)
+        self.jobs_note = Static("", id="jobs-note", classes="note")
+        self.consensus_note = Static("", id="consensus-note", classes="note")
+        self.consensus_table = DataTable(id="consensus-table", cursor_type="row")
+        self.evidence_table = DataTable(id="evidence-table", cursor_type="row")
+        self.events_log = RichLog(id="events-log", max_lines=MAX_EVENT_LINES, wrap=False)
+        self.tabs = TabbedContent(initial="mesh")
+        yield self.connection_bar
+        with self.tabs:
             with TabPane("1 mesh", id="mesh"):
-                yield DataTable(id="mesh-table", cursor_type="row", zebra_stripes=True)
+                yield self.mesh_table
             with TabPane("2 jobs", id="jobs"):
-                yield DataTable(id="jobs-table", cursor_type="row", zebra_stripes=True)
-                yield Static("", id="jobs-note", classes="note")
+                yield self.jobs_table
+                yield self.jobs_note
             with TabPane("3 consensus", id="consensus"):
-                yield Static("", id="consensus-note", classes="note")
-                yield DataTable(id="consensus-table", cursor_type="row")
-                yield DataTable(id="evidence-table", cursor_type="row")
+                yield self.consensus_note
+                yield self.consensus_table
+                yield self.evidence_table
             with TabPane("4 events", id="events"):
-                yield RichLog(id="events-log", max_lines=MAX_EVENT_LINES, wrap=False)
+                yield self.events_log
         yield Footer()
 
     def on_mount(self) -> None:
-        for table_id, columns in (("mesh-table", MESH_COLUMNS), ("jobs-table", JOB_COLUMNS),
-                                  ("consensus-table", CONSENSUS_COLUMNS), ("evidence-table", EVIDENCE_COLUMNS)):
-            self.query_one("#" + table_id, DataTable).add_columns(*columns)
+        for table, columns in ((self.mesh_table, MESH_COLUMNS), (self.jobs_table, JOB_COLUMNS),
+                               (self.consensus_table, CONSENSUS_COLUMNS), (self.evidence_table, EVIDENCE_COLUMNS)):
+            table.add_columns(*columns)
         self.run_worker(self._connection_loop(), name="connection", exclusive=True)
 
     # --- the connection loop ------------------------------------------------------------------
@@ -190,7 +201,7 @@ class OwnerTui(App):
         self._render_views()
 
     async def _follow_events(self, client: TuiControlClient) -> None:
-        log = self.query_one("#events-log", RichLog)
+        log = self.events_log
         try:
             async for event in client.events():
                 log.write(event_line(event))
@@ -202,11 +213,11 @@ class OwnerTui(App):
 
     def _set_connected(self, connected: bool, reason: str) -> None:
         self.connected = connected
-        bar = self.query_one("#connection", Static)
+        bar = self.connection_bar
         bar.set_class(not connected, "down")
         if connected:
             bar.update("connected  " + status_line(self.status))
-            self.query_one("#events-log", RichLog).write("connected to %s" % self.socket_path)
+            self.events_log.write("connected to %s" % self.socket_path)
         else:
             bar.update("disconnected: %s" % reason)
 
@@ -214,19 +225,18 @@ class OwnerTui(App):
 
     def _render_views(self) -> None:
         if self.connected:
-            self.query_one("#connection", Static).update("connected  " + status_line(self.status))
-        self._fill("mesh-table", [(n.get("key") or n.get("short"), mesh_row(n)) for n in self.nodes])
-        self._fill("jobs-table", [(jid, job_row(j)) for jid, j in self.jobs.items()])
-        self._fill("consensus-table", [(i.get("instance"), consensus_row(i))
+            self.connection_bar.update("connected  " + status_line(self.status))
+        self._fill(self.mesh_table, [(n.get("key") or n.get("short"), mesh_row(n)) for n in self.nodes])
+        self._fill(self.jobs_table, [(jid, job_row(j)) for jid, j in self.jobs.items()])
+        self._fill(self.consensus_table, [(i.get("instance"), consensus_row(i))
                                        for i in self.consensus.get("instances", ())])
-        self._fill("evidence-table", [(None, evidence_row(e)) for e in self.consensus.get("evidence", ())])
-        self.query_one("#consensus-note", Static).update(
+        self._fill(self.evidence_table, [(None, evidence_row(e)) for e in self.consensus.get("evidence", ())])
+        self.consensus_note.update(
             "certificates: %d   evidence: %d" % (self.consensus.get("certificates", 0),
                                                  len(self.consensus.get("evidence", ()))))
         self._render_jobs_note()
 
-    def _fill(self, table_id: str, keyed_rows: list[tuple[str | None, tuple]]) -> None:
-        table = self.query_one("#" + table_id, DataTable)
+    def _fill(self, table: DataTable, keyed_rows: list[tuple[str | None, tuple]]) -> None:
         selected = self._selected_key(table)
         table.clear()
         for key, row in keyed_rows:
@@ -250,16 +260,16 @@ class OwnerTui(App):
         selected = self.selected_job()
         if selected is not None and selected.get("state") == "pending":
             lines.append("%s pending: %s (w: why)" % (selected["job_id"][:8], format_declines(selected.get("declines", {}))))
-        self.query_one("#jobs-note", Static).update("\n".join(lines))
+        self.jobs_note.update("\n".join(lines))
 
     def selected_job(self) -> dict | None:
-        key = self._selected_key(self.query_one("#jobs-table", DataTable))
+        key = self._selected_key(self.jobs_table)
         return self.jobs.get(key) if key is not None else None
 
     # --- actions ------------------------------------------------------------------------------
 
     def action_show(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
+        self.tabs.active = tab
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import SigningIdentity
-from keys.keystore import create_keystore
-from meshnode.config import GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
+from keys.attestation import issue_attestation
+from keys.keystore import create_keystore, load_identity
+from meshnode.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
 from meshnode.control_client import ControlClient
 from protocol.errors import ConfigError, MeshError
 from protocol.messages import Member
@@ -33,6 +34,9 @@ LAYOUT_FILE = "testnet.json"
 READY_TIMEOUT_S = 60
 STOP_GRACE_S = 5
 MAX_NODES = 64
+ATTESTATION_FILE = "attestation.bin"
+ATTESTATION_VALID_MS = 30 * 24 * 3600 * 1000
+JURISDICTIONS = ("eu", "us")  # attested per node, alternating, for sovereign placements
 
 # Heterogeneous simulated hardware over two zones (issue: at least 2 zones).
 GPU_PROFILES = (
@@ -96,6 +100,10 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         path = root / "owners" / ("owner-%d.key" % k)
         create_keystore(path, identity, None)
         owner_entries.append({"key_file": str(path), "public_key": identity.public_key.hex()})
+    # The testnet's attestation authority vouches for node attributes and for the stake
+    # of nodes that join later (SPEC.md 7.2: a join cannot grant itself stake).
+    authority = SigningIdentity.generate()
+    create_keystore(root / "authority.key", authority, None)
     identities = [SigningIdentity.generate() for _ in range(nodes)]
     ports = [free_port() for _ in range(nodes)]
     members = []
@@ -104,27 +112,74 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
                               labels={"testnet": name}, addrs=("/ip4/127.0.0.1/tcp/%d" % ports[i],)))
     genesis = Genesis(name=name, created_ms=time.time_ns() // 1_000_000, members=tuple(members),
-                      params=DEFAULT_PARAMS, authorities=())
+                      params=DEFAULT_PARAMS, authorities=(authority.public_key,))
     entries = []
     for i, identity in enumerate(identities):
-        model, count, mem_mib, zone, rail = GPU_PROFILES[i % len(GPU_PROFILES)]
+        zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
         node_dir = root / ("node-%d" % i)
         node_dir.mkdir(exist_ok=True)
         os.chmod(node_dir, 0o700)
         paths = node_paths(node_dir)
         create_keystore(paths.keystore, identity, None)
         paths.genesis.write_bytes(genesis.encode())
-        write_config(node_dir, NodeConfig(
-            listen=("/ip4/127.0.0.1/tcp/%d" % ports[i],), zone=zone, rail_group=rail,
-            passphrase=PassphraseSource("insecure"),
-            allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
-            gpu=GpuProfile(source="simulated", model=model, count=count, mem_mib=mem_mib, seed=i),
-            labels=(("testnet", name),)))
+        _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=0)
         entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
               "run_workloads": run_workloads}
     save_layout(root, layout)
     return layout
+
+
+def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
+                      owner_entries: list, name: str, stake: int, bootstrap=()) -> None:
+    """Config and attestation of one node; ``stake`` > 0 vouches stake for a joining node."""
+    model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
+    issued_ms = time.time_ns() // 1_000_000
+    attestation = issue_attestation(authority, identity.public_key,
+                                    {"jurisdiction": JURISDICTIONS[index % 2], "zone": zone}, stake,
+                                    issued_ms, issued_ms + ATTESTATION_VALID_MS, genesis.mesh_id)
+    (node_dir / ATTESTATION_FILE).write_bytes(attestation)
+    write_config(node_dir, NodeConfig(
+        listen=("/ip4/127.0.0.1/tcp/%d" % port,), bootstrap=tuple(bootstrap), zone=zone, rail_group=rail,
+        passphrase=PassphraseSource("insecure"),
+        allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
+        attestation_files=(ATTESTATION_FILE,),
+        gpu=GpuProfile(source="simulated", model=model, count=count, mem_mib=mem_mib, seed=index),
+        labels=(("testnet", name),)))
+
+
+def add_node(root, stake: int = 100) -> dict:
+    """Prepare and start a NEW node that is not yet a member; `meshnode join` admits it."""
+    root = Path(root)
+    layout = load_layout(root)
+    index = len(layout["nodes"])
+    if index >= MAX_NODES:
+        raise ConfigError("a testnet holds at most %d nodes" % MAX_NODES)
+    genesis_bytes = node_paths(layout["nodes"][0]["dir"]).genesis.read_bytes()
+    genesis = Genesis.decode(genesis_bytes)
+    authority = load_identity(root / "authority.key", None)
+    identity = SigningIdentity.generate()
+    port = free_port()
+    node_dir = root / ("node-%d" % index)
+    node_dir.mkdir()
+    os.chmod(node_dir, 0o700)
+    paths = node_paths(node_dir)
+    create_keystore(paths.keystore, identity, None)
+    paths.genesis.write_bytes(genesis_bytes)
+    first = layout["nodes"][0]
+    bootstrap = [BootstrapPeer(bytes.fromhex(first["public_key"]), "/ip4/127.0.0.1/tcp/%d" % first["port"])]
+    _write_node_files(node_dir, identity, authority, genesis, index, port, layout["owners"], layout["name"],
+                      stake=stake, bootstrap=bootstrap)
+    zone = GPU_PROFILES[index % len(GPU_PROFILES)][3]
+    layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone).__dict__)
+    save_layout(root, layout)
+    start_node(root, index)
+    return layout["nodes"][index]
+
+
+def bootstrap_multiaddr(entry: dict) -> str:
+    from keys.identity import peer_id_from_public_key
+    return "/ip4/127.0.0.1/tcp/%d/p2p/%s" % (entry["port"], peer_id_from_public_key(bytes.fromhex(entry["public_key"])))
 
 
 def _node_command(entry: dict, run_workloads: bool) -> list[str]:

@@ -75,6 +75,7 @@ class SimNode:
     up: bool = True
     incarnation: int = 0
     certificates: list = field(default_factory=list)   # persisted commit certificate bytes
+    evidence_offenders: set = field(default_factory=set)  # offenders in persisted evidence records
     persisted_records: int = 0
     behaviour: ByzantineBehaviour | None = None
 
@@ -315,7 +316,9 @@ class Simulation:
         for record in ready.persist:
             node.persisted_records += 1
             if record.table == "certificates":
-                node.certificates.append(certificate_bytes(record))
+                node.certificates.append(record.value["certificate"])
+            elif record.table == "evidence":
+                node.evidence_offenders.add(record.value["offender"])
         outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
         if outbound:
             self._send(node.index, outbound)
@@ -367,16 +370,10 @@ class Simulation:
             counters=dict(self.counters))
 
     def _evidence_of(self, index: int) -> set[bytes]:
+        """Offenders a node holds evidence against: persisted (survives its crashes) or live."""
         node = self.nodes[index]
-        return offenders(node.core.evidence) if node.core is not None else set()
-
-
-def certificate_bytes(record) -> bytes:
-    return record.value["certificate"]
-
-
-def offenders(evidence) -> set[bytes]:
-    return {item.offender for item in evidence}
+        live = {item.offender for item in node.core.evidence} if node.core is not None else set()
+        return node.evidence_offenders | live
 
 
 def run_simulation(config: SimConfig) -> SimResult:

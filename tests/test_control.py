@@ -188,21 +188,24 @@ async def test_slow_subscriber_is_dropped_with_a_final_error_frame(node_dir):
         await start_server(nursery, node_dir, hub)
         stream = await trio.open_unix_socket(str(node_dir / "control.sock"))
         await stream.send_all(encode_frame({"id": 5, "op": "subscribe", "args": {}}))
-        while hub.subscriber_count == 0:
-            await trio.sleep(0)
-        for n in range(10):  # no checkpoint in between: the queue of 4 overflows at the 5th
-            hub.publish(Event("tick", n))
-        assert hub.subscriber_count == 0 and hub.dropped_subscribers == 1
         frames, received = FrameBuffer(), []
+        while not received:  # the acknowledgement
+            frames.feed(await stream.receive_some(65536))
+            if (payload := frames.next_payload()) is not None:
+                received.append(codec.unpack(payload))
+        await trio.testing.wait_all_tasks_blocked()  # the server now waits on its empty queue
+        for n in range(10):  # no checkpoint in between: one event is handed to the waiting
+            hub.publish(Event("tick", n))  # sender, 4 fill the queue, the 6th overflows it
+        assert hub.subscriber_count == 0 and hub.dropped_subscribers == 1
         while data := await stream.receive_some(65536):
             frames.feed(data)
             while (payload := frames.next_payload()) is not None:
                 received.append(codec.unpack(payload))
         await stream.aclose()
         assert received[0] == {"id": 5, "ok": True, "result": {"subscribed": True}}
-        assert [f["event"]["at_ms"] for f in received[1:5]] == [0, 1, 2, 3]
-        assert received[5]["ok"] is False and "too slow" in received[5]["error"]
-        assert len(received) == 6
+        assert [f["event"]["at_ms"] for f in received[1:6]] == [0, 1, 2, 3, 4]
+        assert received[6]["ok"] is False and "too slow" in received[6]["error"]
+        assert len(received) == 7
         assert await AsyncControlClient(node_dir).call("echo") == {"echo": {}}
         nursery.cancel_scope.cancel()
 

@@ -146,7 +146,10 @@ def short_dir() -> str:
 
 
 def text_of(app, selector: str) -> str:
-    return str(app.screen.query_one(selector, Static).render())
+    """The text of a Static on the top screen (a dialog), else on the main views."""
+    found = app.screen.query(selector)
+    widget = found.first(Static) if found else app.screen_stack[0].query_one(selector, Static)
+    return str(widget.render())
 
 
 def new_app(directory: str, key_path: str | None) -> OwnerTui:
@@ -164,7 +167,7 @@ def test_compose_sign_broadcast_and_follow_to_placement():
         app = new_app(directory, key_path)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.connected, "connected")
-            await until(pilot, lambda: app.query_one("#mesh-table", DataTable).row_count == 2, "mesh rows")
+            await until(pilot, lambda: app.mesh_table.row_count == 2, "mesh rows")
             await pilot.press("n")
             await until(pilot, lambda: isinstance(app.screen, ComposeScreen), "compose form")
             await pilot.press(*"train-1")  # the name field has focus first
@@ -179,11 +182,11 @@ def test_compose_sign_broadcast_and_follow_to_placement():
                 ("train-1", identity.public_key, 1, 40000)
             jid = job_id(job).hex()
             await until(pilot, lambda: app.followed is not None and jid in app.jobs, "the job row")
-            assert app.query_one(TabbedContent).active == "jobs"
+            assert app.tabs.active == "jobs"
             node.place(jid)
             await until(pilot, lambda: "placed" in app.followed.states, "placement to show")
             assert "submitted -> pending -> placed" in text_of(app, "#jobs-note")
-            assert "placed" in app.query_one("#jobs-table", DataTable).get_row(jid)
+            assert "placed" in app.jobs_table.get_row(jid)
         await node.stop()
     asyncio.run(scenario())
 

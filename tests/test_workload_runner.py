@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import trio
+import trio.testing
 
 from meshnode.builtin_workloads import COUNTER_STATE, TrainingRun, decode_counter_state
 from meshnode.runner import WorkloadRunner
@@ -110,6 +111,43 @@ async def test_entrypoints_outside_the_policy_are_refused(tmp_path):
             runner.resolve_argv("mystery", [])  # allowed by policy, but no command declares it
         assert runner.running() == {}
         nursery.cancel_scope.cancel()
+
+
+async def test_runner_shutdown_kills_its_workloads(tmp_path):
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        pid = await runner.start(JOB, "counter", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            await recorder.checkpoints.receive()
+        nursery.cancel_scope.cancel()
+    assert process_gone(pid)
+
+
+async def test_stop_from_inside_on_checkpoint_returns(tmp_path):
+    """A node that learns in on_checkpoint that it was fenced stops the job right there."""
+    finished = trio.Event()
+    stopped = []
+
+    async def stop_on_first_checkpoint(job_id, seq, progress, taken_ms, state):
+        if not stopped:
+            stopped.append(await runner.stop(job_id))
+            finished.set()
+        else:
+            stopped.append("late checkpoint")
+
+    async def on_exit(job_id, exit_code):
+        stopped.append("exit reported")
+
+    async with trio.open_nursery() as nursery:
+        runner = WorkloadRunner(tmp_path, 20, stop_on_first_checkpoint, on_exit)
+        await nursery.start(runner.serve)
+        await runner.start(JOB, "counter", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            await finished.wait()
+        assert runner.running() == {}
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert stopped == [-signal.SIGKILL]
 
 
 PARENT = textwrap.dedent("""

@@ -1,0 +1,61 @@
+"""`meshnode bench`: benchmarks on a real local testnet (DESIGN.md "What is measured").
+
+Each subcommand starts its own testnet, measures, always tears it down, and prints
+ONE JSON object (the numbers BENCHMARKS.md records, with the machine they ran on).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet")
+    sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    consensus = sub.add_parser("consensus", help="placement latency (submit -> certificate at every node) "
+                                                 "and throughput")
+    consensus.add_argument("--nodes", type=int, default=4)
+    consensus.add_argument("--jobs", type=int, default=200)
+    consensus.add_argument("--concurrency", type=int, default=1, help="submissions in flight")
+    _common(consensus)
+    consensus.set_defaults(func=cmd_consensus)
+
+    failover = sub.add_parser("failover", help="kill -9 job primaries: detection, recovery, lost work")
+    failover.add_argument("--nodes", type=int, default=5)
+    failover.add_argument("--kills", type=int, default=30)
+    failover.add_argument("--jobs", type=int, default=1, help="counter jobs running at once")
+    _common(failover)
+    failover.set_defaults(func=cmd_failover)
+
+
+def _common(parser) -> None:
+    parser.add_argument("--seed", type=int, default=None, help="seed for nonces and kill moments")
+    parser.add_argument("--dir", default=None, metavar="DIR",
+                        help="testnet directory (default: a new temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
+    parser.add_argument("--json", action="store_true",
+                        help="accepted for symmetry: the result is always one JSON object")
+
+
+def _print(result: dict) -> None:
+    json.dump(result, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def cmd_consensus(args) -> int:
+    from testnet.bench_consensus import run_consensus_bench
+    result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
+                                 seed=args.seed)
+    _print(result)
+    return 0 if result["undecided"] == 0 else 1
+
+
+def cmd_failover(args) -> int:
+    from testnet.bench_failover import run_failover_bench
+    result = run_failover_bench(args.nodes, args.kills, jobs=args.jobs, root=args.dir, keep=args.keep,
+                                seed=args.seed)
+    _print(result)
+    return 0 if result["lost_workloads"] == 0 and result["double_runs"] == 0 else 1

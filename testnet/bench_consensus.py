@@ -1,0 +1,240 @@
+"""Placement latency and throughput on a real local testnet (DESIGN.md "What is measured").
+
+``run_consensus_bench`` starts its own testnet of N ``meshnode run`` processes with
+workloads off (placements are decided, no process is started; the jobs ask for no
+GPU, CPU or memory, so capacity never runs out), subscribes to EVERY node's event
+stream, then submits J signed jobs round-robin over the nodes with C in flight.
+
+* latency of a job = the latest ``mono_ns`` among the N nodes' ``decided`` events for
+  its placement instance (each published when that node holds the commit certificate)
+  minus ``time.monotonic_ns()`` taken just before the submit request is sent.
+  CLOCK_MONOTONIC is one clock for every process on a Linux machine, so the node's
+  stamp and ours are comparable.
+* throughput = decided jobs / (first submit -> last decision at every node).
+
+The testnet is always torn down (try/finally, Ctrl-C included); its directory is
+deleted unless ``keep`` is set or the run failed (the node logs are the evidence).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from keys.keystore import load_identity
+from meshnode.control_client import ControlError, FrameBuffer, decode_map, encode_frame, socket_path
+from meshnode.manifest import parse_manifest
+from protocol.errors import MeshError
+from protocol.messages import encode_message, job_id
+from testnet import launcher
+from testnet.bench_stats import machine_info, summary_ms
+
+JOB_TIMEOUT_S = 30.0        # a job not decided everywhere by then counts as undecided
+MAX_JOBS = 100_000
+MAX_CONCURRENCY = 256
+RECV_CHUNK_BYTES = 65536
+
+CONSENSUS_MANIFEST = """
+name = "bench-consensus"
+entrypoint = "counter"
+strategy = "throughput"
+backups = 1
+max_retries = 0
+nonce = {nonce}
+[resources]
+gpus = 0
+cpu_milli = 0
+mem_mib = 0
+"""
+
+
+class ControlConnection:
+    """One persistent trio connection to a node's control socket; one request at a time.
+
+    The library's AsyncControlClient opens a connection per call; a benchmark wants
+    the connect out of the measured path, and a subscription it knows is live.
+    """
+
+    def __init__(self, stream: trio.SocketStream):
+        self._stream = stream
+        self._frames = FrameBuffer()
+        self._next_id = 1
+
+    @classmethod
+    async def open(cls, node_dir) -> "ControlConnection":
+        try:
+            return cls(await trio.open_unix_socket(str(socket_path(node_dir))))
+        except OSError as exc:
+            raise MeshError("node not running at %s: %s" % (node_dir, exc)) from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def _frame(self) -> dict:
+        while (payload := self._frames.next_payload()) is None:
+            data = await self._stream.receive_some(RECV_CHUNK_BYTES)
+            if not data:
+                raise ControlError("the node closed the control connection")
+            self._frames.feed(data)
+        return decode_map(payload)
+
+    async def call(self, op: str, **args):
+        request_id = self._next_id
+        self._next_id += 1
+        await self._stream.send_all(encode_frame({"id": request_id, "op": op, "args": args}))
+        reply = await self._frame()
+        if reply.get("id") != request_id or reply.get("ok") is not True:
+            raise ControlError("%s: %s" % (op, reply.get("error", "bad reply %r" % reply)))
+        return reply.get("result")
+
+    async def events(self):
+        """After ``call("subscribe")``: the event maps, until the node ends the stream."""
+        while True:
+            frame = await self._frame()
+            if "event" not in frame:
+                raise ControlError("subscription ended: %s" % frame.get("error", frame))
+            yield frame["event"]
+
+
+async def subscribe(node_dir, index: int, on_event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Feed ``on_event(index, event)`` every event node ``index`` publishes; started once live."""
+    connection = await ControlConnection.open(node_dir)
+    try:
+        await connection.call("subscribe")
+        task_status.started()
+        async for event in connection.events():
+            on_event(index, event)
+    finally:
+        await connection.aclose()
+
+
+def sign_jobs(owner_key_file, mesh_id: bytes, count: int, rng: random.Random, manifest_text: str,
+              now_ms: int) -> list[tuple[bytes, bytes]]:
+    """``count`` signed jobs with distinct random nonces: [(job id, envelope bytes)]."""
+    owner = load_identity(owner_key_file, None)
+    signed = []
+    for nonce in rng.sample(range(1 << 40), count):
+        job = parse_manifest(manifest_text.format(nonce=nonce), owner.public_key, now_ms)
+        signed.append((job_id(job), encode_message(owner, mesh_id, job)))
+    return signed
+
+
+@dataclass
+class DecisionCollector:
+    """Per job: when each node published ``decided`` for its placement instance."""
+    nodes: int
+    decided_ns: dict[str, dict[int, int]] = field(default_factory=dict)
+    everywhere: dict[str, trio.Event] = field(default_factory=dict)
+    rounds_over_zero: int = 0
+
+    def expect(self, job_hex: str) -> None:
+        self.decided_ns[job_hex] = {}
+        self.everywhere[job_hex] = trio.Event()
+
+    def on_event(self, index: int, event: dict) -> None:
+        detail = event.get("detail", {})
+        if event.get("kind") != "decided" or detail.get("value_kind", "placement") != "placement":
+            return
+        job_hex = detail.get("instance") or detail.get("job_id")
+        per_node = self.decided_ns.get(job_hex)
+        if per_node is None or index in per_node:
+            return
+        per_node[index] = detail["mono_ns"]
+        if detail.get("round", 0) > 0:
+            self.rounds_over_zero += 1
+        if len(per_node) == self.nodes:
+            self.everywhere[job_hex].set()
+
+
+async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: int,
+                  job_timeout_s: float = JOB_TIMEOUT_S) -> dict:
+    """Submit ``signed`` over the running testnet ``layout``; the raw per-job numbers."""
+    node_dirs = [n["dir"] for n in layout["nodes"]]
+    collector = DecisionCollector(len(node_dirs))
+    for jid, _ in signed:
+        collector.expect(jid.hex())
+    submitted_ns: dict[str, int] = {}
+    undecided: list[str] = []
+    queue = iter(enumerate(signed))
+
+    async def worker() -> None:
+        connections: dict[int, ControlConnection] = {}
+        try:
+            for k, (jid, envelope) in queue:
+                target = k % len(node_dirs)
+                if target not in connections:
+                    connections[target] = await ControlConnection.open(node_dirs[target])
+                job_hex = jid.hex()
+                submitted_ns[job_hex] = time.monotonic_ns()
+                result = await connections[target].call("submit", job=envelope)
+                if result.get("job_id") != job_hex:
+                    raise MeshError("node %d named job %s, expected %s" % (target, result.get("job_id"), job_hex))
+                with trio.move_on_after(job_timeout_s):
+                    await collector.everywhere[job_hex].wait()
+                if not collector.everywhere[job_hex].is_set():
+                    undecided.append(job_hex)
+        finally:
+            for connection in connections.values():
+                await connection.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for i, node_dir in enumerate(node_dirs):
+            await nursery.start(subscribe, node_dir, i, collector.on_event)
+        async with trio.open_nursery() as workers:
+            for _ in range(concurrency):
+                workers.start_soon(worker)
+        nursery.cancel_scope.cancel()
+    latencies_ms, last_ns = [], 0
+    for job_hex, per_node in collector.decided_ns.items():
+        if len(per_node) == len(node_dirs):
+            latest = max(per_node.values())
+            last_ns = max(last_ns, latest)
+            latencies_ms.append((latest - submitted_ns[job_hex]) / 1e6)
+    first_ns = min(submitted_ns.values())
+    span_s = (last_ns - first_ns) / 1e9 if latencies_ms else 0.0
+    return {"latencies_ms": latencies_ms, "undecided": len(undecided), "span_s": span_s,
+            "decided_in_later_round": collector.rounds_over_zero}
+
+
+def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
+                        seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S) -> dict:
+    """Start a testnet, measure, tear it down; one JSON-ready result."""
+    if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise MeshError("--jobs must be 1..%d and --concurrency 1..%d" % (MAX_JOBS, MAX_CONCURRENCY))
+    machine = machine_info()
+    root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-consensus-"))
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
+    failed = True
+    try:
+        started = time.monotonic()
+        launcher.up(root, nodes, owners=1, run_workloads=False)
+        ready_s = time.monotonic() - started
+        layout = launcher.load_layout(root)
+        signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs,
+                           random.Random(seed), CONSENSUS_MANIFEST, time.time_ns() // 1_000_000)
+        raw = trio.run(measure, layout, signed, concurrency, job_timeout_s)
+        failed = False
+    finally:
+        if (root / launcher.LAYOUT_FILE).exists():
+            launcher.down(root)
+        if failed or keep:
+            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    decided = len(raw["latencies_ms"])
+    return {
+        "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,
+        "decided": decided, "undecided": raw["undecided"],
+        "decided_in_later_round": raw["decided_in_later_round"],
+        "latency_ms": summary_ms(raw["latencies_ms"]),
+        "throughput_per_s": round(decided / raw["span_s"], 1) if raw["span_s"] > 0 else None,
+        "testnet_ready_s": round(ready_s, 2), "machine": machine,
+    }
