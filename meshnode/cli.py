@@ -31,6 +31,7 @@ COMMAND_MODULES = {
     "consensus": "meshnode.cli_node",
     "join": "meshnode.cli_node",
     "testnet": "meshnode.cli_testnet",
+    "demo": "meshnode.cli_demo",
     "cert": "meshnode.cli_cert",
     "tui": "meshnode.cli_tui",
     "bench": "meshnode.cli_bench",

@@ -147,7 +147,8 @@ class Node:
         for record in checkpoint_records:
             self._store_checkpoint(record.value)
         other = [r for r in ready.persist if r.table != "checkpoints"]
-        self.store.record_ready(Ready(persist=other, decisions=ready.decisions, events=ready.events))
+        certified = [d for d in ready.decisions if d.certificate]  # local halt/resume orders carry none
+        self.store.record_ready(Ready(persist=other, decisions=certified, events=ready.events))
         # 2. send (best effort; the protocol tolerates loss).
         for outbound in ready.messages:
             if outbound.to is None:

@@ -391,10 +391,39 @@ class Leave(Record):
     SCHEMA: ClassVar = {"epoch": Int()}
 
 
+# --- job lifecycle and catch-up (SPEC.md 9.5-9.7, spec_parts/placement_failure.md) ----------
+
+@record
+class Cancel(Record):
+    """The job's owner asks the mesh to stop and forget a job. Only the owner's signature counts."""
+    KIND: ClassVar = "cancel"
+    job_id: bytes
+    requested_ms: int
+    SCHEMA: ClassVar = {"job_id": Key(), "requested_ms": Int()}
+
+
+@record
+class JobExit(Record):
+    """The job's primary reports that its workload exited (0: completed, else failed)."""
+    KIND: ClassVar = "job_exit"
+    job_id: bytes
+    fence: int
+    exit_code: int
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "exit_code": Int(0, 255)}
+
+
+@record
+class SyncRequest(Record):
+    """Ask peers for the epoch-change certificates from ``epoch`` on (a paused or rejoining node)."""
+    KIND: ClassVar = "sync_request"
+    epoch: int
+    SCHEMA: ClassVar = {"epoch": Int()}
+
+
 MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
     CommitCertificate, RoundChange, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
-    Attestation, Endorsement, Join, Leave,
+    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest,
 )}
 
 

@@ -61,7 +61,11 @@ class Reservations:
         return len(self._held_gpus), self._held_cpu_milli, self._held_mem_mib
 
     # --- transitions -------------------------------------------------------------------------
-    def _pick_gpus(self, resources: Resources, free_mem_mib: dict[int, int] | None) -> tuple[int, ...] | None:
+    def _pick_gpus(self, resources: Resources, free_mem_mib: dict[int, int] | None,
+                   prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
+        free = set(self.free_gpus())
+        if prefer and len(prefer) == resources.gpus and set(prefer) <= free:
+            return tuple(prefer)  # the GPUs a committed placement names, when still free
         candidates = []
         for index in self.free_gpus():
             free = self.gpu_mem_total_mib[index] if free_mem_mib is None else free_mem_mib.get(index, 0)
@@ -72,12 +76,12 @@ class Reservations:
         return tuple(candidates[:resources.gpus])  # lowest indices: deterministic, packs GPUs
 
     def _take(self, resources: Resources, expires_ms: int | None,
-              free_mem_mib: dict[int, int] | None) -> Claim | None:
+              free_mem_mib: dict[int, int] | None, prefer: tuple[int, ...] = ()) -> Claim | None:
         if len(self._reserved) + len(self._allocated) >= MAX_CLAIMS:
             return None
         if resources.cpu_milli > self.free_cpu_milli() or resources.mem_mib > self.free_mem_mib():
             return None
-        gpus = self._pick_gpus(resources, free_mem_mib)
+        gpus = self._pick_gpus(resources, free_mem_mib, prefer)
         if gpus is None:
             return None
         self._held_gpus.update(gpus)
@@ -127,12 +131,13 @@ class Reservations:
         self._allocated[job_key] = allocated
         return allocated
 
-    def allocate_now(self, job_key: bytes, resources: Resources,
-                     free_mem_mib: dict[int, int] | None = None) -> Claim | None:
-        """Allocate without a prior bid (a migrated job moving here); None if it does not fit."""
+    def allocate_now(self, job_key: bytes, resources: Resources, free_mem_mib: dict[int, int] | None = None,
+                     prefer: tuple[int, ...] = ()) -> Claim | None:
+        """Allocate without a prior bid (a migrated job moving here, or a placement replayed
+        after a restart); None if it does not fit."""
         if job_key in self._allocated:
             return self._allocated[job_key]
-        claim = self._take(resources, None, free_mem_mib)
+        claim = self._take(resources, None, free_mem_mib, prefer)
         if claim is not None:
             self._allocated[job_key] = claim
         return claim

@@ -93,10 +93,10 @@ def test_backups_are_other_nodes_preferring_another_zone():
     assert chosen.backups == (ident(2).public_key, ident(1).public_key)
 
 
-def test_at_least_one_backup_when_a_second_node_bid():
-    m = job("latency", backups=0)
-    chosen = place(m, [facts(0, m, rtt=1), facts(1, m, rtt=2)])
-    assert chosen.backups == (ident(1).public_key,)
+def test_backup_count_is_what_the_owner_asked_or_fewer():
+    bids_for = lambda m: [facts(i, m, rtt=i) for i in range(3)]
+    assert place(job("latency", backups=0), bids_for(job("latency", backups=0))).backups == ()
+    assert len(place(job("latency", backups=4), bids_for(job("latency", backups=4))).backups) == 2
 
 
 def test_ties_break_by_hash_of_instance_and_node_key():

@@ -1,0 +1,87 @@
+"""`meshnode demo`: start a local testnet, submit the example jobs, and show the mesh.
+
+With a terminal it opens the TUI on node 0 (quit with q); without one (CI, pipes) it
+prints the mesh and job tables once. The testnet is stopped at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from keys.genesis import load_genesis
+from keys.keystore import load_identity
+from meshnode.config import node_paths
+from meshnode.control_client import ControlClient
+from meshnode.manifest import load_manifest
+from protocol.messages import encode_message
+from testnet import launcher
+
+JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+SETTLE_TIMEOUT_S = 20
+
+
+def register(subparsers) -> None:
+    demo = subparsers.add_parser("demo", help="a local mesh with example workloads, shown live")
+    demo.add_argument("--dir", default="demo-mesh", metavar="DIR")
+    demo.add_argument("--nodes", type=int, default=4)
+    demo.add_argument("--keep", action="store_true", help="leave the testnet running afterwards")
+    demo.set_defaults(func=cmd_demo)
+
+
+def submit_examples(root) -> list[str]:
+    layout = launcher.load_layout(root)
+    owner = load_identity(layout["owners"][0]["key_file"], None)
+    node_dir = layout["nodes"][0]["dir"]
+    mesh_id = load_genesis(node_paths(node_dir).genesis).mesh_id
+    job_ids = []
+    with ControlClient(node_dir) as client:
+        for manifest_path in sorted(JOBS_DIR.glob("*.toml")):
+            job = load_manifest(manifest_path, owner.public_key, time.time_ns() // 1_000_000)
+            job_ids.append(client.call("submit", job=encode_message(owner, mesh_id, job))["job_id"])
+            print("submitted %-22s %s" % (manifest_path.name, job_ids[-1][:12]))
+    return job_ids
+
+
+def wait_settled(node_dir, job_ids, timeout_s=SETTLE_TIMEOUT_S) -> None:
+    """Until every job is running, or pending with declines that explain why."""
+    deadline = time.monotonic() + timeout_s
+    with ControlClient(node_dir) as client:
+        while time.monotonic() < deadline:
+            jobs = {j["job_id"]: j for j in client.call("jobs")["jobs"]}
+            if all(j in jobs and (jobs[j]["state"] == "running" or jobs[j]["declines"]) for j in job_ids):
+                return
+            time.sleep(0.1)
+
+
+def cmd_demo(args) -> int:
+    root = Path(args.dir)
+    if (root / launcher.LAYOUT_FILE).exists():
+        launcher.down(root)
+        import shutil
+        shutil.rmtree(root)
+    print("starting a %d-node testnet in %s ..." % (args.nodes, root))
+    launcher.up(root, args.nodes)
+    try:
+        layout = launcher.load_layout(root)
+        job_ids = submit_examples(root)
+        node_dir = layout["nodes"][0]["dir"]
+        wait_settled(node_dir, job_ids)
+        time.sleep(1.0)  # a few checkpoints, so the tables show their age
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            from meshnode.tui import OwnerTui
+            OwnerTui(node_dir, layout["owners"][0]["key_file"]).run()
+        else:
+            from meshnode.cli_tui import fetch_snapshot
+            from meshnode.tui_tables import render_snapshot
+            from rich.console import Console
+            render_snapshot(fetch_snapshot(node_dir), Console(width=120))
+    finally:
+        if args.keep:
+            print("testnet left running: meshnode testnet status --dir %s; stop it with "
+                  "meshnode testnet down --dir %s" % (root, root))
+        else:
+            launcher.down(root)
+            print("testnet stopped")
+    return 0

@@ -1,0 +1,374 @@
+"""MeshCore: one node's whole protocol state machine (spec_parts/placement_failure.md).
+
+The node driver (meshnode/node.py, trio + libp2p) and the simulator (testnet/sim.py)
+drive the same class. It has no IO: raw envelope bytes, ``now_ms`` ints and an
+injected ``random.Random`` go in; one ``Ready`` batch comes out of every call, handled
+as protocol/ready.py says (persist, send, decisions, events).
+
+It owns the consensus instances (protocol/consensus.py) of three kinds of value and
+routes every message to them or to the flows in mesh_jobs.py (placement, checkpoints,
+job lifecycle) and mesh_failover.py (heartbeats, suspicion, eviction, epochs, joins).
+
+Bad remote input never raises: it is dropped and counted in ``self.counters`` under a
+short reason (the consensus instances count into the same Counter).
+
+Decisions: certified ones carry a decoded Placement / Eviction / MembershipChange and
+the commit certificate. Four local, uncertified kinds (``certificate == b""``) tell
+the driver what to do with workloads: "halt" (value ``()``: this node stalled past the
+detection bound, stop everything until caught up), "resume" (value: job ids to restart
+from their newest checkpoint), "stop" and "cancel" (value: job ids to stop here).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, OrderedDict
+from typing import Iterable
+
+from protocol.certificate import verify_commit_certificate
+from protocol.consensus import ConsensusInstance
+from protocol.errors import RemoteProtocolError
+from protocol.failure_detector import FailureDetector
+from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
+                               Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
+                               PrevoteCertificate, Proposal, RoundChange, Suspicion, SyncRequest,
+                               decode_message, decode_value)
+from protocol.mesh_failover import FailoverFlows
+from protocol.mesh_jobs import JobFlows
+from protocol.policy import LocalCapacity, NodePolicy
+from protocol.quorum import EpochView
+from protocol.ready import Decision, Event, PersistRecord, Ready
+from protocol.reservations import Reservations
+
+CONSENSUS_KINDS = (Proposal, Prevote, Precommit, PrevoteCertificate, CommitCertificate, RoundChange)
+MAX_ACTIVE_INSTANCES = 8192      # undecided instances at once; a job beyond it waits for a resubmit
+MAX_DECIDED_KEPT = 256           # decided instances kept to answer stragglers (SPEC.md 6.8)
+MAX_PENDING_INSTANCES = 512      # instances we hold early messages for
+MAX_PENDING_PER_INSTANCE = 64
+MAX_VIEWS_KEPT = 8               # epoch views kept for in-flight instances of older epochs
+NO_INSTANCE = bytes(32)          # the instance field of local, uncertified decisions
+
+
+class MeshCore(JobFlows, FailoverFlows):
+    def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
+                 now_ms: int, history: Iterable[bytes] = (), heartbeats: bool = True,
+                 bid_sample: int | None = None):
+        """``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
+        simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
+        instance and key, so every node agrees) bid on each job instead of all of them."""
+        self.identity = identity
+        self.me = identity.public_key
+        self.genesis = genesis
+        self.mesh_id = genesis.mesh_id
+        self.params = genesis.params
+        self.authorities = tuple(genesis.authorities)
+        self.policy = policy
+        self.capacity = capacity
+        self.rng = rng
+        self.heartbeats = heartbeats
+        self.bid_sample = bid_sample
+        self.counters: Counter = Counter()
+        self.view = EpochView.from_genesis(genesis)
+        self.views: dict[int, EpochView] = {self.view.epoch: self.view}
+        self.member_info = {m.public_key: m for m in genesis.members}
+        self.detector = FailureDetector(heartbeat_ms=self.params.heartbeat_ms,
+                                        detection_bound_ms=self.params.detection_bound_ms)
+        for key in self.view.members:
+            if key != self.me:
+                self.detector.track(key, now_ms)
+        self.book = Reservations(capacity.gpu_mem_total_mib, capacity.cpu_milli, capacity.mem_mib)
+        self.instances: dict[bytes, ConsensusInstance] = {}
+        self.decided: OrderedDict[bytes, ConsensusInstance] = OrderedDict()
+        self.applied: OrderedDict[bytes, None] = OrderedDict()   # instances whose decision we applied
+        self.instance_meta: dict[bytes, tuple] = {}  # instance -> ("placement", job_id) | ("eviction", key) | ...
+        self.instance_round: dict[bytes, int] = {}
+        self.pending: OrderedDict[bytes, list] = OrderedDict()   # early messages for unknown instances
+        self.timers: list[tuple[int, int, str, bytes]] = []      # (due_ms, seq, what, instance)
+        self.timer_seq = 0
+        self.evidence: list = []
+        self.evidence_log: list[dict] = []
+        self._init_jobs()
+        self._init_failover(now_ms)
+        self._replay(history, now_ms)
+
+    # --- small views --------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch
+
+    def is_member(self) -> bool:
+        return self.me in self.view.stakes
+
+    def member_records(self) -> list:
+        return [self.member_info[key] for key in self.view.members if key in self.member_info]
+
+    def broadcast_targets(self) -> list[bytes]:
+        """Who ``Outbound(to=None)`` means: every other member of the current epoch."""
+        return [key for key in self.view.members if key != self.me]
+
+    def members(self) -> list[dict]:
+        out = []
+        for key in self.view.members:
+            info = self.member_info.get(key)
+            if key == self.me:
+                health = "self"
+            elif self.heartbeats and self.detector.is_suspected(key, self.last_tick_ms):
+                health = "suspected"
+            else:
+                health = "alive"
+            out.append({"key": key, "stake": self.view.stakes[key], "zone": info.zone if info else "",
+                        "labels": dict(info.labels) if info else {}, "health": health,
+                        "suspected_by": len(self.suspicions.get(key, ())),
+                        "capability": self._capability_summary(key)})
+        return out
+
+    def consensus_view(self) -> dict:
+        rows = []
+        for iid, inst in list(self.instances.items()) + list(self.decided.items())[-64:]:
+            rows.append({"instance": iid, "kind": inst.value_kind, "round": inst.round, "leader": inst.leader,
+                         "decided": inst.decision is not None, "gave_up": inst.gave_up})
+        return {"instances": rows, "certificates": len(self.applied), "evidence": list(self.evidence_log)}
+
+    # --- inputs -------------------------------------------------------------------------------
+    def step(self, data: bytes, now_ms: int) -> Ready:
+        """One message from a peer. Never raises on bad input: drops and counts it."""
+        out = Ready()
+        try:
+            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True)
+        except RemoteProtocolError:
+            self.counters["undecodable"] += 1
+            return out
+        if envelope.mesh_id != self.mesh_id and not isinstance(message, JobManifest):
+            self.counters["any_mesh_not_a_job"] += 1
+            return out
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.counters["unexpected_kind"] += 1
+            return out
+        try:
+            handler(envelope, message, data, now_ms, out)
+        except RemoteProtocolError:
+            self.counters["rejected_" + envelope.kind] += 1
+        return out
+
+    @property
+    def _handlers(self) -> dict:
+        return {Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
+                PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
+                RoundChange: self._on_consensus, JobManifest: self._on_job, Bid: self._on_bid,
+                Decline: self._on_decline, Checkpoint: self._on_checkpoint, CheckpointAck: self._on_checkpoint_ack,
+                JobExit: self._on_job_exit, Cancel: self._on_cancel, CapabilityVector: self._on_capability,
+                Heartbeat: self._on_heartbeat, Suspicion: self._on_suspicion, SyncRequest: self._on_sync_request,
+                Join: self._on_join}
+
+    def tick(self, now_ms: int) -> Ready:
+        out = Ready()
+        self._tick_failover(now_ms, out)
+        while self.timers and self.timers[0][0] <= now_ms:
+            _, _, what, iid = heapq.heappop(self.timers)
+            inst = self.instances.get(iid)
+            if inst is None:
+                continue
+            if what == "deadline":
+                deadline = inst.deadline_ms
+                if deadline is not None and deadline <= now_ms:
+                    self._drive(inst, inst.tick(now_ms), now_ms, out)
+                else:
+                    self._schedule(inst)
+            else:  # "bid_window"
+                self._bid_window_closed(iid, now_ms, out)
+        for key in self.book.expire(now_ms):
+            out.events.append(self._event("reservation_expired", now_ms, instance=key.hex()))
+        if len(self.timers) > 4 * (len(self.instances) + 64):  # lazy heap: drop stale entries
+            self.timers = [t for t in self.timers if t[3] in self.instances]
+            heapq.heapify(self.timers)
+        return out
+
+    # --- consensus instances ------------------------------------------------------------------
+    def _schedule(self, inst: ConsensusInstance, what: str = "deadline", due_ms: int | None = None) -> None:
+        due = inst.deadline_ms if due_ms is None else due_ms
+        if due is not None:
+            self.timer_seq += 1
+            heapq.heappush(self.timers, (due, self.timer_seq, what, inst.instance_id))
+
+    def _view_for(self, epoch: int) -> EpochView | None:
+        return self.views.get(epoch)
+
+    def _start_instance(self, iid: bytes, kind: str, view: EpochView, meta: tuple, validate, now_ms: int,
+                        out: Ready) -> ConsensusInstance | None:
+        if iid in self.instances or iid in self.decided or iid in self.applied:
+            return self.instances.get(iid)
+        if len(self.instances) >= MAX_ACTIVE_INSTANCES:
+            self.counters["too_many_instances"] += 1
+            return None
+        inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
+                                 mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
+                                 round_timeout_max_ms=self.params.round_timeout_max_ms,
+                                 max_rounds=self.params.max_rounds, validate=validate, now_ms=now_ms)
+        inst.dropped = self.counters  # one Counter of drop reasons for the whole node
+        self.instances[iid] = inst
+        self.instance_meta[iid] = meta
+        self.instance_round[iid] = inst.round
+        self._drive(inst, inst.start(now_ms), now_ms, out)
+        for envelope, message, data in self.pending.pop(iid, ()):
+            if isinstance(message, Bid):
+                self._on_bid(envelope, message, data, now_ms, out)
+            elif iid in self.instances:
+                self._drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
+        return inst
+
+    def _drive(self, inst: ConsensusInstance, ready: Ready, now_ms: int, out: Ready) -> None:
+        """Fold an instance's output into ``out``: decode and apply decisions, follow round
+        changes (re-send bids), answer requests for a value, keep timers and evidence."""
+        iid = inst.instance_id
+        out.persist.extend(ready.persist)
+        out.messages.extend(ready.messages)
+        for event in ready.events:
+            out.events.append(event)
+            if event.kind == "evidence" and inst.evidence:
+                self._remember_evidence(inst.evidence[-1], event)
+        for decision in ready.decisions:
+            self._apply_certified(decision.value_kind, iid, decision.value, decision.certificate, now_ms, out)
+        if inst.decision is not None or inst.gave_up:
+            self._retire(inst, now_ms, out)
+            return
+        if inst.round != self.instance_round.get(iid):
+            self.instance_round[iid] = inst.round
+            self._on_round_changed(inst, now_ms, out)
+        if inst.awaiting_value:
+            self._on_awaiting_value(inst, now_ms, out)
+        self._schedule(inst)
+
+    def _retire(self, inst: ConsensusInstance, now_ms: int, out: Ready) -> None:
+        iid = inst.instance_id
+        if self.instances.pop(iid, None) is None:
+            return
+        self.instance_round.pop(iid, None)
+        meta = self.instance_meta.pop(iid, ("?",))
+        if inst.gave_up and inst.decision is None:
+            self._instance_gave_up(iid, meta, now_ms, out)
+        self.decided[iid] = inst
+        while len(self.decided) > MAX_DECIDED_KEPT:
+            self.decided.popitem(last=False)
+
+    def _on_consensus(self, envelope, message, data, now_ms: int, out: Ready) -> None:
+        iid = message.instance
+        inst = self.instances.get(iid) or self.decided.get(iid)
+        if inst is None and isinstance(message, Proposal):
+            inst = self._instance_from_proposal(message, now_ms, out)
+        if inst is None and isinstance(message, CommitCertificate):
+            self._apply_certificate_bytes(data, now_ms, out)
+            return
+        if inst is None:
+            self._hold(iid, envelope, message, data)
+            return
+        self._drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
+
+    def _hold(self, iid: bytes, envelope, message, data: bytes) -> None:
+        """Keep an early message until its instance exists (the job, suspicion or join that
+        creates it may arrive after a faster peer's vote or bid)."""
+        if iid in self.applied:
+            self.counters["already_decided"] += 1
+            return
+        held = self.pending.get(iid)
+        if held is None:
+            if len(self.pending) >= MAX_PENDING_INSTANCES:
+                self.pending.popitem(last=False)
+                self.counters["pending_evicted"] += 1
+            held = self.pending[iid] = []
+        if len(held) >= MAX_PENDING_PER_INSTANCE:
+            self.counters["pending_full"] += 1
+            return
+        held.append((envelope, message, data))
+
+    def _instance_from_proposal(self, proposal: Proposal, now_ms: int, out: Ready):
+        """A proposal for an instance we have not started carries all we need to validate it."""
+        view = self._view_for(proposal.epoch)
+        if view is None:
+            self.counters["unknown_epoch"] += 1
+            return None
+        value = decode_value(proposal.value_kind, proposal.value)
+        if proposal.value_kind == "placement":
+            return self._placement_instance_from_value(proposal.instance, value, view, now_ms, out)
+        if proposal.value_kind == "eviction":
+            return self._eviction_instance_from_value(proposal.instance, value, view, now_ms, out)
+        return self._membership_instance_from_value(proposal.instance, value, view, now_ms, out)
+
+    def _apply_certificate_bytes(self, data: bytes, now_ms: int, out: Ready, persist: bool = True) -> bool:
+        """Apply a commit certificate that arrived without a live instance (catch-up, sync,
+        replay). Returns False if its epoch is not known yet (the caller may retry later)."""
+        envelope, cert = decode_message(data, self.mesh_id, expect=CommitCertificate)
+        if cert.instance in self.applied:
+            self.counters["already_decided"] += 1
+            return True
+        view = self._view_for(cert.epoch)
+        if view is None:
+            if cert.epoch > self.epoch:
+                self._hold_future_certificate(cert.epoch, data)
+                return False
+            self.counters["unknown_epoch"] += 1
+            return True
+        verify_commit_certificate(data, self.mesh_id, view)
+        if persist:
+            out.persist.append(self._certificate_record(cert, data))
+        self._apply_certified(cert.value_kind, cert.instance, cert.value, data, now_ms, out)
+        inst = self.instances.get(cert.instance)
+        if inst is not None:  # our own instance lagged behind: it is decided now
+            self._drive(inst, inst.on_message(envelope, cert, now_ms, data), now_ms, Ready())
+        return True
+
+    @staticmethod
+    def _certificate_record(cert: CommitCertificate, data: bytes) -> PersistRecord:
+        return PersistRecord("certificates", cert.instance.hex(), {
+            "instance": cert.instance, "value_kind": cert.value_kind, "round": cert.round, "certificate": data})
+
+    def _apply_certified(self, value_kind: str, iid: bytes, value_bytes: bytes, certificate: bytes, now_ms: int,
+                         out: Ready) -> None:
+        if iid in self.applied:
+            return
+        self.applied[iid] = None
+        while len(self.applied) > 1 << 16:
+            self.applied.popitem(last=False)
+        value = decode_value(value_kind, value_bytes)
+        if value_kind == "placement":
+            self._apply_placement(iid, value, certificate, now_ms, out)
+        elif value_kind == "eviction":
+            self._apply_eviction(iid, value, certificate, now_ms, out)
+        else:
+            self._apply_membership(iid, value, certificate, now_ms, out)
+        out.decisions.append(Decision(value_kind, iid, value, certificate))
+
+    def _replay(self, history: Iterable[bytes], now_ms: int) -> None:
+        """Rebuild epochs, placements and fences from persisted certificates (in any order:
+        a certificate whose epoch is not reached yet is retried after the others)."""
+        waiting = list(history)
+        while waiting:
+            progress, later = False, []
+            for data in waiting:
+                try:
+                    if self._apply_certificate_bytes(data, now_ms, Ready(), persist=False):
+                        progress = True
+                    else:
+                        later.append(data)
+                except RemoteProtocolError:
+                    self.counters["bad_history"] += 1
+            if not progress:
+                break
+            waiting = later
+        self.future_certificates.clear()
+        self.pending.clear()
+
+    def _remember_evidence(self, evidence, event) -> None:
+        if len(self.evidence) < 256:
+            self.evidence.append(evidence)
+            self.evidence_log.append({"offender": evidence.offender, "kind": event.detail.get("kind", ""),
+                                      "at_ms": event.at_ms})
+
+    @staticmethod
+    def _event(kind: str, now_ms: int, **detail) -> Event:
+        return Event(kind, now_ms, detail)
+
+    def _local_decision(self, kind: str, job_ids: tuple) -> Decision:
+        return Decision(kind, NO_INSTANCE, tuple(job_ids), b"")
+

@@ -1,0 +1,102 @@
+"""End to end, as a tester runs it: real `meshnode` processes on 127.0.0.1.
+
+Few and bounded (each wait has a deadline); everything else is tested below this layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testnet import launcher
+
+pytestmark = pytest.mark.e2e
+DEADLINE_S = 30
+
+
+def meshnode(*args, check=True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "meshnode.cli", *args], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, MESHNODE_KEYSTORE_KDF="insecure-test"))
+    if check and result.returncode != 0:
+        raise AssertionError("meshnode %s failed (%d): %s%s" % (" ".join(args), result.returncode,
+                                                                result.stdout, result.stderr))
+    return result
+
+
+def meshnode_json(*args):
+    return json.loads(meshnode(*args, "--json").stdout)
+
+
+def wait_for(predicate, what: str, deadline_s: float = DEADLINE_S):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def job_everywhere(node_dirs, job_id):
+    """The job's row at every node, once every node holds its certificate."""
+    rows = []
+    for node_dir in node_dirs:
+        jobs = {j["job_id"]: j for j in meshnode_json("jobs", "--node", node_dir)["jobs"]}
+        row = jobs.get(job_id)
+        if row is None or row["state"] in ("submitted", "pending"):
+            return None
+        rows.append(row)
+    return rows
+
+
+def certificate_files(node_dir):
+    import sqlite3
+    with sqlite3.connect(os.path.join(node_dir, "node.sqlite")) as db:
+        return {row[0]: row[1] for row in db.execute("select instance, certificate from certificates")}
+
+
+def test_testnet_places_joins_and_leaves_nothing(tmp_path):
+    root = tmp_path / "net"
+    up = meshnode_json("testnet", "up", "--nodes", "4", "--dir", str(root))
+    try:
+        assert len(up["nodes"]) == 4 and all(n["connected"] == 3 for n in up["nodes"])
+        layout = launcher.load_layout(root)
+        owner_key = layout["owners"][0]["key_file"]
+        node_dirs = [n["dir"] for n in layout["nodes"]]
+
+        # A workload owner submits with the CLI to node 1; the whole mesh decides.
+        submitted = meshnode_json("submit", "jobs/counter.toml", "--key", owner_key, "--node", node_dirs[1],
+                                  "--wait")
+        job_id = submitted["job_id"]
+        rows = wait_for(lambda: job_everywhere(node_dirs, job_id), "the placement at every node")
+        assert len({(r["primary"], tuple(r["backups"])) for r in rows}) == 1
+        # Every node holds the byte-identical commit certificate, and it verifies offline.
+        certs = [certificate_files(d) for d in node_dirs]
+        assert job_id in certs[0], "node 0 persisted no certificate for the job"
+        assert all(c.get(job_id) == certs[0][job_id] for c in certs)
+        cert_path = tmp_path / "cert.bin"
+        cert_path.write_bytes(certs[0][job_id])
+        verified = meshnode_json("cert", "verify", str(cert_path), "--genesis",
+                                 os.path.join(node_dirs[0], "genesis.bin"))
+        assert verified["valid"] is True
+
+        # A fifth operator's node joins through membership consensus...
+        added = meshnode_json("testnet", "add", "--dir", str(root))
+        meshnode_json("join", "--node", added["dir"], "--bootstrap", added["bootstrap"])
+        wait_for(lambda: all(meshnode_json("status", "--node", d)["members"] == 5 for d in node_dirs + [added["dir"]]),
+                 "five members at every node")
+        assert meshnode_json("status", "--node", added["dir"])["member"] is True
+
+        # ...and takes part in the next placement: it decides it like everyone else.
+        second = meshnode_json("submit", "jobs/counter.toml", "--key", owner_key, "--node", added["dir"])
+        rows = wait_for(lambda: job_everywhere(node_dirs + [added["dir"]], second["job_id"]),
+                        "the second placement at all five nodes")
+        assert len({r["primary"] for r in rows}) == 1
+    finally:
+        meshnode("testnet", "down", "--dir", str(root), check=False)
+    assert launcher.testnet_processes(root) == []
