@@ -83,9 +83,10 @@ class OwnerTui(App):
               background: $surface; padding: 0 1; }
     ModalScreen { align: center middle; }
     .form-row { height: auto; }
-    .form-label { width: 24; padding: 1 1 0 0; }
+    .form-label { width: 23; }
     .form-row Input, .form-row Select { width: 1fr; }
-    Input.invalid { border: tall $error; }
+    Input.invalid { background: $error 40%; }
+    #form-error { height: auto; margin: 1 0 0 0; }
     .error { color: $error; }
     """
     BINDINGS = [
@@ -114,6 +115,8 @@ class OwnerTui(App):
         self._client: TuiControlClient | None = None
         self._identity = None
         self._wake = asyncio.Event()
+        self._shown_rows: dict[str, list] = {}
+        self._shown_text: dict[str, str] = {}
 
     # --- layout -------------------------------------------------------------------------------
 
@@ -190,14 +193,22 @@ class OwnerTui(App):
             except ControlError as exc:  # the node is up but cannot answer this one
                 results[op] = None
                 self.log.warning("control op %s: %s" % (op, exc))
+        try:
+            self._apply_results(results)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # A result of the wrong shape is bad remote input: drop the connection and
+            # retry like any other fault, never let it take the TUI down.
+            raise RemoteProtocolError("malformed control result: %s: %s" % (type(exc).__name__, exc)) from None
+
+    def _apply_results(self, results: dict) -> None:
         if results["status"] is not None:
-            self.status = results["status"]
+            self.status = dict(results["status"])
         if results["nodes"] is not None:
-            self.nodes = list(results["nodes"].get("nodes", ()))
+            self.nodes = list(results["nodes"]["nodes"])
         if results["jobs"] is not None:
-            self.jobs = {j["job_id"]: j for j in results["jobs"].get("jobs", ())}
+            self.jobs = {j["job_id"]: j for j in results["jobs"]["jobs"]}
         if results["consensus"] is not None:
-            self.consensus = results["consensus"]
+            self.consensus = dict(results["consensus"])
         self._render_views()
 
     async def _follow_events(self, client: TuiControlClient) -> None:
@@ -216,27 +227,37 @@ class OwnerTui(App):
         bar = self.connection_bar
         bar.set_class(not connected, "down")
         if connected:
-            bar.update("connected  " + status_line(self.status))
+            self._show(bar, "connected  " + status_line(self.status))
             self.events_log.write("connected to %s" % self.socket_path)
         else:
-            bar.update("disconnected: %s" % reason)
+            self._show(bar, "disconnected: %s" % reason)
 
     # --- views --------------------------------------------------------------------------------
 
     def _render_views(self) -> None:
         if self.connected:
-            self.connection_bar.update("connected  " + status_line(self.status))
+            self._show(self.connection_bar, "connected  " + status_line(self.status))
         self._fill(self.mesh_table, [(n.get("key") or n.get("short"), mesh_row(n)) for n in self.nodes])
         self._fill(self.jobs_table, [(jid, job_row(j)) for jid, j in self.jobs.items()])
         self._fill(self.consensus_table, [(i.get("instance"), consensus_row(i))
                                        for i in self.consensus.get("instances", ())])
         self._fill(self.evidence_table, [(None, evidence_row(e)) for e in self.consensus.get("evidence", ())])
-        self.consensus_note.update(
-            "certificates: %d   evidence: %d" % (self.consensus.get("certificates", 0),
+        self._show(self.consensus_note,
+                   "certificates: %d   evidence: %d" % (self.consensus.get("certificates", 0),
                                                  len(self.consensus.get("evidence", ()))))
         self._render_jobs_note()
 
+    def _show(self, widget: Static, text: str) -> None:
+        if self._shown_text.get(widget.id) != text:
+            self._shown_text[widget.id] = text
+            widget.update(text)
+
     def _fill(self, table: DataTable, keyed_rows: list[tuple[str | None, tuple]]) -> None:
+        # Rebuild a table only when its rows changed: a redraw every poll would flicker,
+        # move the cursor and keep the app from ever being idle.
+        if self._shown_rows.get(table.id) == keyed_rows:
+            return
+        self._shown_rows[table.id] = keyed_rows
         selected = self._selected_key(table)
         table.clear()
         for key, row in keyed_rows:
@@ -260,7 +281,11 @@ class OwnerTui(App):
         selected = self.selected_job()
         if selected is not None and selected.get("state") == "pending":
             lines.append("%s pending: %s (w: why)" % (selected["job_id"][:8], format_declines(selected.get("declines", {}))))
-        self.jobs_note.update("\n".join(lines))
+        self._show(self.jobs_note, "\n".join(lines))
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.data_table is self.jobs_table:
+            self._render_jobs_note()
 
     def selected_job(self) -> dict | None:
         key = self._selected_key(self.jobs_table)
@@ -339,6 +364,9 @@ class OwnerTui(App):
         except (ControlError, ControlUnavailable) as exc:
             self.notify("job not submitted: %s" % exc, severity="error")
             return
+        if not isinstance(result, dict) or not isinstance(result.get("job_id"), str):
+            self.notify("job submitted, but the node's reply is malformed: %r" % (result,), severity="error")
+            return
         job_id = result["job_id"]
         self.manifest_bodies[job_id] = manifest.to_body()
         self.followed = FollowedJob(job_id, manifest.name)
@@ -361,6 +389,8 @@ class OwnerTui(App):
             why = await self.request("why", {"job_id": job["job_id"]})
         except (ControlError, ControlUnavailable) as exc:
             error = str(exc)
+        if why is not None and not (isinstance(why, dict) and isinstance(why.get("declines", {}), dict)):
+            why, error = None, "malformed reply from the node"
         await self.push_screen_wait(WhyScreen(job, why, error, self.manifest_bodies.get(job["job_id"], {}),
                                               self.nodes))
 

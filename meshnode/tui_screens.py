@@ -20,18 +20,18 @@ from protocol.messages import STRATEGIES
 HELP_TEXT = """\
 [b]meshnode tui[/b]: watch the mesh, compose and follow jobs
 
-  [b]1[/b] mesh     nodes: stake, zone, health, GPUs, utilisation, temperature, throttling
-  [b]2[/b] jobs     state, primary, backups, checkpoint age, migrations, lost work
-  [b]3[/b] consensus rounds, certificates, equivocation evidence
-  [b]4[/b] events   the node's event stream
-  [b]n[/b]        compose a job (validated as you type; ctrl+s signs and submits)
-  [b]w[/b]        why is the selected job pending, and what would place it
-  [b]x[/b]        cancel the selected job (owner-signed)
-  [b]r[/b]        refresh now
-  [b]?[/b]        this help          [b]q[/b]  quit          [b]esc[/b]  close a dialog
+  [b]1[/b]  mesh: stake, zone, health, GPUs, utilisation, temperature, throttle
+  [b]2[/b]  jobs: state, primary, backups, checkpoint age, migrations, lost work
+  [b]3[/b]  consensus: rounds, leaders, certificates, equivocation evidence
+  [b]4[/b]  events: the node's event stream
+  [b]n[/b]  compose a job (checked as you type; ctrl+s signs and submits)
+  [b]w[/b]  why is the selected job pending, and what would place it
+  [b]x[/b]  cancel the selected job (owner-signed)
+  [b]r[/b]  refresh now      [b]?[/b]  this help      [b]q[/b]  quit
+  [b]esc[/b] closes a dialog; arrows move, tab changes field
 
-When the node's control socket goes away the header says "disconnected" and the
-TUI keeps retrying with exponential backoff; nothing you typed is lost.
+When the node goes away the top line says "disconnected" and the TUI
+retries with exponential backoff until it is back.
 """
 
 
@@ -113,13 +113,14 @@ class ComposeScreen(ModalScreen):
                     yield Label(path, classes="form-label")
                     if field_id == "strategy":
                         yield Select([(s, s) for s in STRATEGIES], value=self.initial[field_id],
-                                     allow_blank=False, id="field-strategy")
-                    else:
-                        yield Input(self.initial[field_id], id="field-" + field_id, placeholder=_PLACEHOLDERS.get(field_id, ""))
+                                     allow_blank=False, id="field-strategy", compact=True)
+                    else:  # compact: one line per field, so the whole form fits 80x24
+                        yield Input(self.initial[field_id], id="field-" + field_id, compact=True,
+                                    placeholder=_PLACEHOLDERS.get(field_id, ""))
             yield Static("", id="form-error", classes="error")
             with Horizontal(classes="form-row"):
-                yield Button("Sign & submit", id="submit", variant="primary")
-                yield Button("Cancel", id="cancel")
+                yield Button("Sign & submit", id="submit", variant="primary", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#field-name", Input).focus()

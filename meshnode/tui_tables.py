@@ -81,7 +81,8 @@ def evidence_row(item: dict) -> tuple[str, ...]:
 
 
 def event_line(event: dict) -> str:
-    detail = event.get("detail") or {}
+    detail = event.get("detail")
+    detail = detail if isinstance(detail, dict) else {}
     shown = " ".join("%s=%s" % (k, short_hex(v, 12) if isinstance(v, str) and len(v) == 64 else v)
                      for k, v in sorted(detail.items()))
     return "%s %s %s" % (event.get("at_ms", "-"), event.get("kind", "?"), shown)
@@ -124,9 +125,9 @@ def evidence_table(consensus: dict) -> Table:
 def status_line(status: dict | None) -> str:
     if not status:
         return "disconnected"
-    return "node %s  mesh %s  epoch %d  members %d  connected %d  up %s" % (
+    return "node %s  mesh %s  epoch %d  peers %d/%d  up %s" % (
         short_hex(status.get("node")), short_hex(status.get("mesh_id")), status.get("epoch", 0),
-        status.get("members", 0), status.get("connected", 0), format_ms(status.get("uptime_ms")))
+        status.get("connected", 0), status.get("members", 0), format_ms(status.get("uptime_ms")))
 
 
 def render_snapshot(snapshot: dict, console) -> None:

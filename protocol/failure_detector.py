@@ -52,8 +52,11 @@ class FailureDetector:
     def __init__(self, *, heartbeat_ms: int = 50, detection_bound_ms: int = 300,
                  min_silence_ms: int | None = None):
         if min_silence_ms is None:
-            # Default: one heartbeat short of the bound, so everything below it is a hiccup.
-            min_silence_ms = max(heartbeat_ms, detection_bound_ms - heartbeat_ms)
+            # Default: the bound itself. The design's two bars (a crash detected within the
+            # bound; no eviction for a pause shorter than it) leave no room between them, so
+            # adaptivity only acts when an operator lowers min_silence_ms (faster detection
+            # on a calm network, at the price of evicting long pauses).
+            min_silence_ms = detection_bound_ms
         if not 0 < min_silence_ms <= detection_bound_ms:
             raise ValueError("need 0 < min_silence_ms <= detection_bound_ms")
         self.heartbeat_ms = heartbeat_ms

@@ -53,10 +53,11 @@ NO_INSTANCE = bytes(32)          # the instance field of local, uncertified deci
 class MeshCore(JobFlows, FailoverFlows):
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
                  now_ms: int, history: Iterable[bytes] = (), heartbeats: bool = True,
-                 bid_sample: int | None = None):
+                 bid_sample: int | None = None, min_silence_ms: int | None = None):
         """``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
         simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
-        instance and key, so every node agrees) bid on each job instead of all of them."""
+        instance and key, so every node agrees) bid on each job instead of all of them.
+        ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound)."""
         self.identity = identity
         self.me = identity.public_key
         self.genesis = genesis
@@ -73,7 +74,8 @@ class MeshCore(JobFlows, FailoverFlows):
         self.views: dict[int, EpochView] = {self.view.epoch: self.view}
         self.member_info = {m.public_key: m for m in genesis.members}
         self.detector = FailureDetector(heartbeat_ms=self.params.heartbeat_ms,
-                                        detection_bound_ms=self.params.detection_bound_ms)
+                                        detection_bound_ms=self.params.detection_bound_ms,
+                                        min_silence_ms=min_silence_ms)
         for key in self.view.members:
             if key != self.me:
                 self.detector.track(key, now_ms)

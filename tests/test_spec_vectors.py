@@ -45,6 +45,12 @@ def test_vector_key_and_mesh():
     assert HEADER["mesh_id"] == spec_tables.VECTOR_MESH_ID.hex()
 
 
+def test_kind_index_lists_every_kind():
+    index = SPEC.split("### 4.1", 1)[1].split("Cross-field rules", 1)[0]
+    listed = set(re.findall(r"^\| `([a-z_]+)`(?:, `([a-z_]+)`)? \|", index, flags=re.M))
+    assert {k for pair in listed for k in pair if k} == set(MESSAGE_TYPES)
+
+
 def test_one_vector_per_kind():
     assert sorted(v["kind"] for v in VECTORS) == sorted(MESSAGE_TYPES)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import tempfile
+import threading
 
 import pytest
 from rich.console import Console
@@ -19,6 +21,7 @@ from textual.widgets import DataTable, Input, Static, TabbedContent
 
 from keys.identity import SigningIdentity
 from keys.keystore import KDF_PROFILES, encode_keystore
+from meshnode.cli import main as cli_main
 from meshnode.control_client import encode_frame
 from meshnode.manifest import parse_manifest, verify_signed_job
 from meshnode.tui import OwnerTui
@@ -57,6 +60,7 @@ class FakeNode:
         self.received_jobs = []
         self.server = None
         self.writers: set = set()
+        self.handlers: set = set()
 
     async def start(self) -> None:
         self.server = await asyncio.start_unix_server(self._serve, self.path)
@@ -66,6 +70,7 @@ class FakeNode:
         for writer in list(self.writers):
             writer.close()
         await self.server.wait_closed()
+        await asyncio.gather(*self.handlers)  # each ends at the EOF its closed connection gives it
         os.unlink(self.path)
 
     def place(self, jid: str, state: str = "placed") -> None:
@@ -100,6 +105,7 @@ class FakeNode:
 
     async def _serve(self, reader, writer) -> None:
         self.writers.add(writer)
+        self.handlers.add(asyncio.current_task())
         try:
             while True:
                 request = await read_frame(reader)
@@ -118,6 +124,7 @@ class FakeNode:
             pass
         finally:
             self.writers.discard(writer)
+            self.handlers.discard(asyncio.current_task())
             writer.close()
 
 
@@ -367,3 +374,48 @@ def test_snapshot_prints_mesh_and_jobs_tables():
     assert "mesh: 2 nodes" in text and "aaaa0001" in text and "therm" in text and "zone-b" in text
     assert "train-1" in text and "running" in text and "40 ms #12" in text and "80 ms" in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_malformed_results_are_treated_as_a_bad_connection_not_a_crash():
+    async def scenario():
+        directory = short_dir()
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        node.jobs["x"] = {"name": "no job id"}
+        await node.start()
+        app = new_app(directory, None)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: "malformed control result" in text_of(app, "#connection"), "the fault shown")
+            assert not app.connected
+            del node.jobs["x"]
+            await until(pilot, lambda: app.connected, "recovery once the node answers well")
+        await node.stop()
+    asyncio.run(scenario())
+
+
+def test_cli_snapshot_against_a_node_in_another_thread(capsys):
+    directory = short_dir()
+    node = FakeNode(os.path.join(directory, "control.sock"))
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(node.start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(WAIT_S)
+    try:
+        assert cli_main(["tui", "--node", directory, "--snapshot"]) == 0
+        text = capsys.readouterr().out
+        assert "mesh: 2 nodes" in text and "aaaa0001" in text and "consensus: 1 certificates" in text
+        assert cli_main(["tui", "--node", directory, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["status"]["epoch"] == 1
+    finally:
+        asyncio.run_coroutine_threadsafe(node.stop(), loop).result(WAIT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(WAIT_S)
+    assert cli_main(["tui", "--node", directory, "--snapshot"]) == 2  # node gone: one error line
+    assert "node not running" in capsys.readouterr().err

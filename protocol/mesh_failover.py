@@ -1,0 +1,385 @@
+"""MeshCore's failure handling and epochs: heartbeats, suspicion, eviction with migration,
+self-fencing, catch-up sync and joins (spec_parts/placement_failure.md sections F1-F7).
+A mixin of protocol.mesh.MeshCore; it only uses state MeshCore.__init__ creates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from protocol import codec
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (Attestation, Endorsement, Eviction, Heartbeat, Join, Member, MembershipChange,
+                               Migration, Suspicion, SyncRequest, decode_message, encode_message)
+from protocol.placement import tie_break
+from protocol.quorum import EpochView
+from protocol.ready import Outbound, PersistRecord, Ready
+
+MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
+MAX_EPOCH_CERTIFICATES = 64    # epoch-change certificates kept to answer syncs
+MAX_FUTURE_CERTIFICATES = 16   # certificates of epochs we have not reached, held for later
+SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
+MAX_SUSPICION_JUSTIFICATION = 32
+
+
+def evict_instance_id(node: bytes, epoch: int) -> bytes:
+    return hashlib.sha256(b"evict" + node + epoch.to_bytes(8, "big")).digest()
+
+
+def join_instance_id(key: bytes, epoch: int) -> bytes:
+    return hashlib.sha256(b"join" + key + epoch.to_bytes(8, "big")).digest()
+
+
+class FailoverFlows:
+    def _init_failover(self, now_ms: int) -> None:
+        self.last_tick_ms = now_ms
+        self.heartbeat_seq = 0
+        self.heartbeat_sent_ms: int | None = None
+        self.suspicions: dict[bytes, dict[bytes, bytes]] = {}   # suspect -> signer -> Suspicion envelope
+        self.suspicion_sent_ms: dict[bytes, int] = {}
+        self.halted = False
+        self.epoch_certificates: list[tuple[int, bytes]] = []   # (epoch it ended, certificate)
+        self.future_certificates: dict[int, bytes] = {}
+        self.sync_answered_ms: dict[bytes, int] = {}
+        self.joins: dict[bytes, tuple] = {}                      # instance -> (Join, envelope bytes)
+
+    # --- heartbeats, detection, self-fencing (SPEC F1-F3) ------------------------------------------
+    def _tick_failover(self, now_ms: int, out: Ready) -> None:
+        gap = now_ms - self.last_tick_ms
+        self.last_tick_ms = now_ms
+        if not self.heartbeats or not self.is_member():
+            return
+        if gap > self.params.detection_bound_ms and not self.halted:
+            # SPEC F3: we were paused long enough to have been evicted; our workloads may run
+            # elsewhere already. Halt them and ask for the epochs we missed.
+            self.halted = True
+            out.decisions.append(self._local_decision("halt", ()))
+            out.events.append(self._event("self_fence_check", now_ms, gap_ms=gap, epoch=self.epoch))
+            request = SyncRequest(epoch=self.epoch)
+            out.messages.append(Outbound(None, encode_message(self.identity, self.mesh_id, request)))
+        if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= self.params.heartbeat_ms:
+            self.heartbeat_sent_ms = now_ms
+            self.heartbeat_seq += 1
+            beat = Heartbeat(epoch=self.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
+            out.messages.append(Outbound(None, encode_message(self.identity, self.mesh_id, beat)))
+        if self.halted:
+            return  # a node that may be stale suspects nobody
+        for peer, silent_ms in self.detector.suspects(now_ms):
+            sent = self.suspicion_sent_ms.get(peer)
+            if peer not in self.view.stakes or (sent is not None and now_ms - sent < self.params.detection_bound_ms):
+                continue
+            self.suspicion_sent_ms[peer] = now_ms
+            suspicion = Suspicion(suspect=peer, epoch=self.epoch, silent_ms=silent_ms)
+            data = encode_message(self.identity, self.mesh_id, suspicion)
+            out.messages.append(Outbound(None, data))
+            out.events.append(self._event("suspect", now_ms, suspect=peer.hex(), silent_ms=silent_ms))
+            self._record_suspicion(self.me, suspicion, data, now_ms, out)
+
+    def _on_heartbeat(self, envelope, beat: Heartbeat, data, now_ms: int, out: Ready) -> None:
+        signer = envelope.signer
+        if beat.epoch < self.epoch or signer not in self.view.stakes:
+            self.counters["heartbeat_stale"] += 1
+            self._answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
+            return
+        self.detector.heartbeat(signer, now_ms)
+        if self.halted and beat.epoch >= self.epoch and self.is_member():
+            # SPEC F3: a current peer's heartbeat after catching up: we were not evicted.
+            self.halted = False
+            mine = tuple(r.job_id for r in self.job_records.values()
+                         if r.primary == self.me and r.state in ("placed", "running", "migrating"))
+            out.decisions.append(self._local_decision("resume", mine))
+            out.events.append(self._event("self_fence_clear", now_ms, epoch=self.epoch))
+
+    def _on_sync_request(self, envelope, request: SyncRequest, data, now_ms: int, out: Ready) -> None:
+        self._answer_sync(envelope.signer, request.epoch, now_ms, out)
+        if envelope.signer in self.view.stakes and request.epoch >= self.epoch:
+            beat = Heartbeat(epoch=self.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
+            out.messages.append(Outbound(envelope.signer, encode_message(self.identity, self.mesh_id, beat)))
+
+    def _answer_sync(self, peer: bytes, since_epoch: int, now_ms: int, out: Ready) -> None:
+        last = self.sync_answered_ms.get(peer)
+        if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
+            return
+        certificates = [c for e, c in self.epoch_certificates if e >= since_epoch][:MAX_SYNC_CERTIFICATES]
+        if not certificates:
+            return
+        if len(self.sync_answered_ms) > 4096:
+            self.sync_answered_ms.clear()
+        self.sync_answered_ms[peer] = now_ms
+        out.messages.extend(Outbound(peer, c) for c in certificates)
+
+    # --- suspicion and eviction (SPEC F4-F5) -------------------------------------------------------
+    def _on_suspicion(self, envelope, suspicion: Suspicion, data, now_ms: int, out: Ready) -> None:
+        if envelope.signer not in self.view.stakes or suspicion.epoch != self.epoch:
+            self.counters["suspicion_stale"] += 1
+            return
+        self._record_suspicion(envelope.signer, suspicion, data, now_ms, out)
+
+    def _record_suspicion(self, signer: bytes, suspicion: Suspicion, data: bytes, now_ms: int, out: Ready) -> None:
+        suspect = suspicion.suspect
+        if suspect not in self.view.stakes:
+            return
+        by = self.suspicions.setdefault(suspect, {})
+        by.setdefault(signer, data)
+        # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
+        if self.view.exceeds_one_third(by):
+            iid = evict_instance_id(suspect, self.epoch)
+            self._start_instance(iid, "eviction", self.view, ("eviction", suspect), self._eviction_validator(iid),
+                                 now_ms, out)
+
+    def _suspicion_justification(self, suspect: bytes) -> tuple:
+        by = self.suspicions.get(suspect, {})
+        ranked = sorted(by.items(), key=lambda item: (-self.view.stakes.get(item[0], 0), item[0]))
+        return tuple(data for _signer, data in ranked[:MAX_SUSPICION_JUSTIFICATION])
+
+    def _eviction_value(self, suspect: bytes, view: EpochView) -> Eviction:
+        """SPEC F5: each job whose primary is the suspect moves to its first backup that is a
+        member and not suspected by us; its other backups stay, or a deterministic pick."""
+        migrations = []
+        for record in self.job_records.values():
+            if record.primary != suspect or record.state in ("completed", "failed", "cancelled", "pending"):
+                continue
+            live = [b for b in record.backups if b in view.stakes and b != suspect and b not in self.suspicions]
+            if not live:
+                continue
+            to_node = live[0]
+            migrations.append(Migration(job_id=record.job_id, to_node=to_node,
+                                        backups=self._new_backups(record, to_node, suspect, view)))
+            if len(migrations) == 1024:
+                break
+        return Eviction(node=suspect, epoch=view.epoch, migrations=tuple(migrations))
+
+    def _new_backups(self, record, to_node: bytes, suspect: bytes, view: EpochView) -> tuple:
+        keep = [b for b in record.backups if b not in (to_node, suspect) and b in view.stakes]
+        if keep or not record.backups:
+            return tuple(keep)
+        # The only backup became primary: pick a fresh one by hash so every node agrees.
+        others = [k for k in view.members if k not in (to_node, suspect)]
+        if not others:
+            return ()
+        return (min(others, key=lambda k: tie_break(record.job_id, k)),)
+
+    def _propose_epoch_change(self, inst, meta: tuple, now_ms: int, out: Ready) -> None:
+        if meta[0] == "eviction":
+            value = self._eviction_value(meta[1], inst.view)
+            justification = self._suspicion_justification(meta[1])
+        elif meta[0] == "membership" and inst.instance_id in self.joins:
+            join, _data = self.joins[inst.instance_id]
+            value = MembershipChange(change="join", member=join.member, epoch=inst.view.epoch + 1,
+                                     evidence=join.vouchers)
+            justification = ()
+        else:
+            return
+        self._drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
+
+    def _eviction_validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+            inst = self.instances.get(iid)
+            view = inst.view if inst is not None else self.view
+            try:
+                eviction = Eviction.from_body(codec.unpack(value_bytes))
+                signers = set()
+                for data in justification:
+                    envelope, suspicion = decode_message(data, self.mesh_id, expect=Suspicion)
+                    if suspicion.suspect == eviction.node and suspicion.epoch == view.epoch:
+                        signers.add(envelope.signer)
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid eviction proposal: %s" % exc
+            if evict_instance_id(eviction.node, eviction.epoch) != iid or eviction.epoch != view.epoch:
+                return "eviction is for another node or epoch"
+            if eviction.node == self.me:
+                return "an honest node does not vote for its own eviction"
+            if not (view.exceeds_one_third(signers) or view.exceeds_one_third(self.suspicions.get(eviction.node, ()))):
+                return "suspicions do not exceed 1/3 of the stake"
+            return self._check_migrations(eviction, view)
+        return validate
+
+    def _check_migrations(self, eviction: Eviction, view: EpochView) -> str | None:
+        seen = set()
+        for m in eviction.migrations:
+            if m.job_id in seen:
+                return "a job migrates twice"
+            seen.add(m.job_id)
+            if m.to_node not in view.stakes or m.to_node == eviction.node:
+                return "migration to a non-member or to the evicted node"
+            if len(set(m.backups)) != len(m.backups) or any(
+                    b not in view.stakes or b in (m.to_node, eviction.node) for b in m.backups):
+                return "migration backups invalid"
+            record = self.job_records.get(m.job_id)
+            if record is not None and record.primary is not None and (
+                    record.primary != eviction.node or m.to_node not in record.backups):
+                return "migration does not follow the job's placement"
+        return None
+
+    def _eviction_instance_from_value(self, iid: bytes, eviction: Eviction, view: EpochView, now_ms: int, out: Ready):
+        if evict_instance_id(eviction.node, eviction.epoch) != iid:
+            raise RemoteProtocolError("eviction proposal under a foreign instance id")
+        return self._start_instance(iid, "eviction", view, ("eviction", eviction.node),
+                                    self._eviction_validator(iid), now_ms, out)
+
+    def _apply_eviction(self, iid: bytes, eviction: Eviction, certificate: bytes, now_ms: int, out: Ready) -> None:
+        if eviction.epoch != self.epoch:
+            self.counters["epoch_change_for_old_epoch"] += 1  # see spec_parts: first change wins
+            return
+        old = self.view
+        stakes = {k: s for k, s in old.stakes.items() if k != eviction.node}
+        evicted_jobs = [r for r in self.job_records.values() if r.primary == eviction.node
+                        and r.state not in ("completed", "failed", "cancelled")]
+        self._enter_epoch(EpochView(old.epoch + 1, stakes), certificate, now_ms, out)
+        moved = set()
+        for m in eviction.migrations:
+            record = self.job_records.get(m.job_id)
+            if record is not None and record.primary == eviction.node:
+                self._migrate(record, m.to_node, m.backups, now_ms, out)
+                moved.add(m.job_id)
+        for record in evicted_jobs:  # jobs the leader did not know: first backup still a member
+            if record.job_id not in moved:
+                live = [b for b in record.backups if b in self.view.stakes]
+                if live:
+                    self._migrate(record, live[0], self._new_backups(record, live[0], eviction.node, self.view),
+                                  now_ms, out)
+        if eviction.node == self.me:
+            for record in evicted_jobs:
+                self.book.free(record.job_id)
+            out.events.append(self._event("evicted", now_ms, epoch=self.epoch))
+
+    def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
+        record.primary, record.backups = to_node, tuple(backups)
+        record.fence += 1
+        record.migrations += 1
+        record.state = "migrating"
+        if to_node == self.me:
+            claim = self.book.allocate_now(record.job_id, record.manifest.resources)
+            record.gpus = claim.gpus if claim is not None else ()
+            if claim is None:
+                out.events.append(self._event("capacity_short", now_ms, job_id=record.job_id.hex()))
+        out.events.append(self._event("migrated", now_ms, job_id=record.job_id.hex(), to_node=to_node.hex(),
+                                      fence=record.fence, from_seq=record.last_checkpoint_seq))
+
+    def _enter_epoch(self, view: EpochView, certificate: bytes, now_ms: int, out: Ready) -> None:
+        old = self.view
+        self.epoch_certificates.append((old.epoch, certificate))
+        del self.epoch_certificates[:-MAX_EPOCH_CERTIFICATES]
+        self.view = view
+        self.views[view.epoch] = view
+        for epoch in sorted(self.views)[:-8]:
+            del self.views[epoch]
+        for key in old.members:
+            if key not in view.stakes:
+                self.detector.forget(key)
+        for key in view.members:
+            if key != self.me:
+                self.detector.track(key, now_ms)
+        self.suspicions.clear()
+        self.suspicion_sent_ms.clear()
+        out.persist.append(PersistRecord("membership", str(view.epoch), {"epoch": view.epoch,
+                                                                         "certificate": certificate}))
+        out.events.append(self._event("epoch", now_ms, epoch=view.epoch, members=len(view.members)))
+        waiting = self.future_certificates.pop(view.epoch, None)
+        if waiting is not None:
+            self._apply_certificate_bytes(waiting, now_ms, out)
+
+    def _hold_future_certificate(self, epoch: int, data: bytes) -> None:
+        if len(self.future_certificates) < MAX_FUTURE_CERTIFICATES:
+            self.future_certificates.setdefault(epoch, data)
+        else:
+            self.counters["future_certificates_full"] += 1
+
+    # --- joins (SPEC F7) -----------------------------------------------------------------------------
+    def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
+        """Ask ``bootstrap_key`` to propose this node as a member. Stake comes only from the
+        vouchers: authority attestations in this node's policy."""
+        stake = 0
+        for data in self.policy.attestations:
+            try:
+                envelope, attestation = decode_message(data, self.mesh_id, expect=Attestation, allow_any_mesh=True)
+            except RemoteProtocolError:
+                continue
+            if envelope.signer in self.authorities and attestation.subject == self.me:
+                stake = max(stake, attestation.stake)
+        member = Member(public_key=self.me, stake=max(1, stake), zone=self.policy.zone, labels=self.policy.labels,
+                        addrs=())
+        join = Join(member=member, epoch=self.epoch, vouchers=tuple(self.policy.attestations[:16]))
+        return Ready(messages=[Outbound(bootstrap_key, encode_message(self.identity, self.mesh_id, join))])
+
+    def _on_join(self, envelope, join: Join, data, now_ms: int, out: Ready) -> None:
+        if envelope.signer != join.member.public_key:
+            self.counters["join_not_self_signed"] += 1
+            return
+        if not self.is_member() or join.member.public_key in self.view.stakes:
+            self.counters["join_ignored"] += 1
+            return
+        reason = self._check_vouchers(join.member, join.vouchers, self.view)
+        if reason is not None:
+            self.counters["join_unvouched"] += 1
+            out.events.append(self._event("join_refused", now_ms, key=join.member.public_key.hex(), reason=reason))
+            return
+        iid = join_instance_id(join.member.public_key, self.epoch)
+        if iid in self.joins or iid in self.applied:
+            return
+        self.joins[iid] = (join, data)
+        out.messages.append(Outbound(None, data))  # relay once, so every member starts the instance
+        self._start_instance(iid, "membership", self.view, ("membership", join.member.public_key),
+                             self._membership_validator(iid), now_ms, out)
+
+    def _check_vouchers(self, member: Member, vouchers: tuple, view: EpochView) -> str | None:
+        """SPEC F7: an authority attestation with at least the stake, or endorsements from
+        members of this epoch whose own stake sums to at least it. A key never vouches for itself."""
+        endorsers = set()
+        for data in vouchers:
+            try:
+                envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True)
+            except RemoteProtocolError:
+                continue
+            if envelope.signer == member.public_key:
+                continue
+            if isinstance(message, Attestation):
+                if (envelope.signer in self.authorities and message.subject == member.public_key
+                        and message.stake >= member.stake):
+                    return None
+            elif isinstance(message, Endorsement) and envelope.mesh_id == self.mesh_id:
+                if (message.candidate == member.public_key and message.epoch == view.epoch
+                        and message.stake == member.stake and envelope.signer in view.stakes):
+                    endorsers.add(envelope.signer)
+        if view.stake_of(endorsers) >= member.stake:
+            return None
+        return "stake %d is not vouched for by an authority or by endorsing members" % member.stake
+
+    def _membership_validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+            inst = self.instances.get(iid)
+            view = inst.view if inst is not None else self.view
+            try:
+                change = MembershipChange.from_body(codec.unpack(value_bytes))
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid membership proposal: %s" % exc
+            if change.change != "join" or join_instance_id(change.member.public_key, view.epoch) != iid:
+                return "membership change is for another key or epoch"
+            if change.epoch != view.epoch + 1 or change.member.public_key in view.stakes:
+                return "membership change does not extend this epoch"
+            return self._check_vouchers(change.member, change.evidence, view)
+        return validate
+
+    def _membership_instance_from_value(self, iid: bytes, change: MembershipChange, view: EpochView, now_ms: int,
+                                        out: Ready):
+        if join_instance_id(change.member.public_key, view.epoch) != iid:
+            raise RemoteProtocolError("membership proposal under a foreign instance id")
+        return self._start_instance(iid, "membership", view, ("membership", change.member.public_key),
+                                    self._membership_validator(iid), now_ms, out)
+
+    def _apply_membership(self, iid: bytes, change: MembershipChange, certificate: bytes, now_ms: int,
+                          out: Ready) -> None:
+        if change.epoch != self.epoch + 1 or change.change != "join":
+            self.counters["epoch_change_for_old_epoch"] += 1
+            return
+        key = change.member.public_key
+        stakes = dict(self.view.stakes)
+        stakes[key] = change.member.stake
+        since = self.epoch
+        self.member_info[key] = change.member
+        self._enter_epoch(EpochView(change.epoch, stakes), certificate, now_ms, out)
+        if iid in self.joins:  # we heard the request: bring the new member up to date
+            join, _data = self.joins.pop(iid)
+            certificates = [c for e, c in self.epoch_certificates if e >= min(join.epoch, since)]
+            out.messages.extend(Outbound(key, c) for c in certificates[-MAX_SYNC_CERTIFICATES:])
+        out.events.append(self._event("joined", now_ms, key=key.hex(), epoch=self.epoch))

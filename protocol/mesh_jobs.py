@@ -1,0 +1,509 @@
+"""MeshCore's job flows: bidding, placement, checkpoints, exits, cancels
+(spec_parts/placement_failure.md sections P1-P6). A mixin of protocol.mesh.MeshCore;
+it only uses state MeshCore.__init__ creates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from protocol import codec
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, Decline, GpuState,
+                               JobExit, JobManifest, Placement, decode_message, encode_message, job_id)
+from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
+                                select_justification)
+from protocol.ready import Outbound, PersistRecord, Ready
+
+TERMINAL = ("completed", "failed", "cancelled")
+MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
+MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
+MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
+CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+BID_LIFETIME_ROUNDS = 8          # a reservation outlives this many maximal round timeouts
+
+
+def retry_instance_id(jid: bytes, attempt: int) -> bytes:
+    """Placement instance of a job's ``attempt``-th retry; attempt 0 is the job id itself."""
+    if attempt == 0:
+        return jid
+    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
+
+
+@dataclass
+class JobRecord:
+    job_id: bytes
+    envelope: bytes
+    manifest: JobManifest
+    submitted_ms: int
+    state: str = "pending"
+    attempt: int = 0
+    instance: bytes = b""
+    primary: bytes | None = None
+    backups: tuple = ()
+    gpus: tuple = ()
+    fence: int = 0
+    migrations: int = 0
+    declines: dict = field(default_factory=dict)   # signer -> (reason, detail)
+    last_checkpoint_seq: int | None = None
+    last_checkpoint_taken_ms: int | None = None
+    acks: dict = field(default_factory=dict)       # backup -> newest acked seq
+    exit_code: int | None = None
+    hint: str | None = None
+
+    def as_dict(self) -> dict:
+        grouped: dict[str, list] = {}
+        for signer, (reason, _detail) in self.declines.items():
+            grouped.setdefault(reason, []).append(signer)
+        return {"job_id": self.job_id, "name": self.manifest.name, "owner": self.manifest.owner,
+                "state": self.state, "primary": self.primary, "backups": self.backups, "gpus": self.gpus,
+                "fence": self.fence, "attempt": self.attempt, "instance": self.instance,
+                "last_checkpoint_seq": self.last_checkpoint_seq,
+                "last_checkpoint_taken_ms": self.last_checkpoint_taken_ms, "migrations": self.migrations,
+                "declines": grouped, "submitted_ms": self.submitted_ms, "exit_code": self.exit_code,
+                "hint": self.hint, "manifest": self.manifest}
+
+
+class JobFlows:
+    def _init_jobs(self) -> None:
+        self.job_records: dict[bytes, JobRecord] = {}
+        self.my_bids: dict[bytes, tuple[str, bytes]] = {}        # instance -> ("bid"|"decline", envelope)
+        self.bids_held: dict[bytes, dict[bytes, tuple]] = {}     # instance -> signer -> (BidFacts, bytes)
+        self.windows_open: dict[bytes, int] = {}                 # instance -> round whose window is open
+        self.capability_envelope: bytes | None = None
+        self.capability: CapabilityVector | None = None
+        self.capability_key: tuple | None = None
+        self.capability_broadcast_ms: int | None = None
+        self.capability_seq = 0
+        self.telemetry_gpus: tuple = ()
+        self.rtt_us = 0
+        self.peer_capabilities: dict[bytes, CapabilityVector] = {}
+        self.own_attested = dict(attested_attributes(self.policy.attestations, self.me, self.mesh_id,
+                                                     self.authorities, 0))
+
+    # --- read-only views --------------------------------------------------------------------------
+    def jobs(self) -> list[dict]:
+        return [record.as_dict() for record in self.job_records.values()]
+
+    def job_view(self, jid: bytes) -> dict | None:
+        record = self.job_records.get(jid)
+        return None if record is None else record.as_dict()
+
+    def _capability_summary(self, key: bytes) -> dict | None:
+        cap = self.capability if key == self.me else self.peer_capabilities.get(key)
+        if cap is None:
+            return None
+        return {"seq": cap.seq, "taken_ms": cap.taken_ms, "zone": cap.zone, "gpus": len(cap.gpus),
+                "gpus_free": list(cap.gpus_free), "cpu_milli_free": cap.cpu_milli_free,
+                "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
+                "gpu_models": sorted({g.model for g in cap.gpus})}
+
+    # --- capability vectors (SPEC P1) ---------------------------------------------------------------
+    def _gpu_states(self) -> tuple:
+        if self.telemetry_gpus:
+            return self.telemetry_gpus
+        return tuple(GpuState(index=i, model=self.capacity.gpu_model[:96], mem_total_mib=total, mem_used_mib=0,
+                              util_milli=0, temp_milli_c=0, sm_clock_mhz=0, throttle_reasons=0, ecc_errors=0,
+                              power_mw=0) for i, total in enumerate(self.capacity.gpu_mem_total_mib))
+
+    def _current_capability(self, now_ms: int) -> tuple[bytes, CapabilityVector, bool]:
+        """This node's signed capability vector for what is free now; re-signed only when the
+        facts changed (bids carry it, so most bids reuse one signature)."""
+        gpus = self._gpu_states()
+        key = (self.epoch, gpus, self.book.free_gpus(), self.book.free_cpu_milli(), self.book.free_mem_mib())
+        if self.capability_envelope is not None and key == self.capability_key:
+            return self.capability_envelope, self.capability, False
+        self.capability_seq += 1
+        cap = CapabilityVector(node=self.me, epoch=self.epoch, seq=self.capability_seq, taken_ms=now_ms,
+                               zone=self.policy.zone, rail_group=self.capacity.rail_group[:64], gpus=gpus,
+                               gpus_free=self.book.free_gpus(), cpu_milli_free=max(0, self.book.free_cpu_milli()),
+                               mem_mib_free=max(0, self.book.free_mem_mib()), labels=self.policy.labels,
+                               simulated=not self.telemetry_gpus)
+        self.capability_envelope = encode_message(self.identity, self.mesh_id, cap)
+        self.capability, self.capability_key = cap, key
+        return self.capability_envelope, cap, True
+
+    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int) -> Ready:
+        """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
+        CAPABILITY_REFRESH_MS so peers' views stay fresh."""
+        out = Ready()
+        self.telemetry_gpus = tuple(gpus)
+        self.rtt_us = max(0, int(rtt_us))
+        envelope, _cap, changed = self._current_capability(now_ms)
+        stale = self.capability_broadcast_ms is None or now_ms - self.capability_broadcast_ms >= CAPABILITY_REFRESH_MS
+        if (changed or stale) and self.is_member():
+            if not changed:
+                self.capability_envelope = None  # force a fresh taken_ms and seq
+                envelope, _cap, _ = self._current_capability(now_ms)
+            self.capability_broadcast_ms = now_ms
+            out.messages.append(Outbound(None, envelope))
+        return out
+
+    def _on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:
+        if envelope.signer not in self.view.stakes or cap.node != envelope.signer:
+            self.counters["capability_not_member"] += 1
+            return
+        known = self.peer_capabilities.get(envelope.signer)
+        if known is None or cap.seq > known.seq:
+            self.peer_capabilities[envelope.signer] = cap
+
+    # --- jobs arriving (SPEC P2) ------------------------------------------------------------------
+    def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
+        """A signed job from a local owner: broadcast it and start its placement."""
+        out = Ready()
+        envelope, job = decode_message(job_envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        if envelope.signer != job.owner:
+            raise RemoteProtocolError("job is not signed by its owner")
+        out.messages.append(Outbound(None, job_envelope))
+        self._on_job(envelope, job, job_envelope, now_ms, out)
+        return out
+
+    def _on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready) -> None:
+        if envelope.signer != job.owner:
+            self.counters["job_not_signed_by_owner"] += 1
+            return
+        jid = job_id(job)
+        record = self.job_records.get(jid)
+        if record is None:
+            record = self._new_job_record(jid, data, job, now_ms)
+            out.events.append(self._event("job_submitted", now_ms, job_id=jid.hex(), name=job.name))
+        if record.state == "pending" and not record.instance:
+            self._start_placement(record, now_ms, out)
+
+    def _new_job_record(self, jid: bytes, data: bytes, job: JobManifest, now_ms: int) -> JobRecord:
+        if len(self.job_records) >= MAX_JOBS:
+            for old in [k for k, r in self.job_records.items() if r.state in TERMINAL][:1024]:
+                del self.job_records[old]
+        record = JobRecord(jid, data, job, now_ms)
+        self.job_records[jid] = record
+        return record
+
+    def _start_placement(self, record: JobRecord, now_ms: int, out: Ready) -> None:
+        iid = retry_instance_id(record.job_id, record.attempt)
+        record.instance = iid
+        record.state = "pending"
+        inst = self._start_instance(iid, "placement", self.view, ("placement", record.job_id),
+                                    self._placement_validator(iid), now_ms, out)
+        if inst is not None:
+            self._send_my_bid(iid, now_ms, out)
+
+    def _placement_instance_from_value(self, iid: bytes, placement: Placement, view, now_ms: int, out: Ready):
+        envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        jid = job_id(job)
+        record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
+        if record.state in TERMINAL or (record.instance and record.instance != iid):
+            self.counters["placement_for_other_attempt"] += 1
+            return None
+        record.instance = iid
+        return self._start_instance(iid, "placement", view, ("placement", jid), self._placement_validator(iid),
+                                    now_ms, out)
+
+    # --- bids and declines (SPEC P3) ----------------------------------------------------------------
+    def _sampled(self, iid: bytes) -> bool:
+        if self.bid_sample is None or self.bid_sample >= len(self.view.members):
+            return True
+        draw = int.from_bytes(hashlib.sha256(b"bidder" + iid + self.me).digest()[:8], "big")
+        return draw * len(self.view.members) < self.bid_sample << 64
+
+    def _send_my_bid(self, iid: bytes, now_ms: int, out: Ready) -> None:
+        inst = self.instances.get(iid)
+        record = self.job_records.get(self.instance_meta.get(iid, (None, b""))[1])
+        if inst is None or record is None or record.state in TERMINAL or self.me not in inst.view.stakes:
+            return
+        mine = self.my_bids.get(iid)
+        if mine is None:
+            if not self._sampled(iid):
+                return
+            mine = self._make_bid_or_decline(iid, inst.view.epoch, record, now_ms)
+            self.my_bids[iid] = mine
+            out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
+                                          instance=iid.hex(), job_id=record.job_id.hex()))
+        kind, data = mine
+        if kind == "decline":  # everyone keeps declines, so any node can answer "why pending"
+            out.messages.append(Outbound(None, data))
+            envelope, decline = decode_message(data, self.mesh_id, expect=Decline)
+            self._on_decline(envelope, decline, data, now_ms, out)
+        elif inst.leader == self.me:
+            envelope, bid = decode_message(data, self.mesh_id, expect=Bid)
+            self._on_bid(envelope, bid, data, now_ms, out)
+        else:
+            out.messages.append(Outbound(inst.leader, data))
+
+    def _make_bid_or_decline(self, iid: bytes, epoch: int, record: JobRecord, now_ms: int) -> tuple[str, bytes]:
+        job = record.manifest
+        cap_envelope, cap, _ = self._current_capability(now_ms)
+        ok, reason, detail = eligibility(job, cap, self.policy, self.own_attested)
+        claim = None
+        if ok:
+            lifetime = BID_LIFETIME_ROUNDS * self.params.round_timeout_max_ms
+            claim = self.book.reserve(iid, job.resources, now_ms + lifetime, gpu_free_mem_mib(cap))
+            if claim is None:
+                reason, detail = "not_enough_gpus", "capacity reserved by concurrent bids"
+        if claim is None:
+            decline = Decline(instance=iid, epoch=epoch, reason=reason, detail=detail[:256])
+            return "decline", encode_message(self.identity, self.mesh_id, decline)
+        bid = Bid(instance=iid, epoch=epoch, capability=cap_envelope, reserved_gpus=claim.gpus,
+                  rtt_us=self.rtt_us, attestations=tuple(self.policy.attestations[:8]))
+        return "bid", encode_message(self.identity, self.mesh_id, bid)
+
+    def _on_bid(self, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
+        inst = self.instances.get(bid.instance)
+        if inst is None:
+            self._hold(bid.instance, envelope, bid, data)
+            return
+        facts = parse_bid(data, self.mesh_id, bid.instance, inst.view.epoch, inst.view.stakes, self.authorities)
+        held = self.bids_held.setdefault(bid.instance, {})
+        if facts.signer not in held and len(held) >= MAX_BIDS_HELD:
+            self.counters["bids_full"] += 1
+            return
+        held[facts.signer] = (facts, data)
+        self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
+
+    def _on_decline(self, envelope, decline: Decline, data, now_ms: int, out: Ready) -> None:
+        meta = self.instance_meta.get(decline.instance)
+        record = self.job_records.get(meta[1]) if meta and meta[0] == "placement" else None
+        if record is None or envelope.signer not in self.view.stakes:
+            self.counters["decline_unknown"] += 1
+            return
+        if envelope.signer not in record.declines and len(record.declines) < MAX_DECLINERS_KEPT:
+            record.declines[envelope.signer] = (decline.reason, decline.detail)
+        inst = self.instances.get(decline.instance)
+        if inst is not None:
+            self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
+
+    # --- the leader's proposal (SPEC P4) --------------------------------------------------------------
+    def _on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
+        meta = self.instance_meta.get(inst.instance_id, ("?",))
+        if meta[0] != "placement":
+            self._propose_epoch_change(inst, meta, now_ms, out)
+            return
+        if self.windows_open.get(inst.instance_id) != inst.round:
+            self.windows_open[inst.instance_id] = inst.round
+            self._schedule(inst, "bid_window", now_ms + self.params.bid_window_ms)
+            self._send_my_bid(inst.instance_id, now_ms, out)
+        self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
+
+    def _bid_window_closed(self, iid: bytes, now_ms: int, out: Ready) -> None:
+        inst = self.instances.get(iid)
+        if inst is not None:
+            self._maybe_propose_placement(inst, now_ms, out, window_closed=True)
+
+    def _maybe_propose_placement(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
+        """Propose once every member answered, or when the bid window closed (SPEC P4)."""
+        iid = inst.instance_id
+        if not inst.awaiting_value or self.windows_open.get(iid) != inst.round:
+            return
+        record = self.job_records.get(self.instance_meta[iid][1])
+        held = self.bids_held.get(iid, {})
+        answered = len(held) + (len(record.declines) if record else 0)
+        if record is None or not (window_closed or answered >= len(inst.view.members)):
+            return
+        chosen = select_justification(record.manifest, iid, [facts for facts, _ in held.values()])
+        placement = choose_placement(record.envelope, record.manifest, iid, chosen)
+        if placement is None:
+            record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
+            return
+        justification = tuple(held[facts.signer][1] for facts in chosen)
+        self._drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
+
+    def _placement_validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+            inst = self.instances.get(iid)
+            view = inst.view if inst is not None else self.view
+            try:
+                placement = Placement.from_body(codec.unpack(value_bytes))
+                envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+                if envelope.signer != job.owner:
+                    return "job not signed by its owner"
+                jid = job_id(job)
+                if iid not in {retry_instance_id(jid, a) for a in range(job.max_retries + 1)}:
+                    return "instance is not this job's placement"
+                facts = [parse_bid(b, self.mesh_id, iid, view.epoch, view.stakes, self.authorities)
+                         for b in justification]
+                expected = choose_placement(placement.job, job, iid, facts)
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid placement proposal: %s" % exc
+            if expected != placement:
+                return "placement does not follow from its bids"
+            return None
+        return validate
+
+    def _on_round_changed(self, inst, now_ms: int, out: Ready) -> None:
+        """SPEC P3: bids go to the current leader, so a new round re-sends ours."""
+        meta = self.instance_meta.get(inst.instance_id, ("?",))
+        if meta[0] == "placement":
+            self._send_my_bid(inst.instance_id, now_ms, out)
+
+    def _instance_gave_up(self, iid: bytes, meta: tuple, now_ms: int, out: Ready) -> None:
+        self.book.release(iid)
+        self.my_bids.pop(iid, None)
+        self.bids_held.pop(iid, None)
+        self.windows_open.pop(iid, None)
+        record = self.job_records.get(meta[1]) if meta[0] == "placement" else None
+        if record is not None and record.state == "pending":
+            record.hint = "placement gave up after %d rounds; resubmit to retry" % self.params.max_rounds
+            record.instance = b""
+            out.events.append(self._event("job_gave_up", now_ms, job_id=record.job_id.hex()))
+
+    # --- a placement is decided (SPEC P5) ------------------------------------------------------------
+    def _apply_placement(self, iid: bytes, placement: Placement, certificate: bytes, now_ms: int,
+                         out: Ready) -> None:
+        envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        jid = job_id(job)
+        record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
+        self.my_bids.pop(iid, None)
+        self.bids_held.pop(iid, None)
+        self.windows_open.pop(iid, None)
+        if record.state == "cancelled":
+            self.book.release(iid)
+            return
+        record.instance = iid
+        record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
+        record.fence += 1
+        record.state = "placed"
+        record.hint = None
+        if placement.primary == self.me:
+            claim = self.book.allocate(iid, jid) or self.book.allocate_now(jid, job.resources, prefer=placement.gpus)
+            if claim is None:
+                out.events.append(self._event("capacity_short", now_ms, job_id=jid.hex()))
+        else:
+            self.book.release(iid)
+        out.events.append(self._event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
+                                      fence=record.fence))
+
+    # --- workloads, checkpoints, exits (SPEC P6) -------------------------------------------------------
+    def _my_job(self, jid: bytes) -> JobRecord:
+        record = self.job_records.get(jid)
+        if record is None or record.primary != self.me or record.state in TERMINAL or not self.is_member():
+            raise LocalProtocolError("this node is not the primary of job %s" % jid.hex()[:12])
+        return record
+
+    def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
+        out = Ready()
+        record = self.job_records.get(jid)
+        if record is not None and record.primary == self.me and record.fence == fence:
+            record.state = "running"
+            out.events.append(self._event("job_started", now_ms, job_id=jid.hex(), fence=fence, from_seq=from_seq))
+        return out
+
+    def local_checkpoint(self, jid: bytes, seq: int, progress: int, taken_ms: int, state: bytes,
+                         now_ms: int) -> Ready:
+        """The primary's workload took a checkpoint: persist it, stream it to the backups."""
+        record = self._my_job(jid)
+        checkpoint = Checkpoint(job_id=jid, fence=record.fence, seq=seq, progress=progress, taken_ms=taken_ms,
+                                state=state, state_hash=hashlib.sha256(state).digest())
+        out = Ready()
+        out.persist.append(self._checkpoint_record(checkpoint, self.me))
+        data = encode_message(self.identity, self.mesh_id, checkpoint)
+        for backup in record.backups:
+            if backup in self.view.stakes:
+                out.messages.append(Outbound(backup, data))
+        record.state = "running"
+        record.last_checkpoint_seq, record.last_checkpoint_taken_ms = seq, taken_ms
+        return out
+
+    @staticmethod
+    def _checkpoint_record(checkpoint: Checkpoint, origin: bytes) -> PersistRecord:
+        return PersistRecord("checkpoints", "%s:%d" % (checkpoint.job_id.hex(), checkpoint.seq), {
+            "job_id": checkpoint.job_id, "fence": checkpoint.fence, "seq": checkpoint.seq,
+            "progress": checkpoint.progress, "taken_ms": checkpoint.taken_ms, "state": checkpoint.state,
+            "state_hash": checkpoint.state_hash, "origin": origin})
+
+    def _on_checkpoint(self, envelope, checkpoint: Checkpoint, data, now_ms: int, out: Ready) -> None:
+        record = self.job_records.get(checkpoint.job_id)
+        if record is None:
+            self.counters["checkpoint_unknown_job"] += 1
+            return
+        if envelope.signer != record.primary or checkpoint.fence < record.fence:
+            self.counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
+            out.events.append(self._event("checkpoint_refused", now_ms, job_id=checkpoint.job_id.hex(),
+                                          signer=envelope.signer.hex(), fence=checkpoint.fence))
+            return
+        if checkpoint.fence > record.fence:
+            self.counters["checkpoint_future_fence"] += 1
+            return
+        if record.last_checkpoint_seq is not None and checkpoint.seq <= record.last_checkpoint_seq:
+            self.counters["checkpoint_old_seq"] += 1
+            return
+        record.last_checkpoint_seq, record.last_checkpoint_taken_ms = checkpoint.seq, checkpoint.taken_ms
+        if record.state in ("placed", "migrating"):
+            record.state = "running"
+        out.persist.append(self._checkpoint_record(checkpoint, envelope.signer))
+        ack = CheckpointAck(job_id=checkpoint.job_id, fence=checkpoint.fence, seq=checkpoint.seq)
+        out.messages.append(Outbound(envelope.signer, encode_message(self.identity, self.mesh_id, ack)))
+
+    def _on_checkpoint_ack(self, envelope, ack: CheckpointAck, data, now_ms: int, out: Ready) -> None:
+        record = self.job_records.get(ack.job_id)
+        if record is None or record.primary != self.me or ack.fence != record.fence or envelope.signer not in record.backups:
+            self.counters["ack_unexpected"] += 1
+            return
+        record.acks[envelope.signer] = max(ack.seq, record.acks.get(envelope.signer, 0))
+
+    def job_exited(self, jid: bytes, exit_code: int, now_ms: int) -> Ready:
+        """The workload exited here. A fenced ex-primary's exit changes nothing (an event says so)."""
+        out = Ready()
+        record = self.job_records.get(jid)
+        if record is None or record.primary != self.me or record.state in TERMINAL:
+            out.events.append(self._event("exit_ignored", now_ms, job_id=jid.hex(), exit_code=exit_code))
+            return out
+        code = exit_code if 0 <= exit_code <= 255 else 255
+        message = JobExit(job_id=jid, fence=record.fence, exit_code=code)
+        out.messages.append(Outbound(None, encode_message(self.identity, self.mesh_id, message)))
+        self._finish_job(record, code, now_ms, out)
+        return out
+
+    def _on_job_exit(self, envelope, message: JobExit, data, now_ms: int, out: Ready) -> None:
+        record = self.job_records.get(message.job_id)
+        if record is None or envelope.signer != record.primary or message.fence != record.fence:
+            self.counters["job_exit_stale"] += 1
+            return
+        if record.state not in TERMINAL:
+            self._finish_job(record, message.exit_code, now_ms, out)
+
+    def _finish_job(self, record: JobRecord, code: int, now_ms: int, out: Ready) -> None:
+        self.book.free(record.job_id)
+        record.exit_code = code
+        if code == 0:
+            record.state = "completed"
+        elif record.attempt < record.manifest.max_retries:
+            record.attempt += 1  # SPEC P6: a failed job is placed afresh, by a new instance
+            record.primary, record.backups, record.gpus = None, (), ()
+            record.declines.clear()
+            self._start_placement(record, now_ms, out)
+        else:
+            record.state = "failed"
+        out.events.append(self._event("job_exited", now_ms, job_id=record.job_id.hex(), exit_code=code,
+                                      state=record.state, attempt=record.attempt))
+
+    def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
+        """An owner-signed Cancel envelope: stop and forget the job everywhere."""
+        out = Ready()
+        envelope, message = decode_message(request, self.mesh_id, expect=Cancel)
+        record = self.job_records.get(message.job_id)
+        if record is None:
+            raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
+        if envelope.signer != record.manifest.owner:
+            raise RemoteProtocolError("cancel: only the job's owner may cancel it")
+        out.messages.append(Outbound(None, request))
+        self._apply_cancel(record, now_ms, out)
+        return message.job_id, out
+
+    def _on_cancel(self, envelope, message: Cancel, data, now_ms: int, out: Ready) -> None:
+        record = self.job_records.get(message.job_id)
+        if record is None or envelope.signer != record.manifest.owner:
+            self.counters["cancel_refused"] += 1
+            return
+        self._apply_cancel(record, now_ms, out)
+
+    def _apply_cancel(self, record: JobRecord, now_ms: int, out: Ready) -> None:
+        if record.state in TERMINAL:
+            return
+        if record.instance:
+            self.book.release(record.instance)
+        was_mine = record.primary == self.me
+        self.book.free(record.job_id)
+        record.state = "cancelled"
+        if was_mine:
+            out.decisions.append(self._local_decision("cancel", (record.job_id,)))
+        out.events.append(self._event("job_cancelled", now_ms, job_id=record.job_id.hex()))
