@@ -172,13 +172,17 @@ def cmd_submit(args) -> int:
 
 
 def _wait_placed(client, job_id_hex: str) -> dict:
+    """Until the job is placed, or every member declined it (then it stays pending)."""
+    members = client.call("status")["members"]
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     while time.monotonic() < deadline:
         for job in client.call("jobs")["jobs"]:
-            if job["job_id"] == job_id_hex and job["state"] not in ("submitted", "pending"):
+            if job["job_id"] != job_id_hex:
+                continue
+            if job["state"] not in ("submitted", "pending"):
                 return {"job_id": job_id_hex, "state": job["state"], "primary": job["primary"],
                         "backups": job["backups"]}
-            if job["job_id"] == job_id_hex and job["state"] == "pending" and job.get("declines"):
+            if sum(job.get("declines", {}).values()) >= members:
                 return {"job_id": job_id_hex, "state": "pending", "declines": job["declines"],
                         "hint": job.get("hint")}
         time.sleep(0.02)

@@ -50,8 +50,18 @@ class ControlApi:
             rows.append({"key": key.hex(), "short": short_id(key), "stake": member["stake"],
                          "zone": member["zone"], "health": member["health"],
                          "rtt_us": None if key == node.identity.public_key else node.transport.rtt_us(key),
-                         "capability": member.get("capability")})
+                         "capability": self._capability(key)})
         return {"nodes": rows}
+
+    def _capability(self, key: bytes) -> dict | None:
+        """The member's latest signed capability vector, per GPU (the TUI's mesh view)."""
+        core = self.node.core
+        cap = core.capability if key == self.node.identity.public_key else core.peer_capabilities.get(key)
+        if cap is None:
+            return None
+        return {"gpus": [gpu.to_body() for gpu in cap.gpus], "gpus_free": list(cap.gpus_free),
+                "cpu_milli_free": cap.cpu_milli_free, "mem_mib_free": cap.mem_mib_free,
+                "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
         from meshnode.node import wall_ms

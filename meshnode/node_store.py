@@ -83,7 +83,7 @@ class NodeStore:
         with self._transaction():
             self._apply(ready.persist)
             for decision in ready.decisions:
-                self._add_certificate(decision)
+                self._add_certificate(decision.instance, decision.value_kind, decision.certificate)
             self._append_events(ready.events)
 
     def apply(self, records: list[PersistRecord]) -> None:
@@ -106,6 +106,12 @@ class NodeStore:
 
     def _apply(self, records: list[PersistRecord]) -> None:
         for record in records:
+            if record.table == "certificates":
+                # The core persists a certificate before announcing it; it goes to the same
+                # fixed table the decision path fills, once per instance.
+                value = record.value
+                self._add_certificate(value["instance"], value["value_kind"], value["certificate"])
+                continue
             if record.table not in PERSIST_TABLES:
                 raise LocalProtocolError("persist: table %r is not one of %s" % (record.table, sorted(PERSIST_TABLES)))
             if not isinstance(record.key, str) or not record.key:
@@ -154,13 +160,12 @@ class NodeStore:
             same[table].add(column)
             self.db["_packed_columns"].insert({"tbl": table, "col": column, "packed": int(packed)})
 
-    def _add_certificate(self, decision: Decision) -> None:
-        instance = decision.instance.hex()
+    def _add_certificate(self, instance_id: bytes, value_kind: str, certificate: bytes) -> None:
+        instance = instance_id.hex()
         if self.db.execute("SELECT 1 FROM certificates WHERE instance = ?", [instance]).fetchone():
             return  # a certificate is applied once; a duplicate decision is not a new one
-        self.db["certificates"].insert({"instance": instance, "value_kind": decision.value_kind,
-                                        "epoch": certificate_epoch(decision.certificate),
-                                        "certificate": decision.certificate})
+        self.db["certificates"].insert({"instance": instance, "value_kind": value_kind,
+                                        "epoch": certificate_epoch(certificate), "certificate": certificate})
 
     def _append_events(self, events: list[Event]) -> None:
         if not events:

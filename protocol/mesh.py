@@ -76,9 +76,9 @@ class MeshCore(JobFlows, FailoverFlows):
         self.detector = FailureDetector(heartbeat_ms=self.params.heartbeat_ms,
                                         detection_bound_ms=self.params.detection_bound_ms,
                                         min_silence_ms=min_silence_ms)
-        for key in self.view.members:
-            if key != self.me:
-                self.detector.track(key, now_ms)
+        # Members are watched from their first heartbeat on, not from our start: nodes of a
+        # mesh start seconds apart, and one that never came up holds no workload (it never
+        # bid), so suspecting it would only evict a slow starter (SPEC.md 8.1).
         self.book = Reservations(capacity.gpu_mem_total_mib, capacity.cpu_milli, capacity.mem_mib)
         self.instances: dict[bytes, ConsensusInstance] = {}
         self.decided: OrderedDict[bytes, ConsensusInstance] = OrderedDict()

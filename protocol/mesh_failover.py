@@ -20,6 +20,9 @@ MAX_EPOCH_CERTIFICATES = 64    # epoch-change certificates kept to answer syncs
 MAX_FUTURE_CERTIFICATES = 16   # certificates of epochs we have not reached, held for later
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
 MAX_SUSPICION_JUSTIFICATION = 32
+MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
+STARTUP_SYNC_PEERS = 3
+ANTI_ENTROPY_MS = 1000
 
 
 def evict_instance_id(node: bytes, epoch: int) -> bytes:
@@ -42,11 +45,29 @@ class FailoverFlows:
         self.future_certificates: dict[int, bytes] = {}
         self.sync_answered_ms: dict[bytes, int] = {}
         self.joins: dict[bytes, tuple] = {}                      # instance -> (Join, envelope bytes)
+        self.startup_sync_due = True
+        self.sync_sent_ms = now_ms
+
+    def _startup_sync(self, now_ms: int, out: Ready, peers_asked: int = 3) -> None:
+        """SPEC F6: a (re)started node asks a few random members for what it missed while down,
+        and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
+        not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
+        self.startup_sync_due = False
+        self.sync_sent_ms = now_ms
+        peers = self.broadcast_targets()
+        if not self.is_member() or not peers:
+            return
+        data = encode_message(self.identity, self.mesh_id, SyncRequest(epoch=self.epoch))
+        out.messages.extend(Outbound(peer, data) for peer in self.rng.sample(peers, min(peers_asked, len(peers))))
 
     # --- heartbeats, detection, self-fencing (SPEC F1-F3) ------------------------------------------
     def _tick_failover(self, now_ms: int, out: Ready) -> None:
         gap = now_ms - self.last_tick_ms
         self.last_tick_ms = now_ms
+        if self.startup_sync_due:
+            self._startup_sync(now_ms, out, STARTUP_SYNC_PEERS)
+        elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
+            self._startup_sync(now_ms, out, 1)
         if not self.heartbeats or not self.is_member():
             return
         if gap > self.params.detection_bound_ms and not self.halted:
@@ -101,6 +122,10 @@ class FailoverFlows:
         if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
             return
         certificates = [c for e, c in self.epoch_certificates if e >= since_epoch][:MAX_SYNC_CERTIFICATES]
+        if peer in self.view.stakes:  # a member that was down may have missed placements too
+            recent = [inst.decision_envelope for inst in list(self.decided.values())[-MAX_SYNC_DECISIONS:]
+                      if inst.decision_envelope is not None and inst.value_kind == "placement"]
+            certificates.extend(recent)
         if not certificates:
             return
         if len(self.sync_answered_ms) > 4096:

@@ -250,6 +250,11 @@ class JobFlows:
     def _on_bid(self, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(bid.instance)
         if inst is None:
+            done = self.decided.get(bid.instance)
+            if done is not None and done.decision_envelope is not None:
+                # A late bidder has not seen the decision: its bid is the cheapest catch-up cue.
+                out.messages.append(Outbound(envelope.signer, done.decision_envelope))
+                return
             self._hold(bid.instance, envelope, bid, data)
             return
         facts = parse_bid(data, self.mesh_id, bid.instance, inst.view.epoch, inst.view.stakes, self.authorities)

@@ -28,7 +28,6 @@ from protocol.certificate import verify_commit_certificate
 from protocol.errors import RemoteProtocolError
 from protocol.mesh import MeshCore
 from protocol.messages import CommitCertificate, decode_message
-from protocol.quorum import EpochView
 from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
@@ -116,7 +115,6 @@ class Simulation:
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms)
         self.mesh_id = self.world.mesh_id
-        self.view = EpochView.from_genesis(self.world.genesis)
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
         self.honest = honest
@@ -136,6 +134,9 @@ class Simulation:
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
+        self._targets: dict[tuple, list[int]] = {}
+        self._decoded: dict[int, tuple] = {}
+        self.epoch_views: dict[int, object] = {}    # epoch -> its EpochView, as first seen
         for index in sorted(self.world.byzantine):
             spec = self.world.nodes[index]
             behaviours = self._draw_behaviours()
@@ -178,19 +179,32 @@ class Simulation:
                         now_ms=self.now_ms, history=tuple(node.certificates),
                         heartbeats=self.config.heartbeats)
 
-    def _verify_certificate(self, data: bytes, _epoch) -> tuple:
+    def _verify_certificate(self, data: bytes, views: dict) -> tuple:
+        """Verify against the deciding node's view of the certificate's epoch; every node must
+        hold the same membership for one epoch (checked here, by digest)."""
         # Every node holds the same certificate object; identity-keyed caching (the object
-        # is kept alive in the entry, so its id cannot be reused) avoids re-hashing it.
+        # is kept alive in the entry, so its id cannot be reused) avoids re-decoding it.
+        _, certificate = self._decode_certificate(data)
+        view = views.get(certificate.epoch)
+        if view is None:
+            raise RemoteProtocolError("deciding node has no view of epoch %d" % certificate.epoch)
+        first = self.epoch_views.setdefault(view.epoch, view)
+        if first.digest != view.digest:
+            raise RemoteProtocolError("nodes disagree on the membership of epoch %d" % view.epoch)
         hit = self._cert_cache.get(id(data))
+        if hit is not None and hit[0] is data and hit[1] == view.digest:
+            return hit[2]
+        result = verify_commit_certificate(data, self.mesh_id, view)
+        self._cert_cache[id(data)] = (data, view.digest, result)
+        return result
+
+    def _decode_certificate(self, data: bytes):
+        hit = self._decoded.get(id(data))
         if hit is not None and hit[0] is data:
             return hit[1]
-        _, certificate = decode_message(data, self.mesh_id, expect=CommitCertificate)
-        if certificate.epoch != self.view.epoch:
-            raise RemoteProtocolError("certificate for epoch %d; the simulated mesh has only epoch %d"
-                                      % (certificate.epoch, self.view.epoch))
-        result = verify_commit_certificate(data, self.mesh_id, self.view)
-        self._cert_cache[id(data)] = (data, result)
-        return result
+        decoded = decode_message(data, self.mesh_id, expect=CommitCertificate)
+        self._decoded[id(data)] = (data, decoded)
+        return decoded
 
     def _schedule_faults(self) -> None:
         rng, cfg = self.rng, self.config
@@ -321,24 +335,35 @@ class Simulation:
                 node.evidence_offenders.add(record.value["offender"])
         outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
         if outbound:
-            self._send(node.index, outbound)
+            self._send(node, outbound)
         for decision in ready.decisions:
+            if not decision.certificate:
+                continue  # a local workload instruction (halt/resume/stop/cancel), nothing to agree on
             self.node_decisions += 1
-            self.checker.check_decision(node.index, decision, self.now_ms)
+            self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
             if node.behaviour is None and decision.value_kind == "placement":
                 done = self.honest_done.get(decision.instance, 0) + 1
                 self.honest_done[decision.instance] = done
                 if done == len(self.honest):
-                    self.complete += 1
+                    self.complete += 1  # early stop only when every honest node has every job
 
     def _peers(self, node: SimNode) -> list[bytes]:
-        return [n.public_key for n in self.nodes if n.index != node.index]
+        return [self.nodes[i].public_key for i in self._broadcast_targets(node)]
 
-    def _send(self, src: int, outbound) -> None:
-        network, rng, push, n = self.network, self.rng, self.push, self.config.nodes
+    def _broadcast_targets(self, node: SimNode) -> list[int]:
+        """``Outbound(to=None)``: every other member of the sender's current epoch."""
+        view = node.core.view
+        cached = self._targets.get((node.index, view.digest))
+        if cached is None:
+            cached = [self.index_of[k] for k in view.members if k != node.public_key and k in self.index_of]
+            self._targets[(node.index, view.digest)] = cached
+        return cached
+
+    def _send(self, node: SimNode, outbound) -> None:
+        network, rng, push, src = self.network, self.rng, self.push, node.index
         for message in outbound:
             if message.to is None:
-                recipients = [i for i in range(n) if i != src]
+                recipients = self._broadcast_targets(node)
             else:
                 dst = self.index_of.get(message.to)
                 if dst is None:
@@ -355,19 +380,28 @@ class Simulation:
     def _finish(self, deadline_ms: int, wall_s: float) -> SimResult:
         checker = self.checker
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
-        missing = checker.check_liveness(submitted, self.honest, deadline_ms)
+        deciders = self._deciders()
+        missing = checker.check_liveness(submitted, deciders, deadline_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
         log_digest = hashlib.sha256(repr(checker.log).encode()).hexdigest()
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
             decisions=len(checker.canonical), node_decisions=self.node_decisions, messages=self.messages,
-            latencies_ms=checker.latencies_ms(submitted, self.honest), virtual_ms=self.now_ms, wall_s=wall_s,
+            latencies_ms=checker.latencies_ms(submitted, deciders), virtual_ms=self.now_ms, wall_s=wall_s,
             byzantine=sorted(self.world.byzantine), byzantine_stake=self.world.byzantine_stake_fraction(),
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters))
+
+    def _deciders(self) -> list[int]:
+        """Honest members of the newest epoch: an honest node the mesh evicted (it looked dead
+        from a partition) is fenced and owes no decisions until it rejoins (SPEC.md 9)."""
+        if not self.epoch_views:
+            return list(self.honest)
+        latest = self.epoch_views[max(self.epoch_views)]
+        return [i for i in self.honest if self.nodes[i].public_key in latest.stakes]
 
     def _evidence_of(self, index: int) -> set[bytes]:
         """Offenders a node holds evidence against: persisted (survives its crashes) or live."""

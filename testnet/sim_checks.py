@@ -67,8 +67,8 @@ class DecisionChecker:
     """Holds the canonical history; ``check_decision`` is called for every Decision."""
 
     def __init__(self, mesh_id: bytes, facts: list[NodeFacts],
-                 verify_certificate: Callable[[bytes, int], tuple]):
-        # verify_certificate(certificate_bytes, epoch) -> (CommitCertificate, value_bytes);
+                 verify_certificate: Callable[[bytes, object], tuple]):
+        # verify_certificate(certificate_bytes, views) -> (CommitCertificate, value_bytes);
         # it raises RemoteProtocolError when the certificate does not verify.
         self.mesh_id = mesh_id
         self.facts = facts
@@ -90,10 +90,11 @@ class DecisionChecker:
         if len(self.violations) < MAX_VIOLATIONS_KEPT:
             self.violations.append(Violation(check, node, instance.hex() if instance else "", detail))
 
-    def check_decision(self, node: int, decision: Decision, now_ms: int, epoch: int | None = None) -> None:
+    def check_decision(self, node: int, decision: Decision, now_ms: int, views=None) -> None:
+        """``views``: the deciding node's epoch views, passed through to verify_certificate."""
         instance = decision.instance
         try:
-            certificate, value_bytes = self.verify_certificate(decision.certificate, epoch)
+            certificate, value_bytes = self.verify_certificate(decision.certificate, views)
         except RemoteProtocolError as exc:
             self.fail("certificate", node, instance, "certificate does not verify: %s" % exc)
             return
