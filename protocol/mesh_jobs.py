@@ -263,6 +263,9 @@ class JobFlows:
             self.counters["bids_full"] += 1
             return
         held[facts.signer] = (facts, data)
+        record = self.job_records.get(self.instance_meta.get(bid.instance, (None, b""))[1])
+        if record is not None:
+            record.declines.pop(facts.signer, None)  # it declined earlier, for want of free capacity
         self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
 
     def _on_decline(self, envelope, decline: Decline, data, now_ms: int, out: Ready) -> None:
@@ -337,8 +340,18 @@ class JobFlows:
     def _on_round_changed(self, inst, now_ms: int, out: Ready) -> None:
         """SPEC P3: bids go to the current leader, so a new round re-sends ours."""
         meta = self.instance_meta.get(inst.instance_id, ("?",))
-        if meta[0] == "placement":
-            self._send_my_bid(inst.instance_id, now_ms, out)
+        if meta[0] != "placement":
+            return
+        mine = self.my_bids.get(inst.instance_id)
+        record = self.job_records.get(meta[1])
+        if mine is not None and mine[0] == "decline" and record is not None:
+            # Capacity held by concurrent bids may be free again: decide afresh, and speak
+            # only if the answer became a bid (a repeated decline adds nothing).
+            fresh = self._make_bid_or_decline(inst.instance_id, inst.view.epoch, record, now_ms)
+            if fresh[0] == "decline":
+                return
+            self.my_bids[inst.instance_id] = fresh
+        self._send_my_bid(inst.instance_id, now_ms, out)
 
     def _instance_gave_up(self, iid: bytes, meta: tuple, now_ms: int, out: Ready) -> None:
         self.book.release(iid)

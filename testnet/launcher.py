@@ -174,7 +174,23 @@ def add_node(root, stake: int = 100) -> dict:
     layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone).__dict__)
     save_layout(root, layout)
     start_node(root, index)
+    wait_control(root, index)
     return layout["nodes"][index]
+
+
+def wait_control(root, index: int, timeout_s: float = READY_TIMEOUT_S) -> dict:
+    """Block until node ``index`` answers on its control socket (it may not be a member yet)."""
+    entry = _entry(load_layout(root), index)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        row = node_status(entry)
+        if row["process"] == "dead":
+            raise MeshError("node %d exited during start-up; see %s/node.log" % (index, entry["dir"]))
+        if row["connected"] is not None:
+            return row
+        if time.monotonic() > deadline:
+            raise MeshError("node %d has no control socket after %d s" % (index, timeout_s))
+        time.sleep(0.1)
 
 
 def bootstrap_multiaddr(entry: dict) -> str:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.certificate import verify_commit_certificate
-from protocol.errors import RemoteProtocolError
+from protocol.errors import MeshError, RemoteProtocolError
 from protocol.mesh import MeshCore
 from protocol.messages import CommitCertificate, decode_message
 from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
@@ -263,7 +263,7 @@ class Simulation:
         node = self.nodes[index]
         if not node.up or node.incarnation != incarnation:
             return  # a tick of a crashed incarnation: its timer died with it
-        self._emit(node, node.core.tick(self.now_ms))
+        self._call(node, node.core.tick, self.now_ms)
         self.push(self.now_ms + self.config.tick_ms, TICK, index, incarnation)
 
     def _deliver(self, dst: int, payload) -> None:
@@ -275,7 +275,7 @@ class Simulation:
         source = self.nodes[src].behaviour
         if source is not None and node.behaviour is None and source.conflicts:
             self._witness(src, dst, source.conflicts.get(data))
-        self._emit(node, node.core.step(data, self.now_ms))
+        self._call(node, node.core.step, data, self.now_ms)
 
     def _witness(self, src: int, dst: int, side) -> None:
         if side is None:
@@ -293,7 +293,18 @@ class Simulation:
             self.push(self.now_ms + RETRY_SUBMIT_MS, SUBMIT, number, None)
             return
         node = self.nodes[self.rng.choice(up)]
-        self._emit(node, node.core.submit(self.world.jobs[number].envelope, self.now_ms))
+        self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
+
+    def _call(self, node: SimNode, method, *args) -> None:
+        """Feed one input to a core. The core must never raise on remote input (protocol/ready.py);
+        if it does, that is a violation of its contract, reported like any other."""
+        try:
+            ready = method(*args)
+        except MeshError as exc:
+            self.checker.fail("core_error", node.index, None, "%s raised %s: %s"
+                              % (method.__name__, type(exc).__name__, exc))
+            return
+        self._emit(node, ready)
 
     def _crash(self, index: int) -> None:
         node = self.nodes[index]
