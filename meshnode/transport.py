@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import random
+import signal
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -164,3 +165,18 @@ def redial_delay_ms(failed_attempts: int, rng: random.Random) -> int:
     with +-10% jitter so peers that lost each other do not redial in lockstep."""
     base_ms = min(REDIAL_DELAY_MS_MIN << min(failed_attempts, 16), REDIAL_DELAY_MS_MAX)
     return int(base_ms * rng.uniform(0.9, 1.1))
+
+
+async def cancel_on_signals(cancel_scope: trio.CancelScope, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Turn Ctrl-C / SIGTERM into a cancellation of ``cancel_scope``.
+
+    Run it in the nursery that holds the transport (``nursery.start_soon(
+    cancel_on_signals, nursery.cancel_scope)``): without it trio raises
+    KeyboardInterrupt inside whichever task runs, often one of libp2p's (measured:
+    a BaseExceptionGroup out of yamux's reader, a traceback and exit status 1),
+    and the transport's orderly shutdown is skipped.
+    """
+    with trio.open_signal_receiver(*signals) as received:
+        async for _ in received:
+            cancel_scope.cancel()
+            return

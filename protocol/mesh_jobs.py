@@ -13,7 +13,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, Decline, GpuState,
                                JobExit, JobManifest, Placement, decode_message, encode_message, job_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
-                                select_justification)
+                                select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -21,6 +21,7 @@ MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
 MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+BID_WINDOW_EXTENSION = 4         # bid windows to wait once more when bids are too few for the backups
 BID_LIFETIME_ROUNDS = 8          # a reservation outlives this many maximal round timeouts
 
 
@@ -71,6 +72,7 @@ class JobFlows:
         self.my_bids: dict[bytes, tuple[str, bytes]] = {}        # instance -> ("bid"|"decline", envelope)
         self.bids_held: dict[bytes, dict[bytes, tuple]] = {}     # instance -> signer -> (BidFacts, bytes)
         self.windows_open: dict[bytes, int] = {}                 # instance -> round whose window is open
+        self.windows_extended: set[bytes] = set()                # instances whose bid window was extended once
         self.capability_envelope: bytes | None = None
         self.capability: CapabilityVector | None = None
         self.capability_key: tuple | None = None
@@ -307,6 +309,13 @@ class JobFlows:
         answered = len(held) + (len(record.declines) if record else 0)
         if record is None or not (window_closed or answered >= len(inst.view.members)):
             return
+        if (window_closed and answered < len(inst.view.members)
+                and len(held) < 1 + wanted_backups(record.manifest) and iid not in self.windows_extended):
+            # Too few bids for a primary and its backups: a placement without a backup
+            # cannot fail over, so wait once more before settling (SPEC.md 8.4).
+            self.windows_extended.add(iid)
+            self._schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.params.bid_window_ms)
+            return
         chosen = select_justification(record.manifest, iid, [facts for facts, _ in held.values()])
         placement = choose_placement(record.envelope, record.manifest, iid, chosen)
         if placement is None:
@@ -358,6 +367,7 @@ class JobFlows:
         self.my_bids.pop(iid, None)
         self.bids_held.pop(iid, None)
         self.windows_open.pop(iid, None)
+        self.windows_extended.discard(iid)
         record = self.job_records.get(meta[1]) if meta[0] == "placement" else None
         if record is not None and record.state == "pending":
             record.hint = "placement gave up after %d rounds; resubmit to retry" % self.params.max_rounds
@@ -373,6 +383,7 @@ class JobFlows:
         self.my_bids.pop(iid, None)
         self.bids_held.pop(iid, None)
         self.windows_open.pop(iid, None)
+        self.windows_extended.discard(iid)
         if record.state == "cancelled":
             self.book.release(iid)
             return

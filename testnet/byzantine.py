@@ -51,9 +51,9 @@ class ByzantineBehaviour:
         self.behaviours = behaviours
         self.rng = rng
         self.zones = zones
-        # envelope bytes -> (pair id, side 0|1): an honest node that receives both sides of
-        # one pair has seen this key equivocate.
-        self.conflicts: dict[bytes, tuple[int, int]] = {}
+        # envelope bytes -> (pair id, side 0|1, instance): an honest node that receives both
+        # sides of one pair while that instance is undecided there has seen this key equivocate.
+        self.conflicts: dict[bytes, tuple[int, int, bytes]] = {}
         self.equivocations = 0
         self.forged = 0
 
@@ -80,22 +80,22 @@ class ByzantineBehaviour:
         if isinstance(body, Proposal) and "equivocate" in self.behaviours:
             other = self._conflicting_proposal(body)
             if other is not None:
-                return self._split(message, other, peers)
+                return self._split(message, other, peers, body.instance)
         if isinstance(body, (Prevote, Precommit)) and "double_vote" in self.behaviours:
-            return self._split(message, self._conflicting_vote(body), peers)
+            return self._split(message, self._conflicting_vote(body), peers, body.instance)
         if isinstance(body, Bid) and "lying_capability" in self.behaviours:
             return [Outbound(message.to, self._lying_bid(body))]
         if isinstance(body, Decline) and "phantom_bid" in self.behaviours:
             return [Outbound(message.to, self._phantom_bid(body))]
         return [message]
 
-    def _split(self, message: Outbound, other: bytes, peers: list[bytes]) -> list[Outbound]:
+    def _split(self, message: Outbound, other: bytes, peers: list[bytes], instance: bytes) -> list[Outbound]:
         """Send ``message`` to one half of its recipients and ``other`` to the other half."""
         pair_id = self.equivocations
         self.equivocations += 1
         if len(self.conflicts) < MAX_TRACKED_PAIRS:
-            self.conflicts[message.data] = (pair_id, 0)
-            self.conflicts[other] = (pair_id, 1)
+            self.conflicts[message.data] = (pair_id, 0, instance)
+            self.conflicts[other] = (pair_id, 1, instance)
         if message.to is not None:
             return [message, Outbound(message.to, other)]  # one recipient gets both: a double vote
         out = []

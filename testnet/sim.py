@@ -49,8 +49,8 @@ class SimConfig:
     faults: tuple[str, ...] = FAULTS
     heartbeats: bool = True
     tick_ms: int = 10                 # every node's core.tick period
-    safety_ms: int = 1500             # faults are active in [0, safety_ms) when any are on
-    submit_window_ms: int = 600       # jobs are submitted at seeded times in [0, window]
+    safety_ms: int = 1000             # faults are active in [0, safety_ms) when any are on
+    submit_window_ms: int = 400       # jobs are submitted at seeded times in [0, window]
     # Stated liveness bound after healing: a few maximal round timeouts (SIM_PARAMS
     # round_timeout_max_ms = 1600) so a round that started just before the heal, with its
     # timeout already backed off, can end and the next (healed) round can decide.
@@ -280,7 +280,11 @@ class Simulation:
     def _witness(self, src: int, dst: int, side) -> None:
         if side is None:
             return
-        pair_id, half = side
+        pair_id, half, instance = side
+        if dst in self.checker.decided_at.get(instance, ()):
+            # A node that has decided answers votes with its certificate and no longer
+            # examines them (SPEC.md 6.8), so it cannot be expected to notice.
+            return
         key = (src, pair_id, dst)
         seen = self.witness_sides.get(key, 0) | (1 << half)
         self.witness_sides[key] = seen

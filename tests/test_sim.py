@@ -23,9 +23,9 @@ SAFETY_CHECKS = ("agreement", "certificate", "validity", "overcommit")
 
 
 def sweep_config(seed: int) -> SimConfig:
-    """Small meshes (4..7 nodes), all faults, up to 0.3 Byzantine stake, few jobs."""
-    nodes = 4 + seed % 4
-    return SimConfig(nodes=nodes, jobs=2 + seed % 2, seed=seed, byzantine_milli=300 if seed % 3 else 0,
+    """Small meshes (4..6 nodes), all faults, up to 0.3 Byzantine stake, one or two jobs."""
+    nodes = 4 + seed % 3
+    return SimConfig(nodes=nodes, jobs=1 + seed % 2, seed=seed, byzantine_milli=300 if seed % 3 else 0,
                      faults=FAULTS, heartbeats=False)
 
 
@@ -43,7 +43,7 @@ def test_seed_sweep_under_faults_has_no_violations():
             failures.append("%s -> %s" % (result.config.reproduce(), [v.line() for v in result.violations[:2]]))
     assert not failures, "\n".join(failures[:10])
     assert byzantine_runs >= SWEEP_SEEDS // 3, "the sweep must actually exercise Byzantine nodes"
-    assert decided >= SWEEP_SEEDS * 2
+    assert decided >= SWEEP_SEEDS
 
 
 def test_same_seed_gives_identical_decision_log():
