@@ -35,6 +35,7 @@ COMMAND_MODULES = {
     "cert": "meshnode.cli_cert",
     "tui": "meshnode.cli_tui",
     "bench": "meshnode.cli_bench",
+    "sim": "meshnode.cli_sim",
 }
 
 

@@ -58,4 +58,5 @@ def cmd_failover(args) -> int:
     result = run_failover_bench(args.nodes, args.kills, jobs=args.jobs, root=args.dir, keep=args.keep,
                                 seed=args.seed)
     _print(result)
-    return 0 if result["lost_workloads"] == 0 and result["double_runs"] == 0 else 1
+    clean = result["lost_workloads"] == 0 and result["double_runs"] == 0 and result["aborted"] is None
+    return 0 if clean else 1

@@ -34,6 +34,8 @@ def register(subparsers) -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), metavar="LIST",
                         help="comma-separated faults from %s, or 'none' (default: all)" % ",".join(FAULTS))
     parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
+    parser.add_argument("--bid-sample", type=int, default=None, metavar="K",
+                        help="only about K members bid per job (MeshCore bid_sample; for large meshes)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: %s" % exc)
     configs = [SimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k,
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
-                         heartbeats=not args.no_heartbeats) for k in range(args.seeds)]
+                         heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample) for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:
         with multiprocessing.get_context("fork").Pool(args.workers) as pool:

@@ -270,14 +270,19 @@ class Libp2pTransport:
                 failed_attempts += 1
 
     def _on_connected(self, peer_id: ID) -> None:
+        if self._admit(peer_id) is None and not self._closing:
+            self._nursery.start_soon(self._host.disconnect, peer_id)
+
+    def _admit(self, peer_id: ID) -> _PeerLink | None:
+        """The link of an authenticated peer, made on its first connection event or
+        inbound stream (whichever libp2p delivers first); None if refused."""
         if self._closing:
-            return
+            return None
         peer_key = _ed25519_key(peer_id)
         if peer_key is None or (peer_key not in self._links and len(self._links) >= self._peers_max):
             self.counters["peer_rejected"] += 1
-            self._nursery.start_soon(self._host.disconnect, peer_id)
-            return
-        self._ensure_link(peer_key, peer_id)
+            return None
+        return self._ensure_link(peer_key, peer_id)
 
     def _on_disconnected(self, peer_id: ID) -> None:
         peer_key = _ed25519_key(peer_id)
@@ -411,12 +416,11 @@ class Libp2pTransport:
 
     async def _serve_inbound_stream(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id
-        peer_key = _ed25519_key(peer_id)
-        link = self._links.get(peer_key) if peer_key is not None else None
-        if link is None or self._closing:
-            self.counters["peer_rejected"] += 1
+        link = self._admit(peer_id)
+        if link is None:
             await stream.reset()
             return
+        peer_key = link.key
         # One persistent inbound stream per peer: a new one replaces the old.
         previous, link.inbound_stream = link.inbound_stream, stream
         if previous is not None:

@@ -169,9 +169,10 @@ class OwnerTui(App):
                     if not self.connected:
                         self._set_connected(True, "")
                     retry_s, attempt = self.retry_min_s, 0
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), self.poll_s)
-                    except asyncio.TimeoutError:
+                    try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+                        async with asyncio.timeout(self.poll_s):
+                            await self._wake.wait()
+                    except TimeoutError:
                         pass
                     self._wake.clear()
             except (ControlUnavailable, RemoteProtocolError) as exc:

@@ -76,8 +76,9 @@ class TuiControlClient:
             try:
                 self._writer.write(encode_frame({"id": request_id, "op": op, "args": args or {}}))
                 await self._writer.drain()
-                reply = await asyncio.wait_for(read_frame(self._reader), REQUEST_TIMEOUT_S)
-            except (ConnectionError, asyncio.TimeoutError, ControlUnavailable, RemoteProtocolError) as exc:
+                async with asyncio.timeout(REQUEST_TIMEOUT_S):  # not wait_for: it can swallow a cancel
+                    reply = await read_frame(self._reader)
+            except (ConnectionError, TimeoutError, ControlUnavailable, RemoteProtocolError) as exc:
                 await self.close()  # the stream is in an unknown state: start over next time
                 raise ControlUnavailable("%s: %s" % (op, exc or type(exc).__name__)) from None
         if reply.get("id") != request_id:

@@ -116,6 +116,16 @@ async def subscribe(node_dir, index: int, on_event, *, task_status=trio.TASK_STA
         await connection.aclose()
 
 
+def process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds a live process has used (0 if it is gone)."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, TypeError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sign_jobs(owner_key_file, mesh_id: bytes, count: int, rng: random.Random, manifest_text: str,
               now_ms: int) -> list[tuple[bytes, bytes]]:
     """``count`` signed jobs with distinct random nonces: [(job id, envelope bytes)]."""
@@ -185,12 +195,15 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
             for connection in connections.values():
                 await connection.aclose()
 
+    pids = [n.get("pid") for n in layout["nodes"]]
     async with trio.open_nursery() as nursery:
         for i, node_dir in enumerate(node_dirs):
             await nursery.start(subscribe, node_dir, i, collector.on_event)
+        cpu_before_s = sum(process_cpu_s(pid) for pid in pids)
         async with trio.open_nursery() as workers:
             for _ in range(concurrency):
                 workers.start_soon(worker)
+        node_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before_s
         nursery.cancel_scope.cancel()
     latencies_ms, last_ns = [], 0
     for job_hex, per_node in collector.decided_ns.items():
@@ -201,7 +214,7 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
     first_ns = min(submitted_ns.values())
     span_s = (last_ns - first_ns) / 1e9 if latencies_ms else 0.0
     return {"latencies_ms": latencies_ms, "undecided": len(undecided), "span_s": span_s,
-            "decided_in_later_round": collector.rounds_over_zero}
+            "decided_in_later_round": collector.rounds_over_zero, "node_cpu_s": node_cpu_s}
 
 
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
@@ -236,5 +249,8 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         "decided_in_later_round": raw["decided_in_later_round"],
         "latency_ms": summary_ms(raw["latencies_ms"]),
         "throughput_per_s": round(decided / raw["span_s"], 1) if raw["span_s"] > 0 else None,
+        # CPU all node processes used per placement (idle heartbeats included): with
+        # nproc cores, throughput can never exceed nproc * 1000 / this.
+        "node_cpu_ms_per_placement": round(1000 * raw["node_cpu_s"] / decided, 2) if decided else None,
         "testnet_ready_s": round(ready_s, 2), "machine": machine,
     }

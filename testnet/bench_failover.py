@@ -37,7 +37,8 @@ from meshnode.control_client import ControlError
 from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_consensus import ControlConnection, sign_jobs, subscribe
-from testnet.bench_stats import lost_work, machine_info, overlapping_runs, parse_progress_log, summary_ms
+from testnet.bench_stats import (lost_work, machine_info, overlapping_runs, parse_progress_log, parse_workload_starts,
+                                 stale_fence_starts, summary_ms)
 
 UNIT_MS = 1
 KILL_PHASE_MS = 500          # the kill lands uniformly in this window after the job is ready
@@ -49,7 +50,7 @@ PROC_SAMPLE_S = 0.25
 OVERLAP_TOLERANCE_US = 10_000
 MAX_EVENTS = 200_000
 MAX_KILLS = 1000
-PROGRESS_LOG = "{workdir}/progress.log"
+PROGRESS_LOG = "{{workdir}}/progress.log"  # doubled braces: the manifest text goes through str.format
 
 # Event kinds, as published by protocol/mesh.py (see its module docstring).
 DETECTION_KINDS = frozenset({"suspected", "suspicion", "suspect", "eviction_started", "emergency_started",
@@ -144,6 +145,7 @@ class FailoverRun:
         self.kills: list[dict] = []
         self.proc_double_runs: set[str] = set()
         self.rejoin_failures = 0
+        self.aborted: str | None = None
 
     def _alive(self) -> list[int]:
         layout = launcher.load_layout(self.root)
@@ -180,17 +182,22 @@ class FailoverRun:
         return next((r for r in rows if r["job_id"] == job_hex), None)
 
     async def _wait_job_ready(self, job_hex: str) -> int:
-        """The index of a live primary running ``job_hex`` with at least one checkpoint taken."""
+        """The index of a live primary running ``job_hex`` with at least one checkpoint taken.
+
+        Every live node is asked and the view with the highest fence wins: a node that
+        was evicted (or just restarted) may still hold an old view of the job."""
         with trio.fail_after(READY_TIMEOUT_S):
             while True:
                 alive = self._alive()
-                row = await self._job_row(alive[0], job_hex) if alive else None
+                rows = [r for r in [await self._job_row(i, job_hex) for i in alive] if r is not None]
+                row = max(rows, key=lambda r: r["fence"], default=None)
                 primary = self.index_of.get(row["primary"]) if row and row["primary"] else None
                 if row and row["state"] == "running" and primary in alive:
                     own = await self._job_row(primary, job_hex)
-                    if own and own["checkpoint_seq"] is not None and own["checkpoint_age_ms"] < 1000:
+                    if (own and own["fence"] == row["fence"] and own["checkpoint_seq"] is not None
+                            and own["checkpoint_age_ms"] < 1000):
                         return primary
-                await trio.sleep(POLL_S)
+                await trio.sleep(POLL_S * 5)
 
     async def one_kill(self, nursery, number: int) -> None:
         job_id, _ = self.jobs[number % len(self.jobs)]
@@ -277,7 +284,12 @@ class FailoverRun:
             for k, (_, envelope) in enumerate(self.jobs):
                 await self._call(k % len(self.layout["nodes"]), "submit", job=envelope)
             for number in range(kills):
-                await self.one_kill(nursery, number)
+                try:
+                    await self.one_kill(nursery, number)
+                except trio.TooSlowError:
+                    self.aborted = ("kill %d: the job was not running with checkpoints on a live primary "
+                                    "within %d s" % (number, READY_TIMEOUT_S))
+                    break
             nursery.cancel_scope.cancel()
 
     def double_runs_from_logs(self) -> int:
@@ -285,6 +297,18 @@ class FailoverRun:
         for job_id, _ in self.jobs:
             pairs += len(overlapping_runs(read_progress(self.layout, job_id.hex()), OVERLAP_TOLERANCE_US))
         return pairs
+
+    def stale_fence_starts(self) -> list[dict]:
+        """Workload starts under a fence another node had already superseded (node logs)."""
+        starts = []
+        for node in self.layout["nodes"]:
+            try:
+                text = (Path(node["dir"]) / "node.log").read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            starts += parse_workload_starts(node["index"], text)
+        return [{"at": s.at, "node": s.node, "job": s.job_hex[:12], "fence": s.fence}
+                for s in stale_fence_starts(starts)]
 
 
 def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep: bool = False,
@@ -297,7 +321,7 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
     rng = random.Random(seed)
     failed = True
     run = None
-    log_double_runs = 0
+    log_double_runs, stale_starts = 0, []
     try:
         launcher.up(root, nodes, owners=1, run_workloads=True)
         layout = launcher.load_layout(root)
@@ -305,12 +329,13 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
                            FAILOVER_MANIFEST, time.time_ns() // 1_000_000)
         run = FailoverRun(root, layout, signed, rng)
         trio.run(run.run, kills)
-        failed = False
+        failed = run.aborted is not None  # keep the logs of an aborted run
     finally:
         if (root / launcher.LAYOUT_FILE).exists():
             launcher.down(root)
         if run is not None and run.kills:
             log_double_runs = run.double_runs_from_logs()
+            stale_starts = run.stale_fence_starts()
         if failed or keep:
             print("bench: testnet directory kept at %s" % root, file=sys.stderr)
         else:
@@ -325,8 +350,9 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
         "lost_work_ms": summary_ms(k["lost_work_ms"] for k in per_kill if "lost_work_ms" in k),
         "undetected": sum(1 for k in per_kill if k["detection_ms"] is None),
         "lost_workloads": sum(1 for k in per_kill if k.get("lost_workload")),
-        "double_runs": len(run.proc_double_runs) + log_double_runs,
+        "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
         "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,
+        "stale_fence_starts": stale_starts, "aborted": run.aborted,
         "rejoin_failures": run.rejoin_failures, "events_dropped": run.events.dropped,
         "per_kill": per_kill, "machine": machine,
     }

@@ -179,3 +179,44 @@ def _package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+# --- starts under a stale fence --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkloadStart:
+    at: str          # the node log's timestamp ("YYYY-MM-DD HH:MM:SS,mmm": sorts as time)
+    node: int
+    job_hex: str
+    fence: int
+
+
+def parse_workload_starts(node: int, log_text: str) -> list[WorkloadStart]:
+    """The ``job_started job_id=... fence=F`` lines of one node's log (meshnode/node.py)."""
+    starts = []
+    for line in log_text.split("\n"):
+        marker = line.find(" job_started ")
+        if marker < 0:
+            continue
+        fields = dict(part.split("=", 1) for part in line[marker:].split() if "=" in part)
+        if "job_id" in fields and fields.get("fence", "").isdigit():
+            starts.append(WorkloadStart(line[:23], node, fields["job_id"], int(fields["fence"])))
+    return starts
+
+
+def stale_fence_starts(starts: list[WorkloadStart]) -> list[WorkloadStart]:
+    """Starts of a job under a fence older than one another node had already started it under.
+
+    A node that starts a workload the mesh has already moved elsewhere (a higher fence)
+    runs it twice at once for as long as it takes to notice: a double run even when
+    the process is stopped before it logs any progress.
+    """
+    newest: dict[str, WorkloadStart] = {}
+    stale = []
+    for start in sorted(starts, key=lambda s: s.at):
+        seen = newest.get(start.job_hex)
+        if seen is not None and start.fence < seen.fence and start.node != seen.node:
+            stale.append(start)
+        if seen is None or start.fence > seen.fence:
+            newest[start.job_hex] = start
+    return stale

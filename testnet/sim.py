@@ -48,6 +48,7 @@ class SimConfig:
     byzantine_milli: int = 0          # Byzantine share of the total stake, x 1000
     faults: tuple[str, ...] = FAULTS
     heartbeats: bool = True
+    bid_sample: int | None = None     # MeshCore(bid_sample=K): about K members bid per job (scale runs)
     tick_ms: int = 10                 # every node's core.tick period
     safety_ms: int = 1000             # faults are active in [0, safety_ms) when any are on
     submit_window_ms: int = 400       # jobs are submitted at seeded times in [0, window]
@@ -63,6 +64,8 @@ class SimConfig:
         line += " --faults %s" % (",".join(self.faults) if self.faults else "none")
         if not self.heartbeats:
             line += " --no-heartbeats"
+        if self.bid_sample is not None:
+            line += " --bid-sample %d" % self.bid_sample
         return line
 
 
@@ -177,7 +180,7 @@ class Simulation:
         return MeshCore(identity=spec.identity, genesis=self.world.genesis, policy=spec.policy,
                         capacity=spec.capacity, rng=random.Random(self.rng.getrandbits(64)),
                         now_ms=self.now_ms, history=tuple(node.certificates),
-                        heartbeats=self.config.heartbeats)
+                        heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample)
 
     def _verify_certificate(self, data: bytes, views: dict) -> tuple:
         """Verify against the deciding node's view of the certificate's epoch; every node must

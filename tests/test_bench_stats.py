@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from testnet.bench_stats import (ProgressLine, lost_work, overlapping_runs, parse_progress_log, percentile,
-                                 segments, summary_ms)
+from testnet.bench_stats import (ProgressLine, lost_work, overlapping_runs, parse_progress_log,
+                                 parse_workload_starts, percentile, segments, stale_fence_starts, summary_ms)
 
 UNIT_US = 1000  # the benchmark's counter runs 1 ms units
 
@@ -110,3 +110,23 @@ def test_two_nodes_logging_the_job_at_once_are_a_double_run():
 def test_one_node_restarting_its_own_run_is_not_a_double_run():
     logs = {0: run(1, 50, 1000) + run(41, 60, 51_000)}
     assert overlapping_runs(logs, tolerance_us=5 * UNIT_US) == []
+
+
+# --- starts under a stale fence --------------------------------------------------------------
+
+NODE0_LOG = """2026-11-20 23:53:23,287 INFO meshnode.node: job_started job_id=787b fence=1 from_seq=0
+2026-11-20 23:53:23,999 INFO meshnode.node: checkpoint 787b seq 1 refused by the local store
+2026-11-20 23:53:30,217 INFO meshnode.node: job_started job_id=787b fence=1 from_seq=2
+"""
+NODE1_LOG = "2026-11-20 23:53:24,585 INFO meshnode.node: job_started job_id=787b fence=2 from_seq=2\n"
+
+
+def test_a_restarted_node_starting_a_job_that_moved_on_is_a_stale_start():
+    starts = parse_workload_starts(0, NODE0_LOG) + parse_workload_starts(1, NODE1_LOG)
+    assert [(s.node, s.fence) for s in starts] == [(0, 1), (0, 1), (1, 2)]
+    assert [(s.node, s.at) for s in stale_fence_starts(starts)] == [(0, "2026-11-20 23:53:30,217")]
+
+
+def test_migrations_under_rising_fences_are_not_stale():
+    starts = parse_workload_starts(0, NODE0_LOG.split("\n")[0]) + parse_workload_starts(1, NODE1_LOG)
+    assert stale_fence_starts(starts) == []

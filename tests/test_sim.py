@@ -88,7 +88,7 @@ def test_checker_catches_a_conflicting_decision():
     other_bytes = codec.pack(other.to_body())
     forged = _forged_certificate(sim, certificate, other_bytes)
     before = checker.violation_count
-    checker.check_decision((node + 1) % 4, Decision(kind, instance, other, forged), sim.now_ms + 1)
+    checker.check_decision((node + 1) % 4, Decision(kind, instance, other, forged), sim.now_ms + 1, _views(sim))
     assert checker.violation_count > before
     assert any(v.check == "agreement" for v in checker.violations)
 
@@ -101,10 +101,10 @@ def test_checker_catches_bad_certificates_and_mismatched_values():
     _, certificate = decode_message(data, sim.mesh_id, expect=CommitCertificate)
     placement = Placement.from_body(codec.unpack(certificate.value))
     flipped = data[:-1] + bytes([data[-1] ^ 1])
-    checker.check_decision(0, Decision("placement", instance, placement, flipped), sim.now_ms)
+    checker.check_decision(0, Decision("placement", instance, placement, flipped), sim.now_ms, _views(sim))
     assert checker.violations[-1].check == "certificate"
     lying = replace(placement, backups=())
-    checker.check_decision(0, Decision("placement", instance, lying, data), sim.now_ms)
+    checker.check_decision(0, Decision("placement", instance, lying, data), sim.now_ms, _views(sim))
     assert checker.violations[-1].check == "certificate"
     assert checker.violation_count == 2
 
@@ -131,7 +131,7 @@ def test_checker_catches_an_over_committing_placement():
     value_bytes = codec.pack(value.to_body())
     new_instance = bytes(31) + b"\x01"
     forged = _forged_certificate(sim, replace(certificate, instance=new_instance), value_bytes)
-    checker.check_decision(0, Decision("placement", new_instance, value, forged), sim.now_ms)
+    checker.check_decision(0, Decision("placement", new_instance, value, forged), sim.now_ms, _views(sim))
     assert [v.check for v in checker.violations] == ["overcommit"], [v.line() for v in checker.violations]
 
 
@@ -160,3 +160,7 @@ def test_one_third_byzantine_stalls_without_wrong_decisions(seed):
     checks = {v.check for v in result.violations}
     assert "liveness" in checks and result.liveness_missing > 0
     assert not checks & set(SAFETY_CHECKS), [v.line() for v in result.violations]
+
+
+def _views(sim: Simulation) -> dict:
+    return sim.nodes[sim.honest[0]].core.views

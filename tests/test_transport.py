@@ -201,6 +201,13 @@ def test_frames_decode_across_arbitrary_chunking():
         assert decoded == frames
 
 
+def test_spec_frame_vectors():
+    assert encode_frame(FRAME_KIND_DATA, b"hi") == bytes.fromhex("03006869")
+    assert encode_frame(FRAME_KIND_DATA, b"") == bytes.fromhex("0100")
+    assert encode_frame(FRAME_KIND_PING, bytes(range(8))) == bytes.fromhex("09010001020304050607")
+    assert encode_frame(FRAME_KIND_DATA, bytes(300))[:3] == bytes.fromhex("ad0200")
+
+
 def test_oversized_length_is_refused_before_the_body_arrives():
     decoder = FrameDecoder(max_frame_bytes=1000)
     with pytest.raises(FrameTooLarge):
