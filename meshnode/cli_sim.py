@@ -1,6 +1,6 @@
 """`meshnode sim`: run the deterministic simulator over one or many seeds.
 
-Exit status 0 only when every seed passed every checker (spec_parts/simulator.md). Any
+Exit status 0 only when every seed passed every checker (SPEC.md section 11). Any
 failing seed prints the one command line that replays it exactly.
 """
 

@@ -1,4 +1,4 @@
-"""MeshCore: one node's whole protocol state machine (spec_parts/placement_failure.md).
+"""MeshCore: one node's whole protocol state machine (SPEC.md section 7).
 
 The node driver (meshnode/node.py, trio + libp2p) and the simulator (testnet/sim.py)
 drive the same class. It has no IO: raw envelope bytes, ``now_ms`` ints and an

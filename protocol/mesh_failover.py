@@ -1,5 +1,5 @@
 """MeshCore's failure handling and epochs: heartbeats, suspicion, eviction with migration,
-self-fencing, catch-up sync and joins (spec_parts/placement_failure.md sections F1-F7).
+self-fencing, catch-up sync and joins (SPEC.md section 7, rules F1-F7).
 A mixin of protocol.mesh.MeshCore; it only uses state MeshCore.__init__ creates.
 """
 
@@ -244,7 +244,7 @@ class FailoverFlows:
 
     def _apply_eviction(self, iid: bytes, eviction: Eviction, certificate: bytes, now_ms: int, out: Ready) -> None:
         if eviction.epoch != self.epoch:
-            self.counters["epoch_change_for_old_epoch"] += 1  # see spec_parts: first change wins
+            self.counters["epoch_change_for_old_epoch"] += 1  # SPEC.md 7, known limits: first change wins
             return
         old = self.view
         stakes = {k: s for k, s in old.stakes.items() if k != eviction.node}

@@ -1,5 +1,5 @@
 """MeshCore's job flows: bidding, placement, checkpoints, exits, cancels
-(spec_parts/placement_failure.md sections P1-P6). A mixin of protocol.mesh.MeshCore;
+(SPEC.md section 7, rules P1-P6). A mixin of protocol.mesh.MeshCore;
 it only uses state MeshCore.__init__ creates.
 """
 

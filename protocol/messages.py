@@ -391,7 +391,7 @@ class Leave(Record):
     SCHEMA: ClassVar = {"epoch": Int()}
 
 
-# --- job lifecycle and catch-up (SPEC.md 9.5-9.7, spec_parts/placement_failure.md) ----------
+# --- job lifecycle and catch-up (SPEC.md 9.5-9.7, SPEC.md section 7) ----------
 
 @record
 class Cancel(Record):

@@ -192,10 +192,10 @@ class FailoverRun:
                 rows = [r for r in [await self._job_row(i, job_hex) for i in alive] if r is not None]
                 row = max(rows, key=lambda r: r["fence"], default=None)
                 primary = self.index_of.get(row["primary"]) if row and row["primary"] else None
-                if row and row["state"] == "running" and primary in alive:
+                if primary in alive:  # only the primary and its backups see the job "running"
                     own = await self._job_row(primary, job_hex)
-                    if (own and own["fence"] == row["fence"] and own["checkpoint_seq"] is not None
-                            and own["checkpoint_age_ms"] < 1000):
+                    if (own and own["state"] == "running" and own["fence"] == row["fence"]
+                            and own["checkpoint_seq"] is not None and own["checkpoint_age_ms"] < 1000):
                         return primary
                 await trio.sleep(POLL_S * 5)
 

@@ -1,4 +1,4 @@
-"""Byzantine behaviours for the simulator (spec_parts/simulator.md, "Byzantine nodes").
+"""Byzantine behaviours for the simulator (SPEC.md section 11, "Byzantine nodes").
 
 A Byzantine node runs a real MeshCore; a ``ByzantineBehaviour`` rewrites what that core
 sends (and may drop what it receives). Rewritten messages are signed with the node's

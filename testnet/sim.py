@@ -1,4 +1,4 @@
-"""The deterministic simulator: N real MeshCores in one process (spec_parts/simulator.md).
+"""The deterministic simulator: N real MeshCores in one process (SPEC.md section 11).
 
 One ``random.Random(seed)`` draws the world, the fault schedule, every network delay,
 loss and duplication, and each core's own rng; virtual time is an integer ms clock

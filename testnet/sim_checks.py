@@ -1,4 +1,4 @@
-"""Invariant checkers of the simulator (spec_parts/simulator.md, "Checkers").
+"""Invariant checkers of the simulator (SPEC.md section 11, "Checkers").
 
 They run on every Decision any node emits, against one canonical history that spans
 crashes and restarts, in the style of tigerbeetle's VOPR:

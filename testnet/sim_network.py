@@ -1,4 +1,4 @@
-"""The simulated network of the deterministic simulator (spec_parts/simulator.md, "Fault model").
+"""The simulated network of the deterministic simulator (SPEC.md section 11, "Fault model").
 
 A message from ``src`` to ``dst`` sent at virtual time ``t`` is either dropped or
 delivered one or more times, each at ``t + delay``. Every choice is drawn from the

@@ -1,4 +1,4 @@
-"""Seeded construction of a simulated mesh (spec_parts/simulator.md, "World").
+"""Seeded construction of a simulated mesh (SPEC.md section 11, "World").
 
 Everything is drawn from the one ``random.Random`` the simulator seeds, in a fixed
 order: identities (Ed25519 seeds), stakes, zones, labels, policies, capacities, the

@@ -1,5 +1,5 @@
 """MeshCore end to end, in process: 4 cores, a tiny FIFO router, an integer clock
-(spec_parts/placement_failure.md P1-P6, F1-F7)."""
+(SPEC.md section 7, rules P1-P6, F1-F7)."""
 
 import hashlib
 import random

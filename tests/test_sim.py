@@ -1,4 +1,4 @@
-"""Simulator seed sweeps and checker tests (spec_parts/simulator.md).
+"""Simulator seed sweeps and checker tests (SPEC.md section 11).
 
 The sweep is the safety bar of DESIGN.md: crashes, partitions, delay, loss,
 duplication, reordering and Byzantine stake under 1/3 give 0 violations. The other
