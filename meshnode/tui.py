@@ -27,9 +27,9 @@ from meshnode.tui_screens import ComposeScreen, HelpScreen, PassphraseScreen, Wh
 from meshnode.tui_tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
                                  event_line, evidence_row, job_row, mesh_row, short_hex, status_line)
 from meshnode.tui_why import format_declines
-from protocol.envelope import ANY_MESH, seal
+from protocol.envelope import ANY_MESH
 from protocol.errors import KeystoreError, RemoteProtocolError
-from protocol.messages import encode_message
+from protocol.messages import Cancel, encode_message
 
 CONTROL_SOCKET_NAME = "control.sock"
 POLL_S = 1.0
@@ -407,7 +407,8 @@ class OwnerTui(App):
         identity = await self.owner_identity()
         if identity is None:
             return
-        request = seal(identity, self._mesh_id(), "cancel", {"job_id": bytes.fromhex(job["job_id"])}).encode()
+        request = encode_message(identity, self._mesh_id(),
+                                 Cancel(job_id=bytes.fromhex(job["job_id"]), requested_ms=self.clock_ms()))
         try:
             await self.request("cancel", {"request": request})
         except (ControlError, ControlUnavailable) as exc:

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 from rich.console import Console
-from textual.widgets import DataTable, Input, Static, TabbedContent
+from textual.widgets import Input, Static
 
 from keys.identity import SigningIdentity
 from keys.keystore import KDF_PROFILES, encode_keystore
@@ -30,7 +30,7 @@ from meshnode.tui_form import DEFAULT_VALUES, check_form, field_of_error, form_t
 from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
 from meshnode.tui_tables import render_snapshot
 from meshnode.tui_why import format_declines, group_declines, placeable_hint, suggest_changes
-from protocol.messages import job_id
+from protocol.messages import Cancel, decode_message, job_id
 
 MESH_ID = bytes(range(32))
 WAIT_S = 10.0  # upper bound on any one UI condition; a pass normally takes milliseconds
@@ -99,9 +99,16 @@ class FakeNode:
                               "checkpoint_seq": None, "migrations": 0, "lost_work_ms": None, "submitted_ms": 1,
                               "declines": {"not_enough_gpu_memory": 1}, "hint": None}
             return {"job_id": jid}
+        if op == "cancel":
+            envelope, cancel = decode_message(args["request"], MESH_ID, expect=Cancel)
+            row = self.jobs[cancel.job_id.hex()]
+            if envelope.signer.hex() != row["owner"] or row["state"] == "cancelled":
+                raise KeyError("cancel refused: not the owner, or already cancelled")
+            row["state"] = "cancelled"
+            return {"job_id": cancel.job_id.hex()}
         if op == "why":
             return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory"}
-        raise KeyError(op)
+        raise KeyError("unknown op " + op)
 
     async def _serve(self, reader, writer) -> None:
         self.writers.add(writer)
@@ -117,7 +124,7 @@ class FakeNode:
                 try:
                     reply = {"id": request["id"], "ok": True, "result": self.handle(request["op"], request["args"])}
                 except KeyError as exc:
-                    reply = {"id": request["id"], "ok": False, "error": "unknown op %s" % exc}
+                    reply = {"id": request["id"], "ok": False, "error": exc.args[0]}
                 writer.write(encode_frame(reply))
                 await writer.drain()
         except (ControlUnavailable, ConnectionError):
@@ -160,7 +167,7 @@ def text_of(app, selector: str) -> str:
 
 
 def new_app(directory: str, key_path: str | None) -> OwnerTui:
-    return OwnerTui(directory, key_path, poll_s=0.05, retry_min_s=0.02, retry_max_s=0.1, clock_ms=lambda: 1_000)
+    return OwnerTui(directory, key_path, poll_s=0.2, retry_min_s=0.02, retry_max_s=0.1, clock_ms=lambda: 1_000)
 
 
 # --- compose -> sign -> broadcast -> placed ---------------------------------------------------
@@ -177,7 +184,7 @@ def test_compose_sign_broadcast_and_follow_to_placement():
             await until(pilot, lambda: app.mesh_table.row_count == 2, "mesh rows")
             await pilot.press("n")
             await until(pilot, lambda: isinstance(app.screen, ComposeScreen), "compose form")
-            await pilot.press(*"train-1")  # the name field has focus first
+            await pilot.press(*"job1")  # the name field has focus first
             app.screen.query_one("#field-gpus", Input).value = "1"
             app.screen.query_one("#field-gpu_mem_mib", Input).value = "40000"
             await pilot.pause()
@@ -186,7 +193,7 @@ def test_compose_sign_broadcast_and_follow_to_placement():
             await until(pilot, lambda: len(node.received_jobs) == 1, "the node to receive the job")
             job = node.received_jobs[0]
             assert (job.name, job.owner, job.resources.gpus, job.resources.gpu_mem_mib) == \
-                ("train-1", identity.public_key, 1, 40000)
+                ("job1", identity.public_key, 1, 40000)
             jid = job_id(job).hex()
             await until(pilot, lambda: app.followed is not None and jid in app.jobs, "the job row")
             assert app.tabs.active == "jobs"
@@ -256,7 +263,7 @@ def test_form_validation_names_the_field_as_you_type():
             form = app.screen
             assert "name: " in text_of(app, "#form-error")  # the empty default name is invalid
             assert form.query_one("#field-name", Input).has_class("invalid")
-            await pilot.press(*"ok-name")
+            await pilot.press(*"ok")
             await pilot.pause()
             assert text_of(app, "#form-error").startswith("ok")
             form.query_one("#field-gpus", Input).value = "two"
@@ -353,8 +360,10 @@ def test_why_screen_shows_groups_and_hint():
             assert "node says: lower gpu memory" in text
             assert "resources.gpu_mem_mib: lower to <= 24576 MiB (asked 60000)" in text
             await pilot.press("escape")
-            await pilot.press("x")  # the fake node has no cancel: the refusal is shown, not raised
-            await until(pilot, lambda: any("cancel refused" in str(n.message) for n in app._notifications),
+            await pilot.press("x")  # an owner-signed Cancel, verified by the node
+            await until(pilot, lambda: app.jobs[jid]["state"] == "cancelled", "the job to be cancelled")
+            await pilot.press("x")  # a second cancel is refused: the refusal is shown, not raised
+            await until(pilot, lambda: any("already cancelled" in str(n.message) for n in app._notifications),
                         "the cancel refusal")
         await node.stop()
     asyncio.run(scenario())
