@@ -7,6 +7,7 @@ ONE JSON object (the numbers BENCHMARKS.md records, with the machine they ran on
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 
@@ -40,6 +41,13 @@ def _common(parser) -> None:
                         help="accepted for symmetry: the result is always one JSON object")
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (e.g. from `timeout`) ends the run like Ctrl-C, so the testnet is torn down."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("signal %d" % signum)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _print(result: dict) -> None:
     json.dump(result, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
@@ -47,6 +55,7 @@ def _print(result: dict) -> None:
 
 def cmd_consensus(args) -> int:
     from testnet.bench_consensus import run_consensus_bench
+    _interrupt_on_sigterm()
     result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
                                  seed=args.seed)
     _print(result)
@@ -55,6 +64,7 @@ def cmd_consensus(args) -> int:
 
 def cmd_failover(args) -> int:
     from testnet.bench_failover import run_failover_bench
+    _interrupt_on_sigterm()
     result = run_failover_bench(args.nodes, args.kills, jobs=args.jobs, root=args.dir, keep=args.keep,
                                 seed=args.seed)
     _print(result)
