@@ -220,7 +220,12 @@ class ControlServer:
     async def _send_or_give_up(self, stream: trio.abc.Stream, frame: bytes) -> bool:
         """Send one frame unless the client stalls; False means the stream must be closed."""
         with trio.move_on_after(SEND_STALL_S):
-            await stream.send_all(frame)
+            try:
+                await stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The client left. Raising here would escape the subscription nursery as an
+                # ExceptionGroup that handle_connection cannot catch, and end the node.
+                return False
             return True
         return False
 
