@@ -124,9 +124,15 @@ class Reservations:
 
     def allocate(self, key: bytes, job_key: bytes) -> Claim | None:
         """Our placement committed: the reservation for ``key`` becomes ``job_key``'s allocation."""
+        existing = self._allocated.get(job_key)
+        if existing is not None:
+            # Already allocated (a replay or a migration got here first): the reservation is
+            # surplus, and overwriting the allocation would leak the capacity it holds.
+            self.release(key)
+            return existing
         claim = self._reserved.pop(key, None)
         if claim is None:
-            return self._allocated.get(job_key)
+            return None
         allocated = Claim(claim.gpus, claim.cpu_milli, claim.mem_mib, None)
         self._allocated[job_key] = allocated
         return allocated
