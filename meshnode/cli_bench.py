@@ -28,6 +28,12 @@ def register(subparsers) -> None:
     failover.add_argument("--nodes", type=int, default=5)
     failover.add_argument("--kills", type=int, default=30)
     failover.add_argument("--jobs", type=int, default=1, help="counter jobs running at once")
+    failover.add_argument("--soak-s", type=float, default=None, metavar="S",
+                          help="instead of kills: pause random nodes (SIGSTOP/SIGCONT) for S seconds and "
+                               "count suspicions and evictions")
+    failover.add_argument("--pause-ms", type=int, default=150, help="with --soak-s: length of each pause")
+    failover.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                          help="with --soak-s: N busy-loop processes competing for the CPUs")
     _common(failover)
     failover.set_defaults(func=cmd_failover)
 
@@ -65,6 +71,12 @@ def cmd_consensus(args) -> int:
 def cmd_failover(args) -> int:
     from testnet.bench_failover import run_failover_bench
     _interrupt_on_sigterm()
+    if args.soak_s is not None:
+        from testnet.bench_soak import run_soak_bench
+        result = run_soak_bench(args.nodes, args.soak_s, args.pause_ms, args.cpu_load, jobs=args.jobs,
+                                root=args.dir, keep=args.keep, seed=args.seed)
+        _print(result)
+        return 0 if result["evictions"] == 0 and result["double_runs"] == 0 else 1
     result = run_failover_bench(args.nodes, args.kills, jobs=args.jobs, root=args.dir, keep=args.keep,
                                 seed=args.seed)
     _print(result)

@@ -35,6 +35,7 @@ from protocol.ready import Decision, Event, Ready
 
 log = logging.getLogger("meshnode.node")
 
+LIVE_JOB_STATES = ("placed", "running", "migrating")
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 CONNECT_RETRY_MS = 500
@@ -77,7 +78,7 @@ class Node:
                                               gpus[0].model if gpus else "")
         return MeshCore(identity=self.identity, genesis=self.genesis, policy=self.policy,
                         capacity=capacity, rng=random.Random(os.urandom(16)), now_ms=now_ms(),
-                        history=self.store.certificates_in_order())
+                        history=self.store.certificates_in_order(), safety_records=self.store.safety_records())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.started_ms = now_ms()
@@ -100,7 +101,12 @@ class Node:
                 nursery.start_soon(self._connect_peers)
                 log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
                 task_status.started(self)
-                await self._resume_after_restart()
+                # No workload starts here, not even after a restart. The replayed certificates
+                # may make this node the primary of jobs that an eviction decided while it
+                # was down moved, under a higher fence, to a survivor. So the core's first
+                # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
+                # member's heartbeat at our epoch yields "resume"; an eviction certificate
+                # yields our eviction, and nothing starts.
                 await trio.sleep_forever()
 
     async def _connect_peers(self) -> None:
@@ -112,17 +118,11 @@ class Node:
         for key, addr in targets.items():
             await self.transport.connect(key, addr)
 
-    async def _resume_after_restart(self) -> None:
-        """A restarted node resumes the jobs the replayed certificates say it runs."""
-        for job in self.core.jobs():
-            if job["state"] in ("placed", "running") and job["primary"] == self.identity.public_key:
-                await self._start_workload(job["job_id"], resume=True)
-
     # --- the loops -----------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
-        async for _sender, data in self.transport.incoming:
-            await self._handle(self.core.step(data, now_ms()))
+        async for sender, data in self.transport.incoming:
+            await self._handle(self.core.step(data, now_ms(), sender))
 
     async def _tick_loop(self) -> None:
         while True:
@@ -176,26 +176,42 @@ class Node:
 
     async def _apply(self, decision: Decision) -> None:
         me = self.identity.public_key
-        if decision.value_kind == "placement":
-            if decision.value.primary == me:
-                await self._start_workload(decision.instance, resume=False)
-        elif decision.value_kind == "eviction":
-            eviction = decision.value
-            if eviction.node == me:
-                await self._stop_all("this node was evicted (epoch %d)" % eviction.epoch)
-            for migration in eviction.migrations:
-                if migration.to_node == me:
-                    await self._start_workload(migration.job_id, resume=True)
+        if decision.value_kind == "eviction" and decision.value.node == me:
+            await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
+        elif decision.value_kind in ("placement", "eviction", "membership", "resume"):
+            # Run what the core's job table says, not what this one decision names: an
+            # eviction also moves jobs its plan left out (SPEC.md F5), and a decision may
+            # be applied after later ones in the same batch changed the job again.
+            await self._reconcile_workloads()
         elif decision.value_kind == "halt":
             # The core saw this node stall past the detection bound: its workloads may
-            # already run elsewhere, so stop them before anything else (SPEC.md 8.6).
-            await self._stop_all("paused past the detection bound; checking for eviction")
-        elif decision.value_kind == "resume":
-            for job_id in decision.value:
-                await self._start_workload(job_id, resume=True)
+            # already run elsewhere, so stop them before anything else (SPEC.md F3).
+            await self._stop_all("stalled long enough to be suspected; checking for eviction")
         elif decision.value_kind in ("stop", "cancel"):
             for job_id in decision.value:
                 await self._stop_workload(job_id, decision.value_kind)
+
+    async def _reconcile_workloads(self) -> None:
+        """Make the running workloads match the core: stop every one this node no longer
+        runs under the same fence, and start every live job it is now the primary of.
+        Nothing starts while the core is halted (self-fencing or the restart sync) or
+        when this node is not a member."""
+        if not self.run_workloads:
+            return
+        me, core = self.identity.public_key, self.core
+        for job_id, fence in list(self.job_fences.items()):
+            job = core.job_view(job_id)
+            if (job is None or job["primary"] != me or job["fence"] != fence
+                    or job["state"] not in LIVE_JOB_STATES or not core.is_member()):
+                await self._stop_workload(job_id, "superseded (fence %d)" % fence)
+        if core.halted or not core.is_member():
+            return
+        for job in core.jobs():
+            if job["primary"] == me and job["state"] in LIVE_JOB_STATES and job["job_id"] not in self.job_fences:
+                # From its newest checkpoint (none yet for a new job), except a retry after a
+                # failed run: that one is placed afresh (SPEC.md P6).
+                retry = job["state"] == "placed" and job["attempt"] > 0
+                await self._start_workload(job["job_id"], resume=not retry)
 
     # --- workloads -------------------------------------------------------------------------------
 
@@ -203,7 +219,9 @@ class Node:
         if not self.run_workloads or job_id in self.runner.running():
             return
         job = self.core.job_view(job_id)
-        if job is None or job["primary"] != self.identity.public_key:
+        if job is None or job["primary"] != self.identity.public_key or self.core.halted:
+            log.info("not starting job %s: %s", job_id.hex()[:12],
+                     "unknown" if job is None else "halted" if self.core.halted else "not its primary")
             return
         manifest: JobManifest = job["manifest"]
         fence = job["fence"]
@@ -239,13 +257,10 @@ class Node:
             await self._stop_workload(job_id, why)
 
     async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
-        fence = self.job_fences.get(job_id)
-        if fence is None:
+        if job_id not in self.job_fences:
             return
-        record = StoredCheckpoint.taken(job_id, fence, seq, progress, taken_ms, state,
-                                        self.identity.public_key, wall_ms())
-        if not self.checkpoints.put(record):
-            return
+        # The core's Ready persists this checkpoint (the store's fencing rule applies there)
+        # before it is sent to the backups.
         try:
             ready = self.core.local_checkpoint(job_id, seq, progress, taken_ms, state, now_ms())
         except LocalProtocolError as exc:
@@ -261,12 +276,20 @@ class Node:
 
     # --- control API entry points ---------------------------------------------------------
 
+    def _refuse_if_evicted(self) -> None:
+        core = self.core
+        if core.evicted_at_epoch is not None and not core.is_member():
+            raise MeshError("this node was evicted at epoch %d; it asks to rejoin by itself, or rejoin with "
+                            "`meshnode join`" % core.evicted_at_epoch)
+
     async def submit(self, job_envelope: bytes) -> bytes:
+        self._refuse_if_evicted()
         envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True)
         await self._handle(self.core.submit(job_envelope, now_ms()))
         return compute_job_id(job)
 
     async def cancel(self, request: bytes) -> bytes:
+        self._refuse_if_evicted()
         job_id, ready = self.core.cancel(request, now_ms())
         await self._handle(ready)
         return job_id

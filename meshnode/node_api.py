@@ -38,6 +38,7 @@ class ControlApi:
         return {"node": node.identity.public_key.hex(), "peer_id": node.identity.peer_id,
                 "mesh_id": node.genesis.mesh_id.hex(), "epoch": core.epoch,
                 "members": len(core.member_records()), "member": core.is_member(),
+                "evicted_at_epoch": core.evicted_at_epoch, "halted": core.halted,
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
                 "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source()}

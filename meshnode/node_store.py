@@ -181,6 +181,12 @@ class NodeStore:
         """Every applied commit certificate, oldest first: the history a restarted core replays."""
         return [row[0] for row in self.db.execute("SELECT certificate FROM certificates ORDER BY seq")]
 
+    def safety_records(self) -> list[PersistRecord]:
+        """The votes, locks and evidence a restarted core restores into an instance before it
+        votes again (``MeshCore(safety_records=...)``, SPEC.md 6.9)."""
+        return [PersistRecord(table, key, value) for table in ("votes", "locks", "evidence")
+                for key, value in self.load(table).items()]
+
     def certificates(self, value_kind: str | None = None) -> list[dict]:
         sql = "SELECT seq, instance, value_kind, epoch, certificate FROM certificates"
         params = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from textual import work
@@ -112,6 +113,10 @@ class OwnerTui(App):
         self.consensus: dict = {}
         self.manifest_bodies: dict[str, dict] = {}  # job id -> body, for jobs submitted here
         self.followed: FollowedJob | None = None
+        # The events view's lines, newest last. RichLog defers every write until it has been
+        # laid out, without bound, and a tab never shown is never laid out: so the history is
+        # kept here, bounded, and written to the log only while the events tab is showing.
+        self.event_lines: deque[str] = deque(maxlen=MAX_EVENT_LINES)
         self._client: TuiControlClient | None = None
         self._identity = None
         self._wake = asyncio.Event()
@@ -213,15 +218,25 @@ class OwnerTui(App):
         self._render_views()
 
     async def _follow_events(self, client: TuiControlClient) -> None:
-        log = self.events_log
         try:
             async for event in client.events():
-                log.write(event_line(event))
+                self.log_event(event_line(event))
                 self._wake.set()  # something changed: refresh the tables now, not at the next tick
         except ControlError as exc:
-            log.write("event stream refused: %s" % exc)
+            self.log_event("event stream refused: %s" % exc)
         except (ControlUnavailable, RemoteProtocolError) as exc:
-            log.write("event stream ended: %s" % exc)  # the poll loop notices and reconnects
+            self.log_event("event stream ended: %s" % exc)  # the poll loop notices and reconnects
+
+    def log_event(self, text: str) -> None:
+        self.event_lines.append(text)
+        if self.tabs.active == "events":
+            self.events_log.write(text)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "events":
+            self.events_log.clear()
+            for text in self.event_lines:
+                self.events_log.write(text)
 
     def _set_connected(self, connected: bool, reason: str) -> None:
         self.connected = connected
@@ -229,7 +244,7 @@ class OwnerTui(App):
         bar.set_class(not connected, "down")
         if connected:
             self._show(bar, "connected  " + status_line(self.status))
-            self.events_log.write("connected to %s" % self.socket_path)
+            self.log_event("connected to %s" % self.socket_path)
         else:
             self._show(bar, "disconnected: %s" % reason)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from keys.identity import short_id
 from meshnode.tui_why import format_declines
 
 # NVML clock-throttle reason bits (nvmlClocksThrottleReason*) worth an owner's attention;
@@ -21,10 +22,26 @@ MESH_COLUMNS = ("node", "stake", "zone", "health", "rtt", "gpus", "util", "temp"
 JOB_COLUMNS = ("job", "name", "state", "primary", "backups", "ckpt", "migr", "lost")
 CONSENSUS_COLUMNS = ("instance", "kind", "round", "leader", "decided")
 EVIDENCE_COLUMNS = ("offender", "kind", "at")
+# Event detail fields that hold a node's public key (the rest hold job, instance or hash ids).
+NODE_KEY_FIELDS = frozenset(("primary", "to_node", "suspect", "key", "leader", "offender"))
 
 
 def short_hex(value: str | None, width: int = 8) -> str:
     return "-" if not value else value[:width]
+
+
+def node_label(key_hex: str | None) -> str:
+    """A node's short label, the same ``short`` the nodes op gives it (keys.identity.short_id).
+
+    A key's own hex prefix would be a different string from the one the mesh view shows,
+    so a job's primary could not be found among the nodes by eye.
+    """
+    if not key_hex:
+        return "-"
+    try:
+        return short_id(bytes.fromhex(key_hex))
+    except ValueError:
+        return short_hex(key_hex)
 
 
 def format_ms(value: int | None) -> str:
@@ -67,25 +84,32 @@ def job_row(job: dict) -> tuple[str, ...]:
     seq = job.get("checkpoint_seq")
     ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
     return (short_hex(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
-            short_hex(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
+            node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
             str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
 
 
 def consensus_row(instance: dict) -> tuple[str, ...]:
     return (short_hex(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
-            short_hex(instance.get("leader")), "yes" if instance.get("decided") else "no")
+            node_label(instance.get("leader")), "yes" if instance.get("decided") else "no")
 
 
 def evidence_row(item: dict) -> tuple[str, ...]:
-    return (short_hex(item.get("offender")), item.get("kind", "?"), str(item.get("at_ms", "-")))
+    return (node_label(item.get("offender")), item.get("kind", "?"), str(item.get("at_ms", "-")))
 
 
 def event_line(event: dict) -> str:
     detail = event.get("detail")
     detail = detail if isinstance(detail, dict) else {}
-    shown = " ".join("%s=%s" % (k, short_hex(v, 12) if isinstance(v, str) and len(v) == 64 else v)
-                     for k, v in sorted(detail.items()))
+    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()))
     return "%s %s %s" % (event.get("at_ms", "-"), event.get("kind", "?"), shown)
+
+
+def _detail_text(key: str, value) -> str:
+    if key in NODE_KEY_FIELDS and isinstance(value, str):
+        return node_label(value)
+    if isinstance(value, str) and len(value) == 64:
+        return short_hex(value, 12)
+    return str(value)
 
 
 def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None, style_col: int = 0) -> Table:
@@ -126,7 +150,7 @@ def status_line(status: dict | None) -> str:
     if not status:
         return "disconnected"
     return "node %s  mesh %s  epoch %d  peers %d/%d  up %s" % (
-        short_hex(status.get("node")), short_hex(status.get("mesh_id")), status.get("epoch", 0),
+        node_label(status.get("node")), short_hex(status.get("mesh_id")), status.get("epoch", 0),
         status.get("connected", 0), status.get("members", 0), format_ms(status.get("uptime_ms")))
 
 

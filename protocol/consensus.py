@@ -132,6 +132,11 @@ class ConsensusInstance:
     def lock(self) -> LockProof | None:
         return self._lock
 
+    @property
+    def has_signed(self) -> bool:
+        """Whether this node signed a proposal or vote here: until then it is bound to nothing."""
+        return bool(self._own)
+
     def timeout_ms(self, round: int) -> int:
         """SPEC.md 6.5: min(round_timeout_ms * 2**round, round_timeout_max_ms)."""
         return min(self.round_timeout_ms << min(round, 62), self.round_timeout_max_ms)
@@ -159,10 +164,14 @@ class ConsensusInstance:
                 continue
             if rec.table == "votes":
                 envelope, message = decode_message(value["envelope"], self.mesh_id)
+                if message.epoch != self.view.epoch:
+                    continue  # the same instance id in another epoch is another vote count
                 self._own[(envelope.kind, message.round)] = (envelope, value["envelope"])
                 self.round = max(self.round, message.round)
             elif rec.table == "locks":
                 envelope, proposal = decode_message(value["proposal"], self.mesh_id, expect=Proposal)
+                if proposal.epoch != self.view.epoch:
+                    continue
                 lock = LockProof(value["round"], value_hash(proposal.value), proposal.value,
                                  proposal.justification, value["certificate"], value["proposal"])
                 if self._lock is None or lock.round > self._lock.round:
@@ -226,12 +235,32 @@ class ConsensusInstance:
         if message.round >= self.max_rounds or message.round > self.round + self.max_rounds:
             return self._drop("round_too_far", ready)
         if self.decision is not None:
+            if handler in (self._on_proposal, self._on_vote):
+                # Deciding does not forgive: a conflicting proposal or vote that arrives
+                # late is still equivocation, recorded as evidence (SPEC.md 6.10).
+                self._is_repeat(type(message).KIND, message.round, envelope, data, now_ms, ready)
             self._answer_with_decision(envelope, message, ready)
             return ready
         if self.gave_up and handler != self._on_commit_certificate:
             return self._drop("gave_up", ready)
         handler(envelope, message, data, now_ms, ready)
         return ready
+
+    def enter_round(self, round: int, now_ms: int) -> Ready:
+        """Move forward to ``round`` as timeouts would, announcing it to its leader (SPEC.md 6.5).
+        Always safe: entering a later round signs no vote."""
+        ready = Ready()
+        if self._started and self.decision is None and not self.gave_up and round > self.round:
+            self._enter_round(round, now_ms, ready, "caught_up", announce=True)
+        return ready
+
+    def round_change(self) -> bytes:
+        """A signed RoundChange for the current round carrying this node's lock: what it sent
+        entering the round, for a peer found running this instance in another epoch."""
+        lock = self._lock
+        change = RoundChange(self.instance_id, self.round, self.view.epoch, lock and lock.round,
+                             lock and lock.certificate, lock and lock.proposal)
+        return sign_message(self.identity, self.mesh_id, change).encode()
 
     def tick(self, now_ms: int) -> Ready:
         """On round timeout move to the next round and tell its leader (SPEC.md 6.5)."""
@@ -413,7 +442,9 @@ class ConsensusInstance:
             lock = LockProof(self.round, proposal.value_hash, proposal.proposal.value,
                              proposal.proposal.justification, polka[1], proposal.data)
             self._lock = lock
-            ready.persist.append(PersistRecord("locks", self.instance_id.hex(), {
+            # Keyed by epoch too: one instance id may run in two epochs (SPEC.md P2), and a
+            # lock of one must not overwrite the other's on disk.
+            ready.persist.append(PersistRecord("locks", "%s:%d" % (self.instance_id.hex(), self.view.epoch), {
                 "instance": self.instance_id, "round": lock.round, "value_hash": lock.value_hash,
                 "certificate": lock.certificate, "proposal": lock.proposal}))
             ready.events.append(Event("locked", now_ms, {
@@ -444,9 +475,10 @@ class ConsensusInstance:
         self.awaiting_value = False
         self.gave_up = False
         # Nothing below can change a decided instance: free it (many instances live at once).
+        # ``_first_seen`` stays: equivocation after the decision is still evidence, and it is
+        # small (a non-collector sees one proposal per round; votes reach only the collector).
         self._tallies.clear()
         self._round_changes.clear()
-        self._first_seen.clear()
         self._proposal = self._polka = None
 
     def _on_round_change(self, envelope: Envelope, change: RoundChange, data, now_ms: int, ready: Ready) -> None:
@@ -496,9 +528,9 @@ class ConsensusInstance:
     def _record_own(self, envelope: Envelope, message, data: bytes, ready: Ready) -> None:
         """SPEC.md 6.9: persist every proposal and vote before the message leaves."""
         self._own[(envelope.kind, message.round)] = (envelope, data)
-        ready.persist.append(PersistRecord("votes", "%s:%d:%s" % (self.instance_id.hex(), message.round, envelope.kind),
-                                           {"instance": self.instance_id, "round": message.round,
-                                            "kind": envelope.kind, "envelope": data}))
+        key = "%s:%d:%d:%s" % (self.instance_id.hex(), self.view.epoch, message.round, envelope.kind)
+        ready.persist.append(PersistRecord("votes", key, {"instance": self.instance_id, "round": message.round,
+                                                          "kind": envelope.kind, "envelope": data}))
 
     def _send_vote(self, vote_type: type, hash_: bytes | None, now_ms: int, ready: Ready) -> None:
         own = self._own.get((vote_type.KIND, self.round))

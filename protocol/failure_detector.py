@@ -15,17 +15,21 @@ and a peer is suspected when ``phi(t) >= PHI_THRESHOLD``. Because phi is monoton
 heartbeat keeps ``suspects`` a plain comparison per peer (O(n) per tick, no logs or
 floats). Two clamps make the detector safe whatever the samples say:
 
-    T_eff = min(detection_bound_ms, max(min_silence_ms, T))
+    T_eff = min(suspect_by_ms, max(min_silence_ms, T)),  suspect_by_ms = detection_bound_ms - heartbeat_ms
 
 * ``min_silence_ms``: a peer silent for less is never suspected, so a hiccup (GC pause,
   CPU burst) shorter than it cannot start an eviction, even on a jitter-free network
   where ``sigma`` is tiny.
-* ``detection_bound_ms``: a peer silent this long is always suspected, so a crash is
-  detected within the bound even after a very jittery history inflated ``sigma``.
+* ``suspect_by_ms``: a peer silent this long is always suspected, so a crash is detected
+  within the bound even after a very jittery history inflated ``sigma``. It is one
+  heartbeat period short of the bound because the bound is a promise about time since
+  the CRASH, and the measured silence is only part of it: the suspecting node's tick
+  (5 ms), the suspicion's delivery and a loaded machine's scheduling delay come on top
+  (with the clamp at the bound itself, kill -> suspicion measured up to 305 ms).
 
 ``sigma`` is floored at ``heartbeat_ms / 4`` so a few identical samples cannot make the
-threshold collapse onto the mean. Until ``MIN_SAMPLES`` intervals are known, T is the
-bound itself (be slow rather than wrong about a peer we know nothing about).
+threshold collapse onto the mean. Until ``MIN_SAMPLES`` intervals are known, T is
+``suspect_by_ms`` (be slow rather than wrong about a peer we know nothing about).
 """
 
 from __future__ import annotations
@@ -51,23 +55,26 @@ class _PeerHistory:
 class FailureDetector:
     def __init__(self, *, heartbeat_ms: int = 50, detection_bound_ms: int = 300,
                  min_silence_ms: int | None = None):
+        suspect_by_ms = max(1, detection_bound_ms - heartbeat_ms)
         if min_silence_ms is None:
-            # Default: the bound itself. The design's two bars (a crash detected within the
+            # Default: suspect_by_ms. The design's two bars (a crash detected within the
             # bound; no eviction for a pause shorter than it) leave no room between them, so
             # adaptivity only acts when an operator lowers min_silence_ms (faster detection
-            # on a calm network, at the price of evicting long pauses).
-            min_silence_ms = detection_bound_ms
-        if not 0 < min_silence_ms <= detection_bound_ms:
-            raise ValueError("need 0 < min_silence_ms <= detection_bound_ms")
+            # on a calm network, at the price of evicting long pauses). A pause P is never
+            # suspected while P + heartbeat_ms + delivery jitter < min_silence_ms.
+            min_silence_ms = suspect_by_ms
+        if not 0 < min_silence_ms <= suspect_by_ms:
+            raise ValueError("need 0 < min_silence_ms <= detection_bound_ms - heartbeat_ms")
         self.heartbeat_ms = heartbeat_ms
         self.detection_bound_ms = detection_bound_ms
+        self.suspect_by_ms = suspect_by_ms
         self.min_silence_ms = min_silence_ms
         self._peers: dict[bytes, _PeerHistory] = {}
 
     def track(self, peer: bytes, now_ms: int) -> None:
         """Start watching ``peer`` as if it had just been heard (it joined, or we started)."""
         if peer not in self._peers:
-            self._peers[peer] = _PeerHistory(last_ms=now_ms, threshold_ms=self.detection_bound_ms)
+            self._peers[peer] = _PeerHistory(last_ms=now_ms, threshold_ms=self.suspect_by_ms)
 
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)
@@ -96,13 +103,13 @@ class FailureDetector:
     def _threshold(self, history: _PeerHistory) -> int:
         n = len(history.intervals)
         if n < MIN_SAMPLES:
-            raw = self.detection_bound_ms
+            raw = self.suspect_by_ms
         else:
             mean = history.total // n
             variance = max(0, (history.total_sq * n - history.total * history.total) // (n * n))
             sigma = max(isqrt(variance), self.heartbeat_ms // 4)
             raw = mean + (Z_MILLI * sigma) // 1000
-        return min(self.detection_bound_ms, max(self.min_silence_ms, raw))
+        return min(self.suspect_by_ms, max(self.min_silence_ms, raw))
 
     def threshold_ms(self, peer: bytes) -> int:
         """The silence after which ``peer`` is suspected (always within the two clamps)."""

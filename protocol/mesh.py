@@ -38,7 +38,7 @@ from protocol.mesh_failover import FailoverFlows
 from protocol.mesh_jobs import JobFlows
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
-from protocol.ready import Decision, Event, PersistRecord, Ready
+from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
 from protocol.reservations import Reservations
 
 CONSENSUS_KINDS = (Proposal, Prevote, Precommit, PrevoteCertificate, CommitCertificate, RoundChange)
@@ -48,16 +48,23 @@ MAX_PENDING_INSTANCES = 512      # instances we hold early messages for
 MAX_PENDING_PER_INSTANCE = 64
 MAX_VIEWS_KEPT = 8               # epoch views kept for in-flight instances of older epochs
 NO_INSTANCE = bytes(32)          # the instance field of local, uncertified decisions
+SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restore reads back
+MAX_EPOCH_HINTS = 4096           # (peer, instance, round) RoundChanges sent across epochs, then forgotten
+MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 
 
 class MeshCore(JobFlows, FailoverFlows):
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
-                 now_ms: int, history: Iterable[bytes] = (), heartbeats: bool = True,
-                 bid_sample: int | None = None, min_silence_ms: int | None = None):
-        """``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
+                 now_ms: int, history: Iterable[bytes] = (), safety_records: Iterable[PersistRecord] = (),
+                 heartbeats: bool = True, bid_sample: int | None = None, min_silence_ms: int | None = None):
+        """``history``: the commit certificates this node persisted; ``safety_records``: its
+        persisted ``votes``, ``locks`` and ``evidence`` records (SPEC.md 6.9), restored into an
+        instance whenever it is created again, so a restarted node never votes against itself.
+        ``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
         simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
         instance and key, so every node agrees) bid on each job instead of all of them.
-        ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound)."""
+        ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound
+        minus one heartbeat period, SPEC.md F2)."""
         self.identity = identity
         self.me = identity.public_key
         self.genesis = genesis
@@ -90,9 +97,17 @@ class MeshCore(JobFlows, FailoverFlows):
         self.timer_seq = 0
         self.evidence: list = []
         self.evidence_log: list[dict] = []
+        self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
+        self.epoch_hints_sent: set[tuple] = set()   # (peer, instance, round) told of our older epoch
+        self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
+        self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self._init_jobs()
         self._init_failover(now_ms)
         self._replay(history, now_ms)
+        for record in safety_records:
+            iid = record.value.get("instance")
+            if record.table in SAFETY_TABLES and isinstance(iid, bytes) and iid not in self.applied:
+                self.restored_votes.setdefault(iid, []).append(record)
 
     # --- small views --------------------------------------------------------------------------
     @property
@@ -133,8 +148,10 @@ class MeshCore(JobFlows, FailoverFlows):
         return {"instances": rows, "certificates": len(self.applied), "evidence": list(self.evidence_log)}
 
     # --- inputs -------------------------------------------------------------------------------
-    def step(self, data: bytes, now_ms: int) -> Ready:
-        """One message from a peer. Never raises on bad input: drops and counts it."""
+    def step(self, data: bytes, now_ms: int, sender: bytes | None = None) -> Ready:
+        """One message from a peer. Never raises on bad input: drops and counts it.
+        ``sender``: the key of the peer that delivered it, where the transport knows it (a
+        job's first deliverer is its entry node, the one that hears its declines, SPEC P3)."""
         out = Ready()
         try:
             envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True)
@@ -149,13 +166,22 @@ class MeshCore(JobFlows, FailoverFlows):
             self.counters["unexpected_kind"] += 1
             return out
         try:
-            handler(envelope, message, data, now_ms, out)
+            if type(message) is JobManifest:
+                self._on_job(envelope, message, data, now_ms, out, entry=sender)
+            else:
+                handler(envelope, message, data, now_ms, out)
         except RemoteProtocolError:
             self.counters["rejected_" + envelope.kind] += 1
         return out
 
     @property
     def _handlers(self) -> dict:
+        table = self.__dict__.get("_handler_table")  # built once: step() asks on every message
+        if table is None:
+            table = self.__dict__["_handler_table"] = self._handler_table_new()
+        return table
+
+    def _handler_table_new(self) -> dict:
         return {Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
                 PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
                 RoundChange: self._on_consensus, JobManifest: self._on_job, Bid: self._on_bid,
@@ -209,16 +235,27 @@ class MeshCore(JobFlows, FailoverFlows):
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
                                  max_rounds=self.params.max_rounds, validate=validate, now_ms=now_ms)
         inst.dropped = self.counters  # one Counter of drop reasons for the whole node
+        restored = self.restored_votes.get(iid)
+        if restored:
+            try:
+                inst.restore(restored)
+            except RemoteProtocolError:
+                self.counters["bad_safety_record"] += 1
         self.instances[iid] = inst
         self.instance_meta[iid] = meta
         self.instance_round[iid] = inst.round
         self._drive(inst, inst.start(now_ms), now_ms, out)
         for envelope, message, data in self.pending.pop(iid, ()):
             if isinstance(message, Bid):
-                self._on_bid(envelope, message, data, now_ms, out)
-            elif iid in self.instances:
-                self._drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
-        return inst
+                try:
+                    self._on_bid(envelope, message, data, now_ms, out)
+                except RemoteProtocolError:
+                    # A held bid is remote input checked only now (e.g. one for an older
+                    # epoch): it is dropped like any bad bid, never raised to our caller.
+                    self.counters["rejected_bid"] += 1
+            elif iid in self.instances:  # as if it arrived now (it may show another epoch's choice)
+                self._on_consensus(envelope, message, data, now_ms, out)
+        return self.instances.get(iid, inst)
 
     def _drive(self, inst: ConsensusInstance, ready: Ready, now_ms: int, out: Ready) -> None:
         """Fold an instance's output into ``out``: decode and apply decisions, follow round
@@ -247,6 +284,7 @@ class MeshCore(JobFlows, FailoverFlows):
         if self.instances.pop(iid, None) is None:
             return
         self.instance_round.pop(iid, None)
+        self.restored_votes.pop(iid, None)  # a finished instance is never voted in again
         meta = self.instance_meta.pop(iid, ("?",))
         if inst.gave_up and inst.decision is None:
             self._instance_gave_up(iid, meta, now_ms, out)
@@ -257,15 +295,79 @@ class MeshCore(JobFlows, FailoverFlows):
     def _on_consensus(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         iid = message.instance
         inst = self.instances.get(iid) or self.decided.get(iid)
+        if inst is not None and self._adopt_older_epoch(inst, envelope, message, now_ms, out):
+            inst = self.instances.get(iid)
+        elif inst is not None and message.epoch > inst.view.epoch:
+            self._tell_older_epoch(inst, envelope, out)
         if inst is None and isinstance(message, Proposal):
             inst = self._instance_from_proposal(message, now_ms, out)
-        if inst is None and isinstance(message, CommitCertificate):
-            self._apply_certificate_bytes(data, now_ms, out)
+        if isinstance(message, CommitCertificate) and (inst is None or message.epoch != inst.view.epoch):
+            # No instance here, or ours runs in another epoch than the one that decided (SPEC.md
+            # P2, epoch straddle): a certificate valid for its own epoch is the decision.
+            if self._apply_certificate_bytes(data, now_ms, out) and iid in self.instances and iid in self.applied:
+                # Ours can no longer decide anything else; later messages get the certificate.
+                del self.instances[iid]
+                self.instance_round.pop(iid, None)
+                self.instance_meta.pop(iid, None)
             return
         if inst is None:
+            self._answer_applied(iid, envelope.signer, message.round, out)
             self._hold(iid, envelope, message, data)
             return
         self._drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
+
+    def _adopt_older_epoch(self, inst: ConsensusInstance, envelope, message, now_ms: int, out: Ready) -> bool:
+        """A node that first saw a job after an epoch change runs its placement in the new
+        epoch while those who saw it earlier run it in the old one: the two vote counts never
+        meet and the job stalls. A member's consensus message of the older epoch shows the
+        others' choice; if this node has signed nothing in its own instance it is bound to
+        nothing, so it restarts the instance in that epoch (SPEC.md P2). True if it did."""
+        iid = inst.instance_id
+        meta = self.instance_meta.get(iid, ("?",))
+        view = self._view_for(message.epoch)
+        if (meta[0] != "placement" or iid not in self.instances or inst.has_signed
+                or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
+            return False
+        del self.instances[iid]
+        self.instance_round.pop(iid, None)
+        self.book.release(iid)       # our bid named the newer epoch: not valid in the older one
+        self.my_bids.pop(iid, None)
+        self.bids_held.pop(iid, None)
+        self.windows_open.pop(iid, None)
+        self.windows_extended.discard(iid)
+        self.counters["placement_moved_to_older_epoch"] += 1
+        moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out)
+        if moved is not None:
+            self._send_my_bid(iid, now_ms, out)
+            if iid in self.instances:  # join the others' round rather than climb to it by timeouts
+                self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)
+        return True
+
+    def _tell_older_epoch(self, inst: ConsensusInstance, envelope, out: Ready) -> None:
+        """The other half of _adopt_older_epoch: a member runs this placement in a newer epoch
+        than ours; our RoundChange (old epoch, our round) lets it join us if it signed nothing."""
+        iid = inst.instance_id
+        key = (envelope.signer, iid, inst.round)
+        if (self.instance_meta.get(iid, ("?",))[0] != "placement" or iid not in self.instances
+                or envelope.signer not in inst.view.stakes or key in self.epoch_hints_sent):
+            return
+        if len(self.epoch_hints_sent) >= MAX_EPOCH_HINTS:
+            self.epoch_hints_sent.clear()
+        self.epoch_hints_sent.add(key)
+        out.messages.append(Outbound(envelope.signer, inst.round_change()))
+
+    def _answer_applied(self, iid: bytes, peer: bytes, round: int, out: Ready) -> None:
+        """SPEC.md 6.8 for a decision applied without a live instance (replayed after a restart,
+        learnt by catch-up or sync): a peer still voting on it gets the certificate, once per
+        (peer, instance, round), instead of silence."""
+        certificate = self.recent_certificates.get(iid)
+        key = (peer, iid, round)
+        if certificate is None or peer == self.me or key in self.catch_up_sent:
+            return
+        if len(self.catch_up_sent) >= MAX_CATCH_UP_REPLIES:
+            self.catch_up_sent.clear()
+        self.catch_up_sent.add(key)
+        out.messages.append(Outbound(peer, certificate))
 
     def _hold(self, iid: bytes, envelope, message, data: bytes) -> None:
         """Keep an early message until its instance exists (the job, suspicion or join that
@@ -332,6 +434,9 @@ class MeshCore(JobFlows, FailoverFlows):
         self.applied[iid] = None
         while len(self.applied) > 1 << 16:
             self.applied.popitem(last=False)
+        self.recent_certificates[iid] = certificate
+        while len(self.recent_certificates) > MAX_DECIDED_KEPT:
+            self.recent_certificates.popitem(last=False)
         value = decode_value(value_kind, value_bytes)
         if value_kind == "placement":
             self._apply_placement(iid, value, certificate, now_ms, out)

@@ -23,6 +23,8 @@ MAX_SUSPICION_JUSTIFICATION = 32
 MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
+REJOIN_RETRY_MS = 1000         # an evicted node asks a member to readmit it this often
+LIVE_JOB_STATES = ("placed", "running", "migrating")
 
 
 def evict_instance_id(node: bytes, epoch: int) -> bytes:
@@ -47,6 +49,29 @@ class FailoverFlows:
         self.joins: dict[bytes, tuple] = {}                      # instance -> (Join, envelope bytes)
         self.startup_sync_due = True
         self.sync_sent_ms = now_ms
+        self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
+        self.fresh_beat_after_ms: dict[bytes, int] = {}  # while halted: member -> sent_ms that proves news
+        self.evicted_at_epoch: int | None = None   # the epoch whose certificate evicted us, until readmitted
+        self.rejoin_sent_ms: int | None = None
+        self.rejoin_unvouched_said = False
+
+    def _my_live_jobs(self) -> tuple:
+        return tuple(r.job_id for r in self.job_records.values()
+                     if r.primary == self.me and r.state in LIVE_JOB_STATES)
+
+    def _hold_restarted_jobs(self, now_ms: int, out: Ready) -> None:
+        """SPEC F3/F6: a (re)started node whose history makes it the primary of live jobs may
+        have been evicted while it was down, and its jobs may run elsewhere under a higher
+        fence. It starts none of them until a member at its epoch has answered its sync
+        (the same wait as self-fencing); with no one to ask, it resumes at once."""
+        mine = self._my_live_jobs()
+        if not mine or not self.is_member():
+            return
+        if self.heartbeats and self.broadcast_targets():
+            self.halted = True
+            out.events.append(self._event("restart_sync", now_ms, epoch=self.epoch, jobs=len(mine)))
+        else:
+            out.decisions.append(self._local_decision("resume", mine))
 
     def _startup_sync(self, now_ms: int, out: Ready, peers_asked: int = 3) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
@@ -65,15 +90,25 @@ class FailoverFlows:
         gap = now_ms - self.last_tick_ms
         self.last_tick_ms = now_ms
         if self.startup_sync_due:
+            self._hold_restarted_jobs(now_ms, out)
             self._startup_sync(now_ms, out, STARTUP_SYNC_PEERS)
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
             self._startup_sync(now_ms, out, 1)
+        if self.evicted_at_epoch is not None and not self.is_member():
+            self._maybe_rejoin(now_ms, out)
         if not self.heartbeats or not self.is_member():
             return
-        if gap > self.params.detection_bound_ms and not self.halted:
-            # SPEC F3: we were paused long enough to have been evicted; our workloads may run
-            # elsewhere already. Halt them and ask for the epochs we missed.
+        if gap >= self.detector.min_silence_ms - self.params.heartbeat_ms and not self.halted:
+            # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
+            # may be a period older than the pause), so we may have been evicted and our
+            # workloads may run elsewhere already. Halt them and ask for the epochs we missed.
             self.halted = True
+            # Heartbeats sent while we were stopped wait in our sockets and are read now; the
+            # ones sent before the others evicted us must not end the halt. A member's
+            # heartbeat counts only if sent (by its own clock) about `gap` after the newest
+            # one we had seen: i.e. after we resumed and asked for a sync.
+            self.fresh_beat_after_ms = {peer: sent + gap - self.params.heartbeat_ms
+                                        for peer, sent in self.peer_beat_sent_ms.items()}
             out.decisions.append(self._local_decision("halt", ()))
             out.events.append(self._event("self_fence_check", now_ms, gap_ms=gap, epoch=self.epoch))
             request = SyncRequest(epoch=self.epoch)
@@ -103,12 +138,14 @@ class FailoverFlows:
             self._answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
             return
         self.detector.heartbeat(signer, now_ms)
-        if self.halted and beat.epoch >= self.epoch and self.is_member():
+        fresh = beat.sent_ms >= self.fresh_beat_after_ms.get(signer, beat.sent_ms)
+        # The latest, not the greatest: a restarted peer's clock may start anywhere.
+        self.peer_beat_sent_ms[signer] = beat.sent_ms
+        if self.halted and fresh and beat.epoch >= self.epoch and self.is_member():
             # SPEC F3: a current peer's heartbeat after catching up: we were not evicted.
             self.halted = False
-            mine = tuple(r.job_id for r in self.job_records.values()
-                         if r.primary == self.me and r.state in ("placed", "running", "migrating"))
-            out.decisions.append(self._local_decision("resume", mine))
+            self.fresh_beat_after_ms = {}
+            out.decisions.append(self._local_decision("resume", self._my_live_jobs()))
             out.events.append(self._event("self_fence_clear", now_ms, epoch=self.epoch))
 
     def _on_sync_request(self, envelope, request: SyncRequest, data, now_ms: int, out: Ready) -> None:
@@ -266,7 +303,26 @@ class FailoverFlows:
         if eviction.node == self.me:
             for record in evicted_jobs:
                 self.book.free(record.job_id)
+            self.evicted_at_epoch = eviction.epoch
+            self.rejoin_sent_ms = None
+            self.halted, self.fresh_beat_after_ms = False, {}  # nothing left to hold: its jobs moved
+            for key in self.detector.peers():  # their silence towards a non-member means nothing
+                self.detector.forget(key)
+            self._drop_instances(keep=iid)
             out.events.append(self._event("evicted", now_ms, epoch=self.epoch))
+
+    def _drop_instances(self, keep: bytes) -> None:
+        """An evicted node's votes no longer count: its open instances would only time out
+        and broadcast round changes, so it drops them (and their reservations)."""
+        for iid in [i for i in self.instances if i != keep]:
+            del self.instances[iid]
+            self.instance_meta.pop(iid, None)
+            self.instance_round.pop(iid, None)
+            self.book.release(iid)
+            self.my_bids.pop(iid, None)
+            self.bids_held.pop(iid, None)
+            self.windows_open.pop(iid, None)
+            self.windows_extended.discard(iid)
 
     def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
         record.primary, record.backups = to_node, tuple(backups)
@@ -289,12 +345,12 @@ class FailoverFlows:
         self.views[view.epoch] = view
         for epoch in sorted(self.views)[:-8]:
             del self.views[epoch]
+        # A member is watched from its first heartbeat (SPEC F2), a newly admitted one too: it
+        # holds no workload yet, and a rejoining node may need a moment to reconnect to all.
         for key in old.members:
             if key not in view.stakes:
                 self.detector.forget(key)
-        for key in view.members:
-            if key != self.me:
-                self.detector.track(key, now_ms)
+                self.peer_beat_sent_ms.pop(key, None)
         self.suspicions.clear()
         self.suspicion_sent_ms.clear()
         out.persist.append(PersistRecord("membership", str(view.epoch), {"epoch": view.epoch,
@@ -311,9 +367,8 @@ class FailoverFlows:
             self.counters["future_certificates_full"] += 1
 
     # --- joins (SPEC F7) -----------------------------------------------------------------------------
-    def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
-        """Ask ``bootstrap_key`` to propose this node as a member. Stake comes only from the
-        vouchers: authority attestations in this node's policy."""
+    def _vouched_stake(self) -> int:
+        """The stake an authority attestation in this node's policy vouches for (0: none)."""
         stake = 0
         for data in self.policy.attestations:
             try:
@@ -322,10 +377,40 @@ class FailoverFlows:
                 continue
             if envelope.signer in self.authorities and attestation.subject == self.me:
                 stake = max(stake, attestation.stake)
-        member = Member(public_key=self.me, stake=max(1, stake), zone=self.policy.zone, labels=self.policy.labels,
+        return stake
+
+    def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
+        """Ask ``bootstrap_key`` to propose this node as a member. Stake comes only from the
+        vouchers: authority attestations in this node's policy."""
+        return Ready(messages=[Outbound(bootstrap_key, self._join_envelope(max(1, self._vouched_stake())))])
+
+    def _join_envelope(self, stake: int) -> bytes:
+        member = Member(public_key=self.me, stake=stake, zone=self.policy.zone, labels=self.policy.labels,
                         addrs=())
         join = Join(member=member, epoch=self.epoch, vouchers=tuple(self.policy.attestations[:16]))
-        return Ready(messages=[Outbound(bootstrap_key, encode_message(self.identity, self.mesh_id, join))])
+        return encode_message(self.identity, self.mesh_id, join)
+
+    def _maybe_rejoin(self, now_ms: int, out: Ready) -> None:
+        """SPEC F7 rejoin: an honest node evicted while it looked dead (a crash, a long pause
+        or partition) asks one member at a time, every REJOIN_RETRY_MS, to readmit it through
+        the ordinary join path, with the stake its authority attestation vouches for. It has
+        heard the mesh again by then: that is how it learned of its eviction."""
+        if self.rejoin_sent_ms is not None and now_ms - self.rejoin_sent_ms < REJOIN_RETRY_MS:
+            return
+        self.rejoin_sent_ms = now_ms
+        peers = self.broadcast_targets()
+        stake = self._vouched_stake()
+        if stake == 0:
+            if not self.rejoin_unvouched_said:
+                self.rejoin_unvouched_said = True
+                out.events.append(self._event("rejoin_unvouched", now_ms, epoch=self.evicted_at_epoch))
+            return
+        if not peers:
+            return
+        peer = self.rng.choice(peers)
+        out.messages.append(Outbound(peer, self._join_envelope(stake)))
+        out.events.append(self._event("rejoin_requested", now_ms, via=peer.hex(), stake=stake,
+                                      evicted_at_epoch=self.evicted_at_epoch))
 
     def _on_join(self, envelope, join: Join, data, now_ms: int, out: Ready) -> None:
         if envelope.signer != join.member.public_key:
@@ -403,6 +488,9 @@ class FailoverFlows:
         since = self.epoch
         self.member_info[key] = change.member
         self._enter_epoch(EpochView(change.epoch, stakes), certificate, now_ms, out)
+        if key == self.me and self.evicted_at_epoch is not None:
+            out.events.append(self._event("rejoined", now_ms, epoch=self.epoch, evicted_at_epoch=self.evicted_at_epoch))
+            self.evicted_at_epoch = None
         if iid in self.joins:  # we heard the request: bring the new member up to date
             join, _data = self.joins.pop(iid)
             certificates = [c for e, c in self.epoch_certificates if e >= min(join.epoch, since)]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from protocol import codec
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, Decline, GpuState,
-                               JobExit, JobManifest, Placement, decode_message, encode_message, job_id)
+                               JobExit, JobManifest, Placement, decode_message, decode_value, encode_message,
+                               job_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
                                 select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -52,6 +53,7 @@ class JobRecord:
     acks: dict = field(default_factory=dict)       # backup -> newest acked seq
     exit_code: int | None = None
     hint: str | None = None
+    entry: bytes | None = None                     # the node the owner submitted it to (hears declines)
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -117,10 +119,15 @@ class JobFlows:
         if self.capability_envelope is not None and key == self.capability_key:
             return self.capability_envelope, self.capability, False
         self.capability_seq += 1
+        # Zone and labels come from our member record when we have one: peers reject a bid
+        # whose vector contradicts it (SPEC.md P4), so a node.toml typo must not silence us.
+        record = self.member_info.get(self.me)
+        zone, labels = (record.zone, tuple(record.labels)) if record is not None else (self.policy.zone,
+                                                                                      self.policy.labels)
         cap = CapabilityVector(node=self.me, epoch=self.epoch, seq=self.capability_seq, taken_ms=now_ms,
-                               zone=self.policy.zone, rail_group=self.capacity.rail_group[:64], gpus=gpus,
+                               zone=zone, rail_group=self.capacity.rail_group[:64], gpus=gpus,
                                gpus_free=self.book.free_gpus(), cpu_milli_free=max(0, self.book.free_cpu_milli()),
-                               mem_mib_free=max(0, self.book.free_mem_mib()), labels=self.policy.labels,
+                               mem_mib_free=max(0, self.book.free_mem_mib()), labels=labels,
                                simulated=not self.telemetry_gpus)
         self.capability_envelope = encode_message(self.identity, self.mesh_id, cap)
         self.capability, self.capability_key = cap, key
@@ -158,10 +165,11 @@ class JobFlows:
         if envelope.signer != job.owner:
             raise RemoteProtocolError("job is not signed by its owner")
         out.messages.append(Outbound(None, job_envelope))
-        self._on_job(envelope, job, job_envelope, now_ms, out)
+        self._on_job(envelope, job, job_envelope, now_ms, out, entry=self.me)
         return out
 
-    def _on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready) -> None:
+    def _on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready,
+                entry: bytes | None = None) -> None:
         if envelope.signer != job.owner:
             self.counters["job_not_signed_by_owner"] += 1
             return
@@ -170,6 +178,8 @@ class JobFlows:
         if record is None:
             record = self._new_job_record(jid, data, job, now_ms)
             out.events.append(self._event("job_submitted", now_ms, job_id=jid.hex(), name=job.name))
+        if record.entry is None:
+            record.entry = entry
         if record.state == "pending" and not record.instance:
             self._start_placement(record, now_ms, out)
 
@@ -202,11 +212,16 @@ class JobFlows:
                                     now_ms, out)
 
     # --- bids and declines (SPEC P3) ----------------------------------------------------------------
-    def _sampled(self, iid: bytes) -> bool:
-        if self.bid_sample is None or self.bid_sample >= len(self.view.members):
+    def _sampled(self, iid: bytes, round: int) -> bool:
+        """SPEC P3: about ``bid_sample << round`` members bid in ``round``. The sample doubles
+        every round, so a job the first sample cannot host (all ineligible) is still placed
+        once a round times out without a proposal."""
+        members = len(self.view.members)
+        sample = None if self.bid_sample is None else self.bid_sample << min(round, 64)
+        if sample is None or sample >= members:
             return True
         draw = int.from_bytes(hashlib.sha256(b"bidder" + iid + self.me).digest()[:8], "big")
-        return draw * len(self.view.members) < self.bid_sample << 64
+        return draw * members < sample << 64
 
     def _send_my_bid(self, iid: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(iid)
@@ -215,15 +230,18 @@ class JobFlows:
             return
         mine = self.my_bids.get(iid)
         if mine is None:
-            if not self._sampled(iid):
+            if not self._sampled(iid, inst.round):
                 return
             mine = self._make_bid_or_decline(iid, inst.view.epoch, record, now_ms)
             self.my_bids[iid] = mine
             out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
                                           instance=iid.hex(), job_id=record.job_id.hex()))
         kind, data = mine
-        if kind == "decline":  # everyone keeps declines, so any node can answer "why pending"
-            out.messages.append(Outbound(None, data))
+        if kind == "decline":
+            # To the leader (it counts answers) and the job's entry node (the owner asks it
+            # "why pending"), not to everyone: a broadcast per decliner is n^2 per job.
+            for target in sorted({inst.leader, record.entry} - {None, self.me}):
+                out.messages.append(Outbound(target, data))
             envelope, decline = decode_message(data, self.mesh_id, expect=Decline)
             self._on_decline(envelope, decline, data, now_ms, out)
         elif inst.leader == self.me:
@@ -231,6 +249,16 @@ class JobFlows:
             self._on_bid(envelope, bid, data, now_ms, out)
         else:
             out.messages.append(Outbound(inst.leader, data))
+
+    def _parse_member_bid(self, data: bytes, iid: bytes, view):
+        """parse_bid, plus SPEC.md P4: the capability vector's zone and labels must be the
+        signer's member record (genesis or join), signed facts a bidder cannot lie about."""
+        facts = parse_bid(data, self.mesh_id, iid, view.epoch, view.stakes, self.authorities)
+        record = self.member_info.get(facts.signer)
+        if record is not None and (facts.capability.zone != record.zone
+                                   or dict(facts.capability.labels) != dict(record.labels)):
+            raise RemoteProtocolError("bid's capability zone or labels contradict the member record")
+        return facts
 
     def _make_bid_or_decline(self, iid: bytes, epoch: int, record: JobRecord, now_ms: int) -> tuple[str, bytes]:
         job = record.manifest
@@ -257,9 +285,12 @@ class JobFlows:
                 # A late bidder has not seen the decision: its bid is the cheapest catch-up cue.
                 out.messages.append(Outbound(envelope.signer, done.decision_envelope))
                 return
+            if bid.instance in self.recent_certificates:  # decided here by replay or catch-up
+                self._answer_applied(bid.instance, envelope.signer, -1, out)
+                return
             self._hold(bid.instance, envelope, bid, data)
             return
-        facts = parse_bid(data, self.mesh_id, bid.instance, inst.view.epoch, inst.view.stakes, self.authorities)
+        facts = self._parse_member_bid(data, bid.instance, inst.view)
         held = self.bids_held.setdefault(bid.instance, {})
         if facts.signer not in held and len(held) >= MAX_BIDS_HELD:
             self.counters["bids_full"] += 1
@@ -329,15 +360,14 @@ class JobFlows:
             inst = self.instances.get(iid)
             view = inst.view if inst is not None else self.view
             try:
-                placement = Placement.from_body(codec.unpack(value_bytes))
+                placement = decode_value("placement", value_bytes)
                 envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
                 if envelope.signer != job.owner:
                     return "job not signed by its owner"
                 jid = job_id(job)
                 if iid not in {retry_instance_id(jid, a) for a in range(job.max_retries + 1)}:
                     return "instance is not this job's placement"
-                facts = [parse_bid(b, self.mesh_id, iid, view.epoch, view.stakes, self.authorities)
-                         for b in justification]
+                facts = [self._parse_member_bid(b, iid, view) for b in justification]
                 expected = choose_placement(placement.job, job, iid, facts)
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid placement proposal: %s" % exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 from protocol import codec
@@ -126,8 +127,10 @@ class JobManifest(Record):
     }
 
 
+@lru_cache(maxsize=4096)
 def job_id(job: JobManifest) -> bytes:
-    """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ)."""
+    """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ).
+    Cached: every node asks it of the same (immutable, hashable) manifest many times."""
     return hashlib.sha256(codec.pack(job.to_body())).digest()
 
 
@@ -435,9 +438,25 @@ def encode_message(identity, mesh_id: bytes, message: Record) -> bytes:
     return sign_message(identity, mesh_id, message).encode()
 
 
+# Decoding is a pure function of (bytes, mesh id, allow_any_mesh) and its results are
+# immutable, so verified decodes are remembered: one node meets the same bytes many times
+# (a bid in every proposal, a job in every placement) and the simulator delivers one
+# broadcast to every node of its process. Bounded by entries and by the bytes held.
+MAX_DECODED_KEPT = 16384
+MAX_DECODED_BYTES = 64 << 20
+_decoded: dict[tuple, tuple] = {}
+_decoded_bytes = 0
+
+
 def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
                    allow_any_mesh: bool = False) -> tuple[Envelope, Record]:
     """Verify an envelope and parse its body strictly. Raises RemoteProtocolError."""
+    key = (data, mesh_id, allow_any_mesh) if type(data) is bytes else None
+    hit = _decoded.get(key) if key is not None else None
+    if hit is not None:
+        if expect is not None and type(hit[1]) is not expect:
+            raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, hit[0].kind))
+        return hit
     envelope = open_envelope(data, mesh_id, allow_any_mesh=allow_any_mesh)
     cls = MESSAGE_TYPES.get(envelope.kind)
     if cls is None:
@@ -445,13 +464,31 @@ def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
     if expect is not None and cls is not expect:
         raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, envelope.kind))
     try:
-        return envelope, cls.from_body(envelope.body)
+        decoded = envelope, cls.from_body(envelope.body)
     except ValueError as exc:  # a record's own cross-field check (e.g. checkpoint hash)
         raise RemoteProtocolError(str(exc)) from None
+    if key is not None:
+        _remember_decoded(key, decoded)
+    return decoded
 
 
+def _remember_decoded(key: tuple, decoded: tuple) -> None:
+    global _decoded_bytes
+    size = len(key[0])
+    if size > MAX_DECODED_BYTES // 64:
+        return  # a huge message (checkpoint state) would push out hundreds of small ones
+    while _decoded and (len(_decoded) >= MAX_DECODED_KEPT or _decoded_bytes + size > MAX_DECODED_BYTES):
+        oldest = next(iter(_decoded))
+        _decoded_bytes -= len(oldest[0])
+        del _decoded[oldest]
+    _decoded[key] = decoded
+    _decoded_bytes += size
+
+
+@lru_cache(maxsize=4096)
 def decode_value(value_kind: str, data: bytes):
-    """Decode the unsigned value inside a proposal or certificate."""
+    """Decode the unsigned value inside a proposal or certificate. Cached like
+    decode_message: the value is immutable and every validator decodes the same bytes."""
     cls = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange}.get(value_kind)
     if cls is None:
         raise RemoteProtocolError("unknown value kind %r" % value_kind)

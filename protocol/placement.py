@@ -178,9 +178,31 @@ def choose_backups(primary: BidFacts, ranked_others: list[BidFacts], count: int)
     return tuple(f.signer for f in (other_zone + same_zone)[:count])
 
 
+# Every validator recomputes the leader's placement from the same verified bids (the same
+# BidFacts objects: parse_bid remembers them by bytes), so the pure result is remembered
+# too. Keyed by the identities of the facts; an entry holds them alive, so no id is reused
+# while its entry exists.
+MAX_PLACEMENTS_KEPT = 4096
+_placements: dict[tuple, tuple] = {}
+
+
 def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
                      bids: Iterable[BidFacts]) -> Placement | None:
     """The placement every correct node computes from the same bids, or None if none fits."""
+    facts = tuple(bids)
+    key = (job_envelope, instance, tuple(map(id, facts)))
+    hit = _placements.get(key)
+    if hit is not None and (hit[0] is job or hit[0] == job) and all(a is b for a, b in zip(hit[1], facts)):
+        return hit[2]
+    placement = _choose_placement(job_envelope, job, instance, facts)
+    if len(_placements) >= MAX_PLACEMENTS_KEPT:
+        del _placements[next(iter(_placements))]
+    _placements[key] = (job, facts, placement)
+    return placement
+
+
+def _choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
+                      bids: Iterable[BidFacts]) -> Placement | None:
     ranked = rank_bids(job, instance, bids)
     if not ranked:
         return None
@@ -202,9 +224,32 @@ def parse_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, members:
     """Verify one bid envelope as a validator does (SPEC.md 8.2). Raises RemoteProtocolError.
 
     ``members``: the epoch's member keys (any mapping or set supporting ``in``)."""
-    envelope, bid = decode_message(data, mesh_id, expect=Bid)
-    if envelope.signer not in members:
+    facts = _verified_bid(data, mesh_id, instance, epoch, tuple(authorities))
+    if facts.signer not in members:
         raise RemoteProtocolError("bid from a non-member")
+    return facts
+
+
+# A bid is checked by the leader and by every validator of every proposal that carries it:
+# the membership-independent part of the check is a pure function of these arguments, so
+# its result is remembered (bounded, oldest first; failures are not remembered).
+MAX_BIDS_KEPT = 8192
+_bids: dict[tuple, BidFacts] = {}
+
+
+def _verified_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple) -> BidFacts:
+    key = (data, mesh_id, instance, epoch, authorities)
+    facts = _bids.get(key)
+    if facts is None:
+        facts = _verify_bid(data, mesh_id, instance, epoch, authorities)
+        if len(_bids) >= MAX_BIDS_KEPT:
+            del _bids[next(iter(_bids))]
+        _bids[key] = facts
+    return facts
+
+
+def _verify_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple) -> BidFacts:
+    envelope, bid = decode_message(data, mesh_id, expect=Bid)
     if bid.instance != instance or bid.epoch != epoch:
         raise RemoteProtocolError("bid for another instance or epoch")
     cap_envelope, capability = decode_message(bid.capability, mesh_id, expect=CapabilityVector)

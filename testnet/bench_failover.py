@@ -12,8 +12,9 @@
    event; without one, the first progress line the new run logs);
 5. lost_work_ms: from the progress logs alone (testnet/bench_stats.lost_work), never
    from the checkpoint path being measured;
-6. restarts the killed node (and asks it to rejoin if it is no longer a member), so
-   the mesh keeps N nodes.
+6. restarts the killed node, so the mesh keeps N nodes. The node learns of its eviction
+   from its peers and asks to rejoin by itself (SPEC.md F7); only if it is still not a
+   member after AUTO_REJOIN_GRACE_S does the bench ask it through `meshnode join`.
 
 Double runs are counted two ways: a /proc sampler that sees two live workload
 processes of one job at once, and progress logs of one job on two nodes that overlap
@@ -33,9 +34,6 @@ from pathlib import Path
 
 import trio
 
-from keys.genesis import Genesis
-from keys.keystore import load_identity
-from meshnode.config import node_paths
 from meshnode.control_client import ControlError
 from protocol.errors import MeshError
 from testnet import launcher
@@ -48,12 +46,12 @@ KILL_PHASE_MS = 500          # the kill lands uniformly in this window after the
 READY_TIMEOUT_S = 30.0       # job running with checkpoints on a live primary
 RECOVERY_TIMEOUT_S = 10.0    # longer than this and the workload counts as lost
 REJOIN_TIMEOUT_S = 60.0
+AUTO_REJOIN_GRACE_S = 5.0    # the restarted node rejoins by itself; after this the bench asks it
 POLL_S = 0.02
 PROC_SAMPLE_S = 0.25
 OVERLAP_TOLERANCE_US = 10_000
 MAX_EVENTS = 200_000
 MAX_KILLS = 1000
-REJOIN_STAKE = 100           # the launcher's stake per node
 PROGRESS_LOG = "{{workdir}}/progress.log"  # doubled braces: the manifest text goes through str.format
 
 # Event kinds, as published by protocol/mesh.py (see its module docstring).
@@ -149,6 +147,7 @@ class FailoverRun:
         self.kills: list[dict] = []
         self.proc_double_runs: set[str] = set()
         self.rejoin_failures = 0
+        self.rejoins_asked = 0
         self.aborted: str | None = None
 
     def _alive(self) -> list[int]:
@@ -260,36 +259,27 @@ class FailoverRun:
             await trio.sleep(POLL_S * 5)
         record["lost_workload"] = True
 
-    def _vouch_stake(self, index: int) -> None:
-        """Re-issue the node's attestation with its stake so that its `join` is admitted.
-
-        A genesis member's attestation vouches no stake (its stake is in the genesis), so
-        once evicted it cannot rejoin with any (join_refused: "stake ... is not vouched
-        for"). The launcher has no public call for this yet: see the report."""
-        entry = self.layout["nodes"][index]
-        node_dir = Path(entry["dir"])
-        paths = node_paths(node_dir)
-        genesis = Genesis.decode(paths.genesis.read_bytes())
-        launcher._write_node_files(node_dir, load_identity(paths.keystore, None),
-                                   load_identity(self.root / "authority.key", None), genesis, index,
-                                   entry["port"], self.layout["owners"], self.layout["name"], stake=REJOIN_STAKE)
-
     async def _restart(self, nursery, index: int) -> None:
-        """Start the killed node again and wait until it is connected and a member."""
+        """Start the killed node again and wait until it is connected and a member (again)."""
         while launcher.process_alive(launcher.load_layout(self.root)["nodes"][index]["pid"]):
             await trio.sleep(0.01)
-        self._vouch_stake(index)
         launcher.start_node(self.root, index)
         alive = self._alive()
         await trio.to_thread.run_sync(lambda: launcher.wait_ready(self.root, REJOIN_TIMEOUT_S, indices=alive))
         await self._subscribe(nursery, index)
+        started = trio.current_time()
         with trio.move_on_after(REJOIN_TIMEOUT_S) as scope:
             asked = False
-            while not (await self._call(index, "status"))["member"]:
-                if not asked:
+            while True:
+                status = await self._call(index, "status")
+                # A restarted node first syncs: "member" alone may still be its stale view.
+                if status["member"] and not status.get("halted"):
+                    break
+                if not asked and trio.current_time() - started > AUTO_REJOIN_GRACE_S and not status["member"]:
                     others = [i for i in alive if i != index]
                     entry = self.layout["nodes"][others[0]]
                     await self._call(index, "join", bootstrap=launcher.bootstrap_multiaddr(entry))
+                    self.rejoins_asked += 1
                     asked = True
                 await trio.sleep(0.1)
         if scope.cancelled_caught:
@@ -372,6 +362,6 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
         "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
         "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,
         "stale_fence_starts": stale_starts, "aborted": run.aborted,
-        "rejoin_failures": run.rejoin_failures, "events_dropped": run.events.dropped,
+        "rejoin_failures": run.rejoin_failures, "rejoins_asked": run.rejoins_asked, "events_dropped": run.events.dropped,
         "per_kill": per_kill, "machine": machine,
     }

@@ -122,7 +122,10 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         paths = node_paths(node_dir)
         create_keystore(paths.keystore, identity, None)
         paths.genesis.write_bytes(genesis.encode())
-        _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=0)
+        # The attestation vouches the node's genesis stake too: a genesis member that is
+        # evicted (it crashed, or paused past the bound) rejoins through the ordinary join
+        # path (SPEC.md F7), which admits only vouched stake.
+        _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake)
         entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
               "run_workloads": run_workloads}
@@ -132,7 +135,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
 
 def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
                       owner_entries: list, name: str, stake: int, bootstrap=()) -> None:
-    """Config and attestation of one node; ``stake`` > 0 vouches stake for a joining node."""
+    """Config and attestation of one node; the attestation vouches ``stake`` for its (re)joins."""
     model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
     issued_ms = time.time_ns() // 1_000_000
     attestation = issue_attestation(authority, identity.public_key,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import MeshError, RemoteProtocolError
-from protocol.mesh import MeshCore
+from protocol.mesh import SAFETY_TABLES, MeshCore
 from protocol.messages import CommitCertificate, decode_message
 from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
@@ -77,6 +77,7 @@ class SimNode:
     up: bool = True
     incarnation: int = 0
     certificates: list = field(default_factory=list)   # persisted commit certificate bytes
+    safety_records: dict = field(default_factory=dict)  # (table, key) -> persisted vote/lock/evidence
     evidence_offenders: set = field(default_factory=set)  # offenders in persisted evidence records
     persisted_records: int = 0
     behaviour: ByzantineBehaviour | None = None
@@ -180,6 +181,7 @@ class Simulation:
         return MeshCore(identity=spec.identity, genesis=self.world.genesis, policy=spec.policy,
                         capacity=spec.capacity, rng=random.Random(self.rng.getrandbits(64)),
                         now_ms=self.now_ms, history=tuple(node.certificates),
+                        safety_records=tuple(node.safety_records.values()),
                         heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample)
 
     def _verify_certificate(self, data: bytes, views: dict) -> tuple:
@@ -278,7 +280,7 @@ class Simulation:
         source = self.nodes[src].behaviour
         if source is not None and node.behaviour is None and source.conflicts:
             self._witness(src, dst, source.conflicts.get(data))
-        self._call(node, node.core.step, data, self.now_ms)
+        self._call(node, node.core.step, data, self.now_ms, self.nodes[src].public_key)
 
     def _witness(self, src: int, dst: int, side) -> None:
         if side is None:
@@ -349,8 +351,12 @@ class Simulation:
             node.persisted_records += 1
             if record.table == "certificates":
                 node.certificates.append(record.value["certificate"])
-            elif record.table == "evidence":
-                node.evidence_offenders.add(record.value["offender"])
+            elif record.table in SAFETY_TABLES:
+                node.safety_records[(record.table, record.key)] = record  # upserted by key, as on disk
+                if record.table == "votes" and node.behaviour is None:
+                    self.checker.check_own_vote(node.index, record.value["envelope"])
+                if record.table == "evidence":
+                    node.evidence_offenders.add(record.value["offender"])
         outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
         if outbound:
             self._send(node, outbound)
@@ -416,9 +422,13 @@ class Simulation:
     def _deciders(self) -> list[int]:
         """Honest members of the newest epoch: an honest node the mesh evicted (it looked dead
         from a partition) is fenced and owes no decisions until it rejoins (SPEC.md 9)."""
-        if not self.epoch_views:
+        # The newest epoch any honest core reached: certificates name the epoch they were
+        # decided in, so an eviction decided last would not show in ``epoch_views``.
+        views = [self.nodes[i].core.view for i in self.honest if self.nodes[i].core is not None]
+        views += list(self.epoch_views.values())
+        if not views:
             return list(self.honest)
-        latest = self.epoch_views[max(self.epoch_views)]
+        latest = max(views, key=lambda view: view.epoch)
         return [i for i in self.honest if self.nodes[i].public_key in latest.stakes]
 
     def _evidence_of(self, index: int) -> set[bytes]:

@@ -11,7 +11,9 @@ crashes and restarts, in the style of tigerbeetle's VOPR:
   sovereignty policy admits the job, and no honest node is ever over-committed;
 - liveness (after the run): every job decided at every honest node within the bound;
 - evidence (after the run): every key that showed two conflicting signed messages to one
-  honest node appears in that node's evidence.
+  honest node appears in that node's evidence;
+- own votes: an honest node signs at most one proposal, prevote and precommit per
+  (instance, epoch, round), across all its crashes and restarts (SPEC.md 6.9).
 
 A checker never raises on a bad decision: it records a Violation, so a run reports all
 of them and a test can assert that a deliberately broken input is caught.
@@ -34,7 +36,7 @@ MAX_VIOLATIONS_KEPT = 200  # a broken run can produce millions; keep the first o
 
 @dataclass(frozen=True)
 class Violation:
-    check: str          # agreement | certificate | validity | overcommit | liveness | evidence
+    check: str          # agreement | certificate | validity | overcommit | liveness | evidence | own_votes
     node: int | None    # simulator index of the node whose output broke the rule
     instance: str       # hex instance id ("" when not about one instance)
     detail: str
@@ -82,6 +84,7 @@ class DecisionChecker:
         self.violations: list[Violation] = []
         self.violation_count = 0
         self.log: list[tuple] = []                             # (ms, node, kind, instance, hash)
+        self.signed: dict[tuple, bytes] = {}   # (node, instance, epoch, round, kind) -> envelope
 
     # --- recording -------------------------------------------------------------------------
 
@@ -89,6 +92,17 @@ class DecisionChecker:
         self.violation_count += 1
         if len(self.violations) < MAX_VIOLATIONS_KEPT:
             self.violations.append(Violation(check, node, instance.hex() if instance else "", detail))
+
+    def check_own_vote(self, node: int, envelope: bytes) -> None:
+        """An honest node persisted a proposal or vote it is about to send (table ``votes``).
+        Ed25519 signatures are deterministic, so signing the same message again gives the
+        same bytes: different bytes for one slot are two different messages."""
+        _, vote = decode_message(envelope, self.mesh_id)
+        slot = (node, vote.instance, vote.epoch, vote.round, type(vote).KIND)
+        first = self.signed.setdefault(slot, envelope)
+        if first != envelope:
+            self.fail("own_votes", node, vote.instance, "signed two different %ss in epoch %d round %d"
+                      % (type(vote).KIND, vote.epoch, vote.round))
 
     def check_decision(self, node: int, decision: Decision, now_ms: int, views=None) -> None:
         """``views``: the deciding node's epoch views, passed through to verify_certificate."""

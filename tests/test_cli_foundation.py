@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from keys.genesis import Genesis
+from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.attestation import verify_attestation
 from keys.identity import peer_id_from_public_key
 from keys.keystore import KDF_ENV, PassphraseSource, load_identity
@@ -116,7 +116,7 @@ def test_mesh_init_show_job_sign_verify(tmp_path, capsys, passfile):
                     "--heartbeat-ms", "25", "--created-ms", "1000", "--out", genesis_path)
     genesis = Genesis.decode(genesis_path.read_bytes())
     assert made["mesh_id"] == genesis.mesh_id.hex() and genesis.total_stake == 30
-    assert genesis.params.heartbeat_ms == 25 and genesis.params.checkpoint_ms == 100
+    assert genesis.params.heartbeat_ms == 25 and genesis.params.checkpoint_ms == DEFAULT_PARAMS.checkpoint_ms
     assert [m.public_key.hex() for m in genesis.members] == [key_a["public_key"], key_b["public_key"]]
     assert dict(genesis.members[1].labels) == {"tier": "gold"} and genesis.members[1].zone == "zone-b"
     assert genesis.members[0].addrs == ("/ip4/127.0.0.1/tcp/4001",)

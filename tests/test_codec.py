@@ -97,3 +97,90 @@ def test_arbitrary_bytes_raise_only_remote_protocol_error(data):
     except RemoteProtocolError:
         return
     assert codec.pack(value) == data  # anything accepted is exactly canonical
+
+
+def _accepted_by_re_encoding(data: bytes) -> bool:
+    """The decoder's acceptance rule stated the slow way: decode leniently, and accept
+    iff the canonical encoder reproduces the input byte for byte."""
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, max_ext_len=0)
+        return codec.pack(value) == data
+    except Exception:
+        return False
+
+
+# Values msgpack can encode but the canonical encoder may refuse or re-order: floats,
+# non-text keys, maps in arbitrary insertion order, deep nesting.
+loose_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.text(max_size=6)
+    | st.binary(max_size=6) | st.floats(allow_nan=False),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.lists(st.tuples(st.text(max_size=3) | st.binary(max_size=2) | st.integers(0, 3), inner),
+               max_size=3).map(dict),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(loose_values, st.binary(max_size=3), st.integers(0, 64))
+def test_decoder_accepts_exactly_what_re_encoding_reproduces(value, splice, at):
+    """The walk-based check in unpack must keep the rule of SPEC.md 2.1 unchanged:
+    for arbitrary msgpack (and byte-level corruptions of it), unpack succeeds iff
+    re-encoding canonically gives back the same bytes."""
+    encoded = msgpack.packb(value, use_bin_type=True)
+    for data in (encoded, encoded[:at] + splice + encoded[at + len(splice):]):
+        try:
+            codec.unpack(data)
+            accepted = True
+        except RemoteProtocolError:
+            accepted = False
+        assert accepted == _accepted_by_re_encoding(data), data.hex()
+
+
+@pytest.mark.parametrize("levels, accepted", [(codec.MAX_DEPTH, True), (codec.MAX_DEPTH + 1, False)])
+def test_depth_cap_is_the_same_for_encoder_and_decoder(levels, accepted):
+    value: list = [None]
+    for _ in range(levels - 1):
+        value = [value]
+    # ``levels`` nested lists put the innermost item at depth ``levels``.
+    data = msgpack.packb(value)
+    if accepted:
+        assert codec.unpack(data) == value and codec.pack(value) == data
+    else:
+        with pytest.raises(RemoteProtocolError):
+            codec.unpack(data)
+        with pytest.raises(LocalProtocolError):
+            codec.pack(value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), canonical_values, max_size=4), st.text(max_size=12))
+def test_signing_input_cut_from_wire_bytes_equals_re_encoded(body, kind):
+    """open_envelope takes the signed part from the received bytes; it must be exactly
+    what the signer signed (SPEC.md 2.2), or every verification would fail."""
+    from keys.identity import SigningIdentity
+    from protocol import envelope as env
+
+    sealed = env.seal(SigningIdentity(bytes(range(32))), bytes(32), kind, body)
+    data = sealed.encode()
+    expected = env.signing_input(sealed.version, sealed.mesh_id, kind, body)
+    assert env._signed_part(data, sealed.version, sealed.mesh_id, kind, body, sealed.signer,
+                            sealed.signature) == expected
+    assert env.open_envelope(data, bytes(32)) == sealed
+
+
+def test_signatures_remembered_at_sealing_do_not_vouch_for_altered_envelopes():
+    """seal() records its own signature as verified; a flipped signature byte or another
+    signer's key on the same bytes must still be checked, and fail."""
+    from keys.identity import SigningIdentity
+    from protocol import envelope as env
+
+    signer, other = SigningIdentity(bytes(range(32))), SigningIdentity(bytes(range(1, 33)))
+    sealed = env.seal(signer, bytes(32), "note", {"n": 1})
+    assert env.open_envelope(sealed.encode(), bytes(32)) == sealed
+    flipped = bytearray(sealed.signature)
+    flipped[0] ^= 1
+    for forged in (env.Envelope(sealed.mesh_id, sealed.kind, sealed.body, sealed.signer, bytes(flipped)),
+                   env.Envelope(sealed.mesh_id, sealed.kind, sealed.body, other.public_key, sealed.signature)):
+        with pytest.raises(RemoteProtocolError, match="signature"):
+            env.open_envelope(forged.encode(), bytes(32))

@@ -284,6 +284,26 @@ def test_6_10_an_equivocating_voter_leaves_evidence_at_the_collector():
     assert collector.dropped["equivocation"] == 1
 
 
+def test_6_10_equivocation_arriving_after_the_decision_is_still_evidence():
+    net = Net(4)
+    net.run()
+    leader_key = net.view.leader(INSTANCE, 0)
+    leader = net.ids[net.keys.index(leader_key)]
+    follower = next(n for k, n in net.nodes.items() if k != leader_key)
+    assert follower.decision is not None and follower.evidence == []
+    late = sign_message(leader, MESH_ID, Proposal(INSTANCE, 0, 0, "placement", b"other", (), None, None)).encode()
+    ready = follower.receive(late, net.now_ms)
+    (evidence,) = follower.evidence
+    assert evidence.offender == leader_key and evidence.second == late
+    assert kind_of(evidence.first) == "proposal" and evidence.first != late
+    assert [r.table for r in ready.persist] == ["evidence"] and [e.kind for e in ready.events] == ["evidence"]
+    # The collector still holds every prevote it certified: a conflicting one is caught too.
+    voter = next(i for i in net.ids if i.public_key != leader_key)
+    collector = net.nodes[leader_key]
+    collector.receive(sign_message(voter, MESH_ID, Prevote(INSTANCE, 0, 0, None)).encode(), net.now_ms)
+    assert [e.offender for e in collector.evidence] == [voter.public_key]
+
+
 def test_6_10_forged_non_member_and_misaddressed_votes_are_dropped_and_counted():
     net = Net(4)
     leader_key = net.view.leader(INSTANCE, 0)

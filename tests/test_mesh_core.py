@@ -1,6 +1,7 @@
 """MeshCore end to end, in process: 4 cores, a tiny FIFO router, an integer clock
 (SPEC.md section 7, rules P1-P6, F1-F7)."""
 
+import dataclasses
 import hashlib
 import random
 from collections import deque
@@ -10,10 +11,14 @@ import pytest
 from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.messages import (Cancel, Checkpoint, Heartbeat, Constraints, JobManifest, Member, Resources, encode_message,
-                               job_id)
+from protocol.messages import (Bid, Cancel, Checkpoint, Heartbeat, Constraints, JobExit, JobManifest, Member, Proposal,
+                               Resources, RoundChange, decode_message, encode_message, job_id, value_hash)
+from protocol.placement import choose_placement, parse_bid
 from protocol.policy import LocalCapacity, NodePolicy
+from protocol.quorum import EpochView
+from protocol.ready import Outbound, Ready
 
 IDS = [SigningIdentity(hashlib.sha256(b"mesh-node-%d" % i).digest()) for i in range(4)]
 KEYS = [i.public_key for i in IDS]
@@ -36,14 +41,14 @@ def make_job(nonce=1, gpus=1, entrypoint="counter", backups=1, strategy="through
 class Net:
     """Delivers every message in FIFO order; ``down`` nodes neither send nor receive."""
 
-    def __init__(self, gpus=(2, 2, 2, 2), history=None):
+    def __init__(self, gpus=(2, 2, 2, 2), history=None, bid_sample=None):
         self.now = 0
         self.cores = {}
         for index, identity in enumerate(IDS):
             self.cores[identity.public_key] = MeshCore(
                 identity=identity, genesis=GENESIS, policy=NodePolicy(zone=ZONES[index]),
                 capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * gpus[index]), rng=random.Random(index),
-                now_ms=0, history=(history or {}).get(identity.public_key, ()))
+                now_ms=0, history=(history or {}).get(identity.public_key, ()), bid_sample=bid_sample)
         self.queue = deque()
         self.down = set()
         self.decisions = {k: [] for k in KEYS}
@@ -57,15 +62,15 @@ class Net:
         for message in ready.messages:
             targets = self.cores[src].broadcast_targets() if message.to is None else [message.to]
             for target in targets:
-                self.queue.append((target, message.data))
+                self.queue.append((src, target, message.data))
         self.decisions[src].extend(ready.decisions)
         self.events[src].extend(ready.events)
 
     def deliver(self):
         while self.queue:
-            target, data = self.queue.popleft()
+            src, target, data = self.queue.popleft()
             if target not in self.down:
-                self.emit(target, self.cores[target].step(data, self.now))
+                self.emit(target, self.cores[target].step(data, self.now, src))
 
     def run(self, ms, step_ms=5):
         for _ in range(ms // step_ms):
@@ -107,10 +112,31 @@ def test_no_eligible_node_leaves_the_job_pending_with_declines_by_reason():
     net.submit(KEYS[2], envelope)
     net.run(60)
     for core in net.cores.values():
-        view = core.job_view(job_id(job))
-        assert view["state"] == "pending"
-        assert {r: sorted(v) for r, v in view["declines"].items()} == {"not_enough_gpus": sorted(KEYS)}
+        assert core.job_view(job_id(job))["state"] == "pending"
+    # SPEC P3: declines go to the round's leader and to the node the owner submitted to.
+    view = net.cores[KEYS[2]].job_view(job_id(job))
+    assert {r: sorted(v) for r, v in view["declines"].items()} == {"not_enough_gpus": sorted(KEYS)}
     assert not any(net.certified(k, "placement") for k in KEYS)
+
+
+def test_declines_go_to_the_round_leader_and_the_entry_node_only():
+    """SPEC P3: a broadcast decline per member would make every job cost n^2 messages."""
+    net = Net()
+    job, envelope = make_job(gpus=3)  # nobody fits: every member declines
+    declines_sent = []
+    deliver = net.emit
+
+    def emit(src, ready):
+        declines_sent.extend((src, m.to) for m in ready.messages if codec.unpack(m.data)[2] == "decline")
+        deliver(src, ready)
+
+    net.emit = emit
+    net.submit(KEYS[2], envelope)
+    net.run(60)
+    leader = net.cores[KEYS[0]].instances[job_id(job)].leader
+    assert {src for src, _ in declines_sent} == set(KEYS)
+    assert all(to in {leader, KEYS[2]} - {src} for src, to in declines_sent)
+    assert sorted(net.cores[leader].job_view(job_id(job))["declines"]["not_enough_gpus"]) == sorted(KEYS)
 
 
 def test_policy_declines_are_grouped_per_reason():
@@ -118,9 +144,9 @@ def test_policy_declines_are_grouped_per_reason():
     job, envelope = make_job(gpus=1, entrypoint="train")
     net.cores[KEYS[0]].policy = NodePolicy(zone=ZONES[0], allowed_entrypoints=frozenset({"counter"}))
     net.cores[KEYS[1]].policy = NodePolicy(zone=ZONES[1], allowed_entrypoints=frozenset({"counter"}))
-    net.submit(KEYS[0], envelope)
+    net.submit(KEYS[3], envelope)
     net.run(60)
-    declines = net.cores[KEYS[3]].job_view(job_id(job))["declines"]
+    declines = net.cores[KEYS[3]].job_view(job_id(job))["declines"]  # the entry node's view
     assert sorted(declines["entrypoint_not_allowed"]) == sorted(KEYS[:2])
     assert sorted(declines["not_enough_gpus"]) == sorted(KEYS[2:])
 
@@ -167,11 +193,38 @@ def test_dead_primary_is_evicted_and_its_job_migrates_to_the_backup():
         stale.local_checkpoint(jid, 3, 30, net.now, b"x", net.now)
 
 
+def test_p6_fencing_only_the_current_primary_at_the_current_fence_is_heard():
+    net = Net(gpus=(4, 2, 2, 2))
+    job, envelope = make_job()
+    jid = job_id(job)
+    net.submit(KEYS[1], envelope)
+    net.run(50)
+    backup = net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    core = net.cores[backup]
+    assert net.cores[KEYS[1]].job_view(jid)["primary"] == KEYS[0] and core.job_view(jid)["fence"] == 1
+
+    def checkpoint(signer, fence, seq):
+        message = Checkpoint(job_id=jid, fence=fence, seq=seq, progress=seq, taken_ms=net.now, state=b"s",
+                             state_hash=hashlib.sha256(b"s").digest())
+        return core.step(encode_message(signer, MESH, message), net.now)
+
+    impostor = next(i for i in IDS if i.public_key not in (KEYS[0], backup))
+    assert not checkpoint(impostor, 1, 1).persist and core.counters["checkpoint_stale_fence"] == 1
+    assert not checkpoint(IDS[0], 2, 1).persist and core.counters["checkpoint_future_fence"] == 1
+    accepted = checkpoint(IDS[0], 1, 1)
+    assert [r.table for r in accepted.persist] == ["checkpoints"] and core.job_view(jid)["last_checkpoint_seq"] == 1
+    assert not checkpoint(IDS[0], 1, 1).persist and core.counters["checkpoint_old_seq"] == 1
+    stale_exit = encode_message(IDS[0], MESH, JobExit(job_id=jid, fence=0, exit_code=0))
+    core.step(stale_exit, net.now)
+    assert core.counters["job_exit_stale"] == 1 and core.job_view(jid)["state"] == "running"
+
+
 def test_hiccup_shorter_than_min_silence_evicts_nobody():
     net = Net()
     net.run(200)
     net.down.add(KEYS[3])
-    net.run(DEFAULT_PARAMS.detection_bound_ms - 2 * DEFAULT_PARAMS.heartbeat_ms)
+    # min_silence defaults to bound - heartbeat (250 ms); the hiccup plus one heartbeat period stays below it
+    net.run(DEFAULT_PARAMS.detection_bound_ms - 3 * DEFAULT_PARAMS.heartbeat_ms)
     net.down.discard(KEYS[3])
     net.run(400)
     assert all(core.epoch == 0 for core in net.cores.values())
@@ -205,6 +258,54 @@ def test_bad_input_is_counted_never_raised():
         core.submit(encode_message(IDS[1], MESH, make_job()[0]), 0)  # not signed by the owner
 
 
+def test_a_held_bid_of_an_older_epoch_is_dropped_when_its_instance_starts():
+    net = Net()
+    job, envelope = make_job()
+    capability, _, _ = net.cores[KEYS[1]]._current_capability(0)
+    stale = encode_message(IDS[1], MESH, Bid(instance=job_id(job), epoch=7, capability=capability,
+                                               reserved_gpus=(0,), rtt_us=0, attestations=()))
+    core = net.cores[KEYS[0]]
+    assert not core.step(stale, 0)  # the job is unknown yet: the bid is held
+    net.submit(KEYS[0], envelope)   # starting the instance replays the held bid
+    assert core.counters["rejected_bid"] == 1
+    net.run(100)
+    assert all(len(net.certified(k, "placement")) == 1 for k in KEYS)
+
+
+def test_p4_a_bid_claiming_a_zone_other_than_the_member_record_is_rejected():
+    # Node 2 (genesis zone-b, twice the GPUs) re-signs its vector as zone-a to win a zone-a job.
+    net = Net(gpus=(2, 2, 4, 2))
+    job, envelope = make_job(zones=("zone-a",))
+    jid = job_id(job)
+    net.submit(KEYS[0], envelope)
+    leader = net.cores[KEYS[0]].instances[jid].leader
+    honest_capability = net.cores[KEYS[2]]._current_capability(0)[1]
+    lie = encode_message(IDS[2], MESH, dataclasses.replace(honest_capability, zone="zone-a", seq=99))
+    net.emit(KEYS[2], Ready(messages=[Outbound(leader, encode_message(
+        IDS[2], MESH, Bid(instance=jid, epoch=0, capability=lie, reserved_gpus=(0,), rtt_us=0, attestations=())))]))
+    net.run(100)
+    placements = {d.value.primary for k in KEYS for d in net.certified(k, "placement")}
+    assert placements and placements <= {KEYS[0], KEYS[1]}
+    assert net.cores[leader].counters["rejected_bid"] == 1
+
+
+def test_p3_a_bid_sample_of_only_ineligible_nodes_widens_until_the_job_is_placed():
+    # Only node 3 has 4 GPUs. Pick a job whose round-0 sample (about 1 of 4) leaves it out.
+    def round0_bidders(jid):
+        return {k for k in KEYS
+                if int.from_bytes(hashlib.sha256(b"bidder" + jid + k).digest()[:8], "big") * 4 < 1 << 64}
+    def only_ineligible_sampled(job):
+        bidders = round0_bidders(job_id(job))
+        return bool(bidders) and KEYS[3] not in bidders
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, gpus=4, backups=0) for n in range(2, 200))
+                         if only_ineligible_sampled(j))
+    net = Net(gpus=(2, 2, 2, 4), bid_sample=1)
+    net.submit(KEYS[0], envelope)
+    net.run(3000)
+    placements = [net.certified(k, "placement") for k in KEYS]
+    assert all(len(p) == 1 and p[0].value.primary == KEYS[3] for p in placements)
+
+
 def test_only_the_owner_can_cancel():
     net = Net()
     job, envelope = make_job()
@@ -235,3 +336,110 @@ def test_restart_replays_certificates_into_the_same_job_table():
         assert (after["primary"], after["backups"], after["fence"]) == (before["primary"], before["backups"], 1)
     primary = net.cores[KEYS[0]].job_view(jid)["primary"]
     assert restarted.cores[primary].book.allocated(jid) is not None
+
+
+def test_6_8_a_decision_replayed_after_restart_still_answers_a_straggler():
+    net = Net()
+    job, envelope = make_job()
+    jid = job_id(job)
+    net.submit(KEYS[0], envelope)
+    net.run(50)
+    restarted = Net(history=net.certificates).cores[KEYS[0]]  # applied by replay: no live instance
+    straggler = encode_message(IDS[1], MESH, RoundChange(jid, 3, 0, None, None, None))
+    (reply,) = restarted.step(straggler, 0).messages
+    assert reply.to == KEYS[1] and reply.data == net.certificates[KEYS[0]][0]
+    assert not restarted.step(straggler, 0).messages  # once per (peer, instance, round)
+
+
+def _capture_until_commit_lost(net, persisted):
+    """Deliver everything but commit certificates, recording every core's persist records."""
+    while net.queue:
+        src, target, data = net.queue.popleft()
+        if codec.unpack(data)[2] == "commit":
+            continue
+        ready = net.cores[target].step(data, net.now, src)
+        persisted[target].extend(ready.persist)
+        net.emit(target, ready)
+
+
+def test_6_9_a_restarted_core_restores_its_lock_and_never_prevotes_against_it():
+    net = Net()
+    job, envelope = make_job()
+    iid = job_id(job)
+    sent = []
+    emit = net.emit
+    net.emit = lambda src, ready: (sent.extend(m.data for m in ready.messages), emit(src, ready))
+    persisted = {k: [] for k in KEYS}
+    ready = net.cores[KEYS[0]].submit(envelope, net.now)
+    persisted[KEYS[0]].extend(ready.persist)
+    net.emit(KEYS[0], ready)
+    _capture_until_commit_lost(net, persisted)
+    leader0 = net.cores[KEYS[0]].instances.get(iid, net.cores[KEYS[0]].decided.get(iid)).leader
+    victim = next(k for k in KEYS if k != leader0)
+    locked = net.cores[victim].instances[iid].lock
+    assert locked is not None and locked.round == 0 and net.cores[victim].instances[iid].decision is None
+    # Round 1's leader proposes another placement, honestly derived from fewer bids, without
+    # a proof of lock: a node locked in round 0 must prevote nil (SPEC.md 6.6).
+    view = net.cores[victim].view
+    bid_of = {parse_bid(d, MESH, iid, 0, view.stakes, ()).signer: d for d in sent if codec.unpack(d)[2] == "bid"}
+    facts = {signer: parse_bid(d, MESH, iid, 0, view.stakes, ()) for signer, d in bid_of.items()}
+    primary = choose_placement(envelope, job, iid, facts.values()).primary
+    others = [signer for signer in facts if signer != primary]
+    other_value = codec.pack(choose_placement(envelope, job, iid, [facts[k] for k in others]).to_body())
+    assert value_hash(other_value) != locked.value_hash
+    leader1 = IDS[KEYS.index(view.leader(iid, 1))]
+    proposal = encode_message(leader1, MESH, Proposal(iid, 1, 0, "placement", other_value,
+                                                      tuple(bid_of[k] for k in others), None, None))
+    spec = IDS[KEYS.index(victim)]
+    restarted = MeshCore(identity=spec, genesis=GENESIS, policy=NodePolicy(zone=ZONES[KEYS.index(victim)]),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(9), now_ms=net.now,
+                         history=net.certificates[victim], safety_records=persisted[victim])
+    out = restarted.step(proposal, net.now)
+    prevotes = [decode_message(m.data, MESH)[1] for m in out.messages if codec.unpack(m.data)[2] == "prevote"]
+    assert [p.round for p in prevotes] == [1] and prevotes[0].value_hash is None
+    assert restarted.instances[iid].lock.value_hash == locked.value_hash
+
+
+def test_p2_a_placement_started_in_a_newer_epoch_joins_the_others_older_one():
+    # Node 2 entered epoch 1 (without node 3) before it heard of the job; node 0 started the
+    # job's placement in epoch 0. Each drops the other's messages as of the wrong epoch.
+    net = Net()
+    job, envelope = make_job()
+    iid = job_id(job)
+    newer = net.cores[KEYS[2]]
+    newer.view = newer.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
+    older = net.cores[KEYS[0]]
+    newer.submit(envelope, 0)
+    older.submit(envelope, 0)
+    assert (older.instances[iid].view.epoch, newer.instances[iid].view.epoch) == (0, 1)
+    assert not newer.instances[iid].has_signed
+    # Node 2 says anything in epoch 1: node 0 answers with its epoch-0 RoundChange ...
+    hint = older.step(newer.instances[iid].round_change(), 0)
+    (reply,) = [m for m in hint.messages if m.to == KEYS[2]]
+    assert decode_message(reply.data, MESH)[1].epoch == 0
+    assert not older.step(newer.instances[iid].round_change(), 0).messages  # once per peer and round
+    # ... and node 2, bound to nothing in epoch 1, moves its instance there and bids in it.
+    moved = newer.step(reply.data, 0)
+    assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
+    bids = [decode_message(m.data, MESH)[1] for m in moved.messages if codec.unpack(m.data)[2] in ("bid", "decline")]
+    assert [b.epoch for b in bids] == [0]
+
+
+def test_p2_a_certificate_of_the_other_epoch_decides_a_straddling_placement():
+    epoch1 = EpochView(1, {k: 10 for k in KEYS[:3]})
+    net = Net()
+    for key in KEYS[:3]:
+        net.cores[key].view = net.cores[key].views[1] = epoch1
+    job, envelope = make_job()
+    iid = job_id(job)
+    net.down.add(KEYS[3])
+    net.submit(KEYS[0], envelope)
+    net.run(100)
+    (certificate,) = net.certificates[KEYS[0]]
+    late = net.cores[KEYS[3]]
+    late.submit(envelope, net.now)               # it runs the placement in epoch 0 ...
+    late.view = late.views[1] = epoch1           # ... and has since entered epoch 1
+    assert late.instances[iid].view.epoch == 0
+    out = late.step(certificate, net.now)
+    assert [d.value_kind for d in out.decisions] == ["placement"] and iid not in late.instances
+    assert late.job_view(iid)["state"] == "placed"

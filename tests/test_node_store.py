@@ -118,3 +118,26 @@ def test_malformed_decision_certificate_is_a_local_error(tmp_path):
     store = NodeStore(tmp_path / "node.sqlite")
     with pytest.raises(LocalProtocolError, match="not an encoded CommitCertificate"):
         store.record_ready(Ready(decisions=[Decision("placement", b"\x01" * 32, None, codec.pack([1, 2]))]))
+
+
+def test_safety_records_restore_a_consensus_lock_after_reopen(tmp_path):
+    # SPEC.md 6.9: what a core persisted (votes, locks) comes back as records that
+    # ConsensusInstance.restore turns into the same lock and round.
+    from consensus_net import Net, kind_of
+    net = Net(4)
+    net.block = lambda sender, to, kind: kind == "commit"   # nobody but the leader decides
+    net.start()
+    net.propose_where_asked(lambda key, round: b"value")
+    net.deliver()
+    key, node = next((k, n) for k, n in net.nodes.items() if n.decision is None and n.lock is not None)
+    path = tmp_path / "node.sqlite"
+    store = NodeStore(path)
+    for ready in net.readies[key]:
+        store.record_ready(ready)
+    store.close()
+    records = NodeStore(path).safety_records()
+    assert {r.table for r in records} == {"votes", "locks"}
+    fresh = Net(4).nodes[key]
+    fresh.restore(records)
+    assert (fresh.round, fresh.lock) == (node.round, node.lock)
+    assert kind_of(fresh._own[("precommit", 0)][1]) == "precommit"

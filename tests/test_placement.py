@@ -174,6 +174,31 @@ def test_parse_bid_verifies_signatures_and_attestations():
     assert attested_attributes([good_att], node.public_key, MESH, [AUTHORITY.public_key], 5000) == ()
 
 
+def test_remembered_bid_checks_still_apply_membership_and_authorities():
+    """parse_bid remembers verified bids by bytes; the caller's member set and trusted
+    authorities must still decide, call by call, and choose_placement's memo must follow
+    its inputs."""
+    m = job()
+    node = ident(0)
+    att = encode_message(AUTHORITY, MESH, Attestation(subject=node.public_key, attributes=(("tier", "3"),),
+                                                      stake=0, issued_ms=0, expires_ms=5000))
+    data = encode_message(node, MESH, Bid(instance=job_id(m), epoch=0, reserved_gpus=(0,), rtt_us=5,
+                                          capability=encode_message(node, MESH, cap(node.public_key)),
+                                          attestations=(att,)))
+    members = {node.public_key: 1}
+    first = parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key])
+    assert parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key]) is first
+    assert first.attested == (("tier", "3"),)
+    assert parse_bid(data, MESH, job_id(m), 0, members, []).attested == ()
+    with pytest.raises(RemoteProtocolError):
+        parse_bid(data, MESH, job_id(m), 0, {}, [AUTHORITY.public_key])
+    envelope = encode_message(OWNER, MESH, m)
+    assert choose_placement(envelope, m, job_id(m), [first]).primary == node.public_key
+    assert choose_placement(envelope, m, job_id(m), []) is None
+    unfit = job(gpus=3)  # same bids, another job: the memo must not answer for it
+    assert choose_placement(envelope, unfit, job_id(m), [first]) is None
+
+
 # --- reservations (SPEC.md 8.6) ----------------------------------------------------------------
 
 def res(gpus=0, gpu_mem=0, cpu=0, mem=0):

@@ -109,6 +109,18 @@ def test_checker_catches_bad_certificates_and_mismatched_values():
     assert checker.violation_count == 2
 
 
+def test_checker_catches_an_honest_node_signing_two_votes_for_one_round():
+    sim = _finished_simulation()
+    checker = sim.checker
+    (node, instance, epoch, round, _), first = next(item for item in checker.signed.items() if item[0][4] == "prevote")
+    checker.check_own_vote(node, first)  # the same envelope re-sent (after a restart): fine
+    assert checker.violation_count == 0
+    _, prevote = decode_message(first, sim.mesh_id)
+    other = replace(prevote, value_hash=None if prevote.value_hash else bytes(32))
+    checker.check_own_vote(node, encode_message(sim.world.nodes[node].identity, sim.mesh_id, other))
+    assert [v.check for v in checker.violations] == ["own_votes"]
+
+
 def test_checker_catches_an_over_committing_placement():
     """A quorum of signatures does not make a placement valid: the checker re-derives
     capacity from what the simulator knows is true."""

@@ -1,0 +1,109 @@
+"""The node driver after an eviction (SPEC.md F5, F7): four real ``Node`` objects on an
+in-memory network under trio's autojumping MockClock (no sockets between nodes, no
+processes). A node cut off from the others for longer than the detection bound is
+evicted; when the partition heals it learns its eviction from its peers, refuses
+submissions and cancels with a clear error, and stays quiet. Without stake vouched for
+by its attestation it cannot rejoin and says so.
+"""
+
+import time
+
+import pytest
+import trio
+
+from keys.attestation import issue_attestation
+from keys.genesis import DEFAULT_PARAMS
+from keys.identity import SigningIdentity
+from keys.keystore import load_identity
+from meshnode.node import Node
+from meshnode.transport_memory import MEMORY_ADDR_PREFIX, MemoryNetwork, MemoryTransport
+from protocol.errors import MeshError
+from protocol.messages import Constraints, JobManifest, Resources, encode_message
+from testnet import launcher
+
+NODES = 4
+CUT_OFF = 3
+
+
+def memory_factory(network: MemoryNetwork):
+    """Node's transport factory: the genesis' TCP addresses are dialled on the memory network."""
+    def factory(seed: bytes, _listen):
+        transport = network.transport(SigningIdentity(seed).public_key)
+
+        async def connect(peer_key: bytes, _addr: str) -> None:
+            await MemoryTransport.connect(transport, peer_key, MEMORY_ADDR_PREFIX + peer_key.hex())
+        transport.connect = connect
+        return transport
+    return factory
+
+
+@pytest.fixture
+def testnet_dir(tmp_path):
+    launcher.create_testnet(tmp_path / "net", NODES, run_workloads=False)
+    layout = launcher.load_layout(tmp_path / "net")
+    # The cut-off node's attestation vouches no stake, so it cannot rejoin by itself.
+    entry = layout["nodes"][CUT_OFF]
+    authority = load_identity(tmp_path / "net" / "authority.key", None)
+    now_ms = time.time_ns() // 1_000_000
+    (tmp_path / "net" / ("node-%d" % CUT_OFF) / launcher.ATTESTATION_FILE).write_bytes(
+        issue_attestation(authority, bytes.fromhex(entry["public_key"]), {}, 0, now_ms, now_ms + 10**9))
+    return tmp_path / "net", layout
+
+
+def owner_job(layout) -> bytes:
+    owner = load_identity(layout["owners"][0]["key_file"], None)
+    job = JobManifest(owner=owner.public_key, name="late", nonce=7, entrypoint="counter", args=(),
+                      resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=100, mem_mib=64),
+                      strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
+                      priority=0, backups=0, max_retries=0, created_ms=0)
+    return encode_message(owner, bytes.fromhex(layout["mesh_id"]), job)
+
+
+async def test_an_evicted_node_refuses_submissions_and_stays_quiet(testnet_dir, mock_clock):
+    mock_clock.autojump_threshold = 0
+    root, layout = testnet_dir
+    network = MemoryNetwork()
+    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
+             for i in range(NODES)]
+    keys = [node.identity.public_key for node in nodes]
+    cut_off = nodes[CUT_OFF]
+    try:
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                await nursery.start(node.run)
+            await trio.sleep(1.0)  # heartbeats flow: every member is watched
+            assert all(node.core.epoch == 0 for node in nodes)
+            for key in keys[:CUT_OFF]:
+                network.cut(keys[CUT_OFF], key)
+            await trio.sleep(2 * DEFAULT_PARAMS.detection_bound_ms / 1000 + 1.0)
+            assert all(node.core.epoch == 1 and not node.core.view.is_member(keys[CUT_OFF])
+                       for node in nodes[:CUT_OFF])
+            assert cut_off.core.epoch == 0  # it cannot know yet; it cannot evict anyone alone
+            for key in keys[:CUT_OFF]:
+                network.heal(keys[CUT_OFF], key)
+            await trio.sleep(1.0)
+            assert not cut_off.core.is_member() and cut_off.core.evicted_at_epoch == 0
+            status = await cut_off_status(cut_off)
+            assert status["member"] is False and status["evicted_at_epoch"] == 0
+            with pytest.raises(MeshError, match="this node was evicted at epoch 0;.*meshnode join"):
+                await cut_off.submit(owner_job(layout))
+            # Quiet: no open instance of its own, and one rejoin_unvouched notice, not one per tick.
+            assert not cut_off.core.instances
+            sent_before = network._open[keys[CUT_OFF]].counters["frames_sent"]
+            await trio.sleep(2.0)
+            assert network._open[keys[CUT_OFF]].counters["frames_sent"] - sent_before <= 4  # anti-entropy syncs
+            assert all(node.core.epoch == 1 for node in nodes[:CUT_OFF])
+            # The members still take jobs.
+            await nodes[0].submit(owner_job(layout))
+            await trio.sleep(1.0)
+            assert all(len(node.core.jobs()) == 1 and node.core.jobs()[0]["state"] == "placed"
+                       for node in nodes[:CUT_OFF])
+            nursery.cancel_scope.cancel()
+    finally:
+        for node in nodes:
+            node.close()
+
+
+async def cut_off_status(node) -> dict:
+    from meshnode.node_api import ControlApi
+    return await ControlApi(node).status({})
