@@ -1,11 +1,14 @@
 """`meshnode demo`: start a local testnet, submit the example jobs, and show the mesh.
 
 With a terminal it opens the TUI on node 0 (quit with q); without one (CI, pipes) it
-prints the mesh and job tables once. The testnet is stopped at the end unless --keep.
+prints the mesh and job tables once. ``--capture DIR`` instead drives the TUI headless
+and writes each view as text and SVG (the README's screens come from it). The testnet
+is stopped at the end unless --keep.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -15,11 +18,14 @@ from keys.keystore import load_identity
 from meshnode.config import node_paths
 from meshnode.control_client import ControlClient
 from meshnode.manifest import load_manifest
+from protocol.errors import MeshError
 from protocol.messages import encode_message
 from testnet import launcher
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 SETTLE_TIMEOUT_S = 20
+CAPTURE_SIZE = (100, 30)  # columns, rows
+CAPTURE_SETTLE_S = 0.5    # long enough for a view switch and a poll to be drawn
 
 
 def register(subparsers) -> None:
@@ -27,6 +33,9 @@ def register(subparsers) -> None:
     demo.add_argument("--dir", default="demo-mesh", metavar="DIR")
     demo.add_argument("--nodes", type=int, default=4)
     demo.add_argument("--keep", action="store_true", help="leave the testnet running afterwards")
+    demo.add_argument("--capture", metavar="OUT_DIR",
+                      help="write the TUI's screens (text and SVG, %dx%d) to OUT_DIR instead of opening it"
+                      % CAPTURE_SIZE)
     demo.set_defaults(func=cmd_demo)
 
 
@@ -55,6 +64,54 @@ def wait_settled(node_dir, job_ids, timeout_s=SETTLE_TIMEOUT_S) -> None:
             time.sleep(0.1)
 
 
+async def capture_tui(node_dir, key_path, job_ids, out_dir: Path) -> list[Path]:
+    """Drive the TUI headless on ``node_dir`` and save each view, a why and the help screen."""
+    from meshnode.tui import OwnerTui
+    from textual.widgets import Input
+
+    from meshnode.tui_screens import WhyScreen
+    out_dir.mkdir(parents=True, exist_ok=True)
+    app = OwnerTui(node_dir, key_path, poll_s=0.2)
+    written: list[Path] = []
+
+    async def save(name: str) -> None:
+        await pilot.pause(CAPTURE_SETTLE_S)
+        for suffix, text in ((".txt", app.screen_text()), (".svg", app.export_screenshot(title="meshnode tui"))):
+            path = out_dir / ("tui-%s%s" % (name, suffix))
+            path.write_text(text)
+            written.append(path)
+
+    async def until(predicate, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + SETTLE_TIMEOUT_S
+        while not predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise MeshError("capture: no %s within %d s" % (what, SETTLE_TIMEOUT_S))
+            await pilot.pause(0.05)
+
+    async with app.run_test(size=CAPTURE_SIZE) as pilot:
+        await until(lambda: app.connected and all(j in app.jobs for j in job_ids) and app.nodes
+                    and all(n.get("capability") for n in app.nodes), "view of every node and demo job")
+        for key, view in (("1", "mesh"), ("3", "consensus"), ("4", "events"), ("2", "jobs")):
+            await pilot.press(key)
+            await save(view)
+        pending = [j for j in job_ids if app.jobs[j]["state"] == "pending"]
+        if pending:  # the jobs view's note and the why dialog explain the pending job
+            app.jobs_table.move_cursor(row=app.jobs_table.get_row_index(pending[0]))
+            await save("jobs-pending")
+            await pilot.press("w")
+            await until(lambda: isinstance(app.screen, WhyScreen), "why dialog")
+            await save("why")
+            await pilot.press("escape")
+        await pilot.press("question_mark")
+        await save("help")
+        await pilot.press("escape", "n", *"my-job")
+        for field_id, value in (("gpus", "1"), ("gpu_mem_mib", "16384"), ("zones", "zone-a")):
+            app.screen.query_one("#field-" + field_id, Input).value = value
+        await save("compose")
+        await pilot.press("escape")
+    return written
+
+
 def cmd_demo(args) -> int:
     root = Path(args.dir)
     if (root / launcher.LAYOUT_FILE).exists():
@@ -69,7 +126,11 @@ def cmd_demo(args) -> int:
         node_dir = layout["nodes"][0]["dir"]
         wait_settled(node_dir, job_ids)
         time.sleep(1.0)  # a few checkpoints, so the tables show their age
-        if sys.stdin.isatty() and sys.stdout.isatty():
+        if args.capture:
+            for path in asyncio.run(capture_tui(node_dir, layout["owners"][0]["key_file"], job_ids,
+                                                Path(args.capture))):
+                print("wrote %s" % path)
+        elif sys.stdin.isatty() and sys.stdout.isatty():
             from meshnode.tui import OwnerTui
             OwnerTui(node_dir, layout["owners"][0]["key_file"]).run()
         else:

@@ -80,6 +80,8 @@ class NodeStore:
 
     def record_ready(self, ready: Ready) -> None:
         """Persist one Ready batch (persist records, decisions, events) in one transaction."""
+        if not (ready.persist or ready.decisions or ready.events):
+            return  # a batch of messages only (heartbeats): no transaction to open
         with self._transaction():
             self._apply(ready.persist)
             for decision in ready.decisions:

@@ -160,6 +160,39 @@ def _check_frame(kind: int, payload: bytes) -> None:
     raise RemoteProtocolError("unknown frame kind %d" % kind)
 
 
+class RttEstimator:
+    """Round-trip time to one peer from our PING/PONG frames, smoothed like TCP's SRTT.
+
+    The clock of a ping starts when the frame is handed to the stream (``ping_written``),
+    not when it is queued (``ping_queued``): the time a ping waits behind data frames in
+    the send queue, or for the first stream to open, is ours, not the network's, and
+    counting it made loopback peers read 40-100 ms. Only the newest ping is outstanding;
+    a pong for an older one, or for a ping never written, gives no sample.
+    """
+
+    def __init__(self) -> None:
+        self.srtt_us: int | None = None
+        self._token: bytes | None = None
+        self._written_s: float | None = None
+
+    def ping_queued(self, token: bytes) -> None:
+        self._token, self._written_s = token, None
+
+    def ping_written(self, token: bytes, now_s: float) -> None:
+        if token == self._token and self._written_s is None:
+            self._written_s = now_s
+
+    def pong(self, token: bytes, now_s: float) -> int | None:
+        """The new sample in microseconds, or None if ``token`` answers no ping in flight."""
+        if token != self._token or self._written_s is None:
+            return None
+        sample_us = max(0, round((now_s - self._written_s) * 1_000_000))
+        self._token = self._written_s = None
+        # The smoothing of TCP's SRTT (RFC 6298): new = 7/8 old + 1/8 sample.
+        self.srtt_us = sample_us if self.srtt_us is None else (7 * self.srtt_us + sample_us) // 8
+        return sample_us
+
+
 def redial_delay_ms(failed_attempts: int, rng: random.Random) -> int:
     """Exponential backoff from REDIAL_DELAY_MS_MIN, capped at REDIAL_DELAY_MS_MAX,
     with +-10% jitter so peers that lost each other do not redial in lockstep."""

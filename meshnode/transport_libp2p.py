@@ -14,6 +14,10 @@ that handles it:
   stopped: the node decides whom to dial.
 - Frames are length-prefixed by us (meshnode.transport.FrameDecoder): libp2p's
   ``stream.read(n)`` returns up to n bytes.
+- yamux's receive-window credit goes back in batches, not one WINDOW_UPDATE frame
+  per read (``_release_window_in_batches``).
+- TCP_NODELAY is on for every connection, both directions: libp2p's TCP transport
+  wraps its sockets in ``trio.SocketStream``, which sets it (checked by a test).
 - Shutdown resets our streams, disconnects every peer and closes the host before
   the host context is left: leaving ``host.run()`` alone keeps the TCP listener
   (a trio system task) accepting and authenticating connections for a dead host.
@@ -50,7 +54,8 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE as YAMUX_WINDOW_BYTES
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from keys.identity import peer_id_bytes, public_key_from_peer_id
 from meshnode.transport import (
@@ -63,6 +68,7 @@ from meshnode.transport import (
     PROTOCOL_ID,
     FrameDecoder,
     FrameTooLarge,
+    RttEstimator,
     encode_frame,
     redial_delay_ms,
 )
@@ -79,6 +85,9 @@ WRITE_TIMEOUT_MS = 2000
 SHUTDOWN_TIMEOUT_MS = 3000
 READ_CHUNK_BYTES = 64 * 1024
 WRITE_BATCH_BYTES = 64 * 1024  # queued frames coalesced into one write, up to this size
+# Receive-window credit is returned to the peer once this much has been read (go-yamux's
+# rule: half the window), not after every read; see _release_window_in_batches.
+WINDOW_RELEASE_BYTES = YAMUX_WINDOW_BYTES // 2
 
 # Errors a libp2p call raises for a dead peer or stream; anything else is a bug and
 # propagates. libp2p's own errors share the root BaseLibp2pError.
@@ -127,6 +136,36 @@ def _ed25519_key(peer_id: ID) -> bytes | None:
         return None
 
 
+def _release_window_in_batches(stream: INetStream) -> None:
+    """Make ``stream`` return receive-window credit in batches of WINDOW_RELEASE_BYTES.
+
+    py-libp2p 0.8.1's yamux sends a WINDOW_UPDATE frame after every read of a stream
+    (its "partial slack" and "release on read" branches both fire for small reads), so
+    each of our small frames cost a second yamux frame back: another Noise message, a
+    send syscall and a wake-up of the peer for nothing. Measured with two transports in
+    one process, one 300-byte frame in lockstep: 3043 window updates for 3000 frames and
+    about 0.9 ms CPU per frame, against 6 updates and about 0.55-0.7 ms with this rule.
+    The rule is the yamux spec's (credit may be returned in any batching that keeps the
+    window open): the peer's send window never falls below half before it is refilled.
+    Only our protocol's streams are changed, per stream instance.
+    """
+    muxed = getattr(stream, "muxed_stream", None)
+    if not isinstance(muxed, YamuxStream):
+        return
+
+    async def release_after_read(*, bytes_read: int = 0) -> None:
+        # Synchronous up to the send: trio cannot interleave another read of this stream.
+        muxed._pending_recv_release += bytes_read
+        if muxed._pending_recv_release < WINDOW_RELEASE_BYTES:
+            return
+        increment, muxed._pending_recv_release = muxed._pending_recv_release, 0
+        muxed.recv_window += increment
+        await muxed.send_window_update(increment)
+
+    # YamuxStream.read() calls this hook after taking bytes out of its buffer.
+    muxed._auto_tune_and_send_window_update = release_after_read
+
+
 class _PeerLink:
     """Our state for one connected peer; lives as long as its connection."""
 
@@ -138,9 +177,7 @@ class _PeerLink:
         self.inbound_stream: INetStream | None = None
         self.cancel_scope = trio.CancelScope()
         self.lost = trio.Event()
-        self.ping_token: bytes | None = None
-        self.ping_sent_s = 0.0
-        self.srtt_us: int | None = None
+        self.rtt = RttEstimator()
 
 
 class _ConnectionEvents(INotifee):
@@ -204,7 +241,7 @@ class Libp2pTransport:
 
     def rtt_us(self, peer_key: bytes) -> int | None:
         link = self._links.get(peer_key)
-        return None if link is None else link.srtt_us
+        return None if link is None else link.rtt.srtt_us
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -339,7 +376,7 @@ class Libp2pTransport:
             while batch_bytes < WRITE_BATCH_BYTES:
                 try:
                     kind, wire = link.outbox_receive.receive_nowait()
-                except trio.WouldBlock:
+                except (trio.WouldBlock, trio.EndOfChannel):  # EndOfChannel: the link closed meanwhile
                     break
                 batch.append((kind, wire))
                 batch_bytes += len(wire)
@@ -348,6 +385,10 @@ class Libp2pTransport:
             if stream is None:
                 self.counters["send_failed"] += data_frames
                 continue
+            now_s = trio.current_time()
+            for kind, wire in batch:
+                if kind == FRAME_KIND_PING:
+                    link.rtt.ping_written(wire[-PING_TOKEN_BYTES:], now_s)
             try:
                 with trio.fail_after(WRITE_TIMEOUT_MS / 1000):
                     await stream.write(b"".join(wire for _, wire in batch))
@@ -368,6 +409,7 @@ class Libp2pTransport:
             self.counters["stream_open_failed"] += 1
             log.debug("stream to %s failed: %r", link.peer_id, error)
             return None
+        _release_window_in_batches(stream)
         link.outbound_stream = stream
         nursery.start_soon(self._read_pongs, link, stream)
         return stream
@@ -389,7 +431,7 @@ class Libp2pTransport:
                 for kind, payload in decoder.feed(chunk):
                     if kind != FRAME_KIND_PONG:
                         raise RemoteProtocolError("frame kind %d on our outbound stream" % kind)
-                    self._on_pong(link, payload)
+                    link.rtt.pong(payload, trio.current_time())
         except RemoteProtocolError as error:
             self.counters["bad_frame"] += 1
             log.debug("bad frame from %s: %s", link.peer_id, error)
@@ -399,18 +441,10 @@ class Libp2pTransport:
 
     async def _ping_periodically(self, link: _PeerLink) -> None:
         while True:
-            link.ping_token = self._rng.randbytes(PING_TOKEN_BYTES)
-            link.ping_sent_s = trio.current_time()
-            self._enqueue(link, FRAME_KIND_PING, link.ping_token)
+            token = self._rng.randbytes(PING_TOKEN_BYTES)
+            link.rtt.ping_queued(token)
+            self._enqueue(link, FRAME_KIND_PING, token)
             await trio.sleep(self._ping_interval_s)
-
-    def _on_pong(self, link: _PeerLink, token: bytes) -> None:
-        if token != link.ping_token:
-            return  # the answer to an older ping; its send time is gone
-        link.ping_token = None
-        sample_us = int((trio.current_time() - link.ping_sent_s) * 1_000_000)
-        # The smoothing of TCP's SRTT (RFC 6298): new = 7/8 old + 1/8 sample.
-        link.srtt_us = sample_us if link.srtt_us is None else (7 * link.srtt_us + sample_us) // 8
 
     # -- inbound direction ------------------------------------------------------------
 
@@ -421,6 +455,7 @@ class Libp2pTransport:
             await stream.reset()
             return
         peer_key = link.key
+        _release_window_in_batches(stream)
         # One persistent inbound stream per peer: a new one replaces the old.
         previous, link.inbound_stream = link.inbound_stream, stream
         if previous is not None:

@@ -11,11 +11,13 @@ goes away, restarts or answers garbage never takes the TUI down.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rich.console import Console
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -79,6 +81,7 @@ class OwnerTui(App):
     #connection { height: 1; background: $boost; }
     #connection.down { background: $error; color: $text; }
     .note { height: auto; max-height: 3; color: $text-muted; }
+    TabbedContent { height: 1fr; }  /* ends above the docked footer: the jobs note stays visible */
     DataTable { height: 1fr; }
     .dialog { width: 78; max-width: 100%; height: auto; max-height: 22; border: round $accent;
               background: $surface; padding: 0 1; }
@@ -306,6 +309,18 @@ class OwnerTui(App):
     def selected_job(self) -> dict | None:
         key = self._selected_key(self.jobs_table)
         return self.jobs.get(key) if key is not None else None
+
+    def screen_text(self) -> str:
+        """The screen as it is drawn, as plain text: for docs (``meshnode demo --capture``).
+
+        The same rendering as Textual's own ``export_screenshot`` (which only writes SVG),
+        printed to a colourless console.
+        """
+        width, height = self.size
+        console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None,
+                          legacy_windows=False, safe_box=False)
+        console.print(self.screen._compositor.render_update(full=True, screen_stack=self._background_screens))
+        return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
     # --- actions ------------------------------------------------------------------------------
 

@@ -137,6 +137,17 @@ class ConsensusInstance:
         """Whether this node signed a proposal or vote here: until then it is bound to nothing."""
         return bool(self._own)
 
+    @property
+    def can_leave(self) -> bool:
+        """Whether this node may stop voting here for good without risking two decisions of one
+        instance id (SPEC.md P2, epoch straddle): it signed nothing, or it never precommitted
+        and the other members' stake is no quorum, so nothing is decided here without it."""
+        if not self._own:
+            return True
+        if any(kind == "precommit" for kind, _ in self._own):
+            return False
+        return not self.view.is_quorum_stake(self.view.total_stake - self.view.stakes.get(self.me, 0))
+
     def timeout_ms(self, round: int) -> int:
         """SPEC.md 6.5: min(round_timeout_ms * 2**round, round_timeout_max_ms)."""
         return min(self.round_timeout_ms << min(round, 62), self.round_timeout_max_ms)
@@ -445,7 +456,8 @@ class ConsensusInstance:
             # Keyed by epoch too: one instance id may run in two epochs (SPEC.md P2), and a
             # lock of one must not overwrite the other's on disk.
             ready.persist.append(PersistRecord("locks", "%s:%d" % (self.instance_id.hex(), self.view.epoch), {
-                "instance": self.instance_id, "round": lock.round, "value_hash": lock.value_hash,
+                "instance": self.instance_id, "epoch": self.view.epoch, "round": lock.round,
+                "value_hash": lock.value_hash,
                 "certificate": lock.certificate, "proposal": lock.proposal}))
             ready.events.append(Event("locked", now_ms, {
                 "instance": self.instance_id.hex(), "round": lock.round, "value_hash": lock.value_hash.hex()}))
@@ -529,8 +541,9 @@ class ConsensusInstance:
         """SPEC.md 6.9: persist every proposal and vote before the message leaves."""
         self._own[(envelope.kind, message.round)] = (envelope, data)
         key = "%s:%d:%d:%s" % (self.instance_id.hex(), self.view.epoch, message.round, envelope.kind)
-        ready.persist.append(PersistRecord("votes", key, {"instance": self.instance_id, "round": message.round,
-                                                          "kind": envelope.kind, "envelope": data}))
+        ready.persist.append(PersistRecord("votes", key, {"instance": self.instance_id, "epoch": self.view.epoch,
+                                                          "round": message.round, "kind": envelope.kind,
+                                                          "envelope": data}))
 
     def _send_vote(self, vote_type: type, hash_: bytes | None, now_ms: int, ready: Ready) -> None:
         own = self._own.get((vote_type.KIND, self.round))

@@ -9,6 +9,7 @@ the mesh id keeps a message signed for one mesh from being replayed into another
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from keys.identity import SigningIdentity, verify_signature
@@ -57,12 +58,12 @@ def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict) -> En
 # a node has already checked, so caching keeps re-verification off the hot path (SPEC.md
 # 2.4). Keyed by the SHA-256 of the signed bytes; bounded, oldest entries go first.
 MAX_VERIFIED_KEPT = 1 << 18
-_verified_signatures: dict[tuple[bytes, bytes, bytes], None] = {}
+_verified_signatures: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
 
 
 def _remember_verified(signer: bytes, message_digest: bytes, signature: bytes) -> None:
     if len(_verified_signatures) >= MAX_VERIFIED_KEPT:
-        del _verified_signatures[next(iter(_verified_signatures))]
+        _verified_signatures.popitem(last=False)
     _verified_signatures[(signer, message_digest, signature)] = None
 
 

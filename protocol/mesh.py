@@ -230,12 +230,17 @@ class MeshCore(JobFlows, FailoverFlows):
         if len(self.instances) >= MAX_ACTIVE_INSTANCES:
             self.counters["too_many_instances"] += 1
             return None
+        restored = self.restored_votes.get(iid)
+        voted_in = [r.value["epoch"] for r in restored or () if isinstance(r.value.get("epoch"), int)]
+        if voted_in and min(voted_in) < view.epoch and self._view_for(min(voted_in)) is not None:
+            # After a restart: back in the oldest epoch we voted in for this instance; we may
+            # have left a newer one for it, and must never vote there again (SPEC.md P2).
+            view = self._view_for(min(voted_in))
         inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
                                  mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
                                  max_rounds=self.params.max_rounds, validate=validate, now_ms=now_ms)
         inst.dropped = self.counters  # one Counter of drop reasons for the whole node
-        restored = self.restored_votes.get(iid)
         if restored:
             try:
                 inst.restore(restored)
@@ -320,12 +325,13 @@ class MeshCore(JobFlows, FailoverFlows):
         """A node that first saw a job after an epoch change runs its placement in the new
         epoch while those who saw it earlier run it in the old one: the two vote counts never
         meet and the job stalls. A member's consensus message of the older epoch shows the
-        others' choice; if this node has signed nothing in its own instance it is bound to
-        nothing, so it restarts the instance in that epoch (SPEC.md P2). True if it did."""
+        others' choice; if this node can leave its own instance (signed nothing there, or
+        nothing can be decided there without its precommit), it restarts the instance in
+        that epoch (SPEC.md P2). True if it did."""
         iid = inst.instance_id
         meta = self.instance_meta.get(iid, ("?",))
         view = self._view_for(message.epoch)
-        if (meta[0] != "placement" or iid not in self.instances or inst.has_signed
+        if (meta[0] != "placement" or iid not in self.instances or not inst.can_leave
                 or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
             return False
         del self.instances[iid]
@@ -345,7 +351,7 @@ class MeshCore(JobFlows, FailoverFlows):
 
     def _tell_older_epoch(self, inst: ConsensusInstance, envelope, out: Ready) -> None:
         """The other half of _adopt_older_epoch: a member runs this placement in a newer epoch
-        than ours; our RoundChange (old epoch, our round) lets it join us if it signed nothing."""
+        than ours; our RoundChange (old epoch, our round) lets it join us if it can leave."""
         iid = inst.instance_id
         key = (envelope.signer, iid, inst.round)
         if (self.instance_meta.get(iid, ("?",))[0] != "placement" or iid not in self.instances

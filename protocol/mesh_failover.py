@@ -486,7 +486,13 @@ class FailoverFlows:
         stakes = dict(self.view.stakes)
         stakes[key] = change.member.stake
         since = self.epoch
-        self.member_info[key] = change.member
+        member, known = change.member, self.member_info.get(key)
+        if not member.addrs and known is not None and known.addrs:
+            # A rejoining genesis member's join names no address (a node does not know how
+            # it is reached); keep the one we know, or a node restarted later never dials it.
+            member = Member(public_key=key, stake=member.stake, zone=member.zone, labels=member.labels,
+                            addrs=known.addrs)
+        self.member_info[key] = member
         self._enter_epoch(EpochView(change.epoch, stakes), certificate, now_ms, out)
         if key == self.me and self.evicted_at_epoch is not None:
             out.events.append(self._event("rejoined", now_ms, epoch=self.epoch, evicted_at_epoch=self.evicted_at_epoch))

@@ -10,6 +10,7 @@ bytes their signer produced, so anyone can re-verify them offline.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
@@ -444,7 +445,7 @@ def encode_message(identity, mesh_id: bytes, message: Record) -> bytes:
 # broadcast to every node of its process. Bounded by entries and by the bytes held.
 MAX_DECODED_KEPT = 16384
 MAX_DECODED_BYTES = 64 << 20
-_decoded: dict[tuple, tuple] = {}
+_decoded: OrderedDict[tuple, tuple] = OrderedDict()  # popitem(last=False) is O(1), unlike a dict's
 _decoded_bytes = 0
 
 
@@ -478,9 +479,8 @@ def _remember_decoded(key: tuple, decoded: tuple) -> None:
     if size > MAX_DECODED_BYTES // 64:
         return  # a huge message (checkpoint state) would push out hundreds of small ones
     while _decoded and (len(_decoded) >= MAX_DECODED_KEPT or _decoded_bytes + size > MAX_DECODED_BYTES):
-        oldest = next(iter(_decoded))
+        oldest, _ = _decoded.popitem(last=False)
         _decoded_bytes -= len(oldest[0])
-        del _decoded[oldest]
     _decoded[key] = decoded
     _decoded_bytes += size
 

@@ -15,6 +15,7 @@ local state, integers only. Two kinds of checks exist:
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -183,7 +184,7 @@ def choose_backups(primary: BidFacts, ranked_others: list[BidFacts], count: int)
 # too. Keyed by the identities of the facts; an entry holds them alive, so no id is reused
 # while its entry exists.
 MAX_PLACEMENTS_KEPT = 4096
-_placements: dict[tuple, tuple] = {}
+_placements: OrderedDict[tuple, tuple] = OrderedDict()
 
 
 def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
@@ -196,7 +197,7 @@ def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
         return hit[2]
     placement = _choose_placement(job_envelope, job, instance, facts)
     if len(_placements) >= MAX_PLACEMENTS_KEPT:
-        del _placements[next(iter(_placements))]
+        _placements.popitem(last=False)
     _placements[key] = (job, facts, placement)
     return placement
 
@@ -234,7 +235,7 @@ def parse_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, members:
 # the membership-independent part of the check is a pure function of these arguments, so
 # its result is remembered (bounded, oldest first; failures are not remembered).
 MAX_BIDS_KEPT = 8192
-_bids: dict[tuple, BidFacts] = {}
+_bids: OrderedDict[tuple, BidFacts] = OrderedDict()
 
 
 def _verified_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple) -> BidFacts:
@@ -243,7 +244,7 @@ def _verified_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, auth
     if facts is None:
         facts = _verify_bid(data, mesh_id, instance, epoch, authorities)
         if len(_bids) >= MAX_BIDS_KEPT:
-            del _bids[next(iter(_bids))]
+            _bids.popitem(last=False)
         _bids[key] = facts
     return facts
 

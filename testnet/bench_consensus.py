@@ -11,6 +11,9 @@ stream, then submits J signed jobs round-robin over the nodes with C in flight.
   CLOCK_MONOTONIC is one clock for every process on a Linux machine, so the node's
   stamp and ours are comparable.
 * throughput = decided jobs / (first submit -> last decision at every node).
+* node CPU: all node processes' CPU time during the run, per placement, and (measured
+  over IDLE_SAMPLE_S before the first submit) what the idle mesh burns anyway, in cores:
+  heartbeats, pings and timer ticks, the floor under every per-placement figure.
 
 The testnet is always torn down (try/finally, Ctrl-C included); its directory is
 deleted unless ``keep`` is set or the run failed (the node logs are the evidence).
@@ -41,6 +44,7 @@ JOB_TIMEOUT_S = 30.0        # a job not decided everywhere by then counts as und
 MAX_JOBS = 100_000
 MAX_CONCURRENCY = 256
 RECV_CHUNK_BYTES = 65536
+IDLE_SAMPLE_S = 2.0         # node CPU is sampled this long before the first submit
 
 CONSENSUS_MANIFEST = """
 name = "bench-consensus"
@@ -199,7 +203,11 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
     async with trio.open_nursery() as nursery:
         for i, node_dir in enumerate(node_dirs):
             await nursery.start(subscribe, node_dir, i, collector.on_event)
+        idle_before_s = sum(process_cpu_s(pid) for pid in pids)
+        idle_started = time.monotonic()
+        await trio.sleep(IDLE_SAMPLE_S)
         cpu_before_s = sum(process_cpu_s(pid) for pid in pids)
+        idle_cores = (cpu_before_s - idle_before_s) / (time.monotonic() - idle_started)
         async with trio.open_nursery() as workers:
             for _ in range(concurrency):
                 workers.start_soon(worker)
@@ -214,7 +222,8 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
     first_ns = min(submitted_ns.values())
     span_s = (last_ns - first_ns) / 1e9 if latencies_ms else 0.0
     return {"latencies_ms": latencies_ms, "undecided": len(undecided), "span_s": span_s,
-            "decided_in_later_round": collector.rounds_over_zero, "node_cpu_s": node_cpu_s}
+            "decided_in_later_round": collector.rounds_over_zero, "node_cpu_s": node_cpu_s,
+            "node_idle_cpu_cores": idle_cores}
 
 
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
@@ -252,5 +261,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         # CPU all node processes used per placement (idle heartbeats included): with
         # nproc cores, throughput can never exceed nproc * 1000 / this.
         "node_cpu_ms_per_placement": round(1000 * raw["node_cpu_s"] / decided, 2) if decided else None,
+        # Summed over the nodes, in cores (1.0 = one core busy), before any job was submitted.
+        "node_idle_cpu_cores": round(raw["node_idle_cpu_cores"], 3),
         "testnet_ready_s": round(ready_s, 2), "machine": machine,
     }

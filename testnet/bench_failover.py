@@ -148,6 +148,7 @@ class FailoverRun:
         self.proc_double_runs: set[str] = set()
         self.rejoin_failures = 0
         self.rejoins_asked = 0
+        self.not_reconnected: list[dict] = []
         self.aborted: str | None = None
 
     def _alive(self) -> list[int]:
@@ -265,7 +266,10 @@ class FailoverRun:
             await trio.sleep(0.01)
         launcher.start_node(self.root, index)
         alive = self._alive()
-        await trio.to_thread.run_sync(lambda: launcher.wait_ready(self.root, REJOIN_TIMEOUT_S, indices=alive))
+        try:
+            await trio.to_thread.run_sync(lambda: launcher.wait_ready(self.root, REJOIN_TIMEOUT_S, indices=alive))
+        except MeshError as exc:  # recorded; the membership wait below decides whether it counts
+            self.not_reconnected.append({"node": index, "error": str(exc)[:500]})
         await self._subscribe(nursery, index)
         started = trio.current_time()
         with trio.move_on_after(REJOIN_TIMEOUT_S) as scope:
@@ -362,6 +366,7 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
         "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
         "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,
         "stale_fence_starts": stale_starts, "aborted": run.aborted,
-        "rejoin_failures": run.rejoin_failures, "rejoins_asked": run.rejoins_asked, "events_dropped": run.events.dropped,
+        "rejoin_failures": run.rejoin_failures, "rejoins_asked": run.rejoins_asked,
+        "not_reconnected": run.not_reconnected, "events_dropped": run.events.dropped,
         "per_kill": per_kill, "machine": machine,
     }

@@ -375,3 +375,19 @@ def test_agreement_and_termination_under_random_message_loss(seed):
     assert len(decided_values(net)) == 1, "reproduce with seed=%d" % seed
     assert decided_early <= decided_values(net)
     assert all(n.decision is not None for n in net.live())
+
+
+def test_p2_a_node_may_leave_an_instance_only_while_nothing_can_be_decided_there_without_it():
+    # Epoch straddle (SPEC.md P2): leaving must not let this instance id decide here too.
+    for n, others_hold_quorum in ((3, False), (4, True)):
+        net = Net(n)
+        net.block = lambda sender, to, kind: kind == "prevote_cert"   # stop before anyone precommits
+        net.start()
+        net.propose_where_asked(lambda key, round: b"value")
+        net.deliver()
+        follower = next(node for key, node in net.nodes.items() if key != net.view.leader(INSTANCE, 0))
+        assert follower.has_signed and follower.lock is None
+        assert follower.can_leave is not others_hold_quorum
+    net = Net(3)
+    net.run()
+    assert not any(node.can_leave for node in net.nodes.values())  # all precommitted

@@ -31,8 +31,9 @@ OWNER = SigningIdentity(hashlib.sha256(b"failover-owner").digest())
 ZONES = ["zone-a", "zone-a", "zone-b", "zone-b"]
 STAKE = 10
 GENESIS = Genesis(name="failover", created_ms=0, params=DEFAULT_PARAMS, authorities=(AUTHORITY.public_key,),
-                  members=tuple(Member(public_key=k, stake=STAKE, zone=z, labels=(), addrs=())
-                                for k, z in zip(KEYS, ZONES)))
+                  members=tuple(Member(public_key=k, stake=STAKE, zone=z, labels=(),
+                                       addrs=("/ip4/127.0.0.1/tcp/%d" % (4000 + i),))
+                                for i, (k, z) in enumerate(zip(KEYS, ZONES))))
 MESH = GENESIS.mesh_id
 BOUND = DEFAULT_PARAMS.detection_bound_ms
 
@@ -184,6 +185,10 @@ def test_an_evicted_node_stays_quiet_then_rejoins_with_its_vouched_stake():
     for core in net.cores.values():
         assert core.epoch == 2 and core.view.stakes == {k: STAKE for k in KEYS}
     assert stale.is_member() and stale.evicted_at_epoch is None
+    # Its join carries no address; every member keeps the genesis one, so that a node
+    # restarted later still dials it.
+    assert all(core.member_info[primary].addrs == GENESIS.members[KEYS.index(primary)].addrs
+               for core in net.cores.values())
     assert stale.job_view(jid)["primary"] == backup  # the job stays where it moved
     assert "resume" not in net.kinds(primary)
     # Readmitted, it watches its peers afresh: their silence towards a non-member is no

@@ -104,6 +104,19 @@ def test_ready_batch_is_one_transaction(tmp_path):
     assert store.certificates_in_order() == [] and store.recent_events() == [] and store.load("votes") == {}
 
 
+def test_messages_only_batch_touches_no_database(tmp_path):
+    """Most Ready batches are heartbeats to send: they must not cost a transaction."""
+    from protocol.ready import Outbound
+
+    store = NodeStore(tmp_path / "node.sqlite")
+    statements = []
+    store._conn.set_trace_callback(statements.append)
+    store.record_ready(Ready(messages=[Outbound(None, b"heartbeat")]))
+    assert statements == []
+    store.record_ready(Ready(events=[Event("decided", 5, {})]))
+    assert statements != [] and [e.kind for e in store.recent_events()] == ["decided"]
+
+
 def test_events_are_bounded_to_the_newest(tmp_path):
     store = NodeStore(tmp_path / "node.sqlite", max_events=5)
     for batch in range(3):

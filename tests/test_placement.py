@@ -192,7 +192,7 @@ def test_remembered_bid_checks_still_apply_membership_and_authorities():
     assert parse_bid(data, MESH, job_id(m), 0, members, []).attested == ()
     with pytest.raises(RemoteProtocolError):
         parse_bid(data, MESH, job_id(m), 0, {}, [AUTHORITY.public_key])
-    envelope = encode_message(OWNER, MESH, m)
+    envelope = encode_message(ident(99), MESH, m)
     assert choose_placement(envelope, m, job_id(m), [first]).primary == node.public_key
     assert choose_placement(envelope, m, job_id(m), []) is None
     unfit = job(gpus=3)  # same bids, another job: the memo must not answer for it

@@ -20,6 +20,7 @@ from meshnode.transport import (
     FRAME_KIND_PONG,
     FrameDecoder,
     FrameTooLarge,
+    RttEstimator,
     encode_frame,
     encode_uvarint,
     redial_delay_ms,
@@ -255,3 +256,29 @@ def test_redial_delay_grows_and_is_capped():
     assert all(later >= earlier * 1.5 for earlier, later in zip(delays[:4], delays[1:5]))
     assert all(1800 <= d <= 2200 for d in delays[5:])
     assert redial_delay_ms(10_000, rng) <= 2200
+
+
+def test_rtt_clock_starts_when_the_ping_is_written_not_queued():
+    rtt = RttEstimator()
+    rtt.ping_queued(b"token-01")
+    # 50 ms waiting for the stream to open / behind data frames, then 0.8 ms on the wire.
+    rtt.ping_written(b"token-01", now_s=10.050)
+    assert rtt.pong(b"token-01", now_s=10.0508) == 800
+    assert rtt.srtt_us == 800
+
+
+def test_rtt_smooths_like_tcp_srtt_and_ignores_stale_or_unwritten_pongs():
+    rtt = RttEstimator()
+    rtt.ping_queued(b"token-01")
+    rtt.ping_written(b"token-01", now_s=1.0)
+    assert rtt.pong(b"token-01", now_s=1.0016) == 1600
+    rtt.ping_queued(b"token-02")
+    assert rtt.pong(b"token-02", now_s=2.0) is None          # queued, never written: no sample
+    rtt.ping_written(b"token-01", now_s=2.0)                   # an older ping's token: ignored
+    assert rtt.pong(b"token-01", now_s=2.001) is None
+    rtt.ping_written(b"token-02", now_s=2.0)
+    rtt.ping_written(b"token-02", now_s=2.5)                   # the first write is the send time
+    assert rtt.pong(b"token-02", now_s=2.0008) == 800
+    assert rtt.srtt_us == (7 * 1600 + 800) // 8
+    assert rtt.pong(b"token-02", now_s=2.002) is None          # answered already
+    assert rtt.srtt_us == (7 * 1600 + 800) // 8

@@ -123,3 +123,85 @@ def test_sigint_leaves_without_a_traceback(tmp_path):
             process.kill()
             process.communicate()
     assert (process.returncode, stdout, stderr) == (0, "clean\n", "")
+
+
+SEED_PEER = bytes([7]) * 32
+KEY_PEER = SigningIdentity(SEED_PEER).public_key
+QUIET_PINGS_MS = 3_600_000   # one ping at connect, then none during the test
+
+
+async def _wait_connected(a, b) -> None:
+    while not (a.peers() and b.peers()):
+        await trio.sleep(0.005)
+
+
+async def test_small_frames_return_window_credit_in_batches():
+    """py-libp2p's yamux would send a WINDOW_UPDATE frame back for every read; ours goes
+    back only after half the window was read, so 100 small frames use up exactly their
+    bytes of the sender's window."""
+    from meshnode.transport import FRAME_KIND_DATA, encode_frame
+
+    payload = b"x" * 300
+
+    async def send_window_after_round_trip(a, b) -> int:
+        # Any window update b sent while reading precedes this frame on the connection,
+        # so a has applied it once the frame is here.
+        await b.send(KEY_NODE, b"sync")
+        assert await a.incoming.receive() == (KEY_PEER, b"sync")
+        return a._links[KEY_PEER].outbound_stream.muxed_stream.send_window
+
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
+            async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"],
+                                             ping_interval_ms=QUIET_PINGS_MS) as b:
+                await a.connect(KEY_PEER, b.listen_addrs[0])
+                await _wait_connected(a, b)
+                await a.send(KEY_PEER, b"open the stream")
+                assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
+                window_before = await send_window_after_round_trip(a, b)
+                for _ in range(100):
+                    await a.send(KEY_PEER, payload)
+                for _ in range(100):
+                    assert await b.incoming.receive() == (KEY_NODE, payload)
+                window_after = await send_window_after_round_trip(a, b)
+                assert window_before - window_after == 100 * len(encode_frame(FRAME_KIND_DATA, payload))
+
+
+async def test_frames_larger_than_the_window_still_flow():
+    """Credit comes back once half the window is read, so a sender never waits for ever."""
+    from meshnode.transport_libp2p import YAMUX_WINDOW_BYTES
+
+    frames = [bytes([i]) * 200_000 for i in range(5)]   # 1 MB in all, 4x the window
+    assert sum(map(len, frames)) > 3 * YAMUX_WINDOW_BYTES
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
+            async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"],
+                                             ping_interval_ms=QUIET_PINGS_MS) as b:
+                await a.connect(KEY_PEER, b.listen_addrs[0])
+                await _wait_connected(a, b)
+                for frame in frames:
+                    await a.send(KEY_PEER, frame)
+                assert [await b.incoming.receive() for _ in frames] == [(KEY_NODE, f) for f in frames]
+                assert a.counters["send_failed"] == 0
+
+
+def _tcp_socket(swarm_connection):
+    """The TCP socket under one libp2p connection (SwarmConn -> yamux -> Noise -> raw)."""
+    raw = swarm_connection.muxed_conn.secured_conn.conn.conn
+    return raw.stream.stream.socket
+
+
+async def test_connections_have_tcp_nodelay_both_ways():
+    """Small frames must not wait for Nagle + delayed ACK (a 40 ms stall on loopback)."""
+    import socket
+
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"]) as a:
+            async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"]) as b:
+                await a.connect(KEY_PEER, b.listen_addrs[0])
+                await _wait_connected(a, b)
+                dialled = a._host.get_network().get_connections(a._links[KEY_PEER].peer_id)
+                accepted = b._host.get_network().get_connections(b._links[KEY_NODE].peer_id)
+                sockets = [_tcp_socket(c) for c in dialled + accepted]
+                assert len(sockets) == 2
+                assert [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets] == [1, 1]

@@ -19,16 +19,16 @@ import pytest
 from rich.console import Console
 from textual.widgets import Input, Static
 
-from keys.identity import SigningIdentity
+from keys.identity import SigningIdentity, short_id
 from keys.keystore import KDF_PROFILES, encode_keystore
 from meshnode.cli import main as cli_main
 from meshnode.control_client import encode_frame
 from meshnode.manifest import parse_manifest, verify_signed_job
-from meshnode.tui import OwnerTui
+from meshnode.tui import MAX_EVENT_LINES, OwnerTui
 from meshnode.tui_client import ControlUnavailable, read_frame
 from meshnode.tui_form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
 from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
-from meshnode.tui_tables import render_snapshot
+from meshnode.tui_tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
 from meshnode.tui_why import format_declines, group_declines, placeable_hint, suggest_changes
 from protocol.messages import Cancel, decode_message, job_id
 
@@ -78,6 +78,11 @@ class FakeNode:
         for writer in list(self.writers):
             if getattr(writer, "subscribed", False):
                 writer.write(encode_frame({"event": {"kind": "job_" + state, "at_ms": 5, "detail": {"job_id": jid}}}))
+
+    def publish(self, kind: str, detail: dict) -> None:
+        for writer in list(self.writers):
+            if getattr(writer, "subscribed", False):
+                writer.write(encode_frame({"event": {"kind": kind, "at_ms": 5, "detail": detail}}))
 
     def handle(self, op: str, args: dict):
         if op == "status":
@@ -200,6 +205,8 @@ def test_compose_sign_broadcast_and_follow_to_placement():
             node.place(jid)
             await until(pilot, lambda: "placed" in app.followed.states, "placement to show")
             assert "submitted -> pending -> placed" in text_of(app, "#jobs-note")
+            await pilot.pause()
+            assert "submitted -> pending -> placed" in app.screen_text(), "the note is hidden under the footer"
             assert "placed" in app.jobs_table.get_row(jid)
         await node.stop()
     asyncio.run(scenario())
@@ -246,6 +253,34 @@ def test_node_going_away_shows_disconnected_and_reconnects_when_it_returns():
             await node.start()
             await until(pilot, lambda: app.connected, "reconnection")
             assert node.requests.count("status") >= 1
+        await node.stop()
+    asyncio.run(scenario())
+
+
+def test_events_view_keeps_the_newest_lines_while_it_is_not_shown():
+    # RichLog holds back every write until it is first laid out, without a bound; the app
+    # keeps the history itself so a long session on another tab cannot grow without limit.
+    async def scenario():
+        directory = short_dir()
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        await node.start()
+        app = new_app(directory, None)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.connected and "subscribe" in node.requests, "the event subscription")
+            total = MAX_EVENT_LINES + 20
+            for n in range(total):
+                node.publish("tick", {"n": n})
+            await until(pilot, lambda: app.event_lines and app.event_lines[-1].endswith("n=%d" % (total - 1)),
+                        "the last event")
+            assert len(app.event_lines) == MAX_EVENT_LINES
+            assert app.event_lines[0].endswith("tick n=20")
+            # Nothing is written to the hidden view, not even into RichLog's unbounded backlog.
+            assert app.events_log.lines == [] and len(app.events_log._deferred_renders) == 0
+            await pilot.press("4")
+            await until(pilot, lambda: len(app.events_log.lines) == MAX_EVENT_LINES, "the events view filled")
+            assert app.events_log.lines[0].text.rstrip().endswith("tick n=20")
+            node.publish("tock", {"n": 0})
+            await until(pilot, lambda: app.events_log.lines[-1].text.rstrip().endswith("tock n=0"), "a live event")
         await node.stop()
     asyncio.run(scenario())
 
@@ -367,6 +402,20 @@ def test_why_screen_shows_groups_and_hint():
                         "the cancel refusal")
         await node.stop()
     asyncio.run(scenario())
+
+
+def test_every_view_names_a_node_by_the_mesh_views_label():
+    # The nodes op labels a node with keys.identity.short_id (a hash of the key), not the
+    # key's hex prefix; a job's primary must read the same, or it cannot be found by eye.
+    key = SigningIdentity(bytes([9]) * 32).public_key.hex()
+    label = short_id(bytes.fromhex(key))
+    assert not key.startswith(label)
+    assert job_row({"job_id": "ab" * 32, "name": "j", "state": "placed", "primary": key})[3] == label
+    assert consensus_row({"instance": "cd" * 32, "leader": key})[3] == label
+    assert evidence_row({"offender": key, "kind": "equivocation", "at_ms": 1})[0] == label
+    assert status_line({"node": key, "mesh_id": "ef" * 32}).startswith("node %s  mesh efefefef" % label)
+    assert event_line({"kind": "placed", "at_ms": 7, "detail": {"job_id": "ab" * 32, "primary": key, "fence": 1}}) \
+        == "7 placed fence=1 job_id=abababababab primary=%s" % label
 
 
 # --- snapshot ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ NODES = 4
 PASSPHRASE = "owner passphrase"
 DEADLINE_S = 30.0  # upper bound on any one condition; on an idle machine each takes well under a second
 PLACED_STATES = ("placed", "running")
+LIVE_STATES = PLACED_STATES + ("migrating",)
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +189,15 @@ def test_node_stopped_and_restarted_shows_disconnected_then_reconnects_with_the_
             # Let the cancel worker finish before the node is back, so it meets the disconnected state.
             await until(pilot, lambda: not [w for w in app.workers if w.group == "actions" and not w.is_finished],
                         "the actions to finish: %s" % [(w.name, w.state) for w in app.workers])
+            assert any("cancel refused: not connected" in str(n.message) for n in app._notifications)
             assert jid in app.jobs
 
             await asyncio.to_thread(launcher.start_node, root, 0)
             await until(pilot, lambda: app.connected and jid in app.jobs, "reconnection with the job listed")
             assert connection_text(app).startswith("connected")
-            assert job_state(app, jid) in PLACED_STATES
+            # Without node 0 the mesh may have moved the job: with workloads off it then stays
+            # "migrating" (nothing starts to report "running"), still placed and live.
+            assert job_state(app, jid) in LIVE_STATES
             assert sum(line.startswith("connected to ") for line in event_lines(app)) >= 2
             await until(pilot, lambda: len(app.nodes) == NODES, "the mesh view after the restart")
         assert app.return_code in (None, 0)
