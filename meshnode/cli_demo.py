@@ -66,9 +66,9 @@ def wait_settled(node_dir, job_ids, timeout_s=SETTLE_TIMEOUT_S) -> None:
 
 async def capture_tui(node_dir, key_path, job_ids, out_dir: Path) -> list[Path]:
     """Drive the TUI headless on ``node_dir`` and save each view, a why and the help screen."""
-    from meshnode.tui import OwnerTui
-    from textual.widgets import Input
+    from textual.widgets import Input  # Textual only loads when a TUI is wanted
 
+    from meshnode.tui import OwnerTui
     from meshnode.tui_screens import WhyScreen
     out_dir.mkdir(parents=True, exist_ok=True)
     app = OwnerTui(node_dir, key_path, poll_s=0.2)

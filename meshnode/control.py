@@ -68,6 +68,22 @@ class Subscription:
             self.send_channel.close()
 
 
+def _queued_frames(subscription: Subscription) -> bytes:
+    """Every event frame already queued for ``subscription``, joined.
+
+    Sent with the frame just received in one write: under load events queue faster than
+    one send per event (a syscall and a wake-up of the subscriber each; 10% of a node's
+    busy time in a profile at 16 placements in flight). The queue is bounded
+    (SUBSCRIBER_QUEUE_EVENTS), so is the batch.
+    """
+    frames = []
+    while True:
+        try:
+            frames.append(subscription.receive_channel.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return b"".join(frames)
+
+
 class EventHub:
     """Fan-out of node events to control subscribers. ``publish`` never blocks the driver."""
 
@@ -296,7 +312,7 @@ class ControlServer:
                     nursery.cancel_scope.cancel()
                     return
                 async for frame in subscription.receive_channel:
-                    if not await self._send_or_give_up(stream, frame):
+                    if not await self._send_or_give_up(stream, frame + _queued_frames(subscription)):
                         nursery.cancel_scope.cancel()
                         return
                 # The hub closed our queue: it dropped us. Say why, after what was queued.

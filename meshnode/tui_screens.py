@@ -168,5 +168,6 @@ class ComposeScreen(ModalScreen):
         self.dismiss(None)
 
 
-_PLACEHOLDERS = {"args": "--steps 100 (shell quoting)", "zones": "zone-a, zone-b (empty: any)",
-                 "labels": "rack=r1, tier=gold", "attested": "country=DE"}
+# Shown in empty fields; "e.g." so that a screen capture without colour cannot pass them for values.
+_PLACEHOLDERS = {"args": "e.g. --steps 100 (shell quoting)", "zones": "e.g. zone-a, zone-b (empty: any)",
+                 "labels": "e.g. rack=r1, tier=gold", "attested": "e.g. jurisdiction=eu"}

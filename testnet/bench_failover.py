@@ -15,6 +15,10 @@
 6. restarts the killed node, so the mesh keeps N nodes. The node learns of its eviction
    from its peers and asks to rejoin by itself (SPEC.md F7); only if it is still not a
    member after AUTO_REJOIN_GRACE_S does the bench ask it through `meshnode join`.
+   The next kill comes no sooner than SETTLE_AFTER_RESTART_S after that: one failure
+   at a time. (Killing a primary while the previous victim boots and rejoins measures a
+   double fault on this 2-core host: the booting process starves the others' event
+   loops, checkpoints stop reaching the backups, and lost work reached 270 ms.)
 
 Double runs are counted two ways: a /proc sampler that sees two live workload
 processes of one job at once, and progress logs of one job on two nodes that overlap
@@ -47,6 +51,7 @@ READY_TIMEOUT_S = 30.0       # job running with checkpoints on a live primary
 RECOVERY_TIMEOUT_S = 10.0    # longer than this and the workload counts as lost
 REJOIN_TIMEOUT_S = 60.0
 AUTO_REJOIN_GRACE_S = 5.0    # the restarted node rejoins by itself; after this the bench asks it
+SETTLE_AFTER_RESTART_S = 2.0
 POLL_S = 0.02
 PROC_SAMPLE_S = 0.25
 OVERLAP_TOLERANCE_US = 10_000
@@ -236,6 +241,7 @@ class FailoverRun:
         await self._measure_lost_work(job_hex, primary, kill_wall_us, record)
         self.kills.append(record)
         await self._restart(nursery, primary)
+        await trio.sleep(SETTLE_AFTER_RESTART_S)
 
     async def _measure_lost_work(self, job_hex: str, primary: int, kill_wall_us: int, record: dict) -> None:
         """Wait for the resumed run's first progress line, then read every node's log."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import trio
 
+from meshnode.control_client import ControlError
 from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_consensus import sign_jobs
@@ -85,7 +86,11 @@ class SoakRun(FailoverRun):
                 await trio.sleep(self.rng.uniform(GAP_MIN_S, GAP_MAX_S))
                 await self._pause(self.rng.randrange(len(self.layout["nodes"])), pause_ms)
             await trio.sleep(SETTLE_S)
-            self.epochs = [(await self._call(n["index"], "status"))["epoch"] for n in self.layout["nodes"]]
+            for node in self.layout["nodes"]:
+                try:
+                    self.epochs.append((await self._call(node["index"], "status"))["epoch"])
+                except (ControlError, MeshError, OSError):
+                    self.epochs.append(None)  # the node is gone: counted as its own finding
             nursery.cancel_scope.cancel()
 
     def counts(self) -> dict:

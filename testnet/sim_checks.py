@@ -238,7 +238,17 @@ class DecisionChecker:
             load.mem_mib -= resources.mem_mib
             for index in gpus:
                 load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
-            self._commit(node, instance, target, migration.job_id, resources, gpus)
+            # The new primary picks its own GPUs on arrival (SPEC.md R1); the evicted node's
+            # indices mean nothing there. Charge its least loaded GPUs, as allocate_now does.
+            arrival = self._least_loaded_gpus(target, len(gpus))
+            self._commit(node, instance, target, migration.job_id, resources, arrival)
+
+    def _least_loaded_gpus(self, holder: int, count: int) -> tuple:
+        used = self.loads[holder].gpu_mem_mib
+        indices = range(len(self.facts[holder].capacity.gpu_mem_total_mib))
+        chosen = sorted(indices, key=lambda i: (used.get(i, 0), i))[:count]
+        # Too few GPUs is a real over-commit: name indices past the end so _commit reports it.
+        return tuple(chosen) + tuple(range(len(indices), len(indices) + count - len(chosen)))
 
     # --- end-of-run checks ---------------------------------------------------------------
 

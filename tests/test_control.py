@@ -210,6 +210,40 @@ async def test_slow_subscriber_is_dropped_with_a_final_error_frame(node_dir):
         nursery.cancel_scope.cancel()
 
 
+async def test_events_queued_while_the_server_sends_go_out_in_one_write():
+    hub = EventHub()
+    server = ControlServer("/unused/control.sock", HANDLERS, hub)
+    to_server, server_reads = trio.testing.memory_stream_one_way_pair()
+    server_writes, from_server = trio.testing.memory_stream_one_way_pair()
+    writes = []
+    pump = server_writes.send_all_hook
+
+    async def count_then_pump():
+        writes.append("send_all")
+        await pump()
+    server_writes.send_all_hook = count_then_pump
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.handle_connection, trio.StapledStream(server_writes, server_reads))
+        await to_server.send_all(encode_frame({"id": 3, "op": "subscribe", "args": {}}))
+        frames, received = FrameBuffer(), []
+
+        async def read_frames(count):
+            while len(received) < count:
+                frames.feed(await from_server.receive_some(65536))
+                while (payload := frames.next_payload()) is not None:
+                    received.append(codec.unpack(payload))
+        await read_frames(1)
+        await trio.testing.wait_all_tasks_blocked()  # the server waits on its empty queue
+        writes.clear()
+        for n in range(5):  # no checkpoint in between: all five wait for the server's turn
+            hub.publish(Event("decided", n))
+        await read_frames(6)
+        assert [f["event"]["at_ms"] for f in received[1:]] == [0, 1, 2, 3, 4]
+        assert len(writes) == 1
+        await to_server.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_stalled_client_is_disconnected_after_the_stall_timeout(mock_clock):
     mock_clock.autojump_threshold = 0
     server = ControlServer("/unused/control.sock", HANDLERS, EventHub())
