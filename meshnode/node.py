@@ -134,7 +134,8 @@ class Node:
             gpus = self.telemetry.sample(now_ms())
             rtts = [r for r in (self.transport.rtt_us(k) for k in self.transport.peers()) if r is not None]
             rtt_us = sum(rtts) // len(rtts) if rtts else 0
-            await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms()))
+            await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms(),
+                                                          simulated=self.telemetry.simulated))
             await trio.sleep(TELEMETRY_MS / 1000)
 
     # --- the Ready contract --------------------------------------------------------------------

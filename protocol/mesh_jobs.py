@@ -81,6 +81,7 @@ class JobFlows:
         self.capability_broadcast_ms: int | None = None
         self.capability_seq = 0
         self.telemetry_gpus: tuple = ()
+        self.telemetry_simulated = False
         self.rtt_us = 0
         self.peer_capabilities: dict[bytes, CapabilityVector] = {}
         self.own_attested = dict(attested_attributes(self.policy.attestations, self.me, self.mesh_id,
@@ -115,7 +116,8 @@ class JobFlows:
         """This node's signed capability vector for what is free now; re-signed only when the
         facts changed (bids carry it, so most bids reuse one signature)."""
         gpus = self._gpu_states()
-        key = (self.epoch, gpus, self.book.free_gpus(), self.book.free_cpu_milli(), self.book.free_mem_mib())
+        key = (self.epoch, gpus, self.telemetry_simulated, self.book.free_gpus(), self.book.free_cpu_milli(),
+               self.book.free_mem_mib())
         if self.capability_envelope is not None and key == self.capability_key:
             return self.capability_envelope, self.capability, False
         self.capability_seq += 1
@@ -128,16 +130,18 @@ class JobFlows:
                                zone=zone, rail_group=self.capacity.rail_group[:64], gpus=gpus,
                                gpus_free=self.book.free_gpus(), cpu_milli_free=max(0, self.book.free_cpu_milli()),
                                mem_mib_free=max(0, self.book.free_mem_mib()), labels=labels,
-                               simulated=not self.telemetry_gpus)
+                               simulated=self.telemetry_simulated or not self.telemetry_gpus)
         self.capability_envelope = encode_message(self.identity, self.mesh_id, cap)
         self.capability, self.capability_key = cap, key
         return self.capability_envelope, cap, True
 
-    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int) -> Ready:
+    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
         """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
-        CAPABILITY_REFRESH_MS so peers' views stay fresh."""
+        CAPABILITY_REFRESH_MS so peers' views stay fresh. ``simulated``: the readings come from
+        a declared profile, not a GPU (peers and owners must be able to tell)."""
         out = Ready()
         self.telemetry_gpus = tuple(gpus)
+        self.telemetry_simulated = bool(simulated)
         self.rtt_us = max(0, int(rtt_us))
         envelope, _cap, changed = self._current_capability(now_ms)
         stale = self.capability_broadcast_ms is None or now_ms - self.capability_broadcast_ms >= CAPABILITY_REFRESH_MS

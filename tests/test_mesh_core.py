@@ -443,3 +443,17 @@ def test_p2_a_certificate_of_the_other_epoch_decides_a_straddling_placement():
     out = late.step(certificate, net.now)
     assert [d.value_kind for d in out.decisions] == ["placement"] and iid not in late.instances
     assert late.job_view(iid)["state"] == "placed"
+
+
+def test_capability_vector_says_whether_its_gpu_readings_are_simulated():
+    """SPEC P1: owners and peers can tell a declared profile from a real GPU."""
+    from protocol.messages import CapabilityVector, GpuState
+    core = Net().cores[KEYS[0]]
+    gpu = GpuState(index=0, model="H100", mem_total_mib=80_000, mem_used_mib=0, util_milli=0, temp_milli_c=40_000,
+                   sm_clock_mhz=1500, throttle_reasons=0, ecc_errors=0, power_mw=100_000)
+    seen = []
+    for simulated in (True, False):
+        ready = core.update_telemetry((gpu,), 100, 2_000 if simulated else 4_000, simulated=simulated)
+        vectors = [decode_message(m.data, MESH, expect=CapabilityVector)[1] for m in ready.messages]
+        seen.append([v.simulated for v in vectors])
+    assert seen == [[True], [False]]
