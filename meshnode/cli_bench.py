@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     failover.add_argument("--pause-ms", type=int, default=150, help="with --soak-s: length of each pause")
     failover.add_argument("--cpu-load", type=int, default=0, metavar="N",
                           help="with --soak-s: N busy-loop processes competing for the CPUs")
+    failover.add_argument("--cpu-load-nice", type=int, default=10, metavar="NICE",
+                          help="with --cpu-load: the busy loops' nice value (10 = how a node runs its own "
+                               "workloads; 0 = as urgent as the nodes)")
     _common(failover)
     failover.set_defaults(func=cmd_failover)
 
@@ -74,7 +77,7 @@ def cmd_failover(args) -> int:
     if args.soak_s is not None:
         from testnet.bench_soak import run_soak_bench
         result = run_soak_bench(args.nodes, args.soak_s, args.pause_ms, args.cpu_load, jobs=args.jobs,
-                                root=args.dir, keep=args.keep, seed=args.seed)
+                                root=args.dir, keep=args.keep, seed=args.seed, cpu_load_nice=args.cpu_load_nice)
         _print(result)
         return 0 if result["evictions"] == 0 and result["double_runs"] == 0 else 1
     result = run_failover_bench(args.nodes, args.kills, jobs=args.jobs, root=args.dir, keep=args.keep,

@@ -1,7 +1,8 @@
 """False evictions under pauses and CPU load (DESIGN.md "What is measured").
 
 ``run_soak_bench`` starts a testnet WITH workloads and ``jobs`` counter jobs, starts
-``cpu_load`` busy-loop processes (they compete with the nodes for the cores), then for
+``cpu_load`` busy-loop processes (they compete with the nodes for the cores; at nice
+``cpu_load_nice``, by default the priority a node gives its own workloads), then for
 ``soak_s`` seconds repeatedly pauses a random node with SIGSTOP for ``pause_ms`` and
 resumes it with SIGCONT, with a seeded random 0.3..1.0 s between pauses. A pause shorter
 than the detection bound must never evict anyone (SPEC.md F2: a pause P is never
@@ -32,6 +33,7 @@ from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_consensus import sign_jobs
 from testnet.bench_failover import OVERLAP_TOLERANCE_US, FailoverRun, FAILOVER_MANIFEST
+from meshnode.runner import WORKLOAD_NICE
 from testnet.bench_stats import machine_info, summary_ms
 
 GAP_MIN_S, GAP_MAX_S = 0.3, 1.0
@@ -40,10 +42,11 @@ MAX_CPU_LOAD = 16
 SETTLE_S = 2.0       # after the last pause: late suspicions and evictions still count
 
 
-def start_cpu_burners(count: int) -> list[subprocess.Popen]:
-    """``count`` processes that spin on a core each until killed."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-                             start_new_session=True) for _ in range(count)]
+def start_cpu_burners(count: int, nice: int) -> list[subprocess.Popen]:
+    """``count`` processes that spin on a core each until killed, at CPU priority ``nice``
+    (WORKLOAD_NICE is how the node runs its own workloads; 0 competes as an equal)."""
+    return [subprocess.Popen([sys.executable, "-c", "import os; os.nice(%d)\nwhile True: pass" % nice],
+                             stdin=subprocess.DEVNULL, start_new_session=True) for _ in range(count)]
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:
@@ -104,9 +107,11 @@ class SoakRun(FailoverRun):
 
 
 def run_soak_bench(nodes: int, soak_s: float, pause_ms: int, cpu_load: int, *, jobs: int = 1, root=None,
-                   keep: bool = False, seed: int | None = None) -> dict:
+                   keep: bool = False, seed: int | None = None, cpu_load_nice: int = WORKLOAD_NICE) -> dict:
     if not 1 <= soak_s <= MAX_SOAK_S or not 1 <= pause_ms <= 60_000 or not 0 <= cpu_load <= MAX_CPU_LOAD:
         raise MeshError("--soak-s must be 1..%d, --pause-ms 1..60000, --cpu-load 0..%d" % (MAX_SOAK_S, MAX_CPU_LOAD))
+    if not 0 <= cpu_load_nice <= 19:
+        raise MeshError("--cpu-load-nice must be 0..19")
     if nodes < 3 or not 1 <= jobs <= 16:
         raise MeshError("--nodes must be >= 3 and --jobs 1..16")
     machine = machine_info()
@@ -121,7 +126,7 @@ def run_soak_bench(nodes: int, soak_s: float, pause_ms: int, cpu_load: int, *, j
         signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs, rng,
                            FAILOVER_MANIFEST, time.time_ns() // 1_000_000)
         run = SoakRun(root, layout, signed, rng)
-        burners = start_cpu_burners(cpu_load)
+        burners = start_cpu_burners(cpu_load, cpu_load_nice)
         trio.run(run.soak, soak_s, pause_ms)
         failed = False
     finally:
@@ -137,7 +142,7 @@ def run_soak_bench(nodes: int, soak_s: float, pause_ms: int, cpu_load: int, *, j
     counts = run.counts()
     return {
         "bench": "failover-soak", "nodes": nodes, "jobs": jobs, "seed": seed, "soak_s": soak_s,
-        "pause_ms": pause_ms, "cpu_load": cpu_load, "pauses": len(run.pauses),
+        "pause_ms": pause_ms, "cpu_load": cpu_load, "cpu_load_nice": cpu_load_nice, "pauses": len(run.pauses),
         "paused_ms": summary_ms(p["paused_ms"] for p in run.pauses), **counts,
         "final_epochs": run.epochs, "double_runs": len(run.proc_double_runs) + log_double_runs,
         "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from meshnode.builtin_workloads import COUNTER_STATE, TrainingRun, decode_counter_state
-from meshnode.runner import WorkloadRunner
+from meshnode.runner import WORKLOAD_NICE, WorkloadRunner
 from protocol.errors import LocalProtocolError
 
 JOB = bytes(32)
@@ -100,6 +100,19 @@ async def test_gpus_are_passed_as_cuda_visible_devices(tmp_path):
     assert (tmp_path / "workloads" / ("01" * 32) / "output.log").read_text() == "''\n"
 
 
+async def test_workloads_run_at_a_lower_cpu_priority_than_their_node(tmp_path):
+    """A CPU-hungry workload must not starve the node's heartbeats (SPEC.md 9.3)."""
+    show_nice = [sys.executable, "-c", "import os; print(os.nice(0))"]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"show-nice": show_nice})
+        await runner.start(JOB, "show-nice", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 0)
+        nursery.cancel_scope.cancel()
+    expected = min(19, os.nice(0) + WORKLOAD_NICE)
+    assert (tmp_path / "workloads" / JOB.hex() / "output.log").read_text() == "%d\n" % expected
+
+
 async def test_entrypoints_outside_the_policy_are_refused(tmp_path):
     async with trio.open_nursery() as nursery:
         runner, _ = await open_runner(nursery, tmp_path, allowed_entrypoints=frozenset({"counter", "mystery"}))
@@ -152,7 +165,7 @@ async def test_stop_from_inside_on_checkpoint_returns(tmp_path):
 
 PARENT = textwrap.dedent("""
     import sys, trio
-    from meshnode.runner import WorkloadRunner
+    from meshnode.runner import WORKLOAD_NICE, WorkloadRunner
     async def ignore(*args):
         pass
     async def main():
