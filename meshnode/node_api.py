@@ -65,16 +65,22 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        from meshnode.node import wall_ms
+        from meshnode.node import now_ms, wall_ms
         rows = []
         for job in self.node.core.jobs():
             latest = self.node.checkpoints.latest(job["job_id"])
+            if latest is not None:  # this node holds it: the stored record is the truth
+                checkpoint_seq, checkpoint_age_ms = latest.seq, max(0, wall_ms() - latest.taken_ms)
+            elif job.get("known_checkpoint"):  # reported by the primary's capability vector
+                checkpoint_seq, at_ms = job["known_checkpoint"]
+                checkpoint_age_ms = max(0, now_ms() - at_ms)
+            else:
+                checkpoint_seq = checkpoint_age_ms = None
             rows.append({
                 "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
                 "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
                 "fence": job.get("fence", 0),
-                "checkpoint_seq": None if latest is None else latest.seq,
-                "checkpoint_age_ms": None if latest is None else max(0, wall_ms() - latest.taken_ms),
+                "checkpoint_seq": checkpoint_seq, "checkpoint_age_ms": checkpoint_age_ms,
                 "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
                 "submitted_ms": job.get("submitted_ms", 0),
                 "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from protocol import codec
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, Decline, GpuState,
-                               JobExit, JobManifest, Placement, decode_message, decode_value, encode_message,
-                               job_id)
+from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
+                               Decline, GpuState, JobExit, JobManifest, Placement, RunningJob, decode_message,
+                               decode_value, encode_message, job_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
                                 select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -54,6 +54,10 @@ class JobRecord:
     exit_code: int | None = None
     hint: str | None = None
     entry: bytes | None = None                     # the node the owner submitted it to (hears declines)
+    # The newest checkpoint this node knows of, for display only: (seq, when it was taken on
+    # this node's clock). Backups learn it from the checkpoints themselves, everyone else
+    # from the primary's capability vectors (SPEC P1); never used to accept a checkpoint.
+    known_checkpoint: tuple | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -65,7 +69,7 @@ class JobRecord:
                 "last_checkpoint_seq": self.last_checkpoint_seq,
                 "last_checkpoint_taken_ms": self.last_checkpoint_taken_ms, "migrations": self.migrations,
                 "declines": grouped, "submitted_ms": self.submitted_ms, "exit_code": self.exit_code,
-                "hint": self.hint, "manifest": self.manifest}
+                "hint": self.hint, "manifest": self.manifest, "known_checkpoint": self.known_checkpoint}
 
 
 class JobFlows:
@@ -116,8 +120,10 @@ class JobFlows:
         """This node's signed capability vector for what is free now; re-signed only when the
         facts changed (bids carry it, so most bids reuse one signature)."""
         gpus = self._gpu_states()
-        key = (self.epoch, gpus, self.telemetry_simulated, self.book.free_gpus(), self.book.free_cpu_milli(),
-               self.book.free_mem_mib())
+        running = tuple((r.job_id, r.fence) for r in self.job_records.values()
+                        if r.primary == self.me and r.state == "running")
+        key = (self.epoch, gpus, self.telemetry_simulated, running, self.book.free_gpus(),
+               self.book.free_cpu_milli(), self.book.free_mem_mib())
         if self.capability_envelope is not None and key == self.capability_key:
             return self.capability_envelope, self.capability, False
         self.capability_seq += 1
@@ -130,10 +136,21 @@ class JobFlows:
                                zone=zone, rail_group=self.capacity.rail_group[:64], gpus=gpus,
                                gpus_free=self.book.free_gpus(), cpu_milli_free=max(0, self.book.free_cpu_milli()),
                                mem_mib_free=max(0, self.book.free_mem_mib()), labels=labels,
-                               simulated=self.telemetry_simulated or not self.telemetry_gpus)
+                               simulated=self.telemetry_simulated or not self.telemetry_gpus,
+                               running=self._running_report(now_ms))
         self.capability_envelope = encode_message(self.identity, self.mesh_id, cap)
         self.capability, self.capability_key = cap, key
         return self.capability_envelope, cap, True
+
+    def _running_report(self, now_ms: int) -> tuple:
+        """The jobs this node runs as primary, newest checkpoint's age included (SPEC P1)."""
+        running = []
+        for record in self.job_records.values():
+            if record.primary == self.me and record.state == "running" and len(running) < MAX_RUNNING_LISTED:
+                seq, at_ms = record.known_checkpoint or (0, now_ms)
+                running.append(RunningJob(job_id=record.job_id, fence=record.fence, checkpoint_seq=seq,
+                                          checkpoint_age_ms=max(0, now_ms - at_ms)))
+        return tuple(running)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
         """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
@@ -160,6 +177,20 @@ class JobFlows:
         known = self.peer_capabilities.get(envelope.signer)
         if known is None or cap.seq > known.seq:
             self.peer_capabilities[envelope.signer] = cap
+            self._learn_running(envelope.signer, cap, now_ms)
+
+    def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:
+        """A primary's report that it runs a job: every member can show the job running and
+        its checkpoint age, not only the backups that hold the checkpoints (display only)."""
+        for report in cap.running:
+            record = self.job_records.get(report.job_id)
+            if record is None or record.primary != signer or record.fence != report.fence:
+                continue  # a report from a fenced primary, or about a job we do not know
+            if record.state == "placed":
+                record.state = "running"
+            if report.checkpoint_seq and (record.known_checkpoint is None
+                                          or report.checkpoint_seq > record.known_checkpoint[0]):
+                record.known_checkpoint = (report.checkpoint_seq, now_ms - report.checkpoint_age_ms)
 
     # --- jobs arriving (SPEC P2) ------------------------------------------------------------------
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
@@ -464,6 +495,7 @@ class JobFlows:
                 out.messages.append(Outbound(backup, data))
         record.state = "running"
         record.last_checkpoint_seq, record.last_checkpoint_taken_ms = seq, taken_ms
+        record.known_checkpoint = (seq, now_ms)
         return out
 
     @staticmethod
@@ -490,6 +522,7 @@ class JobFlows:
             self.counters["checkpoint_old_seq"] += 1
             return
         record.last_checkpoint_seq, record.last_checkpoint_taken_ms = checkpoint.seq, checkpoint.taken_ms
+        record.known_checkpoint = (checkpoint.seq, now_ms)
         if record.state in ("placed", "migrating"):
             record.state = "running"
         out.persist.append(self._checkpoint_record(checkpoint, envelope.signer))

@@ -64,6 +64,21 @@ class GpuState(Record):
 
 
 @record
+class RunningJob(Record):
+    """A job the signer runs as primary, so every member -- not only the backups that receive
+    its checkpoints -- can show it running and how old its newest checkpoint is."""
+    job_id: bytes
+    fence: int
+    checkpoint_seq: int          # 0: no checkpoint yet
+    checkpoint_age_ms: int       # the vector's taken_ms minus the checkpoint's (signer's clock)
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "checkpoint_seq": Int(),
+                        "checkpoint_age_ms": Int(0, 1 << 40)}
+
+
+MAX_RUNNING_LISTED = 64
+
+
+@record
 class CapabilityVector(Record):
     KIND: ClassVar = "cap"
     node: bytes
@@ -78,10 +93,12 @@ class CapabilityVector(Record):
     mem_mib_free: int
     labels: tuple
     simulated: bool
+    running: tuple
     SCHEMA: ClassVar = {
         "node": Key(), "epoch": Int(), "seq": Int(), "taken_ms": Int(), "zone": Text(1, 64),
         "rail_group": Text(0, 64), "gpus": List(Nested(GpuState), 64), "gpus_free": List(Int(0, 63), 64),
         "cpu_milli_free": Int(), "mem_mib_free": Int(), "labels": TextMap(), "simulated": Bool(),
+        "running": List(Nested(RunningJob), MAX_RUNNING_LISTED),
     }
 
 

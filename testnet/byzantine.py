@@ -147,7 +147,7 @@ class ByzantineBehaviour:
             rail_group=capability.rail_group if capability is not None else "",
             gpus=tuple(replace(g, mem_used_mib=0) for g in gpus), gpus_free=tuple(g.index for g in gpus),
             cpu_milli_free=1 << 20, mem_mib_free=1 << 24,
-            labels=capability.labels if capability is not None else (), simulated=True)
+            labels=capability.labels if capability is not None else (), simulated=True, running=())
         return self._sign(lie)
 
     def _lying_bid(self, bid: Bid) -> bytes:

@@ -20,14 +20,14 @@ from keys.identity import SigningIdentity
 from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
-from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member,
+from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member, RunningJob,
                                MembershipChange, Migration, Placement, Resources)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
 VECTOR_MESH_ID = hashlib.sha256(b"meshnode/v1/test-vector-mesh").digest()
 # Records that appear only nested in messages or as decided values / genesis parts.
-NESTED_RECORDS = (GpuState, Resources, Constraints, Placement, Migration, Member, MembershipChange,
+NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, Migration, Member, MembershipChange,
                   ProtocolParams, Genesis)
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"

@@ -457,3 +457,45 @@ def test_capability_vector_says_whether_its_gpu_readings_are_simulated():
         vectors = [decode_message(m.data, MESH, expect=CapabilityVector)[1] for m in ready.messages]
         seen.append([v.simulated for v in vectors])
     assert seen == [[True], [False]]
+
+
+def test_every_member_learns_a_running_job_and_its_checkpoint_age_from_the_primarys_vector():
+    """SPEC P1: a capability vector lists the jobs its signer runs as primary, so members
+    that are not backups (they get no checkpoints) still show the job running."""
+    net = Net(gpus=(4, 2, 2, 2))
+    job, envelope = make_job(backups=1)
+    jid = job_id(job)
+    net.submit(KEYS[1], envelope)
+    net.run(50)
+    view = net.cores[KEYS[1]].job_view(jid)
+    primary, backup = view["primary"], view["backups"][0]
+    bystander = next(k for k in KEYS if k not in (primary, backup))
+    net.emit(primary, net.cores[primary].workload_started(jid, view["fence"], 0, net.now))
+    net.emit(primary, net.cores[primary].local_checkpoint(jid, 7, 70, net.now, b"state", net.now))
+    checkpointed_at = net.now
+    net.deliver()
+    assert net.cores[bystander].job_view(jid)["state"] == "placed"  # checkpoints went to the backup only
+    net.now += 40
+    net.emit(primary, net.cores[primary].update_telemetry((), 100, net.now))
+    net.deliver()
+    seen = net.cores[bystander].job_view(jid)
+    assert seen["state"] == "running"
+    assert seen["known_checkpoint"] == (7, checkpointed_at)  # 40 ms old when the vector was signed
+
+
+def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
+    net = Net(gpus=(4, 2, 2, 2))
+    job, envelope = make_job(backups=1)
+    jid = job_id(job)
+    net.submit(KEYS[1], envelope)
+    net.run(50)
+    view = net.cores[KEYS[1]].job_view(jid)
+    impostor = next(k for k in KEYS if k != view["primary"])
+    impostor_core = net.cores[impostor]
+    impostor_core.job_records[jid].primary = impostor  # its own (wrong) belief: it reports the job
+    impostor_core.job_records[jid].state = "running"
+    net.now += 40
+    net.emit(impostor, impostor_core.update_telemetry((), 100, net.now))
+    net.deliver()
+    others = [k for k in KEYS if k not in (impostor, view["primary"]) and k not in view["backups"]]
+    assert others and all(net.cores[k].job_view(jid)["state"] == "placed" for k in others)

@@ -33,7 +33,7 @@ def cap(node, zone="zone-a", gpus=2, free=None, cpu=8000, mem=32768, labels=(), 
     free = tuple(range(gpus)) if free is None else free
     return CapabilityVector(node=node, epoch=0, seq=1, taken_ms=1000, zone=zone, rail_group="",
                             gpus=tuple(gpu(i, used=used) for i in range(gpus)), gpus_free=free,
-                            cpu_milli_free=cpu, mem_mib_free=mem, labels=labels, simulated=True)
+                            cpu_milli_free=cpu, mem_mib_free=mem, labels=labels, simulated=True, running=())
 
 
 def job(strategy="throughput", gpus=1, gpu_mem=1000, zones=(), labels=(), attested=(), backups=1, nonce=0):
