@@ -11,6 +11,7 @@ from rich.table import Table
 
 from meshnode.control_client import ControlClient
 from meshnode.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.tui_tables import node_label
 from protocol.errors import MeshError
 
 COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
@@ -68,8 +69,9 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _short(hex_key) -> str:
-    return hex_key[:12] if isinstance(hex_key, str) else "-"
+def _short(hex_id) -> str:
+    """Job and instance ids; nodes are named by node_label, as in `meshnode nodes` and the TUI."""
+    return hex_id[:12] if isinstance(hex_id, str) else "-"
 
 
 def cmd_query(args) -> int:
@@ -106,8 +108,8 @@ def render_jobs(result) -> Table:
     for job in result["jobs"]:
         age = job.get("checkpoint_age_ms")
         declines = "; ".join("%d: %s" % (n, r) for r, n in sorted(job.get("declines", {}).items()))
-        table.add_row(_short(job["job_id"]), job["name"], job["state"], _short(job.get("primary")),
-                      ", ".join(_short(b) for b in job.get("backups", [])), "-" if age is None else str(age),
+        table.add_row(_short(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
+                      ", ".join(node_label(b) for b in job.get("backups", [])), "-" if age is None else str(age),
                       str(job.get("migrations", 0)), declines if job["state"] == "pending" else "")
     return table
 
@@ -118,7 +120,7 @@ def render_consensus(result) -> Table:
     for column in ("instance", "kind", "round", "leader", "decided"):
         table.add_column(column)
     for inst in result["instances"]:
-        table.add_row(_short(inst["instance"]), inst["kind"], str(inst["round"]), _short(inst["leader"]),
+        table.add_row(_short(inst["instance"]), inst["kind"], str(inst["round"]), node_label(inst["leader"]),
                       "yes" if inst["decided"] else "no")
     return table
 
