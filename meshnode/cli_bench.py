@@ -21,6 +21,8 @@ def register(subparsers) -> None:
     consensus.add_argument("--nodes", type=int, default=4)
     consensus.add_argument("--jobs", type=int, default=200)
     consensus.add_argument("--concurrency", type=int, default=1, help="submissions in flight")
+    consensus.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
+                           help="genesis heartbeat period (detection bound scales with it; default 50)")
     _common(consensus)
     consensus.set_defaults(func=cmd_consensus)
 
@@ -66,7 +68,7 @@ def cmd_consensus(args) -> int:
     from testnet.bench_consensus import run_consensus_bench
     _interrupt_on_sigterm()
     result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
-                                 seed=args.seed)
+                                 seed=args.seed, heartbeat_ms=args.heartbeat_ms)
     _print(result)
     return 0 if result["undecided"] == 0 else 1
 

@@ -26,12 +26,14 @@ import random
 import shutil
 import sys
 import tempfile
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
+from keys.genesis import DEFAULT_PARAMS
 from keys.keystore import load_identity
 from meshnode.control_client import ControlError, FrameBuffer, decode_map, encode_frame, socket_path
 from meshnode.manifest import parse_manifest
@@ -227,17 +229,29 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
 
 
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
-                        seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S) -> dict:
-    """Start a testnet, measure, tear it down; one JSON-ready result."""
+                        seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
+                        heartbeat_ms: int | None = None) -> dict:
+    """Start a testnet, measure, tear it down; one JSON-ready result.
+
+    ``heartbeat_ms``: run the testnet with that heartbeat period and a detection bound of
+    the same multiple of it as the defaults (6x). Every member heartbeats every other, so
+    idle cost grows with n^2; larger meshes on few cores need a longer period."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
         raise MeshError("--jobs must be 1..%d and --concurrency 1..%d" % (MAX_JOBS, MAX_CONCURRENCY))
+    params = DEFAULT_PARAMS
+    if heartbeat_ms is not None:
+        if not 10 <= heartbeat_ms <= 10_000:
+            raise MeshError("--heartbeat-ms must be 10..10000")
+        scale = DEFAULT_PARAMS.detection_bound_ms // DEFAULT_PARAMS.heartbeat_ms
+        params = dataclasses.replace(DEFAULT_PARAMS, heartbeat_ms=heartbeat_ms,
+                                     detection_bound_ms=scale * heartbeat_ms)
     machine = machine_info()
     root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-consensus-"))
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
     failed = True
     try:
         started = time.monotonic()
-        launcher.up(root, nodes, owners=1, run_workloads=False)
+        launcher.up(root, nodes, owners=1, run_workloads=False, params=params)
         ready_s = time.monotonic() - started
         layout = launcher.load_layout(root)
         signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs,
@@ -254,6 +268,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     decided = len(raw["latencies_ms"])
     return {
         "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,
+        "heartbeat_ms": params.heartbeat_ms, "detection_bound_ms": params.detection_bound_ms,
         "decided": decided, "undecided": raw["undecided"],
         "decided_in_later_round": raw["decided_in_later_round"],
         "latency_ms": summary_ms(raw["latencies_ms"]),

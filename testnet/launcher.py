@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from keys.genesis import DEFAULT_PARAMS, Genesis
+from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
 from keys.identity import SigningIdentity
 from keys.attestation import issue_attestation
 from keys.keystore import create_keystore, load_identity
@@ -84,8 +84,8 @@ def save_layout(root: Path, layout: dict) -> None:
 
 
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
-                   run_workloads: bool = True, stake: int = 100) -> dict:
-    """Write keys, genesis and configs for ``nodes`` nodes; start nothing."""
+                   run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS) -> dict:
+    """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing."""
     root = Path(root)
     if not 1 <= nodes <= MAX_NODES:
         raise ConfigError("--nodes must be 1..%d" % MAX_NODES)
@@ -112,7 +112,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
                               labels={"testnet": name}, addrs=("/ip4/127.0.0.1/tcp/%d" % ports[i],)))
     genesis = Genesis(name=name, created_ms=time.time_ns() // 1_000_000, members=tuple(members),
-                      params=DEFAULT_PARAMS, authorities=(authority.public_key,))
+                      params=params, authorities=(authority.public_key,))
     entries = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
@@ -285,8 +285,9 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
         time.sleep(0.1)
 
 
-def up(root, nodes: int, owners: int = 1, run_workloads: bool = True) -> list[dict]:
-    create_testnet(root, nodes, owners, run_workloads=run_workloads)
+def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
+       params: ProtocolParams = DEFAULT_PARAMS) -> list[dict]:
+    create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params)
     for i in range(nodes):
         start_node(root, i)
     try:
