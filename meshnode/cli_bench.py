@@ -70,7 +70,7 @@ def cmd_consensus(args) -> int:
     result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
                                  seed=args.seed, heartbeat_ms=args.heartbeat_ms)
     _print(result)
-    return 0 if result["undecided"] == 0 else 1
+    return 0 if result["undecided"] == 0 and result["refused"] == 0 else 1
 
 
 def cmd_failover(args) -> int:

@@ -150,6 +150,7 @@ class DecisionCollector:
     decided_ns: dict[str, dict[int, int]] = field(default_factory=dict)
     everywhere: dict[str, trio.Event] = field(default_factory=dict)
     rounds_over_zero: int = 0
+    evictions: set = field(default_factory=set)  # eviction instances decided during the run
 
     def expect(self, job_hex: str) -> None:
         self.decided_ns[job_hex] = {}
@@ -157,6 +158,8 @@ class DecisionCollector:
 
     def on_event(self, index: int, event: dict) -> None:
         detail = event.get("detail", {})
+        if event.get("kind") == "decided" and detail.get("value_kind") == "eviction":
+            self.evictions.add(detail.get("instance"))  # an overloaded node missed the detection bound
         if event.get("kind") != "decided" or detail.get("value_kind", "placement") != "placement":
             return
         job_hex = detail.get("instance") or detail.get("job_id")
@@ -179,6 +182,7 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
         collector.expect(jid.hex())
     submitted_ns: dict[str, int] = {}
     undecided: list[str] = []
+    refused: list[str] = []  # "node I: why" -- e.g. the node was evicted: the mesh is not healthy
     queue = iter(enumerate(signed))
 
     async def worker() -> None:
@@ -190,7 +194,11 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
                     connections[target] = await ControlConnection.open(node_dirs[target])
                 job_hex = jid.hex()
                 submitted_ns[job_hex] = time.monotonic_ns()
-                result = await connections[target].call("submit", job=envelope)
+                try:
+                    result = await connections[target].call("submit", job=envelope)
+                except ControlError as exc:
+                    refused.append("node %d: %s" % (target, exc))
+                    continue
                 if result.get("job_id") != job_hex:
                     raise MeshError("node %d named job %s, expected %s" % (target, result.get("job_id"), job_hex))
                 with trio.move_on_after(job_timeout_s):
@@ -223,8 +231,9 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
             latencies_ms.append((latest - submitted_ns[job_hex]) / 1e6)
     first_ns = min(submitted_ns.values())
     span_s = (last_ns - first_ns) / 1e9 if latencies_ms else 0.0
-    return {"latencies_ms": latencies_ms, "undecided": len(undecided), "span_s": span_s,
-            "decided_in_later_round": collector.rounds_over_zero, "node_cpu_s": node_cpu_s,
+    return {"latencies_ms": latencies_ms, "undecided": len(undecided), "refused": refused, "span_s": span_s,
+            "decided_in_later_round": collector.rounds_over_zero, "evictions": len(collector.evictions),
+            "node_cpu_s": node_cpu_s,
             "node_idle_cpu_cores": idle_cores}
 
 
@@ -269,8 +278,9 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     return {
         "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,
         "heartbeat_ms": params.heartbeat_ms, "detection_bound_ms": params.detection_bound_ms,
-        "decided": decided, "undecided": raw["undecided"],
-        "decided_in_later_round": raw["decided_in_later_round"],
+        "decided": decided, "undecided": raw["undecided"], "refused": len(raw["refused"]),
+        "refused_first": raw["refused"][0] if raw["refused"] else None,
+        "decided_in_later_round": raw["decided_in_later_round"], "evictions": raw["evictions"],
         "latency_ms": summary_ms(raw["latencies_ms"]),
         "throughput_per_s": round(decided / raw["span_s"], 1) if raw["span_s"] > 0 else None,
         # CPU all node processes used per placement (idle heartbeats included): with
