@@ -295,13 +295,17 @@ class FailoverRun:
         if scope.cancelled_caught:
             self.rejoin_failures += 1
 
+    async def watch_and_submit(self, nursery: trio.Nursery) -> None:
+        """Subscribe to every node's events, start the /proc sampler, submit the jobs."""
+        for node in self.layout["nodes"]:
+            await self._subscribe(nursery, node["index"])
+        nursery.start_soon(self._proc_sampler)
+        for k, (_, envelope) in enumerate(self.jobs):
+            await self._call(k % len(self.layout["nodes"]), "submit", job=envelope)
+
     async def run(self, kills: int) -> None:
         async with trio.open_nursery() as nursery:
-            for node in self.layout["nodes"]:
-                await self._subscribe(nursery, node["index"])
-            nursery.start_soon(self._proc_sampler)
-            for k, (_, envelope) in enumerate(self.jobs):
-                await self._call(k % len(self.layout["nodes"]), "submit", job=envelope)
+            await self.watch_and_submit(nursery)
             for number in range(kills):
                 try:
                     await self.one_kill(nursery, number)

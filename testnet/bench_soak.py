@@ -76,11 +76,7 @@ class SoakRun(FailoverRun):
 
     async def soak(self, soak_s: float, pause_ms: int) -> None:
         async with trio.open_nursery() as nursery:
-            for node in self.layout["nodes"]:
-                await self._subscribe(nursery, node["index"])
-            nursery.start_soon(self._proc_sampler)
-            for k, (_, envelope) in enumerate(self.jobs):
-                await self._call(k % len(self.layout["nodes"]), "submit", job=envelope)
+            await self.watch_and_submit(nursery)
             for job_id, _ in self.jobs:
                 await self._wait_job_ready(job_id.hex())
             self.events.clear()

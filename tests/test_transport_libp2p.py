@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -135,6 +136,16 @@ async def _wait_connected(a, b) -> None:
         await trio.sleep(0.005)
 
 
+@asynccontextmanager
+async def quiet_connected_pair():
+    """Two transports on loopback, connected, with pings too rare to disturb a count."""
+    async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
+        async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as b:
+            await a.connect(KEY_PEER, b.listen_addrs[0])
+            await _wait_connected(a, b)
+            yield a, b
+
+
 async def test_small_frames_return_window_credit_in_batches():
     """py-libp2p's yamux would send a WINDOW_UPDATE frame back for every read; ours goes
     back only after half the window was read, so 100 small frames use up exactly their
@@ -151,20 +162,16 @@ async def test_small_frames_return_window_credit_in_batches():
         return a._links[KEY_PEER].outbound_stream.muxed_stream.send_window
 
     with trio.fail_after(TEST_TIMEOUT_S):
-        async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
-            async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"],
-                                             ping_interval_ms=QUIET_PINGS_MS) as b:
-                await a.connect(KEY_PEER, b.listen_addrs[0])
-                await _wait_connected(a, b)
-                await a.send(KEY_PEER, b"open the stream")
-                assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
-                window_before = await send_window_after_round_trip(a, b)
-                for _ in range(100):
-                    await a.send(KEY_PEER, payload)
-                for _ in range(100):
-                    assert await b.incoming.receive() == (KEY_NODE, payload)
-                window_after = await send_window_after_round_trip(a, b)
-                assert window_before - window_after == 100 * len(encode_frame(FRAME_KIND_DATA, payload))
+        async with quiet_connected_pair() as (a, b):
+            await a.send(KEY_PEER, b"open the stream")
+            assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
+            window_before = await send_window_after_round_trip(a, b)
+            for _ in range(100):
+                await a.send(KEY_PEER, payload)
+            for _ in range(100):
+                assert await b.incoming.receive() == (KEY_NODE, payload)
+            window_after = await send_window_after_round_trip(a, b)
+            assert window_before - window_after == 100 * len(encode_frame(FRAME_KIND_DATA, payload))
 
 
 async def test_frames_larger_than_the_window_still_flow():
@@ -174,15 +181,11 @@ async def test_frames_larger_than_the_window_still_flow():
     frames = [bytes([i]) * 200_000 for i in range(5)]   # 1 MB in all, 4x the window
     assert sum(map(len, frames)) > 3 * YAMUX_WINDOW_BYTES
     with trio.fail_after(TEST_TIMEOUT_S):
-        async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
-            async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"],
-                                             ping_interval_ms=QUIET_PINGS_MS) as b:
-                await a.connect(KEY_PEER, b.listen_addrs[0])
-                await _wait_connected(a, b)
-                for frame in frames:
-                    await a.send(KEY_PEER, frame)
-                assert [await b.incoming.receive() for _ in frames] == [(KEY_NODE, f) for f in frames]
-                assert a.counters["send_failed"] == 0
+        async with quiet_connected_pair() as (a, b):
+            for frame in frames:
+                await a.send(KEY_PEER, frame)
+            assert [await b.incoming.receive() for _ in frames] == [(KEY_NODE, f) for f in frames]
+            assert a.counters["send_failed"] == 0
 
 
 def _tcp_socket(swarm_connection):
