@@ -138,6 +138,13 @@ class ConsensusInstance:
         return bool(self._own)
 
     @property
+    def heard_from_others(self) -> bool:
+        """Another member signed a proposal, vote or round change here: whether it decides,
+        or even moves to its next round, may depend on this node's stake."""
+        return (any(signer != self.me for _kind, _round, signer in self._first_seen)
+                or any(signers - {self.me} for signers, _stake in self._round_changes.values()))
+
+    @property
     def can_leave(self) -> bool:
         """Whether this node may stop voting here for good without risking two decisions of one
         instance id (SPEC.md P2, epoch straddle): it signed nothing, or it never precommitted

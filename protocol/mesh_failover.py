@@ -312,9 +312,14 @@ class FailoverFlows:
             out.events.append(self._event("evicted", now_ms, epoch=self.epoch))
 
     def _drop_instances(self, keep: bytes) -> None:
-        """An evicted node's votes no longer count: its open instances would only time out
-        and broadcast round changes, so it drops them (and their reservations)."""
+        """An evicted node drops the open instances only it runs: they would only time out
+        and broadcast round changes. It keeps those other members take part in: they run in
+        an epoch where its stake still counts, and without its votes and round changes the
+        rest may hold no quorum there (the 10,000-seed sweep stalled on exactly that)."""
         for iid in [i for i in self.instances if i != keep]:
+            inst = self.instances[iid]
+            if self.me in inst.view.stakes and inst.heard_from_others:
+                continue
             del self.instances[iid]
             self.instance_meta.pop(iid, None)
             self.instance_round.pop(iid, None)

@@ -391,3 +391,20 @@ def test_p2_a_node_may_leave_an_instance_only_while_nothing_can_be_decided_there
     net = Net(3)
     net.run()
     assert not any(node.can_leave for node in net.nodes.values())  # all precommitted
+
+
+def test_an_instance_tells_whether_other_members_took_part():
+    """F7: an evicted node keeps exactly the instances others vote in (its stake still
+    counts in their epoch); one that only it ran is dropped."""
+    lonely = Net(4)
+    lonely.down = set(lonely.keys[1:])
+    lonely.start()
+    lonely.propose_where_asked(lambda key, round: b"value")
+    lonely.deliver()
+    lonely.advance()  # its own round change is not someone else's
+    assert not lonely.node(0).heard_from_others
+    net = Net(4)
+    net.start()
+    net.propose_where_asked(lambda key, round: b"value")
+    net.deliver()
+    assert all(node.heard_from_others for node in net.live())
