@@ -102,6 +102,9 @@ class ConsensusInstance:
         self.evidence: list[Evidence] = []
         self.dropped: Counter = Counter()
         self.messages_sent = 0   # Outbound entries emitted; a broadcast counts once
+        # Another member sent a valid message here: whether it decides, or even reaches its
+        # next round, may depend on this node's stake (an evicted node keeps it, SPEC F7).
+        self.heard_from_others = False
         self._started = False
         self._round_started_ms = now_ms
         self._lock: LockProof | None = None
@@ -136,13 +139,6 @@ class ConsensusInstance:
     def has_signed(self) -> bool:
         """Whether this node signed a proposal or vote here: until then it is bound to nothing."""
         return bool(self._own)
-
-    @property
-    def heard_from_others(self) -> bool:
-        """Another member signed a proposal, vote or round change here: whether it decides,
-        or even moves to its next round, may depend on this node's stake."""
-        return (any(signer != self.me for _kind, _round, signer in self._first_seen)
-                or any(signers - {self.me} for signers, _stake in self._round_changes.values()))
 
     @property
     def can_leave(self) -> bool:
@@ -250,6 +246,8 @@ class ConsensusInstance:
             return self._drop("wrong_epoch", ready)
         if envelope.signer not in self.view.stakes:
             return self._drop("non_member", ready)
+        if envelope.signer != self.me:
+            self.heard_from_others = True
         if message.round >= self.max_rounds or message.round > self.round + self.max_rounds:
             return self._drop("round_too_far", ready)
         if self.decision is not None:

@@ -499,3 +499,23 @@ def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
     net.deliver()
     others = [k for k in KEYS if k not in (impostor, view["primary"]) and k not in view["backups"]]
     assert others and all(net.cores[k].job_view(jid)["state"] == "placed" for k in others)
+
+
+def test_f7_an_evicted_node_keeps_only_the_instances_others_take_part_in():
+    """Its stake still counts in the epoch it was evicted from: an instance other members
+    vote in may need it to reach a quorum, while one only it ran would just spin."""
+    net = Net()
+    net.down = {KEYS[2], KEYS[3]}  # 2 of 4 equal stakes: no quorum, the instance stays open
+    shared_job, shared_envelope = make_job(nonce=1)
+    shared = job_id(shared_job)
+    net.submit(KEYS[0], shared_envelope)
+    net.run(600)  # rounds time out; round changes go to each round's leader
+    listeners = [k for k in KEYS[:2] if net.cores[k].instances[shared].heard_from_others]
+    assert listeners
+    core = net.cores[listeners[0]]
+    lonely_job, lonely_envelope = make_job(nonce=2)
+    lonely = job_id(lonely_job)
+    core.submit(lonely_envelope, net.now)  # its messages never leave the node
+    assert not core.instances[lonely].heard_from_others
+    core._drop_instances(keep=b"")
+    assert shared in core.instances and lonely not in core.instances
