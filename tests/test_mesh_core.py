@@ -88,6 +88,16 @@ class Net:
         return [d for d in self.decisions[key] if d.value_kind == kind]
 
 
+def placed_on_the_big_node():
+    """A 1-GPU job with one backup, submitted at KEYS[1] and placed on KEYS[0], which has
+    the most free GPUs (throughput strategy)."""
+    net = Net(gpus=(4, 2, 2, 2))
+    job, envelope = make_job(backups=1)
+    net.submit(KEYS[1], envelope)
+    net.run(50)
+    return net, job_id(job)
+
+
 def test_every_core_decides_the_same_placement():
     net = Net(gpus=(2, 4, 2, 2))
     job, envelope = make_job(backups=1)
@@ -152,11 +162,7 @@ def test_policy_declines_are_grouped_per_reason():
 
 
 def test_dead_primary_is_evicted_and_its_job_migrates_to_the_backup():
-    net = Net(gpus=(4, 2, 2, 2))
-    job, envelope = make_job(backups=1)
-    jid = job_id(job)
-    net.submit(KEYS[1], envelope)
-    net.run(50)
+    net, jid = placed_on_the_big_node()
     primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
     assert net.cores[KEYS[1]].job_view(jid)["primary"] == primary
     net.emit(primary, net.cores[primary].local_checkpoint(jid, 1, 10, net.now, b"state-1", net.now))
@@ -194,11 +200,7 @@ def test_dead_primary_is_evicted_and_its_job_migrates_to_the_backup():
 
 
 def test_p6_fencing_only_the_current_primary_at_the_current_fence_is_heard():
-    net = Net(gpus=(4, 2, 2, 2))
-    job, envelope = make_job()
-    jid = job_id(job)
-    net.submit(KEYS[1], envelope)
-    net.run(50)
+    net, jid = placed_on_the_big_node()
     backup = net.cores[KEYS[1]].job_view(jid)["backups"][0]
     core = net.cores[backup]
     assert net.cores[KEYS[1]].job_view(jid)["primary"] == KEYS[0] and core.job_view(jid)["fence"] == 1
@@ -462,11 +464,7 @@ def test_capability_vector_says_whether_its_gpu_readings_are_simulated():
 def test_every_member_learns_a_running_job_and_its_checkpoint_age_from_the_primarys_vector():
     """SPEC P1: a capability vector lists the jobs its signer runs as primary, so members
     that are not backups (they get no checkpoints) still show the job running."""
-    net = Net(gpus=(4, 2, 2, 2))
-    job, envelope = make_job(backups=1)
-    jid = job_id(job)
-    net.submit(KEYS[1], envelope)
-    net.run(50)
+    net, jid = placed_on_the_big_node()
     view = net.cores[KEYS[1]].job_view(jid)
     primary, backup = view["primary"], view["backups"][0]
     bystander = next(k for k in KEYS if k not in (primary, backup))
@@ -484,11 +482,7 @@ def test_every_member_learns_a_running_job_and_its_checkpoint_age_from_the_prima
 
 
 def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
-    net = Net(gpus=(4, 2, 2, 2))
-    job, envelope = make_job(backups=1)
-    jid = job_id(job)
-    net.submit(KEYS[1], envelope)
-    net.run(50)
+    net, jid = placed_on_the_big_node()
     view = net.cores[KEYS[1]].job_view(jid)
     impostor = next(k for k in KEYS if k != view["primary"])
     impostor_core = net.cores[impostor]
