@@ -63,28 +63,29 @@ def check_votes(votes: tuple, vote_type: type, *, mesh_id: bytes, view: EpochVie
 def check_prevote_certificate(envelope: Envelope, cert: PrevoteCertificate, *, mesh_id: bytes,
                               view: EpochView) -> None:
     """Check a verified PrevoteCertificate envelope's contents (quorum of matching prevotes)."""
-    if cert.epoch != view.epoch:
-        raise RemoteProtocolError("prevote certificate for epoch %d, view is %d" % (cert.epoch, view.epoch))
-    key = (view.digest, mesh_id, envelope.signer, envelope.signature)
-    if key in _verdicts:
-        _verdicts.move_to_end(key)
-        return
-    check_votes(cert.prevotes, Prevote, mesh_id=mesh_id, view=view, instance=cert.instance,
-                round=cert.round, expected_hash=cert.value_hash)
-    _remember(key)
+    _check_certificate_votes(envelope, cert, cert.prevotes, Prevote, cert.value_hash, mesh_id=mesh_id, view=view)
 
 
 def check_commit_certificate(envelope: Envelope, cert: CommitCertificate, *, mesh_id: bytes,
                              view: EpochView) -> None:
     """Check a verified CommitCertificate envelope's contents (quorum of precommits for its value)."""
+    _check_certificate_votes(envelope, cert, cert.precommits, Precommit, value_hash(cert.value),
+                             mesh_id=mesh_id, view=view)
+
+
+def _check_certificate_votes(envelope: Envelope, cert, votes, vote_type, expected_hash: bytes | None, *,
+                             mesh_id: bytes, view: EpochView) -> None:
+    """The epoch, then the votes, once per (view, certificate signature): a certificate is
+    re-broadcast to everyone, and its quorum check is the costly part."""
+    kind = "prevote" if vote_type is Prevote else "commit"
     if cert.epoch != view.epoch:
-        raise RemoteProtocolError("commit certificate for epoch %d, view is %d" % (cert.epoch, view.epoch))
+        raise RemoteProtocolError("%s certificate for epoch %d, view is %d" % (kind, cert.epoch, view.epoch))
     key = (view.digest, mesh_id, envelope.signer, envelope.signature)
     if key in _verdicts:
         _verdicts.move_to_end(key)
         return
-    check_votes(cert.precommits, Precommit, mesh_id=mesh_id, view=view, instance=cert.instance,
-                round=cert.round, expected_hash=value_hash(cert.value))
+    check_votes(votes, vote_type, mesh_id=mesh_id, view=view, instance=cert.instance,
+                round=cert.round, expected_hash=expected_hash)
     _remember(key)
 
 

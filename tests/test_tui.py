@@ -149,14 +149,14 @@ def write_keystore(directory: str, passphrase: bytes | None) -> tuple[str, Signi
     return path, identity
 
 
-async def until(pilot, predicate, what: str) -> None:
-    """Let the app run until ``predicate()`` holds; fail after WAIT_S with ``what``."""
+async def until(pilot, predicate, what: str, timeout_s: float = WAIT_S, poll_s: float = 0.02) -> None:
+    """Let the app run until ``predicate()`` holds; fail after ``timeout_s`` with ``what``."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
+    deadline = loop.time() + timeout_s
     while not predicate():
         if loop.time() > deadline:
             raise AssertionError("timed out waiting for " + what)
-        await pilot.pause(0.02)
+        await pilot.pause(poll_s)
 
 
 def short_dir() -> str:

@@ -30,6 +30,7 @@ from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
 from meshnode.tui_tables import JOB_COLUMNS, MESH_COLUMNS
 from protocol.messages import encode_message
 from testnet import launcher
+from test_tui import until as until_in_app
 
 pytestmark = pytest.mark.e2e
 NODES = 4
@@ -67,13 +68,7 @@ def new_app(node_dir: str, key_path: str | None) -> OwnerTui:
 
 
 async def until(pilot, predicate, what: str) -> None:
-    """Let the app run until ``predicate()`` holds; fail after DEADLINE_S with ``what``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("timed out waiting for " + what)
-        await pilot.pause(0.05)
+    await until_in_app(pilot, predicate, what, timeout_s=DEADLINE_S, poll_s=0.05)
 
 
 def connection_text(app) -> str:
