@@ -39,7 +39,7 @@ class ProtocolParams(Record):
 
 
 DEFAULT_PARAMS = ProtocolParams(
-    heartbeat_ms=50, checkpoint_ms=80, checkpoint_keep=16, detection_bound_ms=300,
+    heartbeat_ms=50, checkpoint_ms=60, checkpoint_keep=16, detection_bound_ms=300,
     round_timeout_ms=200, round_timeout_max_ms=5000, bid_window_ms=20, max_rounds=64,
 )
 

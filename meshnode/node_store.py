@@ -27,6 +27,7 @@ import sqlite_utils
 
 from protocol import codec
 from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from protocol.mesh_failover import VIEWS_KEPT
 from protocol.ready import Decision, Event, PersistRecord, Ready
 
 # Tables the core may write through PersistRecord. A name outside this list is a driver/core
@@ -107,6 +108,35 @@ class NodeStore:
             raise
 
     def _apply(self, records: list[PersistRecord]) -> None:
+        entered = [r.value.get("epoch") for r in records if r.table == "membership"]
+        self._apply_records(records)
+        epochs = [e for e in entered if isinstance(e, int) and not isinstance(e, bool)]
+        if epochs:
+            self._prune_safety_records(max(epochs))
+
+    def _prune_safety_records(self, epoch: int) -> None:
+        """SPEC.md 6.9: on entering ``epoch`` (the core persists a ``membership`` record), drop
+        the votes and locks no restart can read again: those of instances decided (their
+        certificate is stored: a replayed decision is never voted on) in an older epoch, and
+        every one of an epoch older than the core's newest VIEWS_KEPT, whose view it no
+        longer holds. What stays: the current epoch's and the undecided recent ones."""
+        oldest_view = epoch - VIEWS_KEPT + 1
+        for table in ("votes", "locks"):
+            if not {"epoch", "instance"} <= self._table_columns(table):
+                continue
+            self._conn.execute(
+                "DELETE FROM [%s] WHERE epoch < ? AND (epoch < ? OR lower(hex(instance)) IN "
+                "(SELECT instance FROM certificates))" % table, [epoch, oldest_view])
+
+    def _table_columns(self, table: str) -> set[str]:
+        known = self._columns.get(table)
+        if known is None:
+            known = set(self.db[table].columns_dict) if self.db[table].exists() else set()
+            if known:
+                self._columns[table] = known
+        return known
+
+    def _apply_records(self, records: list[PersistRecord]) -> None:
         for record in records:
             if record.table == "certificates":
                 # The core persists a certificate before announcing it; it goes to the same

@@ -1,4 +1,4 @@
-"""The workload runner: starts workload subprocesses and pulls their checkpoints (SPEC.md 9).
+"""The workload runner: starts workload subprocesses and takes their checkpoints (SPEC.md 9).
 
 One ``WorkloadRunner`` per node, served in the node's trio nursery::
 
@@ -7,11 +7,11 @@ One ``WorkloadRunner`` per node, served in the node's trio nursery::
     await nursery.start(runner.serve)
     await runner.start(job_id, "counter", ["--progress-log", path], gpus=[0], restore=None, fence=1)
 
-Every ``checkpoint_ms`` the runner sends the workload a PULL; the workload's SDK thread
-answers with its newest state (or UNCHANGED) and the runner awaits
-``on_checkpoint(job_id, seq, progress, taken_ms, state)``. At most one PULL is
-outstanding per workload: a tick that finds the previous one unanswered is skipped, so a
-stalled workload costs nothing and nothing queues up.
+Every ``checkpoint_ms`` the runner reads the workload's shared-memory state slot
+(``meshnode.state_slot``) and, if the workload offered a new state since the last
+tick, awaits ``on_checkpoint(job_id, seq, progress, taken_ms, state)``. The read does
+not involve the workload's process, so a descheduled or stalled workload delays no
+checkpoint: the newest state it offered is taken on time.
 
 A workload never outlives its node (SPEC.md 9.3). Linux only: the child sets
 PR_SET_PDEATHSIG=SIGKILL in a preexec_fn and then checks getppid() against the node's
@@ -40,13 +40,13 @@ import trio
 
 from meshnode import workload as sdk
 from meshnode.builtin_workloads import BUILTIN_KINDS
+from meshnode.state_slot import SlotReader, create_region
 from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
 PR_SET_PDEATHSIG = 1
-STATS_WINDOW = 1024       # checkpoint intervals and pull latencies kept per workload
+STATS_WINDOW = 1024       # checkpoint tick intervals kept per workload
 MAX_WORKLOADS = 256       # a node runs at most this many at once
-DRAIN_AFTER_EXIT_S = 1.0  # bound on reading frames a dead workload left in its socket
 
 CheckpointCallback = Callable[[bytes, int, int, int, bytes], Awaitable[None]]
 ExitCallback = Callable[[bytes, int], Awaitable[None]]
@@ -96,19 +96,16 @@ class RunningWorkload:
     seq: int
     progress: int
     last_taken_ms: int | None = None
-    ticks_skipped: int = 0
+    torn_reads: int = 0
     interval_error_us: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    pull_latency_us: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
 
     def summary(self) -> dict:
         return {
             "entrypoint": self.entrypoint, "pid": self.pid, "fence": self.fence, "gpus": list(self.gpus),
             "started_ms": self.started_ms, "seq": self.seq, "progress": self.progress,
-            "last_taken_ms": self.last_taken_ms, "ticks_skipped": self.ticks_skipped,
+            "last_taken_ms": self.last_taken_ms, "torn_reads": self.torn_reads,
             "interval_error_us_p50": percentile(self.interval_error_us, 0.5),
             "interval_error_us_p99": percentile(self.interval_error_us, 0.99),
-            "pull_latency_us_p50": percentile(self.pull_latency_us, 0.5),
-            "pull_latency_us_p99": percentile(self.pull_latency_us, 0.99),
         }
 
 
@@ -116,43 +113,17 @@ class _Job:
     """Runner-private bookkeeping for one workload process."""
 
     def __init__(self, info: RunningWorkload, popen: subprocess.Popen, stream: trio.SocketStream,
-                 restore_frame: bytes):
+                 slot: SlotReader, restore_frame: bytes):
         self.info = info
         self.popen = popen
         self.stream = stream
+        self.slot = slot
         self.restore_frame = restore_frame
         self.stopping = False
         self.exited = trio.Event()         # set once the process is reaped and the job unlisted
         self.tick_scope = trio.CancelScope()
-        self.pull_id = 0
-        self.pull_sent_at: float | None = None  # trio clock; None when no PULL is outstanding
-
-
-class _FrameReader:
-    def __init__(self, stream: trio.SocketStream):
-        self._stream = stream
-        self._buffer = bytearray()
-
-    async def _fill(self, count: int) -> bool:
-        while len(self._buffer) < count:
-            chunk = await self._stream.receive_some(1 << 20)
-            if not chunk:
-                return False
-            self._buffer += chunk
-        return True
-
-    async def read(self) -> tuple[int, bytes] | None:
-        if not await self._fill(sdk.FRAME_HEADER.size):
-            return None
-        length, frame_type = sdk.FRAME_HEADER.unpack_from(self._buffer)
-        if not 1 <= length <= sdk.MAX_FRAME_BODY_BYTES:
-            raise RemoteProtocolError("workload sent a frame of length %d" % length)
-        end = sdk.FRAME_HEADER.size + length - 1
-        if not await self._fill(end):
-            return None
-        body = bytes(self._buffer[sdk.FRAME_HEADER.size:end])
-        del self._buffer[:end]
-        return frame_type, body
+        self.process_gone = False          # set when the pidfd reports the exit
+        self.in_callback = False           # the tick is awaiting on_checkpoint
 
 
 class WorkloadRunner:
@@ -212,24 +183,28 @@ class WorkloadRunner:
         workdir = os.path.join(self.data_dir, "workloads", job_id.hex())
         os.makedirs(workdir, exist_ok=True)
         node_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        slot_fd = create_region()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
-                   **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.WORKDIR_ENV: workdir})
+                   **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
+                      sdk.WORKDIR_ENV: workdir})
         try:
+            slot = SlotReader(slot_fd)
             with open(os.path.join(workdir, "output.log"), "ab") as output:
                 popen = subprocess.Popen(
                     argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(),), start_new_session=True,
+                    stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,
                     preexec_fn=_die_with_parent(self._prctl, os.getpid()))
         except OSError as exc:
             node_end.close()
             raise LocalProtocolError("cannot start %r: %s" % (argv[0], exc.strerror)) from None
         finally:
             child_end.close()
+            os.close(slot_fd)  # the mapping (ours) and the child's copy keep the memory alive
         restore_fields = sdk.RESTORE_FIELDS.pack(int(restore is not None), fence, seq, progress, self.checkpoint_ms)
         info = RunningWorkload(job_id=job_id, entrypoint=entrypoint, argv=argv, pid=popen.pid, fence=fence,
                                gpus=tuple(gpus), started_ms=time.time_ns() // 1_000_000, seq=seq,
                                progress=progress)
-        job = _Job(info, popen, trio.SocketStream(trio.socket.from_stdlib_socket(node_end)),
+        job = _Job(info, popen, trio.SocketStream(trio.socket.from_stdlib_socket(node_end)), slot,
                    sdk.encode_frame(sdk.RESTORE, restore_fields, state))
         self._jobs[job_id] = job
         self._nursery.start_soon(self._supervise, job)
@@ -258,19 +233,18 @@ class WorkloadRunner:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._tick, job)
-                nursery.start_soon(self._read_replies, job)
                 await trio.lowlevel.wait_readable(pidfd)
-                job.tick_scope.cancel()
+                job.process_gone = True
+                # A tick inside on_checkpoint is not cancelled: the callback may itself be
+                # in stop(), which the reap below lets return; the tick ends after it.
+                if not job.in_callback:
+                    job.tick_scope.cancel()
                 self._reap(job)
-                # The reader may still hold STATE frames the workload sent before it died,
-                # and may be inside on_checkpoint (which may itself call stop(): the reap
-                # above is what lets that return). It ends at EOF; the deadline only
-                # matters if an escaped grandchild still holds the socket open.
-                nursery.cancel_scope.deadline = trio.current_time() + DRAIN_AFTER_EXIT_S
         finally:
             os.close(pidfd)
             self._reap(job)          # on runner shutdown: kills the workload here
             job.stream.socket.close()
+            job.slot.close()
         if not job.stopping:
             await self._on_exit(job.info.job_id, job.popen.returncode)
 
@@ -282,10 +256,10 @@ class WorkloadRunner:
 
     async def _tick(self, job: _Job) -> None:
         with job.tick_scope:
-            await self._tick_until_cancelled(job)
+            await self._tick_until_gone(job)
 
-    async def _tick_until_cancelled(self, job: _Job) -> None:
-        """Send a PULL every checkpoint_ms on absolute deadlines (no drift); skip if one is outstanding."""
+    async def _tick_until_gone(self, job: _Job) -> None:
+        """Read the state slot every checkpoint_ms on absolute deadlines (no drift)."""
         try:
             await job.stream.send_all(job.restore_frame)
         except trio.BrokenResourceError:
@@ -294,7 +268,7 @@ class WorkloadRunner:
         period_s = self.checkpoint_ms / 1000
         next_tick = trio.current_time() + period_s
         last_tick = None
-        while True:
+        while not job.process_gone:
             await trio.sleep_until(next_tick)
             now = trio.current_time()
             if last_tick is not None:
@@ -303,42 +277,28 @@ class WorkloadRunner:
             next_tick += period_s
             if next_tick < now:  # the loop was blocked past whole periods: resume the grid, don't burst
                 next_tick = now + period_s - (now - next_tick) % period_s
-            if job.pull_sent_at is not None:
-                job.info.ticks_skipped += 1
-                continue
-            job.pull_id += 1
-            job.pull_sent_at = now
-            try:
-                await job.stream.send_all(sdk.encode_frame(sdk.PULL, sdk.PULL_FIELDS.pack(job.pull_id)))
-            except trio.BrokenResourceError:
-                return
+            await self._take_checkpoint(job)
 
-    async def _read_replies(self, job: _Job) -> None:
-        reader = _FrameReader(job.stream)
+    async def _take_checkpoint(self, job: _Job) -> None:
+        if job.stopping:
+            return  # after stop() no callback may report this job again
         try:
-            while True:
-                frame = await reader.read()
-                if frame is None:
-                    return
-                frame_type, body = frame
-                if job.pull_sent_at is not None:
-                    if job.pull_id > 1:  # the first PULL waits for interpreter start-up: not a latency
-                        job.info.pull_latency_us.append(round((trio.current_time() - job.pull_sent_at) * 1e6))
-                    job.pull_sent_at = None
-                if frame_type == sdk.UNCHANGED:
-                    continue
-                if frame_type != sdk.STATE:
-                    raise RemoteProtocolError("unexpected frame type %d from the workload" % frame_type)
-                (_pull_id, progress, taken_ms), state = sdk.split_frame(body, sdk.STATE_FIELDS)
-                if job.stopping:
-                    return  # after stop() no callback may report this job again
-                job.info.seq += 1
-                job.info.progress = progress
-                job.info.last_taken_ms = taken_ms
-                await self._on_checkpoint(job.info.job_id, job.info.seq, progress, taken_ms, state)
-        except (trio.BrokenResourceError, RemoteProtocolError):
-            # A workload that breaks the SDK protocol is killed; its exit is reported by _supervise.
-            _kill_group(job.popen)
+            offered = job.slot.read()
+        except RemoteProtocolError:
+            _kill_group(job.popen)  # a workload that breaks the slot's rules is killed; _supervise reports it
+            return
+        job.info.torn_reads = job.slot.torn_reads
+        if offered is None:
+            return
+        progress, taken_ms, state = offered
+        job.info.seq += 1
+        job.info.progress = progress
+        job.info.last_taken_ms = taken_ms
+        job.in_callback = True
+        try:
+            await self._on_checkpoint(job.info.job_id, job.info.seq, progress, taken_ms, state)
+        finally:
+            job.in_callback = False
 
 
 def _kill_group(popen: subprocess.Popen) -> None:

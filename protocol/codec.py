@@ -25,16 +25,22 @@ def _canonical(value, depth: int = 0):
     kind = type(value)
     if kind is int and _INT_MIN <= value <= _INT_MAX:
         return value  # depth: containers refuse items past MAX_DEPTH before recursing
+    # Leaves are kept inline (no call per item): signing a vote packs a few small ints.
     if kind is list or kind is tuple:
         if value and depth >= MAX_DEPTH:
             raise LocalProtocolError("value nested deeper than %d levels" % MAX_DEPTH)
-        return [item if type(item) in _SCALARS else _canonical(item, depth + 1) for item in value]
+        return [item if type(item) in _SCALARS or (type(item) is int and _INT_MIN <= item <= _INT_MAX)
+                else _canonical(item, depth + 1) for item in value]
     if kind is dict and all(type(key) is str for key in value):
         if value and depth >= MAX_DEPTH:
             raise LocalProtocolError("value nested deeper than %d levels" % MAX_DEPTH)
         # Code point order of str is the UTF-8 byte order SPEC.md 2.1 asks for.
-        return {key: value[key] if type(value[key]) in _SCALARS else _canonical(value[key], depth + 1)
-                for key in sorted(value)}
+        out = {}
+        for key in sorted(value):
+            item = value[key]
+            out[key] = (item if type(item) in _SCALARS or (type(item) is int and _INT_MIN <= item <= _INT_MAX)
+                        else _canonical(item, depth + 1))
+        return out
     return _canonical_slow(value, depth)
 
 

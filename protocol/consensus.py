@@ -53,6 +53,7 @@ class LockProof:
     justification: tuple
     certificate: bytes   # encoded PrevoteCertificate envelope for value_hash in ``round``
     proposal: bytes      # encoded Proposal envelope of ``round`` carrying ``value``
+    value_kind: str = ""  # the proposal's kind ("": the instance's own value_kind)
 
 
 @dataclass
@@ -77,9 +78,13 @@ class ConsensusInstance:
 
     def __init__(self, *, instance_id: bytes, value_kind: str, view: EpochView, identity, mesh_id: bytes,
                  round_timeout_ms: int, round_timeout_max_ms: int, max_rounds: int, validate: Validate,
-                 now_ms: int):
-        if value_kind not in VALUE_KINDS:
-            raise LocalProtocolError("unknown value kind %r" % value_kind)
+                 now_ms: int, other_kinds: dict[str, Validate] | None = None):
+        # value kind -> its validity check. ``other_kinds``: an instance that may decide a value
+        # of another kind too (SPEC.md F4: one instance per epoch decides its epoch change,
+        # an eviction or a join); ``value_kind`` is what it proposes unless told otherwise.
+        self.validators = {value_kind: validate, **(other_kinds or {})}
+        if any(kind not in VALUE_KINDS for kind in self.validators):
+            raise LocalProtocolError("unknown value kind in %r" % sorted(self.validators))
         if len(instance_id) != 32 or max_rounds < 1 or round_timeout_ms < 1 or round_timeout_max_ms < 1:
             raise LocalProtocolError("instance id must be 32 bytes; rounds and timeouts positive")
         self.instance_id = instance_id
@@ -91,7 +96,6 @@ class ConsensusInstance:
         self.round_timeout_ms = round_timeout_ms
         self.round_timeout_max_ms = round_timeout_max_ms
         self.max_rounds = max_rounds
-        self.validate = validate
         self.round = 0
         self.leader = view.leader(instance_id, 0)
         self.awaiting_value = False
@@ -111,7 +115,12 @@ class ConsensusInstance:
         self._own: dict[tuple[str, int], tuple[Envelope, bytes]] = {}   # (kind, round) -> own signed message
         self._proposal: _RoundProposal | None = None                    # current round's proposal
         self._polka: tuple[PrevoteCertificate, bytes] | None = None       # current round's non-nil certificate
-        self._first_seen: dict[tuple, tuple[Envelope, bytes | None]] = {}  # (kind, round, signer) -> first
+        # (kind, epoch, round, signer) -> first; the epoch too, since one instance id may run in
+        # two epochs (SPEC.md P2) and equivocation in either is evidence (6.10).
+        self._first_seen: dict[tuple, tuple[Envelope, bytes | None]] = {}
+        # Views of other epochs this node holds (MeshCore shares its own): messages of those
+        # epochs are dropped, but checked for equivocation first.
+        self.other_views: dict[int, EpochView] = {}
         self._tallies: dict[tuple[str, int], _Tally] = {}
         self._round_changes: dict[int, tuple[set, list]] = {}  # round -> (signers, [stake])
         self._best_reported_lock: LockProof | None = None
@@ -187,7 +196,7 @@ class ConsensusInstance:
                 if proposal.epoch != self.view.epoch:
                     continue
                 lock = LockProof(value["round"], value_hash(proposal.value), proposal.value,
-                                 proposal.justification, value["certificate"], value["proposal"])
+                                 proposal.justification, value["certificate"], value["proposal"], proposal.value_kind)
                 if self._lock is None or lock.round > self._lock.round:
                     self._lock = lock
                 self.round = max(self.round, lock.round)
@@ -214,12 +223,17 @@ class ConsensusInstance:
                 self._try_propose(now_ms, ready)
         return ready
 
-    def propose(self, value_bytes: bytes, justification: tuple[bytes, ...], now_ms: int) -> Ready:
-        """Propose ``value_bytes`` as this round's leader. Legal only while ``awaiting_value``."""
+    def propose(self, value_bytes: bytes, justification: tuple[bytes, ...], now_ms: int,
+                value_kind: str | None = None) -> Ready:
+        """Propose ``value_bytes`` (of ``value_kind``, default the instance's) as this round's
+        leader. Legal only while ``awaiting_value``."""
         if not self.awaiting_value:
             raise LocalProtocolError("propose() while not awaiting a value (round %d)" % self.round)
+        kind = value_kind or self.value_kind
+        if kind not in self.validators:
+            raise LocalProtocolError("this instance decides no %r value" % kind)
         ready = Ready()
-        self._send_proposal(value_bytes, tuple(justification), None, None, now_ms, ready)
+        self._send_proposal(value_bytes, tuple(justification), None, None, now_ms, ready, kind)
         return ready
 
     def receive(self, data: bytes, now_ms: int) -> Ready:
@@ -243,6 +257,7 @@ class ConsensusInstance:
         if message.instance != self.instance_id:
             return self._drop("wrong_instance", ready)
         if message.epoch != self.view.epoch:
+            self._check_other_epoch(envelope, message, data, now_ms, ready)
             return self._drop("wrong_epoch", ready)
         if envelope.signer not in self.view.stakes:
             return self._drop("non_member", ready)
@@ -329,16 +344,17 @@ class ConsensusInstance:
         if reported is not None and reported.round < self.round and (best is None or reported.round > best.round):
             best = reported
         if best is not None:
-            self._send_proposal(best.value, best.justification, best.round, best.certificate, now_ms, ready)
+            self._send_proposal(best.value, best.justification, best.round, best.certificate, now_ms, ready,
+                                best.value_kind or self.value_kind)
         else:
             self.awaiting_value = True
             ready.events.append(Event("awaiting_value", now_ms, {"instance": self.instance_id.hex(),
                                                                  "round": self.round}))
 
     def _send_proposal(self, value: bytes, justification: tuple, pol_round: int | None,
-                       pol_certificate: bytes | None, now_ms: int, ready: Ready) -> None:
+                       pol_certificate: bytes | None, now_ms: int, ready: Ready, value_kind: str) -> None:
         try:
-            proposal = Proposal(self.instance_id, self.round, self.view.epoch, self.value_kind, value,
+            proposal = Proposal(self.instance_id, self.round, self.view.epoch, value_kind, value,
                                 justification, pol_round, pol_certificate)
         except ValueError as exc:
             raise LocalProtocolError("cannot propose: %s" % exc) from None
@@ -356,7 +372,7 @@ class ConsensusInstance:
     def _on_proposal(self, envelope: Envelope, proposal: Proposal, data, now_ms: int, ready: Ready) -> None:
         if envelope.signer != self.view.leader(self.instance_id, proposal.round):
             return self._drop("not_leader", ready)
-        if proposal.value_kind != self.value_kind:
+        if proposal.value_kind not in self.validators:
             return self._drop("wrong_value_kind", ready)
         if self._is_repeat("proposal", proposal.round, envelope, data, now_ms, ready):
             return
@@ -373,7 +389,7 @@ class ConsensusInstance:
             reason = self._check_pol(proposal, hash_)
             pol_valid = reason is None
         if reason is None:
-            reason = self.validate(proposal.value, proposal.justification)
+            reason = self.validators[proposal.value_kind](proposal.value, proposal.justification)
         data = data if data is not None else envelope.encode()
         self._proposal = _RoundProposal(envelope, proposal, data, hash_, reason is None)
         lock = self._lock
@@ -424,7 +440,7 @@ class ConsensusInstance:
             if hash_ is None or proposal is None or proposal.value_hash != hash_:
                 return  # honest nodes never precommit nil or a value this leader did not propose
             tally.certified = True
-            cert = CommitCertificate(self.instance_id, vote.round, self.view.epoch, self.value_kind,
+            cert = CommitCertificate(self.instance_id, vote.round, self.view.epoch, proposal.proposal.value_kind,
                                      proposal.proposal.value, tuple(tally.votes[hash_]))
         cert_envelope = sign_message(self.identity, self.mesh_id, cert)
         self._broadcast(cert_envelope, cert, cert_envelope.encode(), now_ms, ready)
@@ -456,7 +472,7 @@ class ConsensusInstance:
             return
         if self._lock is None or self._lock.round < self.round:
             lock = LockProof(self.round, proposal.value_hash, proposal.proposal.value,
-                             proposal.proposal.justification, polka[1], proposal.data)
+                             proposal.proposal.justification, polka[1], proposal.data, proposal.proposal.value_kind)
             self._lock = lock
             # Keyed by epoch too: one instance id may run in two epochs (SPEC.md P2), and a
             # lock of one must not overwrite the other's on disk.
@@ -470,7 +486,7 @@ class ConsensusInstance:
 
     def _on_commit_certificate(self, envelope: Envelope, cert: CommitCertificate, data, now_ms: int,
                                ready: Ready) -> None:
-        if cert.value_kind != self.value_kind:
+        if cert.value_kind not in self.validators:
             return self._drop("wrong_value_kind", ready)
         try:
             check_commit_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view)
@@ -479,11 +495,11 @@ class ConsensusInstance:
         data = data if data is not None else envelope.encode()
         self._set_decided(cert, data)
         ready.persist.append(PersistRecord("certificates", self.instance_id.hex(), {
-            "instance": self.instance_id, "value_kind": self.value_kind, "round": cert.round, "certificate": data}))
-        ready.decisions.append(Decision(self.value_kind, self.instance_id, cert.value, data))
+            "instance": self.instance_id, "value_kind": cert.value_kind, "round": cert.round, "certificate": data}))
+        ready.decisions.append(Decision(cert.value_kind, self.instance_id, cert.value, data))
         ready.events.append(Event("decided", now_ms, {
             "instance": self.instance_id.hex(), "round": cert.round, "value_hash": value_hash(cert.value).hex(),
-            "value_kind": self.value_kind}))
+            "value_kind": cert.value_kind}))
 
     def _set_decided(self, cert: CommitCertificate, data: bytes) -> None:
         self.decision = cert
@@ -534,11 +550,11 @@ class ConsensusInstance:
         hash_ = value_hash(proposal.value)
         if (cert.instance != self.instance_id or cert.round != change.locked_round or cert.value_hash != hash_
                 or proposal.instance != self.instance_id or proposal.round != change.locked_round
-                or proposal.value_kind != self.value_kind
+                or proposal.value_kind not in self.validators
                 or proposal_envelope.signer != self.view.leader(self.instance_id, proposal.round)):
             raise RemoteProtocolError("reported lock's certificate and proposal do not match")
         return LockProof(change.locked_round, hash_, proposal.value, proposal.justification,
-                         change.lock_certificate, change.lock_proposal)
+                         change.lock_certificate, change.lock_proposal, proposal.value_kind)
 
     # --- sending, evidence, drops ------------------------------------------------------------
 
@@ -585,9 +601,27 @@ class ConsensusInstance:
         ready.messages.append(Outbound(envelope.signer, self.decision_envelope))
         self.messages_sent += 1
 
-    def _is_repeat(self, kind: str, round: int, envelope: Envelope, data, now_ms: int, ready: Ready) -> bool:
+    def _check_other_epoch(self, envelope: Envelope, message, data, now_ms: int, ready: Ready) -> None:
+        """SPEC.md 6.10: a proposal or vote of this instance in another epoch this node knows
+        (it ran there before moving, or peers straddle two epochs, P2) counts for nothing
+        here, but two conflicting ones from a member of that epoch are still equivocation."""
+        view = self.other_views.get(message.epoch)
+        if (view is not None and envelope.signer in view.stakes and message.round < self.max_rounds
+                and isinstance(message, (Proposal, Prevote, Precommit))):
+            self._is_repeat(type(message).KIND, message.round, envelope, data, now_ms, ready, epoch=message.epoch)
+
+    def inherit_evidence(self, earlier: "ConsensusInstance") -> None:
+        """Take over what ``earlier``, this instance id run in another epoch and now left
+        (SPEC.md P2), saw: a conflicting message arriving after the move is still evidence."""
+        for key, first in earlier._first_seen.items():
+            self._first_seen.setdefault(key, first)
+        self._evidenced |= earlier._evidenced
+        self.evidence.extend(earlier.evidence[:MAX_EVIDENCE - len(self.evidence)])
+
+    def _is_repeat(self, kind: str, round: int, envelope: Envelope, data, now_ms: int, ready: Ready,
+                   epoch: int | None = None) -> bool:
         """True if ``envelope`` repeats or contradicts what its signer already sent (SPEC.md 6.10)."""
-        key = (kind, round, envelope.signer)
+        key = (kind, self.view.epoch if epoch is None else epoch, round, envelope.signer)
         first = self._first_seen.get(key)
         if first is None:
             self._first_seen[key] = (envelope, data)
@@ -596,7 +630,7 @@ class ConsensusInstance:
             self._drop("duplicate", ready)
             return True
         self._drop("equivocation", ready)
-        # One piece of evidence per (kind, round, signer) is enough.
+        # One piece of evidence per (kind, epoch, round, signer) is enough.
         if len(self.evidence) >= MAX_EVIDENCE or key in self._evidenced:
             return True
         self._evidenced.add(key)

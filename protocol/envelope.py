@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from keys.identity import SigningIdentity, verify_signature
 from protocol import codec
@@ -29,9 +29,16 @@ class Envelope:
     signer: bytes
     signature: bytes
     version: int = PROTOCOL_VERSION
+    # The canonical wire bytes, when this envelope was sealed or opened here: encoding is a
+    # pure function of the fields, and votes are encoded by every node that handles them.
+    # Not an init field, so an Envelope built by hand or by ``dataclasses.replace`` re-encodes.
+    _wire: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     def encode(self) -> bytes:
-        return codec.pack([self.version, self.mesh_id, self.kind, self.body, self.signer, self.signature])
+        wire = self._wire
+        if wire is None:
+            wire = codec.pack([self.version, self.mesh_id, self.kind, self.body, self.signer, self.signature])
+        return wire
 
     @property
     def digest(self) -> bytes:
@@ -51,7 +58,15 @@ def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict) -> En
         # valid by construction (RFC 8032); this process never needs to check it again
         # (a node's own messages come back to it; the simulator runs every node here).
         _remember_verified(identity.public_key, hashlib.sha256(message).digest(), signature)
-    return Envelope(mesh_id, kind, body, identity.public_key, signature)
+    envelope = Envelope(mesh_id, kind, body, identity.public_key, signature)
+    signer = identity.public_key
+    if len(signer) == 32 and len(signature) == 64:
+        # The inverse of _signed_part: the wire form is the signed array with the signer
+        # and signature appended (bin8 headers 0xc4 0x20 and 0xc4 0x40), no second pack.
+        wire = b"\x96" + message[len(SIGNATURE_DOMAIN) + 1:] + b"\xc4\x20" + signer + b"\xc4\x40" + signature
+        if len(wire) <= codec.MAX_FRAME_BYTES:
+            object.__setattr__(envelope, "_wire", wire)
+    return envelope
 
 
 # Verdicts of the pure function "is this a valid signature": certificates re-carry votes
@@ -108,4 +123,6 @@ def open_envelope(data: bytes, mesh_id: bytes, max_bytes: int = codec.MAX_FRAME_
         raise RemoteProtocolError("envelope: signer and signature must be bin")
     message = _signed_part(data, version, env_mesh, kind, body, signer, signature)
     _verified(signer, hashlib.sha256(message).digest(), message, signature)
-    return Envelope(env_mesh, kind, body, signer, signature, version)
+    envelope = Envelope(env_mesh, kind, body, signer, signature, version)
+    object.__setattr__(envelope, "_wire", data)  # canonical: unpack re-encoded it to these bytes
+    return envelope

@@ -118,6 +118,11 @@ class FailureDetector:
     def silent_ms(self, peer: bytes, now_ms: int) -> int:
         return max(0, now_ms - self._peers[peer].last_ms)
 
+    def heard_within(self, peer: bytes, now_ms: int, window_ms: int) -> bool:
+        """Whether ``peer`` was heard (or started being watched) less than ``window_ms`` ago."""
+        history = self._peers.get(peer)
+        return history is not None and now_ms - history.last_ms < window_ms
+
     def is_suspected(self, peer: bytes, now_ms: int) -> bool:
         history = self._peers.get(peer)
         return history is not None and now_ms - history.last_ms >= history.threshold_ms

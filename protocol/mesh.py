@@ -90,7 +90,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.instances: dict[bytes, ConsensusInstance] = {}
         self.decided: OrderedDict[bytes, ConsensusInstance] = OrderedDict()
         self.applied: OrderedDict[bytes, None] = OrderedDict()   # instances whose decision we applied
-        self.instance_meta: dict[bytes, tuple] = {}  # instance -> ("placement", job_id) | ("eviction", key) | ...
+        self.instance_meta: dict[bytes, tuple] = {}  # instance -> ("placement", job_id) | ("epoch_change",)
         self.instance_round: dict[bytes, int] = {}
         self.pending: OrderedDict[bytes, list] = OrderedDict()   # early messages for unknown instances
         self.timers: list[tuple[int, int, str, bytes]] = []      # (due_ms, seq, what, instance)
@@ -99,6 +99,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.evidence_log: list[dict] = []
         self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
         self.epoch_hints_sent: set[tuple] = set()   # (peer, instance, round) told of our older epoch
+        self.jobs_shown: set[tuple] = set()          # (leader, instance) we sent the job to (SPEC P3)
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self._init_jobs()
@@ -224,7 +225,8 @@ class MeshCore(JobFlows, FailoverFlows):
         return self.views.get(epoch)
 
     def _start_instance(self, iid: bytes, kind: str, view: EpochView, meta: tuple, validate, now_ms: int,
-                        out: Ready) -> ConsensusInstance | None:
+                        out: Ready, other_kinds: dict | None = None,
+                        max_rounds: int | None = None) -> ConsensusInstance | None:
         if iid in self.instances or iid in self.decided or iid in self.applied:
             return self.instances.get(iid)
         if len(self.instances) >= MAX_ACTIVE_INSTANCES:
@@ -239,8 +241,10 @@ class MeshCore(JobFlows, FailoverFlows):
         inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
                                  mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
-                                 max_rounds=self.params.max_rounds, validate=validate, now_ms=now_ms)
+                                 max_rounds=max_rounds or self.params.max_rounds, validate=validate, now_ms=now_ms,
+                                 other_kinds=other_kinds)
         inst.dropped = self.counters  # one Counter of drop reasons for the whole node
+        inst.other_views = self.views  # other epochs' equivocation is evidence too (SPEC.md 6.10)
         if restored:
             try:
                 inst.restore(restored)
@@ -267,7 +271,10 @@ class MeshCore(JobFlows, FailoverFlows):
         changes (re-send bids), answer requests for a value, keep timers and evidence."""
         iid = inst.instance_id
         out.persist.extend(ready.persist)
-        out.messages.extend(ready.messages)
+        if inst.view.epoch == self.view.epoch:
+            out.messages.extend(ready.messages)
+        else:
+            out.messages.extend(self._to_epoch_members(inst.view, ready.messages))
         for event in ready.events:
             out.events.append(event)
             if event.kind == "evidence" and inst.evidence:
@@ -283,6 +290,19 @@ class MeshCore(JobFlows, FailoverFlows):
         if inst.awaiting_value:
             self._on_awaiting_value(inst, now_ms, out)
         self._schedule(inst)
+
+    def _to_epoch_members(self, view: EpochView, messages: list) -> list:
+        """An instance of an older epoch (P2 straddle; an evicted node's kept one, F7) broadcasts
+        to that epoch's members: ``Outbound(to=None)`` reaches only the current epoch's, and a
+        member the epoch change removed may hold the stake the instance needs for a quorum."""
+        members = [key for key in view.members if key != self.me]
+        routed = []
+        for message in messages:
+            if message.to is None:
+                routed.extend(Outbound(key, message.data) for key in members)
+            else:
+                routed.append(message)
+        return routed
 
     def _retire(self, inst: ConsensusInstance, now_ms: int, out: Ready) -> None:
         iid = inst.instance_id
@@ -344,6 +364,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.counters["placement_moved_to_older_epoch"] += 1
         moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out)
         if moved is not None:
+            moved.inherit_evidence(inst)
             self._send_my_bid(iid, now_ms, out)
             if iid in self.instances:  # join the others' round rather than climb to it by timeouts
                 self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)

@@ -25,14 +25,20 @@ STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 REJOIN_RETRY_MS = 1000         # an evicted node asks a member to readmit it this often
 LIVE_JOB_STATES = ("placed", "running", "migrating")
+VIEWS_KEPT = 8                 # epoch views a core holds (the newest): older epochs' votes are never read
+MAX_PENDING_JOINS = 64         # vouched joins waiting for an epoch change that admits them
+EPOCH_CHANGE = ("epoch_change",)  # instance_meta of an epoch-change instance
+# An epoch-change instance never gives up (rounds up to the wire's limit, one per
+# round_timeout_max_ms at most): it is the only one of its epoch, so an instance given up
+# would leave the epoch unable to evict or admit anyone, ever.
+EPOCH_CHANGE_MAX_ROUNDS = 1 << 20
 
 
-def evict_instance_id(node: bytes, epoch: int) -> bytes:
-    return hashlib.sha256(b"evict" + node + epoch.to_bytes(8, "big")).digest()
-
-
-def join_instance_id(key: bytes, epoch: int) -> bytes:
-    return hashlib.sha256(b"join" + key + epoch.to_bytes(8, "big")).digest()
+def epoch_change_instance_id(epoch: int) -> bytes:
+    """SPEC F4: the one instance that decides how ``epoch`` ends, with an eviction or a join.
+    One id per epoch, so the instance's agreement, not a race between several instances,
+    picks the next epoch's membership."""
+    return hashlib.sha256(b"epoch-change" + epoch.to_bytes(8, "big")).digest()
 
 
 class FailoverFlows:
@@ -46,7 +52,7 @@ class FailoverFlows:
         self.epoch_certificates: list[tuple[int, bytes]] = []   # (epoch it ended, certificate)
         self.future_certificates: dict[int, bytes] = {}
         self.sync_answered_ms: dict[bytes, int] = {}
-        self.joins: dict[bytes, tuple] = {}                      # instance -> (Join, envelope bytes)
+        self.joins: dict[bytes, tuple] = {}                      # joining key -> (Join, envelope), until admitted
         self.startup_sync_due = True
         self.sync_sent_ms = now_ms
         self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
@@ -130,6 +136,10 @@ class FailoverFlows:
             out.messages.append(Outbound(None, data))
             out.events.append(self._event("suspect", now_ms, suspect=peer.hex(), silent_ms=silent_ms))
             self._record_suspicion(self.me, suspicion, data, now_ms, out)
+        if any(s in self.view.stakes and self.view.exceeds_one_third(by) for s, by in self.suspicions.items()):
+            # A leader holds an eviction back until the suspect was silent for the whole
+            # bound (_heard_before_eviction): offer it the value again as time passes.
+            self._start_epoch_change(self.view, now_ms, out)
 
     def _on_heartbeat(self, envelope, beat: Heartbeat, data, now_ms: int, out: Ready) -> None:
         signer = envelope.signer
@@ -185,9 +195,18 @@ class FailoverFlows:
         by.setdefault(signer, data)
         # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
         if self.view.exceeds_one_third(by):
-            iid = evict_instance_id(suspect, self.epoch)
-            self._start_instance(iid, "eviction", self.view, ("eviction", suspect), self._eviction_validator(iid),
-                                 now_ms, out)
+            self._start_epoch_change(self.view, now_ms, out)
+
+    def _start_epoch_change(self, view: EpochView, now_ms: int, out: Ready):
+        """Start (or, when it already runs, feed news to) the epoch-change instance of ``view``:
+        one per epoch, deciding an eviction or a join (SPEC F4, F5, F7)."""
+        iid = epoch_change_instance_id(view.epoch)
+        inst = self._start_instance(iid, "eviction", view, EPOCH_CHANGE, self._eviction_validator(iid), now_ms, out,
+                                    other_kinds={"membership": self._membership_validator(iid)},
+                                    max_rounds=EPOCH_CHANGE_MAX_ROUNDS)
+        if inst is not None and inst.awaiting_value and iid in self.instances:
+            self._propose_epoch_change(inst, EPOCH_CHANGE, now_ms, out)  # a leader that had nothing to propose
+        return inst
 
     def _suspicion_justification(self, suspect: bytes) -> tuple:
         by = self.suspicions.get(suspect, {})
@@ -222,17 +241,38 @@ class FailoverFlows:
         return (min(others, key=lambda k: tie_break(record.job_id, k)),)
 
     def _propose_epoch_change(self, inst, meta: tuple, now_ms: int, out: Ready) -> None:
-        if meta[0] == "eviction":
-            value = self._eviction_value(meta[1], inst.view)
-            justification = self._suspicion_justification(meta[1])
-        elif meta[0] == "membership" and inst.instance_id in self.joins:
-            join, _data = self.joins[inst.instance_id]
-            value = MembershipChange(change="join", member=join.member, epoch=inst.view.epoch + 1,
-                                     evidence=join.vouchers)
-            justification = ()
+        """SPEC F5, F7: the leader proposes evicting the member whose suspicions exceed 1/3 of the
+        stake (the most suspected by stake, then the lowest key), else admitting the pending join
+        of the lowest key; with neither it waits for news (or the round's timeout)."""
+        view = inst.view
+        if meta != EPOCH_CHANGE or view.epoch != self.epoch:
+            return
+        suspects = [s for s, by in self.suspicions.items()
+                    if s in view.stakes and view.exceeds_one_third(by) and not self._heard_before_eviction(s, now_ms)]
+        joins = [self.joins[k][0] for k in sorted(self.joins) if k not in view.stakes]
+        if suspects:
+            suspect = min(suspects, key=lambda s: (-view.stake_of(self.suspicions[s]), s))
+            value, kind = self._eviction_value(suspect, view), "eviction"
+            justification = self._suspicion_justification(suspect)
+        elif joins:
+            value = MembershipChange(change="join", member=joins[0].member, epoch=view.epoch + 1,
+                                     evidence=joins[0].vouchers)
+            kind, justification = "membership", ()
         else:
             return
-        self._drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
+        self._drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms, kind), now_ms, out)
+
+    def _heard_recently(self, peer: bytes, now_ms: int) -> bool:
+        """SPEC F5: a voter refuses to evict a member it has itself heard from within the
+        suspicion threshold. A node that was only paused, or starved for a moment, and whose
+        heartbeat got through meanwhile, is alive: evicting it would cost its workloads."""
+        return self.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
+
+    def _heard_before_eviction(self, peer: bytes, now_ms: int) -> bool:
+        """SPEC F5: the leader proposes an eviction only after the suspect has been silent
+        for the whole detection bound, one heartbeat past the suspicion threshold: a paused
+        node that resumes within it is heard by the voters before they are asked."""
+        return self.heartbeats and self.detector.heard_within(peer, now_ms, self.params.detection_bound_ms)
 
     def _eviction_validator(self, iid: bytes):
         def validate(value_bytes: bytes, justification: tuple) -> str | None:
@@ -247,10 +287,12 @@ class FailoverFlows:
                         signers.add(envelope.signer)
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid eviction proposal: %s" % exc
-            if evict_instance_id(eviction.node, eviction.epoch) != iid or eviction.epoch != view.epoch:
-                return "eviction is for another node or epoch"
+            if epoch_change_instance_id(eviction.epoch) != iid or eviction.epoch != view.epoch:
+                return "eviction is for another epoch"
             if eviction.node == self.me:
                 return "an honest node does not vote for its own eviction"
+            if self._heard_recently(eviction.node, self.last_tick_ms):
+                return "heard from the suspect within the last %d ms: it is alive" % self.detector.min_silence_ms
             if not (view.exceeds_one_third(signers) or view.exceeds_one_third(self.suspicions.get(eviction.node, ()))):
                 return "suspicions do not exceed 1/3 of the stake"
             return self._check_migrations(eviction, view)
@@ -274,14 +316,15 @@ class FailoverFlows:
         return None
 
     def _eviction_instance_from_value(self, iid: bytes, eviction: Eviction, view: EpochView, now_ms: int, out: Ready):
-        if evict_instance_id(eviction.node, eviction.epoch) != iid:
+        if epoch_change_instance_id(view.epoch) != iid:
             raise RemoteProtocolError("eviction proposal under a foreign instance id")
-        return self._start_instance(iid, "eviction", view, ("eviction", eviction.node),
-                                    self._eviction_validator(iid), now_ms, out)
+        return self._start_epoch_change(view, now_ms, out)
 
     def _apply_eviction(self, iid: bytes, eviction: Eviction, certificate: bytes, now_ms: int, out: Ready) -> None:
         if eviction.epoch != self.epoch:
-            self.counters["epoch_change_for_old_epoch"] += 1  # SPEC.md 7, known limits: first change wins
+            # One instance decides each epoch's change (SPEC F4), so this is a replayed or
+            # relayed certificate of an epoch this node has already left by that same change.
+            self.counters["epoch_change_for_old_epoch"] += 1
             return
         old = self.view
         stakes = {k: s for k, s in old.stakes.items() if k != eviction.node}
@@ -310,6 +353,7 @@ class FailoverFlows:
                 self.detector.forget(key)
             self._drop_instances(keep=iid)
             out.events.append(self._event("evicted", now_ms, epoch=self.epoch))
+        self._carry_pending_joins(eviction.epoch + 1, now_ms, out)
 
     def _drop_instances(self, keep: bytes) -> None:
         """An evicted node drops the open instances only it runs: they would only time out
@@ -348,7 +392,7 @@ class FailoverFlows:
         del self.epoch_certificates[:-MAX_EPOCH_CERTIFICATES]
         self.view = view
         self.views[view.epoch] = view
-        for epoch in sorted(self.views)[:-8]:
+        for epoch in sorted(self.views)[:-VIEWS_KEPT]:
             del self.views[epoch]
         # A member is watched from its first heartbeat (SPEC F2), a newly admitted one too: it
         # holds no workload yet, and a rejoining node may need a moment to reconnect to all.
@@ -364,6 +408,19 @@ class FailoverFlows:
         waiting = self.future_certificates.pop(view.epoch, None)
         if waiting is not None:
             self._apply_certificate_bytes(waiting, now_ms, out)
+
+    def _carry_pending_joins(self, entered: int, now_ms: int, out: Ready) -> None:
+        """SPEC F7: a join that lost its epoch's change to another one (an eviction, another
+        join) is proposed again in the new epoch, while its vouchers still hold there. Called
+        once the change is fully applied (migrations too), unless a held certificate has
+        already moved this node past the epoch it entered."""
+        if self.epoch != entered:
+            return
+        for key, (join, _data) in list(self.joins.items()):
+            if key in self.view.stakes or self._check_vouchers(join.member, join.vouchers, self.view) is not None:
+                del self.joins[key]
+        if self.joins and self.is_member():
+            self._start_epoch_change(self.view, now_ms, out)
 
     def _hold_future_certificate(self, epoch: int, data: bytes) -> None:
         if len(self.future_certificates) < MAX_FUTURE_CERTIFICATES:
@@ -429,13 +486,15 @@ class FailoverFlows:
             self.counters["join_unvouched"] += 1
             out.events.append(self._event("join_refused", now_ms, key=join.member.public_key.hex(), reason=reason))
             return
-        iid = join_instance_id(join.member.public_key, self.epoch)
-        if iid in self.joins or iid in self.applied:
+        key = join.member.public_key
+        if key in self.joins:
+            return  # relayed already; it stays pending, epoch after epoch, until admitted
+        if len(self.joins) >= MAX_PENDING_JOINS:
+            self.counters["joins_full"] += 1
             return
-        self.joins[iid] = (join, data)
-        out.messages.append(Outbound(None, data))  # relay once, so every member starts the instance
-        self._start_instance(iid, "membership", self.view, ("membership", join.member.public_key),
-                             self._membership_validator(iid), now_ms, out)
+        self.joins[key] = (join, data)
+        out.messages.append(Outbound(None, data))  # relay once, so every member knows it is pending
+        self._start_epoch_change(self.view, now_ms, out)
 
     def _check_vouchers(self, member: Member, vouchers: tuple, view: EpochView) -> str | None:
         """SPEC F7: an authority attestation with at least the stake, or endorsements from
@@ -468,8 +527,8 @@ class FailoverFlows:
                 change = MembershipChange.from_body(codec.unpack(value_bytes))
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid membership proposal: %s" % exc
-            if change.change != "join" or join_instance_id(change.member.public_key, view.epoch) != iid:
-                return "membership change is for another key or epoch"
+            if change.change != "join" or epoch_change_instance_id(view.epoch) != iid:
+                return "membership change is for another epoch"
             if change.epoch != view.epoch + 1 or change.member.public_key in view.stakes:
                 return "membership change does not extend this epoch"
             return self._check_vouchers(change.member, change.evidence, view)
@@ -477,10 +536,9 @@ class FailoverFlows:
 
     def _membership_instance_from_value(self, iid: bytes, change: MembershipChange, view: EpochView, now_ms: int,
                                         out: Ready):
-        if join_instance_id(change.member.public_key, view.epoch) != iid:
+        if epoch_change_instance_id(view.epoch) != iid:
             raise RemoteProtocolError("membership proposal under a foreign instance id")
-        return self._start_instance(iid, "membership", view, ("membership", change.member.public_key),
-                                    self._membership_validator(iid), now_ms, out)
+        return self._start_epoch_change(view, now_ms, out)
 
     def _apply_membership(self, iid: bytes, change: MembershipChange, certificate: bytes, now_ms: int,
                           out: Ready) -> None:
@@ -498,12 +556,14 @@ class FailoverFlows:
             member = Member(public_key=key, stake=member.stake, zone=member.zone, labels=member.labels,
                             addrs=known.addrs)
         self.member_info[key] = member
+        pending = self.joins.pop(key, None)  # before entering: the new epoch re-proposes only the others
         self._enter_epoch(EpochView(change.epoch, stakes), certificate, now_ms, out)
         if key == self.me and self.evicted_at_epoch is not None:
             out.events.append(self._event("rejoined", now_ms, epoch=self.epoch, evicted_at_epoch=self.evicted_at_epoch))
             self.evicted_at_epoch = None
-        if iid in self.joins:  # we heard the request: bring the new member up to date
-            join, _data = self.joins.pop(iid)
+        if pending is not None:  # we heard the request: bring the new member up to date
+            join, _data = pending
             certificates = [c for e, c in self.epoch_certificates if e >= min(join.epoch, since)]
             out.messages.extend(Outbound(key, c) for c in certificates[-MAX_SYNC_CERTIFICATES:])
         out.events.append(self._event("joined", now_ms, key=key.hex(), epoch=self.epoch))
+        self._carry_pending_joins(change.epoch, now_ms, out)

@@ -19,6 +19,7 @@ from protocol.ready import Outbound, PersistRecord, Ready
 
 TERMINAL = ("completed", "failed", "cancelled")
 MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
+MAX_JOBS_SHOWN = 4096           # (leader, instance) pairs we sent a job to, then forgotten
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
 MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
@@ -418,6 +419,7 @@ class JobFlows:
             return
         mine = self.my_bids.get(inst.instance_id)
         record = self.job_records.get(meta[1])
+        self._show_job_to_leader(inst, record, out)
         if mine is not None and mine[0] == "decline" and record is not None:
             # Capacity held by concurrent bids may be free again: decide afresh, and speak
             # only if the answer became a bid (a repeated decline adds nothing).
@@ -426,6 +428,19 @@ class JobFlows:
                 return
             self.my_bids[inst.instance_id] = fresh
         self._send_my_bid(inst.instance_id, now_ms, out)
+
+    def _show_job_to_leader(self, inst, record, out: Ready) -> None:
+        """SPEC P3: the job goes with our round change to a new round's leader, once per leader.
+        A leader that crashed and restarted forgot the undecided instance (and an evicted one
+        may have dropped it): only a proposal would bring it back, and it is that leader's
+        turn to propose. From the job it runs the instance again, in the others' epoch (P2)."""
+        key = (inst.leader, inst.instance_id)
+        if record is None or inst.leader == self.me or key in self.jobs_shown:
+            return
+        if len(self.jobs_shown) >= MAX_JOBS_SHOWN:
+            self.jobs_shown.clear()
+        self.jobs_shown.add(key)
+        out.messages.append(Outbound(inst.leader, record.envelope))
 
     def _instance_gave_up(self, iid: bytes, meta: tuple, now_ms: int, out: Ready) -> None:
         self.book.release(iid)

@@ -202,7 +202,35 @@ class Record:
         return record
 
     def to_body(self) -> dict:
+        names = _plain_fields.get(type(self))
+        if names is None:
+            names = _plain_fields[type(self)] = _fields_if_plain(self.SCHEMA)
+        if names:  # every field encodes as itself (votes, most small messages): no call per field
+            return {name: getattr(self, name) for name in names}
         return {name: ftype.encode(getattr(self, name)) for name, ftype in self.SCHEMA.items()}
+
+
+def scalars_only(schema: dict) -> bool:
+    """Whether every field is an int, bool, bin or text (or nil): the body such a record
+    seals decodes back to the same values, with no tuple -> list or nested record changes."""
+    def scalar(ftype: FieldType) -> bool:
+        if isinstance(ftype, Optional):
+            return scalar(ftype.inner)
+        return type(ftype) in (Int, Bool, Bytes, Text)
+    return all(scalar(f) for f in schema.values())
+
+
+_plain_fields: dict[type, tuple] = {}  # record class -> its field names if all encode as themselves, else ()
+
+
+def _encodes_as_itself(ftype: FieldType) -> bool:
+    if isinstance(ftype, Optional):
+        return _encodes_as_itself(ftype.inner)
+    return type(ftype).encode is FieldType.encode
+
+
+def _fields_if_plain(schema: dict) -> tuple:
+    return tuple(schema) if all(_encodes_as_itself(f) for f in schema.values()) else ()
 
 
 def check_schema_matches_fields(cls) -> None:

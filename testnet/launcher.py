@@ -327,9 +327,12 @@ def _terminate(pid: int | None, grace_s: float) -> None:
 def testnet_processes(root) -> list[int]:
     """Every live process whose command line or working directory is under ``root``."""
     root = str(Path(root).resolve())
+    # Our own ancestors may name ``root`` too (``flock L meshnode bench --dir ROOT``, a
+    # shell script given ROOT): they started the testnet and are not part of it.
+    ours = _ancestors(os.getpid())
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
+        if not name.isdigit() or int(name) in ours:
             continue
         try:
             cmdline = Path("/proc/%s/cmdline" % name).read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -338,6 +341,19 @@ def testnet_processes(root) -> list[int]:
             continue
         if (root in cmdline or cwd.startswith(root)) and process_alive(int(name)):
             found.append(int(name))
+    return found
+
+
+def _ancestors(pid: int) -> set[int]:
+    """``pid`` and every process above it, from /proc/PID/stat's parent field."""
+    found = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            stat = Path("/proc/%d/stat" % pid).read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
     return found
 
 

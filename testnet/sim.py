@@ -18,7 +18,7 @@ check decisions. Every decision goes through the checkers (testnet/sim_checks.py
 
 from __future__ import annotations
 
-import hashlib
+import gc
 import heapq
 import random
 import time
@@ -38,6 +38,10 @@ TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL = range(6)
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
 MAX_CRASHES = 8
 RETRY_SUBMIT_MS = 50
+# A run allocates millions of small objects that mostly live until it ends (the cores'
+# state); with the default gen-0 threshold (700) the collector rescans them so often that
+# it took 30% of a 1000-node run. Garbage cycles are rare here, so collect far less often.
+GC_GEN0_THRESHOLD = 100_000
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class SimNode:
     incarnation: int = 0
     certificates: list = field(default_factory=list)   # persisted commit certificate bytes
     safety_records: dict = field(default_factory=dict)  # (table, key) -> persisted vote/lock/evidence
+    records_of: dict = field(default_factory=dict)      # instance -> its vote and lock keys in safety_records
     evidence_offenders: set = field(default_factory=set)  # offenders in persisted evidence records
     persisted_records: int = 0
     behaviour: ByzantineBehaviour | None = None
@@ -229,6 +234,16 @@ class Simulation:
     # --- the event loop ---------------------------------------------------------------------
 
     def run(self) -> SimResult:
+        thresholds = gc.get_threshold()
+        gc.freeze()  # the world built so far lives all run: never rescan it
+        gc.set_threshold(max(thresholds[0], GC_GEN0_THRESHOLD), *thresholds[1:])
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
+
+    def _run(self) -> SimResult:
         started = time.perf_counter()
         cfg = self.config
         for node in self.nodes:
@@ -347,16 +362,23 @@ class Simulation:
 
     def _emit(self, node: SimNode, ready) -> None:
         """Drain one Ready batch in contract order: persist, send, decisions (events are counted)."""
+        if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
+            return  # most deliveries (a vote at its collector, a repeat) change nothing outside
         for record in ready.persist:
             node.persisted_records += 1
-            if record.table == "certificates":
+            table = record.table
+            if table == "certificates":
                 node.certificates.append(record.value["certificate"])
-            elif record.table in SAFETY_TABLES:
-                node.safety_records[(record.table, record.key)] = record  # upserted by key, as on disk
-                if record.table == "votes" and node.behaviour is None:
-                    self.checker.check_own_vote(node.index, record.value["envelope"])
-                if record.table == "evidence":
+                self._forget_votes(node, record.value["instance"])
+            elif table in SAFETY_TABLES:
+                key = (table, record.key)
+                node.safety_records[key] = record  # upserted by key, as on disk
+                if table == "evidence":
                     node.evidence_offenders.add(record.value["offender"])
+                else:
+                    node.records_of.setdefault(record.value["instance"], []).append(key)
+                    if table == "votes" and node.behaviour is None:
+                        self.checker.check_own_vote(node.index, record.value["envelope"])
         outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
         if outbound:
             self._send(node, outbound)
@@ -371,6 +393,15 @@ class Simulation:
                 if done == len(self.honest):
                     self.complete += 1  # early stop only when every honest node has every job
 
+    @staticmethod
+    def _forget_votes(node: SimNode, instance: bytes) -> None:
+        """A restarted core never reads the votes or lock of an instance whose certificate it
+        persisted (it replays the decision instead), so the disk may drop them, as the node
+        store does (meshnode/node_store.py); the simulator does it at once so that its memory
+        stays flat over thousands of decisions. Evidence records stay."""
+        for key in node.records_of.pop(instance, ()):
+            node.safety_records.pop(key, None)
+
     def _peers(self, node: SimNode) -> list[bytes]:
         return [self.nodes[i].public_key for i in self._broadcast_targets(node)]
 
@@ -384,7 +415,8 @@ class Simulation:
         return cached
 
     def _send(self, node: SimNode, outbound) -> None:
-        network, rng, push, src = self.network, self.rng, self.push, node.index
+        network, rng, push, src, now_ms = self.network, self.rng, self.push, node.index, self.now_ms
+        clean = not network.faulty_at(now_ms)
         for message in outbound:
             if message.to is None:
                 recipients = self._broadcast_targets(node)
@@ -395,8 +427,15 @@ class Simulation:
                 recipients = [dst]
             self.messages += len(recipients)
             payload = (src, message.data)
+            if clean:  # the same draws and queue entries as the loop below, in bulk
+                queue, seq = self.queue, self.seq
+                for dst, at_ms in zip(recipients, network.clean_arrivals(len(recipients), now_ms, rng)):
+                    seq += 1
+                    heapq.heappush(queue, (at_ms, seq, DELIVER, dst, payload))
+                self.seq = seq
+                continue
             for dst in recipients:
-                for at_ms in network.deliveries(src, dst, self.now_ms, rng):
+                for at_ms in network.deliveries(src, dst, now_ms, rng):
                     push(at_ms, DELIVER, dst, payload)
 
     # --- results ----------------------------------------------------------------------------
@@ -405,9 +444,10 @@ class Simulation:
         checker = self.checker
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
         deciders = self._deciders()
-        missing = checker.check_liveness(submitted, deciders, deadline_ms)
+        unplaceable = self._unplaceable_jobs(deciders)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable)
         checker.check_evidence(self.witnessed, self._evidence_of)
-        log_digest = hashlib.sha256(repr(checker.log).encode()).hexdigest()
+        log_digest = checker.log_digest()
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
@@ -417,7 +457,7 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters))
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable)))
 
     def _deciders(self) -> list[int]:
         """Honest members of the newest epoch: an honest node the mesh evicted (it looked dead
@@ -430,6 +470,26 @@ class Simulation:
             return list(self.honest)
         latest = max(views, key=lambda view: view.epoch)
         return [i for i in self.honest if self.nodes[i].public_key in latest.stakes]
+
+    def _unplaceable_jobs(self, deciders: list[int]) -> frozenset:
+        """Jobs no honest member can take any more: not a stall, but only when every honest
+        member says so (its core answered the job's placement with a decline, a reason) and
+        the checker's own accounting agrees (its policy, the job's constraints, or what it
+        already holds rule it out). The world draws every job to fit an empty honest node,
+        but that node may since have been evicted, or filled by the other jobs; a job only
+        a Byzantine node could run may rightly stay pending."""
+        if not deciders:
+            return frozenset()
+        return frozenset(spec.job_id for spec in self.world.jobs if spec.job_id not in self.checker.placement_of
+                         and all(self._declined(n, spec.job_id) and not self.checker.could_host(n, spec.job)
+                                 for n in deciders))
+
+    def _declined(self, index: int, jid: bytes) -> bool:
+        """Whether node ``index`` answered the job's current placement instance with a decline."""
+        core = self.nodes[index].core
+        record = core.job_records.get(jid) if core is not None else None
+        answer = core.my_bids.get(record.instance) if record is not None else None
+        return answer is not None and answer[0] == "decline"
 
     def _evidence_of(self, index: int) -> set[bytes]:
         """Offenders a node holds evidence against: persisted (survives its crashes) or live."""

@@ -9,7 +9,8 @@ crashes and restarts, in the style of tigerbeetle's VOPR:
 - validity: a placement names a job its owner signed, a primary and backups that are
   members, the job's resources and constraints hold at the primary, an honest primary's
   sovereignty policy admits the job, and no honest node is ever over-committed;
-- liveness (after the run): every job decided at every honest node within the bound;
+- liveness (after the run): every job decided at every honest node within the bound, but
+  for a job no honest member can take any more (``Simulation._unplaceable_jobs``);
 - evidence (after the run): every key that showed two conflicting signed messages to one
   honest node appears in that node's evidence;
 - own votes: an honest node signs at most one proposal, prevote and precommit per
@@ -21,6 +22,7 @@ of them and a test can assert that a deliberately broken input is caught.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,8 +85,11 @@ class DecisionChecker:
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
         self.violations: list[Violation] = []
         self.violation_count = 0
-        self.log: list[tuple] = []                             # (ms, node, kind, instance, hash)
-        self.signed: dict[tuple, bytes] = {}   # (node, instance, epoch, round, kind) -> envelope
+        # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
+        # the running SHA-256 of its repr (a million decisions would not fit in memory).
+        self.log_entries = 0
+        self._log_hash = hashlib.sha256(b"[")
+        self.signed: dict[tuple, bytes] = {}   # (node, instance, epoch, round, kind) -> envelope's SHA-256
 
     # --- recording -------------------------------------------------------------------------
 
@@ -99,8 +104,9 @@ class DecisionChecker:
         same bytes: different bytes for one slot are two different messages."""
         _, vote = decode_message(envelope, self.mesh_id)
         slot = (node, vote.instance, vote.epoch, vote.round, type(vote).KIND)
-        first = self.signed.setdefault(slot, envelope)
-        if first != envelope:
+        digest = hashlib.sha256(envelope).digest()
+        first = self.signed.setdefault(slot, digest)
+        if first != digest:
             self.fail("own_votes", node, vote.instance, "signed two different %ss in epoch %d round %d"
                       % (type(vote).KIND, vote.epoch, vote.round))
 
@@ -123,7 +129,7 @@ class DecisionChecker:
         if decided_value != decision.value:
             self.fail("certificate", node, instance, "decision value differs from the certified value")
         digest = value_hash(value_bytes)
-        self.log.append((now_ms, node, decision.value_kind, instance.hex(), digest.hex()))
+        self._log((now_ms, node, decision.value_kind, instance.hex(), digest.hex()))
         seen_at = self.decided_at.setdefault(instance, {})
         if node in seen_at:
             # A node re-emitting a decision (after a restart) is fine if it is the same value.
@@ -138,6 +144,16 @@ class DecisionChecker:
         elif first != (decision.value_kind, digest):
             self.fail("agreement", node, instance, "decided %s, another node decided %s"
                       % (digest.hex()[:12], first[1].hex()[:12]))
+
+    def _log(self, entry: tuple) -> None:
+        self._log_hash.update((", " if self.log_entries else "").encode() + repr(entry).encode())
+        self.log_entries += 1
+
+    def log_digest(self) -> str:
+        """SHA-256 hex of ``repr`` of the list of every logged decision, in order."""
+        final = self._log_hash.copy()
+        final.update(b"]")
+        return final.hexdigest()
 
     # --- validity ---------------------------------------------------------------------------
 
@@ -252,13 +268,38 @@ class DecisionChecker:
 
     # --- end-of-run checks ---------------------------------------------------------------
 
-    def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int) -> int:
-        """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``.
+    def could_host(self, holder: int, job: JobManifest) -> bool:
+        """Whether honest node ``holder`` could take ``job`` now, by what the simulator knows
+        to be true (not what any node claims): its policy, its member facts, and the capacity
+        left by the placements this history committed to it (whole GPUs, SPEC.md R1)."""
+        facts = self.facts[holder]
+        policy, resources = facts.policy, job.resources
+        if policy.allowed_owners is not None and job.owner not in policy.allowed_owners:
+            return False
+        if job.entrypoint not in policy.allowed_entrypoints:
+            return False
+        if job.constraints.zones and facts.zone not in job.constraints.zones:
+            return False
+        labels = dict(facts.labels)
+        if any(labels.get(key) != wanted for key, wanted in job.constraints.labels):
+            return False
+        load, capacity = self.loads[holder], facts.capacity
+        free_gpus = [i for i, total in enumerate(capacity.gpu_mem_total_mib)
+                     if load.gpu_mem_mib.get(i, 0) <= 0 and total >= resources.gpu_mem_mib]
+        return (len(free_gpus) >= resources.gpus and load.cpu_milli + resources.cpu_milli <= capacity.cpu_milli
+                and load.mem_mib + resources.mem_mib <= capacity.mem_mib)
+
+    def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
+                       unplaceable: frozenset = frozenset()) -> int:
+        """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``,
+        except the ``unplaceable`` ones no honest member can take (not a stall).
 
         Returns how many (job, node) pairs were missing; each missing job is one violation.
         """
         missing_pairs = 0
         for jid, submitted_ms in jobs.items():
+            if jid in unplaceable:
+                continue
             instance = self.placement_of.get(jid)
             seen = self.decided_at.get(instance, {}) if instance is not None else {}
             late = [n for n in deciders if seen.get(n, deadline_ms + 1) > deadline_ms]

@@ -118,6 +118,23 @@ class SimNetwork:
         self.stats.delivered_scheduled += len(arrivals)
         return arrivals
 
+    def clean_arrivals(self, count: int, now_ms: int, rng: random.Random) -> list[int]:
+        """Arrival times of ``count`` messages sent at ``now_ms`` once every fault has healed.
+
+        Exactly what ``count`` calls of ``deliveries`` would return then, drawing the same
+        numbers from ``rng`` in the same order (``randint(0, j)`` is ``_randbelow(j + 1)``),
+        without their per-message bookkeeping: one broadcast reaches ~n-1 peers.
+        """
+        if now_ms < self.heal_ms:
+            raise ValueError("clean arrivals only once every fault has healed")
+        self.stats.sent += count
+        self.stats.delivered_scheduled += count
+        base, jitter = self.delay.base_ms, self.delay.jitter_ms
+        if not jitter:
+            return [now_ms + max(1, base)] * count
+        draw = rng._randbelow
+        return [now_ms + max(1, base + draw(jitter + 1)) for _ in range(count)]
+
 
 def random_partition(rng: random.Random, n: int, start_ms: int, end_ms: int, symmetric: bool) -> Partition:
     """Split ``0..n-1`` into two non-empty sides; cut both ways, or only side 0 -> side 1."""

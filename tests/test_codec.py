@@ -184,3 +184,53 @@ def test_signatures_remembered_at_sealing_do_not_vouch_for_altered_envelopes():
                    env.Envelope(sealed.mesh_id, sealed.kind, sealed.body, other.public_key, sealed.signature)):
         with pytest.raises(RemoteProtocolError, match="signature"):
             env.open_envelope(forged.encode(), bytes(32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), canonical_values, max_size=4), st.text(max_size=12))
+def test_sealed_wire_bytes_equal_the_packed_envelope(body, kind):
+    """seal() builds the wire form from its signing input instead of packing again; it must
+    be byte for byte the canonical packing of the envelope's fields (SPEC.md 2.2)."""
+    from dataclasses import replace
+
+    from keys.identity import SigningIdentity
+    from protocol import envelope as env
+
+    sealed = env.seal(SigningIdentity(bytes(range(32))), bytes(32), kind, body)
+    packed = codec.pack([sealed.version, sealed.mesh_id, kind, body, sealed.signer, sealed.signature])
+    assert sealed.encode() == packed
+    assert env.open_envelope(packed, bytes(32)).encode() == packed
+    # An edited copy re-encodes its own fields rather than reusing the original's bytes.
+    assert replace(sealed, kind=kind + "x").encode() != packed
+
+
+def test_decoded_message_cache_keeps_the_mesh_check():
+    """One cache entry serves lenient and strict decodes: a job signed for any mesh, decoded
+    leniently first, is still refused by a strict decode of the same bytes."""
+    from keys.identity import SigningIdentity
+    from protocol.envelope import ANY_MESH
+    from protocol.messages import Cancel, decode_message, encode_message
+
+    mesh = bytes(range(32))
+    data = encode_message(SigningIdentity(bytes(range(32))), ANY_MESH, Cancel(job_id=bytes(32), requested_ms=1))
+    envelope, cancel = decode_message(data, mesh, allow_any_mesh=True)
+    assert envelope.mesh_id == ANY_MESH and cancel.requested_ms == 1
+    with pytest.raises(RemoteProtocolError, match="another mesh"):
+        decode_message(data, mesh)
+    with pytest.raises(RemoteProtocolError, match="another mesh"):
+        decode_message(bytes(data), mesh)  # the same bytes in another object: a cache miss
+
+
+def test_a_sealed_vote_decodes_from_the_cache_as_from_its_bytes():
+    """sign_message remembers what decoding a vote's bytes gives; it must equal a real decode."""
+    from keys.identity import SigningIdentity
+    from protocol import messages
+
+    mesh = bytes(range(32))
+    for vote in (messages.Prevote(bytes(range(32)), 2, 1, None), messages.Precommit(bytes(32), 0, 0, bytes(32))):
+        data = messages.sign_message(SigningIdentity(bytes(32)), mesh, vote).encode()
+        cached = messages.decode_message(data, mesh, expect=type(vote))
+        messages._decoded.clear()
+        decoded = messages.decode_message(data, mesh, expect=type(vote))
+        assert cached == decoded and cached[1] == vote
+        assert dict(cached[0].body) == dict(decoded[0].body) and cached[0].encode() == data

@@ -100,3 +100,21 @@ def test_testnet_places_joins_and_leaves_nothing(tmp_path):
     finally:
         meshnode("testnet", "down", "--dir", str(root), check=False)
     assert launcher.testnet_processes(root) == []
+
+
+def test_testnet_processes_skips_the_callers_own_ancestors(tmp_path):
+    """`flock L meshnode bench --dir ROOT` names ROOT too: tearing the testnet down must not
+    SIGKILL the wrapper that started it. A process working in ROOT is still found."""
+    worker = subprocess.Popen(["sleep", "30"], cwd=tmp_path)
+    try:
+        probe = ("import sys; from testnet.launcher import testnet_processes; "
+                 "print(' '.join(map(str, testnet_processes(sys.argv[1]))))")
+        wrapper = subprocess.run(["sh", "-c", 'echo $$; "$0" -c "$1" "$2"', sys.executable, probe, str(tmp_path)],
+                                 capture_output=True, text=True, timeout=30, check=True)
+        wrapper_pid, listed = wrapper.stdout.splitlines()
+        found = {int(pid) for pid in listed.split()}
+        assert worker.pid in found
+        assert int(wrapper_pid) not in found
+    finally:
+        worker.kill()
+        worker.wait()

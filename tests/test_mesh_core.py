@@ -13,8 +13,9 @@ from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.messages import (Bid, Cancel, Checkpoint, Heartbeat, Constraints, JobExit, JobManifest, Member, Proposal,
-                               Resources, RoundChange, decode_message, encode_message, job_id, value_hash)
+from protocol.messages import (Bid, Cancel, Checkpoint, Heartbeat, Constraints, JobExit, JobManifest, Member, Precommit,
+                               Prevote, Proposal, Resources, RoundChange, decode_message, encode_message, job_id,
+                               value_hash)
 from protocol.placement import choose_placement, parse_bid
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
@@ -425,6 +426,85 @@ def test_p2_a_placement_started_in_a_newer_epoch_joins_the_others_older_one():
     assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
     bids = [decode_message(m.data, MESH)[1] for m in moved.messages if codec.unpack(m.data)[2] in ("bid", "decline")]
     assert [b.epoch for b in bids] == [0]
+
+
+def test_6_10_equivocation_in_the_epoch_a_placement_left_is_still_evidence():
+    # Seed 6654 of the 10,000-seed sweep: node 2 saw one prevote of an epoch-1 equivocator,
+    # moved its instance to epoch 0 (P2), then got the conflicting prevote; the moved
+    # instance had forgotten the first one and recorded nothing.
+    net = Net()
+    job, envelope = make_job()
+    iid = job_id(job)
+    newer = net.cores[KEYS[2]]
+    newer.view = newer.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
+    older = net.cores[KEYS[0]]
+    newer.submit(envelope, 0)
+    older.submit(envelope, 0)
+    liar = IDS[1]
+    first, second = (encode_message(liar, MESH, Prevote(iid, 0, 1, value_hash(v))) for v in (b"A", b"B"))
+    newer.step(first, 0)
+    hint = older.step(newer.instances[iid].round_change(), 0)
+    (reply,) = [m for m in hint.messages if m.to == KEYS[2]]
+    newer.step(reply.data, 0)
+    assert newer.instances[iid].view.epoch == 0 and newer.evidence == []
+    out = newer.step(second, 0)
+    assert [(e.offender, e.first, e.second) for e in newer.evidence] == [(liar.public_key, first, second)]
+    assert [r.table for r in out.persist] == ["evidence"]
+    # A conflicting pair that arrives wholly after the move is caught as well: the node
+    # holds epoch 1's view, so it knows the signer was a member there.
+    for value in (b"C", b"D"):
+        newer.step(encode_message(liar, MESH, Precommit(iid, 0, 1, value_hash(value))), 0)
+    assert [e.offender for e in newer.evidence] == [liar.public_key] * 2
+    # A key outside that epoch's members proves nothing: two votes from it are only dropped.
+    outsider = IDS[3]
+    for value in (b"E", b"F"):
+        newer.step(encode_message(outsider, MESH, Prevote(iid, 0, 1, value_hash(value))), 0)
+    assert len(newer.evidence) == 2
+
+
+def test_an_instance_of_an_older_epoch_broadcasts_to_that_epochs_members():
+    # Sweep stalls (seed 5 of 0-1499): node 2 was evicted but kept voting in epoch-0
+    # placements, whose quorum needed its stake; the others' proposals and certificates
+    # went to "every member of the current epoch" and never reached it.
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 100))
+                         if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
+    core = Net().cores[KEYS[0]]
+    core.submit(envelope, 0)
+    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
+    out = core.tick(GENESIS.params.bid_window_ms + 1)
+    proposals = [m for m in out.messages if codec.unpack(m.data)[2] == "proposal"]
+    assert proposals and sorted(m.to for m in proposals) == sorted(KEYS[1:])
+    assert decode_message(proposals[0].data, MESH)[1].epoch == 0
+
+
+def test_p3_a_round_change_shows_the_job_to_a_new_leader_that_may_have_forgotten_it():
+    # Sweep stalls: a leader that crashed and restarted (or was evicted) had forgotten the
+    # undecided placement, and round changes alone never brought it back.
+    net = Net()
+    job, envelope = make_job(backups=0)
+    iid = job_id(job)
+    sent = {}
+    for key in KEYS[:2]:  # two nodes that hear from nobody: round after round times out
+        core = net.cores[key]
+        sent[key] = list(core.submit(envelope, 0).messages)
+        for now in range(0, 6000, 10):
+            sent[key].extend(core.tick(now).messages)
+    view = net.cores[KEYS[0]].view
+    rounds = range(1, net.cores[KEYS[0]].instances[iid].round + 1)
+    leaders = {view.leader(iid, r) for r in rounds} - {KEYS[0]}
+    shown = [m.to for m in sent[KEYS[0]] if m.data == envelope and m.to is not None]
+    assert leaders and sorted(shown) == sorted(leaders)  # once per leader, not per round
+    # That leader, restarted with no memory of the job, runs the instance again from it and
+    # counts the round changes: those of more than 1/3 of the stake bring it to their round.
+    round = next(r for r in rounds if view.leader(iid, r) not in KEYS[:2])
+    leader = view.leader(iid, round)
+    changes = [m.data for key in KEYS[:2] for m in sent[key] if m.to == leader
+               and codec.unpack(m.data)[2] == "round_change" and decode_message(m.data, MESH)[1].round == round]
+    fresh = Net().cores[leader]
+    fresh.step(envelope, 6000)
+    for change in changes:
+        fresh.step(change, 6000)
+    assert len(changes) == 2 and fresh.instances[iid].round == round
 
 
 def test_p2_a_certificate_of_the_other_epoch_decides_a_straddling_placement():

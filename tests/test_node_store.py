@@ -154,3 +154,53 @@ def test_safety_records_restore_a_consensus_lock_after_reopen(tmp_path):
     fresh.restore(records)
     assert (fresh.round, fresh.lock) == (node.round, node.lock)
     assert kind_of(fresh._own[("precommit", 0)][1]) == "precommit"
+
+
+def vote(instance: bytes, epoch: int, round: int = 0) -> PersistRecord:
+    key = "%s:%d:%d:prevote" % (instance.hex(), epoch, round)
+    return PersistRecord("votes", key, {"instance": instance, "epoch": epoch, "round": round, "kind": "prevote",
+                                        "envelope": b"signed"})
+
+
+def lock(instance: bytes, epoch: int) -> PersistRecord:
+    return PersistRecord("locks", "%s:%d" % (instance.hex(), epoch), {
+        "instance": instance, "epoch": epoch, "round": 0, "value_hash": b"h" * 32, "certificate": b"c",
+        "proposal": b"p"})
+
+
+def entered(epoch: int) -> PersistRecord:
+    return PersistRecord("membership", str(epoch), {"epoch": epoch, "certificate": b"epoch-change"})
+
+
+def test_safety_records_of_decided_old_epoch_instances_are_pruned_on_an_epoch_change(tmp_path):
+    # SPEC.md 6.9: node.sqlite kept every vote and lock forever. Entering an epoch drops
+    # those of instances decided in older epochs, and those of epochs too old for the core
+    # to hold a view of; the current epoch's and undecided recent ones stay.
+    store = NodeStore(tmp_path / "node.sqlite")
+    decided_old, open_old, decided_now = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    store.record_ready(Ready(persist=[vote(decided_old, 0), vote(decided_old, 0, 1), lock(decided_old, 0),
+                                      vote(open_old, 0), lock(open_old, 0)],
+                             decisions=[Decision("placement", decided_old, None, certificate(decided_old, 0))]))
+    store.record_ready(Ready(persist=[entered(1), vote(decided_now, 1)],
+                             decisions=[Decision("placement", decided_now, None, certificate(decided_now, 1))]))
+    kept = {(r.table, r.value["instance"], r.value["epoch"]) for r in store.safety_records()}
+    assert kept == {("votes", open_old, 0), ("locks", open_old, 0), ("votes", decided_now, 1)}
+    store.apply([entered(7)])  # the core still holds epoch 0's view (the newest 8: 0..7)
+    kept = {(r.table, r.value["instance"], r.value["epoch"]) for r in store.safety_records()}
+    assert kept == {("votes", open_old, 0), ("locks", open_old, 0)}
+    # Undecided, but from an epoch whose view no core holds any more: it can never be read.
+    store.apply([entered(8)])
+    assert store.safety_records() == []
+    assert len(store.certificates()) == 2  # certificates are history: never pruned
+
+
+def test_safety_records_stay_bounded_over_many_epochs(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    for epoch in range(40):
+        instances = [bytes([epoch, n]) * 16 for n in range(3)]
+        store.record_ready(Ready(
+            persist=[entered(epoch)] + [vote(i, epoch, r) for i in instances for r in range(2)],
+            decisions=[Decision("placement", i, None, certificate(i, epoch)) for i in instances[:2]]))
+    # Per epoch: 2 decided instances (pruned once the epoch is past) and 1 open one (kept
+    # for the newest views only), 2 votes each.
+    assert len(store.load("votes")) == 2 * 3 + 2 * (8 - 1)

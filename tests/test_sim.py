@@ -13,10 +13,11 @@ from dataclasses import replace
 import pytest
 
 from protocol import codec
-from protocol.messages import CommitCertificate, Placement, Precommit, decode_message, encode_message, value_hash
+from protocol.messages import (CommitCertificate, Placement, Precommit, decode_message, encode_message, job_id,
+                               value_hash)
 from protocol.ready import Decision
 from testnet.sim import FAULTS, SimConfig, Simulation, run_simulation
-from testnet.sim_world import choose_byzantine
+from testnet.sim_world import JobSpec, choose_byzantine
 
 SWEEP_SEEDS = 200
 SAFETY_CHECKS = ("agreement", "certificate", "validity", "overcommit")
@@ -50,7 +51,7 @@ def test_same_seed_gives_identical_decision_log():
     config = SimConfig(nodes=5, jobs=3, seed=1234, byzantine_milli=300, faults=FAULTS, heartbeats=False)
     first, second = Simulation(config), Simulation(config)
     one, two = first.run(), second.run()
-    assert first.checker.log and first.checker.log == second.checker.log
+    assert first.checker.log_entries and first.checker.log_entries == second.checker.log_entries
     assert one.decision_log_digest == two.decision_log_digest
     assert (one.messages, one.virtual_ms) == (two.messages, two.virtual_ms)
     other = run_simulation(replace(config, seed=1235))
@@ -112,11 +113,14 @@ def test_checker_catches_bad_certificates_and_mismatched_values():
 def test_checker_catches_an_honest_node_signing_two_votes_for_one_round():
     sim = _finished_simulation()
     checker = sim.checker
-    (node, instance, epoch, round, _), first = next(item for item in checker.signed.items() if item[0][4] == "prevote")
+    instance = next(iter(checker.canonical))
+    _, certificate = decode_message(_decisions_of(sim, instance)[0], sim.mesh_id, expect=CommitCertificate)
+    first = certificate.precommits[0]
+    envelope, precommit = decode_message(first, sim.mesh_id, expect=Precommit)
+    node = sim.index_of[envelope.signer]
     checker.check_own_vote(node, first)  # the same envelope re-sent (after a restart): fine
     assert checker.violation_count == 0
-    _, prevote = decode_message(first, sim.mesh_id)
-    other = replace(prevote, value_hash=None if prevote.value_hash else bytes(32))
+    other = replace(precommit, value_hash=bytes(32))
     checker.check_own_vote(node, encode_message(sim.world.nodes[node].identity, sim.mesh_id, other))
     assert [v.check for v in checker.violations] == ["own_votes"]
 
@@ -176,3 +180,68 @@ def test_one_third_byzantine_stalls_without_wrong_decisions(seed):
 
 def _views(sim: Simulation) -> dict:
     return sim.nodes[sim.honest[0]].core.views
+
+
+def _simulation_with_a_job_nobody_takes() -> Simulation:
+    sim = Simulation(SimConfig(nodes=4, jobs=2, seed=7, faults=(), heartbeats=False))
+    spec = sim.world.jobs[0]
+    job = replace(spec.job, name="platinum", constraints=replace(spec.job.constraints, labels=(("tier", "platinum"),)))
+    owner = next(o for o in sim.world.owners if o.public_key == job.owner)
+    sim.world.jobs[0] = JobSpec(job, encode_message(owner, sim.mesh_id, job), job_id(job), spec.submit_ms)
+    return sim
+
+
+def test_a_job_no_honest_member_can_take_is_unplaceable_not_a_stall():
+    # No node has the label the job asks for: every honest core declines it with a reason
+    # (labels_missing) and the checker's own accounting agrees, so it is no liveness failure.
+    result = _simulation_with_a_job_nobody_takes().run()
+    assert result.ok, [v.line() for v in result.violations]
+    assert result.counters["unplaceable_jobs"] == 1 and result.decisions == 1
+    # Only the core's own word (a decline) together with the checker's excuses it.
+    silent = _simulation_with_a_job_nobody_takes()
+    silent._declined = lambda index, jid: False
+    assert [v.check for v in silent.run().violations] == ["liveness"]
+    blind = _simulation_with_a_job_nobody_takes()
+    blind.checker.could_host = lambda holder, job: True
+    assert [v.check for v in blind.run().violations] == ["liveness"]
+
+
+def test_clean_arrivals_draw_exactly_what_per_message_deliveries_draw():
+    """The simulator schedules a broadcast after the heal in bulk; same seed, same history
+    means the bulk path must return the same times and leave the rng in the same state."""
+    import random
+
+    from testnet.sim_network import DelayModel, SimNetwork
+
+    for jitter in (0, 1, 4, 9):
+        per_message, bulk = SimNetwork(delay=DelayModel(2, jitter)), SimNetwork(delay=DelayModel(2, jitter))
+        one, two = random.Random(jitter), random.Random(jitter)
+        expected = [at for dst in range(40) for at in per_message.deliveries(0, dst, 500, one)]
+        assert bulk.clean_arrivals(40, 500, two) == expected
+        assert one.getrandbits(64) == two.getrandbits(64)
+        assert bulk.stats == per_message.stats
+
+
+def test_decision_log_digest_is_the_digest_of_the_whole_log():
+    import hashlib
+
+    from testnet.sim_checks import DecisionChecker
+
+    checker = DecisionChecker(bytes(32), [], verify_certificate=None)
+    entries = [(5, 0, "placement", "ab" * 32, "cd" * 32), (7, 3, "eviction", "01" * 32, "ef" * 32)]
+    assert checker.log_digest() == hashlib.sha256(b"[]").hexdigest()
+    for entry in entries:
+        checker._log(entry)
+    assert checker.log_digest() == hashlib.sha256(repr(entries).encode()).hexdigest()
+
+
+def test_votes_and_locks_of_decided_instances_leave_the_simulated_disk():
+    """A restarted core ignores the votes and lock of an instance it holds the certificate
+    of, so the simulator drops them (its memory stays flat); evidence records stay."""
+    sim = Simulation(SimConfig(nodes=5, jobs=3, seed=3, faults=(), heartbeats=False))
+    result = sim.run()
+    assert result.ok and result.decisions == 3
+    for node in sim.nodes:
+        assert node.persisted_records > len(node.certificates) == 3
+        assert not [key for key in node.safety_records if key[0] in ("votes", "locks")]
+        assert not node.records_of

@@ -44,12 +44,17 @@ async def open_runner(nursery, tmp_path, **options):
     return runner, recorder
 
 
-def process_gone(pid):
+def process_state(pid):
+    """The state letter of /proc/PID/stat (R, S, T stopped, Z zombie), or None once reaped."""
     try:
         with open("/proc/%d/stat" % pid) as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+            return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return True
+        return None
+
+
+def process_gone(pid):
+    return process_state(pid) in ("Z", None)  # a zombie has stopped running
 
 
 async def test_counter_checkpoints_progress_and_stop_kills_it(tmp_path):
@@ -84,6 +89,32 @@ async def test_restored_counter_continues_from_the_checkpoint(tmp_path):
             _, seq, progress, _, _ = await recorder.checkpoints.receive()
             assert (seq, 5000 < progress <= 5050) == (42, True)
             assert await recorder.exits.receive() == (JOB, 0)  # ran its 50 remaining units and finished
+        nursery.cancel_scope.cancel()
+
+
+OFFER_THEN_STOP = textwrap.dedent("""
+    import os, signal
+    from meshnode.workload import Workload
+    w = Workload.connect()
+    w.set_state(b"offered before the stop", progress=7)
+    os.kill(os.getpid(), signal.SIGSTOP)   # descheduled from here on, as a starved workload is
+""")
+
+
+async def test_a_stopped_workload_is_still_checkpointed_from_what_it_offered(tmp_path):
+    """The node reads the state slot itself: a workload that cannot run (SIGSTOP, or starved
+    at its lower priority) delays no checkpoint (SPEC.md 9.4)."""
+    stopper = [sys.executable, "-c", OFFER_THEN_STOP]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"stopper": stopper})
+        pid = await runner.start(JOB, "stopper", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            while process_state(pid) != "T":
+                await trio.sleep(0.01)
+            _, seq, progress, _, state = await recorder.checkpoints.receive()
+        assert (seq, progress, state) == (1, 7, b"offered before the stop")
+        with trio.fail_after(WAIT_S):
+            await runner.stop(JOB)
         nursery.cancel_scope.cancel()
 
 
