@@ -183,23 +183,28 @@ class WorkloadRunner:
         workdir = os.path.join(self.data_dir, "workloads", job_id.hex())
         os.makedirs(workdir, exist_ok=True)
         node_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        slot_fd = create_region()
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
-                   **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
-                      sdk.WORKDIR_ENV: workdir})
+        slot_fd = slot = popen = None
         try:
+            slot_fd = create_region()
             slot = SlotReader(slot_fd)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
+                       **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
+                          sdk.WORKDIR_ENV: workdir})
             with open(os.path.join(workdir, "output.log"), "ab") as output:
                 popen = subprocess.Popen(
                     argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
                     stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,
                     preexec_fn=_die_with_parent(self._prctl, os.getpid()))
         except OSError as exc:
-            node_end.close()
             raise LocalProtocolError("cannot start %r: %s" % (argv[0], exc.strerror)) from None
         finally:
             child_end.close()
-            os.close(slot_fd)  # the mapping (ours) and the child's copy keep the memory alive
+            if slot_fd is not None:
+                os.close(slot_fd)  # the mapping (ours) and the child's copy keep the memory alive
+            if popen is None:  # not started (OSError, or e.g. a failing preexec_fn): nothing may leak
+                node_end.close()
+                if slot is not None:
+                    slot.close()
         restore_fields = sdk.RESTORE_FIELDS.pack(int(restore is not None), fence, seq, progress, self.checkpoint_ms)
         info = RunningWorkload(job_id=job_id, entrypoint=entrypoint, argv=argv, pid=popen.pid, fence=fence,
                                gpus=tuple(gpus), started_ms=time.time_ns() // 1_000_000, seq=seq,

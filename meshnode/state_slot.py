@@ -44,6 +44,7 @@ SLOT_HEADER = struct.Struct("<QQQQII")     # begin, end, progress, taken_ms, len
 SLOT_BYTES = SLOT_HEADER.size + MAX_STATE_BYTES
 REGION_BYTES = HEADER.size + 2 * SLOT_BYTES
 READ_ATTEMPTS = 4   # a writer must lap the reader twice per attempt to tear it; 4 is plenty
+MAX_COUNT = (1 << 63) - 1  # progress and taken_ms: the checkpoint record's integers are signed 64-bit
 _PUBLISHED_AT = 8
 
 
@@ -113,8 +114,8 @@ class SlotReader:
     def read(self) -> tuple[int, int, bytes] | None:
         """(progress, taken_ms, state) of a write not returned before, or None.
 
-        Raises RemoteProtocolError if the workload wrote a length over MAX_STATE_BYTES,
-        and returns None (counting ``torn_reads``) if no consistent copy was had."""
+        Raises RemoteProtocolError if the workload wrote a length over MAX_STATE_BYTES or a
+        progress or taken_ms over MAX_COUNT, and returns None (counting ``torn_reads``) if no consistent copy was had."""
         region = self._region
         for _ in range(READ_ATTEMPTS):
             number = struct.unpack_from("<Q", region, _PUBLISHED_AT)[0]
@@ -126,6 +127,11 @@ class SlotReader:
                 raise RemoteProtocolError("workload state slot claims %d bytes, over %d" % (length, MAX_STATE_BYTES))
             state = region[offset + SLOT_HEADER.size:offset + SLOT_HEADER.size + length]
             if begin == end == number == struct.unpack_from("<Q", region, offset)[0] and zlib.crc32(state) == crc:
+                if progress > MAX_COUNT or taken_ms > MAX_COUNT:
+                    # Checked on a consistent copy: the workload itself published it. Passed on,
+                    # it would fail the Checkpoint record's schema inside the node's callback.
+                    raise RemoteProtocolError("workload state slot has progress %d, taken_ms %d: over %d"
+                                              % (progress, taken_ms, MAX_COUNT))
                 self.last_number = number
                 return progress, taken_ms, state
             self.torn_reads += 1

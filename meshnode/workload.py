@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 
-from meshnode.state_slot import SlotWriter
+from meshnode.state_slot import MAX_COUNT, SlotWriter
 from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
@@ -43,8 +43,6 @@ RESTORE = 1
 RESTORE_FIELDS = struct.Struct(">BQQQI")   # has_state, fence, seq, progress, checkpoint_ms
 MAX_FRAME_BODY_BYTES = 1 + RESTORE_FIELDS.size + MAX_STATE_BYTES
 EXIT_NODE_GONE = 70  # exit status when the node's end of the channel closes
-
-_U64_MAX = (1 << 64) - 1
 
 
 def encode_frame(frame_type: int, fields: bytes, state: bytes = b"") -> bytes:
@@ -119,8 +117,8 @@ class Workload:
         """Offer ``state`` as the newest checkpoint; ``progress`` is a monotonic work count."""
         if len(state) > MAX_STATE_BYTES:
             raise LocalProtocolError("workload state is %d bytes, over the %d cap" % (len(state), MAX_STATE_BYTES))
-        if not 0 <= progress <= _U64_MAX:
-            raise LocalProtocolError("progress must be a non-negative 64-bit integer, got %r" % (progress,))
+        if not 0 <= progress <= MAX_COUNT:
+            raise LocalProtocolError("progress must be an integer in [0, 2^63 - 1], got %r" % (progress,))
         self._slot.write(state, progress, time.time_ns() // 1_000_000)
 
     def _exit_when_node_goes(self) -> None:

@@ -206,6 +206,13 @@ class FailoverFlows:
                                     max_rounds=EPOCH_CHANGE_MAX_ROUNDS)
         if inst is not None and inst.awaiting_value and iid in self.instances:
             self._propose_epoch_change(inst, EPOCH_CHANGE, now_ms, out)  # a leader that had nothing to propose
+        if (inst is not None and iid in self.instances and inst.decision is None and inst.leader != self.me
+                and self.heartbeats and not self.halted and self.detector.is_suspected(inst.leader, now_ms)):
+            # SPEC F4: the round's leader is the silent node itself (or another one): waiting
+            # for its proposal would only cost a round timeout. Entering the next round is
+            # always safe; the announcement counts towards the next leader's quorum. A halted
+            # node suspects nobody (F3): after its pause every peer looks silent to it.
+            self._drive(inst, inst.enter_round(inst.round + 1, now_ms), now_ms, out)
         return inst
 
     def _suspicion_justification(self, suspect: bytes) -> tuple:
@@ -263,8 +270,8 @@ class FailoverFlows:
         self._drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms, kind), now_ms, out)
 
     def _heard_recently(self, peer: bytes, now_ms: int) -> bool:
-        """SPEC F5: a voter refuses to evict a member it has itself heard from within the
-        suspicion threshold. A node that was only paused, or starved for a moment, and whose
+        """SPEC F5: a voter refuses to evict a member it has itself heard from within
+        min_silence_ms (the suspicion threshold's floor). A node that was only paused, or starved for a moment, and whose
         heartbeat got through meanwhile, is alive: evicting it would cost its workloads."""
         return self.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
 

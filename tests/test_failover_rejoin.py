@@ -181,6 +181,41 @@ def test_a_pause_that_ends_after_suspicion_but_within_the_bound_evicts_nobody():
     assert net.cores[survivors[0]].job_view(jid)["primary"] == primary
 
 
+def test_an_epoch_change_led_by_the_silent_node_moves_on_without_waiting_for_a_timeout():
+    """SPEC F4: a node that suspects the epoch-change round's leader enters the next round at once."""
+    net = Net()
+    net.run(200)
+    leader = net.cores[KEYS[0]].view.leader(epoch_change_instance_id(0), 0)
+    survivors = [k for k in KEYS if k != leader]
+    net.paused.add(leader)
+    paused_at = net.now
+    while not any(d.value_kind == "eviction" for k in survivors for d in net.decisions[k]):
+        assert net.now - paused_at < 2000
+        net.run(5)
+    # Suspected at 250 ms, proposed by round 1's leader once the bound (300 ms) is over:
+    # no 200 ms round timeout on the way.
+    assert net.now - paused_at < BOUND + DEFAULT_PARAMS.round_timeout_ms // 2
+    assert all(net.cores[k].epoch == 1 and leader not in net.cores[k].view.stakes for k in survivors)
+
+
+def test_a_halted_node_does_not_skip_the_round_of_a_leader_it_only_missed_while_paused():
+    """SPEC F3, F4: right after a pause every peer looks silent to the resumed node's own
+    detector; halted, it suspects nobody, so it does not take the round's leader for gone."""
+    net = Net()
+    net.run(200)
+    iid = epoch_change_instance_id(0)
+    resumed = net.cores[KEYS[1]]
+    assert resumed.view.leader(iid, 0) == KEYS[3]
+    net.paused.add(KEYS[1])
+    net.run(260)
+    net.paused.discard(KEYS[1])  # what others sent meanwhile stays held: the tick comes first
+    net.emit(KEYS[1], resumed.tick(net.now))
+    assert resumed.halted and resumed.detector.is_suspected(KEYS[3], net.now)
+    for by in (2, 3):  # suspicions of node 0 from more than 1/3 of the stake start the instance
+        net.emit(KEYS[1], resumed.step(suspicion(by, 0), net.now))
+    assert resumed.instances[iid].round == 0
+
+
 def test_a_voter_that_still_hears_the_suspect_refuses_its_eviction():
     """SPEC F5: suspicions from more than 1/3 of the stake make an eviction proposal valid only
     to voters that have not heard the suspect within the suspicion threshold themselves."""

@@ -58,6 +58,15 @@ def test_a_length_over_the_cap_is_a_protocol_violation(region_fd):
         reader.read()
 
 
+@pytest.mark.parametrize("progress, taken_ms", [(1 << 63, 0), (0, (1 << 64) - 1)])
+def test_a_count_over_the_checkpoint_records_range_is_a_protocol_violation(region_fd, progress, taken_ms):
+    """A u64 the Checkpoint record cannot hold would fail its schema inside the node's
+    checkpoint callback (a ValueError that would end the node): the reader refuses it."""
+    SlotWriter(region_fd).write(b"state", progress=progress, taken_ms=taken_ms)  # as a non-Python writer may
+    with pytest.raises(RemoteProtocolError, match="over"):
+        SlotReader(region_fd).read()
+
+
 def test_the_workload_cannot_resize_the_region(region_fd):
     """A shrunk mapping would SIGBUS the node: the size is sealed."""
     for size in (0, REGION_BYTES + 4096):

@@ -157,6 +157,24 @@ async def test_entrypoints_outside_the_policy_are_refused(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+def state_slot_mappings():
+    with open("/proc/self/maps") as maps:
+        return sum("meshnode-state" in line for line in maps)
+
+
+async def test_a_workload_that_cannot_start_leaves_no_descriptor_or_mapping(tmp_path):
+    missing = [str(tmp_path / "no-such-program")]
+    async with trio.open_nursery() as nursery:
+        runner, _ = await open_runner(nursery, tmp_path, commands={"missing": missing})
+        fds, mappings = len(os.listdir("/proc/self/fd")), state_slot_mappings()
+        with pytest.raises(LocalProtocolError, match="cannot start") as refused:
+            await runner.start(JOB, "missing", [], gpus=[], restore=None, fence=1)
+        # Checked while the exception (and the frames its context holds) is still alive.
+        assert (len(os.listdir("/proc/self/fd")), state_slot_mappings()) == (fds, mappings)
+        assert refused.value is not None and runner.running() == {}
+        nursery.cancel_scope.cancel()
+
+
 async def test_runner_shutdown_kills_its_workloads(tmp_path):
     async with trio.open_nursery() as nursery:
         runner, recorder = await open_runner(nursery, tmp_path)
