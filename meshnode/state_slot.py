@@ -115,7 +115,8 @@ class SlotReader:
         """(progress, taken_ms, state) of a write not returned before, or None.
 
         Raises RemoteProtocolError if the workload wrote a length over MAX_STATE_BYTES or a
-        progress or taken_ms over MAX_COUNT, and returns None (counting ``torn_reads``) if no consistent copy was had."""
+        progress or taken_ms over MAX_COUNT, and returns None (counting ``torn_reads``) if no
+        consistent copy was had."""
         region = self._region
         for _ in range(READ_ATTEMPTS):
             number = struct.unpack_from("<Q", region, _PUBLISHED_AT)[0]

@@ -138,7 +138,7 @@ class FailoverFlows:
             self._record_suspicion(self.me, suspicion, data, now_ms, out)
         if any(s in self.view.stakes and self.view.exceeds_one_third(by) for s, by in self.suspicions.items()):
             # A leader holds an eviction back until the suspect was silent for the whole
-            # bound (_heard_before_eviction): offer it the value again as time passes.
+            # bound and a heartbeat period (_heard_before_eviction): offer it the value again.
             self._start_epoch_change(self.view, now_ms, out)
 
     def _on_heartbeat(self, envelope, beat: Heartbeat, data, now_ms: int, out: Ready) -> None:
@@ -276,10 +276,12 @@ class FailoverFlows:
         return self.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
 
     def _heard_before_eviction(self, peer: bytes, now_ms: int) -> bool:
-        """SPEC F5: the leader proposes an eviction only after the suspect has been silent
-        for the whole detection bound, one heartbeat past the suspicion threshold: a paused
-        node that resumes within it is heard by the voters before they are asked."""
-        return self.heartbeats and self.detector.heard_within(peer, now_ms, self.params.detection_bound_ms)
+        """SPEC F4: the leader proposes an eviction only after the suspect has been silent
+        for the detection bound plus one heartbeat period. A node paused for P < bound is
+        silent for P + up to one period (its last heartbeat may be that old) + the delay
+        until it runs again; it is heard by the voters before they are asked."""
+        window = self.params.detection_bound_ms + self.params.heartbeat_ms
+        return self.heartbeats and self.detector.heard_within(peer, now_ms, window)
 
     def _eviction_validator(self, iid: bytes):
         def validate(value_bytes: bytes, justification: tuple) -> str | None:

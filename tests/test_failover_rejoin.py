@@ -161,9 +161,10 @@ def test_pause_longer_than_the_bound_evicts_migrates_and_the_paused_node_fences_
 
 
 def test_a_pause_that_ends_after_suspicion_but_within_the_bound_evicts_nobody():
-    """SPEC F5: the leader proposes an eviction only once the suspect was silent for the whole
-    detection bound, so a node that resumes after being suspected, but within the bound, is
-    heard first. (A node starved for a moment after SIGCONT is suspected this way.)"""
+    """SPEC F4: the leader proposes an eviction only once the suspect was silent for the
+    detection bound plus a heartbeat period, so a node that resumes after being suspected,
+    but within the bound, is heard first. (A node starved for a moment after SIGCONT is
+    suspected this way.)"""
     net = Net()
     net.run(200)
     jid, primary, _ = net.placed_job()
@@ -192,8 +193,8 @@ def test_an_epoch_change_led_by_the_silent_node_moves_on_without_waiting_for_a_t
     while not any(d.value_kind == "eviction" for k in survivors for d in net.decisions[k]):
         assert net.now - paused_at < 2000
         net.run(5)
-    # Suspected at 250 ms, proposed by round 1's leader once the bound (300 ms) is over:
-    # no 200 ms round timeout on the way.
+    # Suspected at 250 ms, proposed by round 1's leader after 350 ms of silence (the bound
+    # and a heartbeat period): no 200 ms round timeout on the way.
     assert net.now - paused_at < BOUND + DEFAULT_PARAMS.round_timeout_ms // 2
     assert all(net.cores[k].epoch == 1 and leader not in net.cores[k].view.stakes for k in survivors)
 
