@@ -41,7 +41,10 @@ from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
 MAX_EVIDENCE = 256       # evidence kept per instance; more equivocation proves nothing new
 MAX_CATCH_UP_REPLIES = 4096  # (sender, round) pairs answered with the decision (SPEC.md 6.8)
 
-Validate = Callable[[bytes, tuple], "str | None"]
+# validate(value, justification, proven) -> reason or None. ``proven``: the proposal carries
+# a valid proof of lock, i.e. a prevote quorum accepted this value in an earlier round, so
+# checks that depend on this node's local view of the moment (F5) may be skipped.
+Validate = Callable[[bytes, tuple, bool], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -389,7 +392,7 @@ class ConsensusInstance:
             reason = self._check_pol(proposal, hash_)
             pol_valid = reason is None
         if reason is None:
-            reason = self.validators[proposal.value_kind](proposal.value, proposal.justification)
+            reason = self.validators[proposal.value_kind](proposal.value, proposal.justification, pol_valid)
         data = data if data is not None else envelope.encode()
         self._proposal = _RoundProposal(envelope, proposal, data, hash_, reason is None)
         lock = self._lock

@@ -284,7 +284,7 @@ class FailoverFlows:
         return self.heartbeats and self.detector.heard_within(peer, now_ms, window)
 
     def _eviction_validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
             inst = self.instances.get(iid)
             view = inst.view if inst is not None else self.view
             try:
@@ -300,7 +300,9 @@ class FailoverFlows:
                 return "eviction is for another epoch"
             if eviction.node == self.me:
                 return "an honest node does not vote for its own eviction"
-            if self._heard_recently(eviction.node, self.last_tick_ms):
+            # Not for a value a prevote quorum already accepted (proven): nodes locked on it
+            # could then never agree on another value while the suspect stays audible.
+            if not proven and self._heard_recently(eviction.node, self.last_tick_ms):
                 return "heard from the suspect within the last %d ms: it is alive" % self.detector.min_silence_ms
             if not (view.exceeds_one_third(signers) or view.exceeds_one_third(self.suspicions.get(eviction.node, ()))):
                 return "suspicions do not exceed 1/3 of the stake"
@@ -529,7 +531,7 @@ class FailoverFlows:
         return "stake %d is not vouched for by an authority or by endorsing members" % member.stake
 
     def _membership_validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
             inst = self.instances.get(iid)
             view = inst.view if inst is not None else self.view
             try:

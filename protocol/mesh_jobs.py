@@ -392,7 +392,7 @@ class JobFlows:
         self._drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
 
     def _placement_validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple) -> str | None:
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
             inst = self.instances.get(iid)
             view = inst.view if inst is not None else self.view
             try:

@@ -44,7 +44,7 @@ class Net:
             ident.public_key: ConsensusInstance(
                 instance_id=instance_id, value_kind="placement", view=self.view, identity=ident, mesh_id=mesh_id,
                 round_timeout_ms=100, round_timeout_max_ms=1000, max_rounds=max_rounds,
-                validate=validate or (lambda value, justification: None), now_ms=now_ms)
+                validate=validate or (lambda value, justification, proven=False: None), now_ms=now_ms)
             for ident in self.ids}
 
     def node(self, index: int) -> ConsensusInstance:

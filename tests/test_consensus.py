@@ -342,7 +342,7 @@ def test_6_10_a_proposal_not_from_the_rounds_leader_is_dropped():
 def test_6_3_a_value_the_validator_rejects_is_prevoted_nil_and_the_round_moves_on():
     rejected = []
 
-    def validate(value, justification):
+    def validate(value, justification, proven=False):
         if value == b"bad":
             rejected.append(value)
             return "policy says no"

@@ -231,6 +231,9 @@ def test_a_voter_that_still_hears_the_suspect_refuses_its_eviction():
     eviction = voter._eviction_value(KEYS[0], voter.view)
     justification = tuple(suspicion(by, 0) for by in (1, 2))
     assert "alive" in validate(codec.pack(eviction.to_body()), justification)
+    # Re-proposed with a proof of lock (a prevote quorum already found node 0 silent), it is
+    # accepted: nodes locked on it must not wait for node 0 to go silent again.
+    assert validate(codec.pack(eviction.to_body()), justification, True) is None
     # Once node 0 is silent past the threshold at node 3 as well, the same proposal is valid.
     voter.tick(net.now + DEFAULT_PARAMS.detection_bound_ms)  # node 3 hears nothing meanwhile
     assert voter.epoch == 0
