@@ -234,19 +234,27 @@ class WorkloadRunner:
         return {job_id: job.info.summary() for job_id, job in self._jobs.items()}
 
     async def _supervise(self, job: _Job) -> None:
-        pidfd = os.pidfd_open(job.popen.pid)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._tick, job)
-                await trio.lowlevel.wait_readable(pidfd)
-                job.process_gone = True
-                # A tick inside on_checkpoint is not cancelled: the callback may itself be
-                # in stop(), which the reap below lets return; the tick ends after it.
-                if not job.in_callback:
-                    job.tick_scope.cancel()
-                self._reap(job)
+            pidfd = os.pidfd_open(job.popen.pid)
+        except OSError:
+            pidfd = None  # out of descriptors: the workload cannot be watched, so it is killed
+        try:
+            if pidfd is not None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._tick, job)
+                    await trio.lowlevel.wait_readable(pidfd)
+                    job.process_gone = True
+                    # A tick inside on_checkpoint is not cancelled: the callback may itself be
+                    # in stop(), which the reap below lets return; the tick ends after it.
+                    if not job.in_callback:
+                        job.tick_scope.cancel()
+                    self._reap(job)
+                # What the workload offered after the last tick, e.g. just before it failed:
+                # a retry resumes from it.
+                await self._take_checkpoint(job)
         finally:
-            os.close(pidfd)
+            if pidfd is not None:
+                os.close(pidfd)
             self._reap(job)          # on runner shutdown: kills the workload here
             job.stream.socket.close()
             job.slot.close()

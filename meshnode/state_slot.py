@@ -44,6 +44,7 @@ SLOT_HEADER = struct.Struct("<QQQQII")     # begin, end, progress, taken_ms, len
 SLOT_BYTES = SLOT_HEADER.size + MAX_STATE_BYTES
 REGION_BYTES = HEADER.size + 2 * SLOT_BYTES
 READ_ATTEMPTS = 4   # a writer must lap the reader twice per attempt to tear it; 4 is plenty
+FAILED_READS_LIMIT = 16  # reads in a row without a consistent copy: the slot is corrupted on purpose
 MAX_COUNT = (1 << 63) - 1  # progress and taken_ms: the checkpoint record's integers are signed 64-bit
 _PUBLISHED_AT = 8
 
@@ -110,17 +111,20 @@ class SlotReader:
         self._region = _map(fd, writable=False)
         self.last_number = 0
         self.torn_reads = 0
+        self.failed_reads_in_a_row = 0
 
     def read(self) -> tuple[int, int, bytes] | None:
         """(progress, taken_ms, state) of a write not returned before, or None.
 
         Raises RemoteProtocolError if the workload wrote a length over MAX_STATE_BYTES or a
-        progress or taken_ms over MAX_COUNT, and returns None (counting ``torn_reads``) if no
-        consistent copy was had."""
+        progress or taken_ms over MAX_COUNT, or if FAILED_READS_LIMIT reads in a row found no
+        consistent copy (each read costs the node up to READ_ATTEMPTS copies and CRCs);
+        returns None (counting ``torn_reads``) if one read found none."""
         region = self._region
         for _ in range(READ_ATTEMPTS):
             number = struct.unpack_from("<Q", region, _PUBLISHED_AT)[0]
             if number == self.last_number:
+                self.failed_reads_in_a_row = 0
                 return None
             offset = _slot_offset(number)
             begin, end, progress, taken_ms, length, crc = SLOT_HEADER.unpack_from(region, offset)
@@ -134,8 +138,13 @@ class SlotReader:
                     raise RemoteProtocolError("workload state slot has progress %d, taken_ms %d: over %d"
                                               % (progress, taken_ms, MAX_COUNT))
                 self.last_number = number
+                self.failed_reads_in_a_row = 0
                 return progress, taken_ms, state
             self.torn_reads += 1
+        self.failed_reads_in_a_row += 1
+        if self.failed_reads_in_a_row >= FAILED_READS_LIMIT:
+            raise RemoteProtocolError("no consistent state in the workload's slot in %d reads in a row"
+                                      % self.failed_reads_in_a_row)
         return None
 
     def close(self) -> None:

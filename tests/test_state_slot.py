@@ -6,8 +6,8 @@ import zlib
 
 import pytest
 
-from meshnode.state_slot import (HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader, SlotWriter,
-                                 create_region)
+from meshnode.state_slot import (FAILED_READS_LIMIT, HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader,
+                                 SlotWriter, create_region)
 from protocol.errors import ConfigError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
@@ -47,6 +47,18 @@ def test_a_torn_copy_is_refused_and_counted(region_fd):
     assert reader.torn_reads > 0
     writer.write(b"fresh", progress=2, taken_ms=2)
     assert reader.read() == (2, 2, b"fresh")
+
+
+def test_a_slot_never_consistent_is_a_protocol_violation(region_fd):
+    """Each failed read costs the node READ_ATTEMPTS copies and CRCs: a workload that keeps
+    its slot corrupted is killed rather than read in vain forever."""
+    writer, reader = SlotWriter(region_fd), SlotReader(region_fd)
+    writer.write(b"state", progress=1, taken_ms=1)
+    os.pwrite(region_fd, b"XXXXX", HEADER.size + SLOT_BYTES + SLOT_HEADER.size)
+    for _ in range(FAILED_READS_LIMIT - 1):
+        assert reader.read() is None
+    with pytest.raises(RemoteProtocolError, match="in a row"):
+        reader.read()
 
 
 def test_a_length_over_the_cap_is_a_protocol_violation(region_fd):

@@ -118,6 +118,27 @@ async def test_a_stopped_workload_is_still_checkpointed_from_what_it_offered(tmp
         nursery.cancel_scope.cancel()
 
 
+LAST_WORDS = textwrap.dedent("""
+    import sys
+    from meshnode.workload import Workload
+    Workload.connect().set_state(b"last words", progress=3)
+    sys.exit(3)
+""")
+
+
+async def test_what_a_workload_offered_just_before_it_exited_is_checkpointed_before_the_exit(tmp_path):
+    """A failed job's retry resumes from its newest checkpoint: the state offered after the
+    last tick is read once more when the process is gone."""
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"brief": [sys.executable, "-c", LAST_WORDS]})
+        await runner.start(JOB, "brief", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 3)
+        _, seq, progress, _, state = recorder.checkpoints.receive_nowait()
+        assert (seq, progress, state) == (1, 3, b"last words")
+        nursery.cancel_scope.cancel()
+
+
 async def test_gpus_are_passed_as_cuda_visible_devices(tmp_path):
     show_env = [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"]
     async with trio.open_nursery() as nursery:
