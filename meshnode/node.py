@@ -18,6 +18,8 @@ import signal
 import time
 from pathlib import Path
 
+from collections import deque
+
 import trio
 
 from keys.genesis import load_genesis
@@ -38,6 +40,7 @@ log = logging.getLogger("meshnode.node")
 
 LIVE_JOB_STATES = ("placed", "running", "migrating")
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
+CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 CONNECT_RETRY_MS = 500
 
@@ -70,6 +73,11 @@ class Node:
         self.core: MeshCore | None = None
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
+        # stored_ms - taken_ms of the newest checkpoints stored here: as their primary (slot
+        # read to local store) and as a backup (+ replication). Wall clocks of one host or
+        # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
+        self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+        self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -173,6 +181,11 @@ class Node:
         record = StoredCheckpoint(job_id=value["job_id"], fence=value["fence"], seq=value["seq"],
                                   progress=value["progress"], taken_ms=value["taken_ms"], state=value["state"],
                                   state_hash=value["state_hash"], origin=value["origin"], stored_ms=wall_ms())
+        latency = record.stored_ms - record.taken_ms
+        if record.origin == self.identity.public_key:
+            self.checkpoint_write_ms.append(latency)
+        else:
+            self.checkpoint_replication_ms.append(latency)
         if not self.checkpoints.put(record):
             log.info("checkpoint %s seq %d refused by the local store (stale fence or seq)",
                      record.job_id.hex()[:12], record.seq)

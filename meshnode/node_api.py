@@ -30,7 +30,8 @@ class ControlApi:
 
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
-                "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join}
+                "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
+                "checkpoint_stats": self.checkpoint_stats}
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
@@ -120,6 +121,16 @@ class ControlApi:
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
                 "hint": job.get("hint")}
+
+    async def checkpoint_stats(self, args) -> dict:
+        """Raw recent samples (bounded windows): how late checkpoints are stored here after the
+        workload offered them, as primary (write_ms) and as backup (replication_ms), and how
+        far each checkpoint tick of the workloads running here was from its period."""
+        node = self.node
+        interval_error_us = [e for job in (node.runner.jobs_info() if node.runner else ())
+                             for e in job.interval_error_us]
+        return {"write_ms": list(node.checkpoint_write_ms), "replication_ms": list(node.checkpoint_replication_ms),
+                "interval_error_us": interval_error_us}
 
     async def join(self, args) -> dict:
         bootstrap = args.get("bootstrap", "")

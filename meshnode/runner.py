@@ -233,6 +233,9 @@ class WorkloadRunner:
     def running(self) -> dict[bytes, dict]:
         return {job_id: job.info.summary() for job_id, job in self._jobs.items()}
 
+    def jobs_info(self) -> list[RunningWorkload]:
+        return [job.info for job in self._jobs.values()]
+
     async def _supervise(self, job: _Job) -> None:
         try:
             pidfd = os.pidfd_open(job.popen.pid)

@@ -155,6 +155,10 @@ class FailoverRun:
         self.rejoins_asked = 0
         self.not_reconnected: list[dict] = []
         self.aborted: str | None = None
+        # Checkpoint-path samples (op checkpoint_stats), read once per node process: right
+        # before it is killed, or at the end from the survivors, so none is counted twice.
+        self.checkpoint_samples: dict[str, list[int]] = {"write_ms": [], "replication_ms": [],
+                                                         "interval_error_us": []}
 
     def _alive(self) -> list[int]:
         layout = launcher.load_layout(self.root)
@@ -166,6 +170,14 @@ class FailoverRun:
             return await connection.call(op, **args)
         finally:
             await connection.aclose()
+
+    async def _collect_checkpoint_stats(self, index: int) -> None:
+        try:
+            stats = await self._call(index, "checkpoint_stats")
+        except (ControlError, MeshError, OSError):
+            return  # a node that cannot answer has no samples to give
+        for name, samples in self.checkpoint_samples.items():
+            samples.extend(stats.get(name, ()))
 
     async def _subscribe(self, nursery, index: int) -> None:
         async def follow(task_status=trio.TASK_STATUS_IGNORED):
@@ -213,6 +225,7 @@ class FailoverRun:
         job_hex = job_id.hex()
         primary = await self._wait_job_ready(job_hex)
         victim_key = self.layout["nodes"][primary]["public_key"]
+        await self._collect_checkpoint_stats(primary)
         self.events.clear()
         await trio.sleep(self.rng.uniform(0, KILL_PHASE_MS / 1000))
         kill_mono_ns, kill_wall_us = time.monotonic_ns(), time.time_ns() // 1000
@@ -313,6 +326,8 @@ class FailoverRun:
                     self.aborted = ("kill %d: the job was not running with checkpoints on a live primary "
                                     "within %d s" % (number, READY_TIMEOUT_S))
                     break
+            for index in self._alive():
+                await self._collect_checkpoint_stats(index)
             nursery.cancel_scope.cancel()
 
     def double_runs_from_logs(self) -> int:
@@ -371,6 +386,11 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
         "recovery_ms": summary_ms(k["recovery_ms"] for k in per_kill if k["recovery_ms"] is not None),
         "first_progress_ms": summary_ms(k["first_progress_ms"] for k in per_kill if "first_progress_ms" in k),
         "lost_work_ms": summary_ms(k["lost_work_ms"] for k in per_kill if "lost_work_ms" in k),
+        "checkpoint": {
+            "write_ms": summary_ms(run.checkpoint_samples["write_ms"]),
+            "replication_ms": summary_ms(run.checkpoint_samples["replication_ms"]),
+            "interval_error_ms": summary_ms(e / 1000 for e in run.checkpoint_samples["interval_error_us"]),
+        },
         "undetected": sum(1 for k in per_kill if k["detection_ms"] is None),
         "lost_workloads": sum(1 for k in per_kill if k.get("lost_workload")),
         "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),

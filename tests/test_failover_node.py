@@ -107,3 +107,25 @@ async def test_an_evicted_node_refuses_submissions_and_stays_quiet(testnet_dir, 
 async def cut_off_status(node) -> dict:
     from meshnode.node_api import ControlApi
     return await ControlApi(node).status({})
+
+
+async def test_checkpoint_stats_reports_write_and_replication_latency_apart(testnet_dir):
+    """`checkpoint_stats` (read by `meshnode bench failover`): stored_ms - taken_ms of the
+    checkpoints a node stored as the job's primary and, apart, as a backup."""
+    import hashlib
+    from meshnode.node_api import ControlApi
+    root, _ = testnet_dir
+    node = Node(root / "node-0", run_workloads=False)
+    try:
+        other = bytes(range(32))
+        for seq, origin in ((1, node.identity.public_key), (2, other)):
+            state = b"state-%d" % seq
+            node._store_checkpoint({"job_id": bytes(32), "fence": 1, "seq": seq, "progress": seq,
+                                    "taken_ms": time.time_ns() // 1_000_000 - 25 * seq, "state": state,
+                                    "state_hash": hashlib.sha256(state).digest(), "origin": origin})
+        stats = await ControlApi(node).checkpoint_stats({})
+        assert len(stats["write_ms"]) == 1 and 25 <= stats["write_ms"][0] < 25 + 1000
+        assert len(stats["replication_ms"]) == 1 and 50 <= stats["replication_ms"][0] < 50 + 1000
+        assert stats["interval_error_us"] == []  # no workload runs here
+    finally:
+        node.close()
