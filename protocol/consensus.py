@@ -210,6 +210,21 @@ class ConsensusInstance:
                 self.evidence.append(Evidence(value["offender"], value["first"], value["second"]))
         self.leader = self.view.leader(self.instance_id, self.round)
 
+    def safety_records(self) -> list[PersistRecord]:
+        """Its own proposals and votes and its lock, as ``restore`` reads them: for the
+        instance object that replaces this one when MeshCore drops and later re-creates it
+        within one run, as after a restart. A node never signs twice in one round (SPEC.md 6.9)."""
+        epoch = self.view.epoch
+        records = [PersistRecord("votes", "%s:%d:%d:%s" % (self.instance_id.hex(), epoch, round_, kind), {
+            "instance": self.instance_id, "epoch": epoch, "round": round_, "kind": kind, "envelope": data})
+            for (kind, round_), (_, data) in self._own.items()]
+        lock = self._lock
+        if lock is not None:
+            records.append(PersistRecord("locks", "%s:%d" % (self.instance_id.hex(), epoch), {
+                "instance": self.instance_id, "epoch": epoch, "round": lock.round, "value_hash": lock.value_hash,
+                "certificate": lock.certificate, "proposal": lock.proposal}))
+        return records
+
     def start(self, now_ms: int) -> Ready:
         """Start round ``self.round``'s timer; a leader proposes (or asks for a value)."""
         if self._started:

@@ -304,6 +304,16 @@ class MeshCore(JobFlows, FailoverFlows):
                 routed.append(message)
         return routed
 
+    def _forget_instance(self, iid: bytes) -> None:
+        """Drop an undecided instance object, keeping what it signed: should the instance be
+        started again in this run (a proposal or held message for it), the new object resumes
+        from these records exactly as after a restart, and never signs a second proposal or
+        vote for a round (the 10,000-seed sweep caught one: seed 7105)."""
+        inst = self.instances.pop(iid)
+        records = inst.safety_records()
+        if records:
+            self.restored_votes.setdefault(iid, []).extend(records)
+
     def _retire(self, inst: ConsensusInstance, now_ms: int, out: Ready) -> None:
         iid = inst.instance_id
         if self.instances.pop(iid, None) is None:
@@ -331,7 +341,7 @@ class MeshCore(JobFlows, FailoverFlows):
             # P2, epoch straddle): a certificate valid for its own epoch is the decision.
             if self._apply_certificate_bytes(data, now_ms, out) and iid in self.instances and iid in self.applied:
                 # Ours can no longer decide anything else; later messages get the certificate.
-                del self.instances[iid]
+                self._forget_instance(iid)
                 self.instance_round.pop(iid, None)
                 self.instance_meta.pop(iid, None)
             return
@@ -354,7 +364,7 @@ class MeshCore(JobFlows, FailoverFlows):
         if (meta[0] != "placement" or iid not in self.instances or not inst.can_leave
                 or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
             return False
-        del self.instances[iid]
+        self._forget_instance(iid)
         self.instance_round.pop(iid, None)
         self.book.release(iid)       # our bid named the newer epoch: not valid in the older one
         self.my_bids.pop(iid, None)

@@ -375,7 +375,7 @@ class FailoverFlows:
             inst = self.instances[iid]
             if self.me in inst.view.stakes and inst.heard_from_others:
                 continue
-            del self.instances[iid]
+            self._forget_instance(iid)
             self.instance_meta.pop(iid, None)
             self.instance_round.pop(iid, None)
             self.book.release(iid)

@@ -5,7 +5,7 @@
 
 1. waits until a job runs on a live primary that has taken checkpoints;
 2. sleeps a seeded random 0..``KILL_PHASE_MS`` (a random moment relative to the
-   100 ms checkpoint cycle) and SIGKILLs the primary's node process;
+   checkpoint cycle) and SIGKILLs the primary's node process;
 3. detection_ms: kill -> the first suspicion / eviction-start event any survivor
    publishes about the killed node (``mono_ns`` stamps, one system-wide clock);
 4. recovery_ms: kill -> the job's workload started on a survivor (its "started"
@@ -19,6 +19,12 @@
    at a time. (Killing a primary while the previous victim boots and rejoins measures a
    double fault on this 2-core host: the booting process starves the others' event
    loops, checkpoints stop reaching the backups, and lost work reached 270 ms.)
+
+The checkpoint path is measured too (``checkpoint``): every node keeps its newest
+``stored_ms - taken_ms`` latencies, as primary (slot read to local store: ``write_ms``)
+and as backup (+ signing, libp2p and the backup's store: ``replication_ms``), and the
+tick jitter of the workloads it runs; the bench reads them (op ``checkpoint_stats``)
+once per node process, right before killing it or at the end.
 
 Double runs are counted two ways: a /proc sampler that sees two live workload
 processes of one job at once, and progress logs of one job on two nodes that overlap

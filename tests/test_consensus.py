@@ -251,6 +251,25 @@ def test_6_9_a_restarted_node_repeats_its_vote_and_never_signs_a_conflicting_one
     assert [m.data for m in again.messages] == [sent] and again.persist == []
 
 
+def test_6_9_a_replacement_instance_object_never_signs_a_second_proposal_for_a_round():
+    """MeshCore may drop an undecided instance and start it again within one run (an evicted
+    node, an instance moved between epochs): the new object takes the old one's safety
+    records, as after a restart (the 10,000-seed sweep's seed 7105 caught the double sign)."""
+    net = Net(4)
+    leader_key = net.view.leader(INSTANCE, 0)
+    leader = net.node(net.keys.index(leader_key))
+    leader.start(0)
+    first = leader.propose(b"A", (), 0)
+    (proposal,) = [r.value["envelope"] for r in first.persist if r.value.get("kind") == "proposal"]
+    replacement = Net(4).node(net.keys.index(leader_key))
+    replacement.restore(leader.safety_records())
+    ready = replacement.start(1)
+    assert not replacement.awaiting_value and ready.persist == []  # asks for no value: it proposed already
+    with pytest.raises(LocalProtocolError):
+        replacement.propose(b"B", (), 1)
+    assert ("proposal", 0) in replacement._own and replacement._own[("proposal", 0)][1] == proposal
+
+
 # --- 6.10 evidence and drops ----------------------------------------------------------------
 
 def test_6_10_an_equivocating_proposer_leaves_evidence():
