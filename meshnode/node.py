@@ -247,8 +247,7 @@ class Node:
             if latest is not None:
                 restore = (latest.state, latest.progress, latest.seq)
         self.checkpoints.raise_fence(job_id, fence)
-        args = [arg.replace("{workdir}", str(self.paths.root / "workloads" / job_id.hex()))
-                for arg in manifest.args]
+        args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
             pid = await self.runner.start(job_id, manifest.entrypoint, args, list(job["gpus"]), restore, fence)
         except MeshError as exc:

@@ -133,7 +133,9 @@ class WorkloadRunner:
         self._prctl = _load_prctl()
         if checkpoint_ms < 1:
             raise ConfigError("checkpoint_ms must be at least 1, got %d" % checkpoint_ms)
-        self.data_dir = os.fspath(data_dir)
+        # Absolute: a workload runs in its own working directory, so a path the node was
+        # given relative to its own (`meshnode run --node demo-mesh/node-0`) would not resolve.
+        self.data_dir = os.path.abspath(os.fspath(data_dir))
         self.checkpoint_ms = checkpoint_ms
         self._on_checkpoint = on_checkpoint
         self._on_exit = on_exit
@@ -180,7 +182,7 @@ class WorkloadRunner:
         state, progress, seq = restore if restore is not None else (b"", 0, 0)
         if len(state) > MAX_STATE_BYTES:
             raise LocalProtocolError("restore state is %d bytes, over %d" % (len(state), MAX_STATE_BYTES))
-        workdir = os.path.join(self.data_dir, "workloads", job_id.hex())
+        workdir = self.workdir(job_id)
         os.makedirs(workdir, exist_ok=True)
         node_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         slot_fd = slot = popen = None
@@ -229,6 +231,10 @@ class WorkloadRunner:
         _kill_group(job.popen)
         await job.exited.wait()
         return job.popen.returncode
+
+    def workdir(self, job_id: bytes) -> str:
+        """The job's working directory (absolute; manifests name it as ``{workdir}``)."""
+        return os.path.join(self.data_dir, "workloads", job_id.hex())
 
     def running(self) -> dict[bytes, dict]:
         return {job_id: job.info.summary() for job_id, job in self._jobs.items()}

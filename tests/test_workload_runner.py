@@ -80,6 +80,23 @@ async def test_counter_checkpoints_progress_and_stop_kills_it(tmp_path):
         recorder.exits.receive_nowait()  # a stop() is not reported as an exit
 
 
+async def test_a_node_dir_given_relative_still_gives_workloads_a_path_they_can_open(tmp_path, monkeypatch):
+    """`make demo` runs nodes with `--node demo-mesh/node-0`: a workload runs in its own
+    working directory, so `{workdir}` in its args must be absolute."""
+    monkeypatch.chdir(tmp_path)
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, "relative-node-dir")
+        workdir = runner.workdir(JOB)
+        assert os.path.isabs(workdir) and workdir.startswith(str(tmp_path / "relative-node-dir"))
+        await runner.start(JOB, "counter", ["--progress-log", os.path.join(workdir, "progress.log")],
+                           gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            await recorder.checkpoints.receive()
+        await runner.stop(JOB)
+        nursery.cancel_scope.cancel()
+    assert (tmp_path / "relative-node-dir" / "workloads" / JOB.hex() / "progress.log").stat().st_size > 0
+
+
 async def test_restored_counter_continues_from_the_checkpoint(tmp_path):
     async with trio.open_nursery() as nursery:
         runner, recorder = await open_runner(nursery, tmp_path)
