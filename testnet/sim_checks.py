@@ -32,6 +32,7 @@ from protocol.messages import (Eviction, JobManifest, Placement, decode_message,
                                value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
+from testnet.sim_world import owner_and_constraints_fit
 
 MAX_VIOLATIONS_KEPT = 200  # a broken run can produce millions; keep the first ones and the count
 
@@ -274,14 +275,9 @@ class DecisionChecker:
         left by the placements this history committed to it (whole GPUs, SPEC.md R1)."""
         facts = self.facts[holder]
         policy, resources = facts.policy, job.resources
-        if policy.allowed_owners is not None and job.owner not in policy.allowed_owners:
-            return False
         if job.entrypoint not in policy.allowed_entrypoints:
             return False
-        if job.constraints.zones and facts.zone not in job.constraints.zones:
-            return False
-        labels = dict(facts.labels)
-        if any(labels.get(key) != wanted for key, wanted in job.constraints.labels):
+        if not owner_and_constraints_fit(job, policy, facts.zone, facts.labels):
             return False
         load, capacity = self.loads[holder], facts.capacity
         free_gpus = [i for i, total in enumerate(capacity.gpu_mem_total_mib)

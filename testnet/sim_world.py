@@ -138,17 +138,21 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
     return World(genesis, nodes, authority, owners, job_specs, byzantine)
 
 
-def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
-    """Whether an empty honest node would take this job (its policy and its signed facts)."""
-    policy = node.policy
+def owner_and_constraints_fit(job: JobManifest, policy: NodePolicy, zone: str, labels) -> bool:
+    """The job's owner is one the policy accepts, and the node's true zone and labels meet
+    the job's constraints (the simulator's truth, not what a node claims)."""
     if policy.allowed_owners is not None and job.owner not in policy.allowed_owners:
         return False
-    if job.constraints.zones and node.zone not in job.constraints.zones:
+    if job.constraints.zones and zone not in job.constraints.zones:
         return False
-    labels = dict(node.labels)
-    if any(labels.get(k) != v for k, v in job.constraints.labels):
-        return False
-    return len(node.capacity.gpu_mem_total_mib) >= job.resources.gpus
+    have = dict(labels)
+    return all(have.get(key) == wanted for key, wanted in job.constraints.labels)
+
+
+def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
+    """Whether an empty honest node would take this job (its policy and its signed facts)."""
+    return (owner_and_constraints_fit(job, node.policy, node.zone, node.labels)
+            and len(node.capacity.gpu_mem_total_mib) >= job.resources.gpus)
 
 
 def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], nodes: list[NodeSpec],

@@ -403,17 +403,22 @@ def test_6_9_a_restarted_core_restores_its_lock_and_never_prevotes_against_it():
     assert restarted.instances[iid].lock.value_hash == locked.value_hash
 
 
-def test_p2_a_placement_started_in_a_newer_epoch_joins_the_others_older_one():
-    # Node 2 entered epoch 1 (without node 3) before it heard of the job; node 0 started the
-    # job's placement in epoch 0. Each drops the other's messages as of the wrong epoch.
+def job_straddling_two_epochs():
+    """Node 2 entered epoch 1 (without node 3) before it heard of the job; node 0 started
+    the job's placement in epoch 0: (job id, node 2's core, node 0's core)."""
     net = Net()
     job, envelope = make_job()
-    iid = job_id(job)
     newer = net.cores[KEYS[2]]
     newer.view = newer.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
     older = net.cores[KEYS[0]]
     newer.submit(envelope, 0)
     older.submit(envelope, 0)
+    return job_id(job), newer, older
+
+
+def test_p2_a_placement_started_in_a_newer_epoch_joins_the_others_older_one():
+    # Each drops the other's messages as of the wrong epoch.
+    iid, newer, older = job_straddling_two_epochs()
     assert (older.instances[iid].view.epoch, newer.instances[iid].view.epoch) == (0, 1)
     assert not newer.instances[iid].has_signed
     # Node 2 says anything in epoch 1: node 0 answers with its epoch-0 RoundChange ...
@@ -432,14 +437,7 @@ def test_6_10_equivocation_in_the_epoch_a_placement_left_is_still_evidence():
     # Seed 6654 of the 10,000-seed sweep: node 2 saw one prevote of an epoch-1 equivocator,
     # moved its instance to epoch 0 (P2), then got the conflicting prevote; the moved
     # instance had forgotten the first one and recorded nothing.
-    net = Net()
-    job, envelope = make_job()
-    iid = job_id(job)
-    newer = net.cores[KEYS[2]]
-    newer.view = newer.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
-    older = net.cores[KEYS[0]]
-    newer.submit(envelope, 0)
-    older.submit(envelope, 0)
+    iid, newer, older = job_straddling_two_epochs()
     liar = IDS[1]
     first, second = (encode_message(liar, MESH, Prevote(iid, 0, 1, value_hash(v))) for v in (b"A", b"B"))
     newer.step(first, 0)
