@@ -355,6 +355,15 @@ class FailoverRun:
                 for s in stale_fence_starts(starts)]
 
 
+def start_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random) -> tuple[dict, list]:
+    """Start a testnet that runs workloads and sign ``jobs`` counter jobs for it: (layout, jobs)."""
+    launcher.up(root, nodes, owners=1, run_workloads=True)
+    layout = launcher.load_layout(root)
+    signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs, rng,
+                       FAILOVER_MANIFEST, time.time_ns() // 1_000_000)
+    return layout, signed
+
+
 def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep: bool = False,
                        seed: int | None = None) -> dict:
     if not 1 <= kills <= MAX_KILLS or not 1 <= jobs <= 16 or nodes < 3:
@@ -367,10 +376,7 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
     run = None
     log_double_runs, stale_starts = 0, []
     try:
-        launcher.up(root, nodes, owners=1, run_workloads=True)
-        layout = launcher.load_layout(root)
-        signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs, rng,
-                           FAILOVER_MANIFEST, time.time_ns() // 1_000_000)
+        layout, signed = start_counter_testnet(root, nodes, jobs, rng)
         run = FailoverRun(root, layout, signed, rng)
         trio.run(run.run, kills)
         failed = run.aborted is not None  # keep the logs of an aborted run

@@ -31,8 +31,7 @@ import trio
 from meshnode.control_client import ControlError
 from protocol.errors import MeshError
 from testnet import launcher
-from testnet.bench_consensus import sign_jobs
-from testnet.bench_failover import OVERLAP_TOLERANCE_US, FailoverRun, FAILOVER_MANIFEST
+from testnet.bench_failover import OVERLAP_TOLERANCE_US, FailoverRun, start_counter_testnet
 from meshnode.runner import WORKLOAD_NICE
 from testnet.bench_stats import machine_info, summary_ms
 
@@ -117,10 +116,7 @@ def run_soak_bench(nodes: int, soak_s: float, pause_ms: int, cpu_load: int, *, j
     run, burners, failed = None, [], True
     log_double_runs = 0
     try:
-        launcher.up(root, nodes, owners=1, run_workloads=True)
-        layout = launcher.load_layout(root)
-        signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs, rng,
-                           FAILOVER_MANIFEST, time.time_ns() // 1_000_000)
+        layout, signed = start_counter_testnet(root, nodes, jobs, rng)
         run = SoakRun(root, layout, signed, rng)
         burners = start_cpu_burners(cpu_load, cpu_load_nice)
         trio.run(run.soak, soak_s, pause_ms)
