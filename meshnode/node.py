@@ -16,9 +16,8 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
-
 from collections import deque
+from pathlib import Path
 
 import trio
 

@@ -126,9 +126,12 @@ class ControlApi:
         """Raw recent samples (bounded windows): how late checkpoints are stored here after the
         workload offered them, as primary (write_ms) and as backup (replication_ms), and how
         far each checkpoint tick of the workloads running here was from its period."""
+        from meshnode.node import CHECKPOINT_STATS_WINDOW
         node = self.node
         interval_error_us = [e for job in (node.runner.jobs_info() if node.runner else ())
                              for e in job.interval_error_us]
+        # Bounded like the other two: 256 workloads' windows would overflow a control frame.
+        interval_error_us = interval_error_us[-CHECKPOINT_STATS_WINDOW:]
         return {"write_ms": list(node.checkpoint_write_ms), "replication_ms": list(node.checkpoint_replication_ms),
                 "interval_error_us": interval_error_us}
 

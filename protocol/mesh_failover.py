@@ -201,9 +201,11 @@ class FailoverFlows:
         """Start (or, when it already runs, feed news to) the epoch-change instance of ``view``:
         one per epoch, deciding an eviction or a join (SPEC F4, F5, F7)."""
         iid = epoch_change_instance_id(view.epoch)
-        inst = self._start_instance(iid, "eviction", view, EPOCH_CHANGE, self._eviction_validator(iid), now_ms, out,
-                                    other_kinds={"membership": self._membership_validator(iid)},
-                                    max_rounds=EPOCH_CHANGE_MAX_ROUNDS)
+        inst = self.instances.get(iid)  # the common case: called again every tick while suspicions stand
+        if inst is None:
+            inst = self._start_instance(iid, "eviction", view, EPOCH_CHANGE, self._eviction_validator(iid), now_ms,
+                                        out, other_kinds={"membership": self._membership_validator(iid)},
+                                        max_rounds=EPOCH_CHANGE_MAX_ROUNDS)
         if inst is not None and inst.awaiting_value and iid in self.instances:
             self._propose_epoch_change(inst, EPOCH_CHANGE, now_ms, out)  # a leader that had nothing to propose
         if (inst is not None and iid in self.instances and inst.decision is None and inst.leader != self.me
@@ -271,8 +273,9 @@ class FailoverFlows:
 
     def _heard_recently(self, peer: bytes, now_ms: int) -> bool:
         """SPEC F5: a voter refuses to evict a member it has itself heard from within
-        min_silence_ms (the suspicion threshold's floor). A node that was only paused, or starved for a moment, and whose
-        heartbeat got through meanwhile, is alive: evicting it would cost its workloads."""
+        min_silence_ms (the suspicion threshold's floor). A node that was only paused, or
+        starved for a moment, and whose heartbeat got through meanwhile, is alive: evicting
+        it would cost its workloads."""
         return self.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
 
     def _heard_before_eviction(self, peer: bytes, now_ms: int) -> bool:
