@@ -34,12 +34,14 @@ from protocol.certificate import check_commit_certificate, check_prevote_certifi
 from protocol.envelope import Envelope
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (VALUE_KINDS, CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate,
-                               Proposal, RoundChange, decode_message, sign_message, value_hash)
+                               Proposal, RoundChange, RoundSync, decode_message, sign_message, value_hash)
+from protocol import codec
 from protocol.quorum import EpochView
 from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
 
 MAX_EVIDENCE = 256       # evidence kept per instance; more equivocation proves nothing new
 MAX_CATCH_UP_REPLIES = 4096  # (sender, round) pairs answered with the decision (SPEC.md 6.8)
+MAX_SYNC_REPLIES = 4096      # (sender, round) stale round changes answered with a RoundSync (6.5)
 
 # validate(value, justification, proven) -> reason or None. ``proven``: the proposal carries
 # a valid proof of lock, i.e. a prevote quorum accepted this value in an earlier round, so
@@ -125,13 +127,16 @@ class ConsensusInstance:
         # epochs are dropped, but checked for equivocation first.
         self.other_views: dict[int, EpochView] = {}
         self._tallies: dict[tuple[str, int], _Tally] = {}
-        self._round_changes: dict[int, tuple[set, list]] = {}  # round -> (signers, [stake])
+        self._round_changes: dict[int, tuple[set, list, list]] = {}  # round -> (signers, [stake], [envelopes])
+        self._round_sync: tuple[int, bytes] | None = None  # the newest RoundSync known: (round, envelope)
+        self._sync_replies: set[tuple[bytes, int]] = set()
         self._best_reported_lock: LockProof | None = None
         self._caught_up: set[tuple[bytes, int]] = set()
         self._evidenced: set[tuple] = set()
         self._handlers = {Proposal: self._on_proposal, Prevote: self._on_vote, Precommit: self._on_vote,
                           PrevoteCertificate: self._on_prevote_certificate,
-                          CommitCertificate: self._on_commit_certificate, RoundChange: self._on_round_change}
+                          CommitCertificate: self._on_commit_certificate, RoundChange: self._on_round_change,
+                          RoundSync: self._on_round_sync}
 
     # --- state ---------------------------------------------------------------------------
 
@@ -534,8 +539,15 @@ class ConsensusInstance:
 
     def _on_round_change(self, envelope: Envelope, change: RoundChange, data, now_ms: int, ready: Ready) -> None:
         if self.view.leader(self.instance_id, change.round) != self.me:
+            if envelope.signer == self.leader and change.round > self.round:
+                # SPEC.md 6.5: our round's leader has moved on, so our round will see no
+                # proposal: end it now rather than at its timeout. One round at a time, so a
+                # Byzantine leader can cut short only its own round, as its silence would.
+                self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
+                return
             return self._drop("not_collector", ready)
         if change.round < self.round or change.round == 0:
+            self._reply_to_stale_round_change(envelope.signer, change.round, ready)
             return self._drop("stale_round", ready)
         lock = None
         if change.locked_round is not None or change.lock_certificate is not None or change.lock_proposal is not None:
@@ -543,20 +555,85 @@ class ConsensusInstance:
                 lock = self._check_reported_lock(change)
             except RemoteProtocolError:
                 return self._drop("bad_lock", ready)
-        signers, stake = self._round_changes.setdefault(change.round, (set(), [0]))
+        signers, stake, changes = self._round_changes.setdefault(change.round, (set(), [0], []))
         if envelope.signer in signers:
             return self._drop("duplicate", ready)
         signers.add(envelope.signer)
+        was_one_third = self.view.exceeds_one_third_stake(stake[0])
         stake[0] += self.view.stakes[envelope.signer]
+        changes.append(data if data is not None else envelope.encode())
         best = self._best_reported_lock
         if lock is not None and (best is None or lock.round > best.round):
             self._best_reported_lock = lock
+        if not was_one_third and self.view.exceeds_one_third_stake(stake[0]):
+            self._send_round_sync(change.round, changes, now_ms, ready)
         if change.round > self.round:
             # SPEC.md 6.5: more than 1/3 of the stake has moved on, at least one honest node.
             if self.view.exceeds_one_third_stake(stake[0]):
                 self._enter_round(change.round, now_ms, ready, "round_change_quorum", announce=True)
             return
         self._try_propose(now_ms, ready)
+
+    def _send_round_sync(self, round: int, changes: list, now_ms: int, ready: Ready) -> None:
+        """SPEC.md 6.5: round changes reach only the new round's leader, so members still in
+        an earlier round (restarted, partitioned, or slower to time out) would never learn that
+        others moved on, and the leader would never see the quorum it waits for. Once more than
+        1/3 of the stake has moved to ``round``, the leader shows them the round changes. The
+        smallest go first; if even those do not fit one frame, no sync is sent (timeouts remain)."""
+        chosen, stake = [], 0
+        for data in sorted(changes, key=len):
+            if self.view.exceeds_one_third_stake(stake):
+                break
+            chosen.append(data)
+            stake += self.view.stakes.get(self._signer_of(data), 0)
+        if sum(len(d) for d in chosen) + 1024 > codec.MAX_FRAME_BYTES:
+            self.dropped["round_sync_too_large"] += 1
+            return
+        sync = RoundSync(self.instance_id, round, self.view.epoch, tuple(chosen))
+        envelope = sign_message(self.identity, self.mesh_id, sync)
+        data = envelope.encode()
+        self._round_sync = (round, data)
+        ready.messages.append(Outbound(None, data))
+        self.messages_sent += 1
+
+    def _signer_of(self, data: bytes) -> bytes:
+        envelope, _ = decode_message(data, self.mesh_id, expect=RoundChange)
+        return envelope.signer
+
+    def _on_round_sync(self, envelope: Envelope, sync: RoundSync, data, now_ms: int, ready: Ready) -> None:
+        """SPEC.md 6.5: round changes of ``sync.round`` from more than 1/3 of the stake (so at
+        least one honest member) pull this node forward; entering a later round is always safe."""
+        if sync.round <= self.round:
+            return self._drop("stale_round", ready)
+        signers, stake = set(), 0
+        for item in sync.changes:
+            try:
+                change_envelope, change = decode_message(item, self.mesh_id, expect=RoundChange)
+            except RemoteProtocolError:
+                return self._drop("bad_round_sync", ready)
+            signer = change_envelope.signer
+            if ((change.instance, change.round, change.epoch) != (self.instance_id, sync.round, self.view.epoch)
+                    or signer in signers or signer not in self.view.stakes):
+                return self._drop("bad_round_sync", ready)
+            signers.add(signer)
+            stake += self.view.stakes[signer]
+        if not self.view.exceeds_one_third_stake(stake):
+            return self._drop("bad_round_sync", ready)
+        self._round_sync = (sync.round, data if data is not None else envelope.encode())
+        self._enter_round(sync.round, now_ms, ready, "round_sync", announce=True)
+
+    def _reply_to_stale_round_change(self, to: bytes, round: int, ready: Ready) -> None:
+        """SPEC.md 6.5: a member announced a round earlier than ours (to us, its leader there):
+        it missed that others moved on. Send it the newest RoundSync we know, or else our own
+        RoundChange for our round, which tells it its round's leader has moved on."""
+        key = (to, round)
+        if (self.round <= round or to == self.me or key in self._sync_replies
+                or len(self._sync_replies) >= MAX_SYNC_REPLIES):
+            return
+        self._sync_replies.add(key)
+        sync = self._round_sync
+        ready.messages.append(Outbound(to, sync[1] if sync is not None and sync[0] > round else self.round_change()))
+        self.messages_sent += 1
 
     def _check_reported_lock(self, change: RoundChange) -> LockProof:
         if change.locked_round is None or change.lock_certificate is None or change.lock_proposal is None:

@@ -79,6 +79,10 @@ class FailureDetector:
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)
 
+    def is_watched(self, peer: bytes) -> bool:
+        """Whether ``peer`` was ever heard (or tracked): only those can be suspected."""
+        return peer in self._peers
+
     def peers(self) -> list[bytes]:
         return list(self._peers)
 

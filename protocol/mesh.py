@@ -32,7 +32,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.failure_detector import FailureDetector
 from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
                                Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
-                               PrevoteCertificate, Proposal, RoundChange, Suspicion, SyncRequest,
+                               PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
                                decode_message, decode_value)
 from protocol.mesh_failover import FailoverFlows
 from protocol.mesh_jobs import JobFlows
@@ -41,7 +41,7 @@ from protocol.quorum import EpochView
 from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
 from protocol.reservations import Reservations
 
-CONSENSUS_KINDS = (Proposal, Prevote, Precommit, PrevoteCertificate, CommitCertificate, RoundChange)
+CONSENSUS_KINDS = (Proposal, Prevote, Precommit, PrevoteCertificate, CommitCertificate, RoundChange, RoundSync)
 MAX_ACTIVE_INSTANCES = 8192      # undecided instances at once; a job beyond it waits for a resubmit
 MAX_DECIDED_KEPT = 256           # decided instances kept to answer stragglers (SPEC.md 6.8)
 MAX_PENDING_INSTANCES = 512      # instances we hold early messages for
@@ -185,8 +185,8 @@ class MeshCore(JobFlows, FailoverFlows):
     def _handler_table_new(self) -> dict:
         return {Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
                 PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
-                RoundChange: self._on_consensus, JobManifest: self._on_job, Bid: self._on_bid,
-                Decline: self._on_decline, Checkpoint: self._on_checkpoint, CheckpointAck: self._on_checkpoint_ack,
+                RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: self._on_job,
+                Bid: self._on_bid,                Decline: self._on_decline, Checkpoint: self._on_checkpoint, CheckpointAck: self._on_checkpoint_ack,
                 JobExit: self._on_job_exit, Cancel: self._on_cancel, CapabilityVector: self._on_capability,
                 Heartbeat: self._on_heartbeat, Suspicion: self._on_suspicion, SyncRequest: self._on_sync_request,
                 Join: self._on_join}

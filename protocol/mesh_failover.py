@@ -60,6 +60,9 @@ class FailoverFlows:
         self.evicted_at_epoch: int | None = None   # the epoch whose certificate evicted us, until readmitted
         self.rejoin_sent_ms: int | None = None
         self.rejoin_unvouched_said = False
+        # Since when members never heard from count as unresponsive leaders (SPEC F4): our
+        # start or our entry into the current epoch, whichever came last.
+        self.unheard_since_ms = now_ms
 
     def _my_live_jobs(self) -> tuple:
         return tuple(r.job_id for r in self.job_records.values()
@@ -140,6 +143,37 @@ class FailoverFlows:
             # A leader holds an eviction back until the suspect was silent for the whole
             # bound and a heartbeat period (_heard_before_eviction): offer it the value again.
             self._start_epoch_change(self.view, now_ms, out)
+        self._skip_unresponsive_leaders(now_ms, out)
+
+    def _unresponsive_members(self, now_ms: int) -> set[bytes]:
+        """SPEC F4: the members whose rounds we skip: suspected ones, and, once a suspicion
+        threshold has passed since we started or entered this epoch, the ones never heard at all
+        (not suspected: see F2; a silent node's rounds would otherwise each cost a timeout)."""
+        if not self.heartbeats or self.halted or not self.is_member():
+            return set()
+        # A halted node suspects nobody (F3): after its pause every peer looks silent to it.
+        suspected = {peer for peer, _silent in self.detector.suspects(now_ms)}
+        unheard = {key for key in self.view.members if key != self.me and not self.detector.is_watched(key)}
+        heard_stake = self.view.total_stake - self.view.stake_of(suspected | unheard)
+        if not self.view.is_quorum_stake(heard_stake):
+            # We hear less than a quorum: most likely we are the one cut off, and skipping
+            # rounds would only race us ahead of the members we cannot hear, whose round
+            # changes then never meet ours (a partition in the sweep left a node 30 rounds ahead).
+            return set()
+        if now_ms - self.unheard_since_ms < self.detector.suspect_by_ms:
+            return suspected
+        return suspected | unheard
+
+    def _skip_unresponsive_leaders(self, now_ms: int, out: Ready) -> None:
+        """SPEC F4: waiting for an unresponsive leader's proposal would only cost its round's
+        timeout; entering the next round is always safe (it signs nothing), and the
+        announcement counts towards the next leader's quorum of round changes (6.5)."""
+        unresponsive = self._unresponsive_members(now_ms)
+        if not unresponsive:
+            return
+        for inst in [i for i in self.instances.values() if i.leader in unresponsive]:
+            if inst.decision is None and not inst.gave_up and self.instances.get(inst.instance_id) is inst:
+                self._drive(inst, inst.enter_round(inst.round + 1, now_ms), now_ms, out)
 
     def _on_heartbeat(self, envelope, beat: Heartbeat, data, now_ms: int, out: Ready) -> None:
         signer = envelope.signer
@@ -169,10 +203,12 @@ class FailoverFlows:
         if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
             return
         certificates = [c for e, c in self.epoch_certificates if e >= since_epoch][:MAX_SYNC_CERTIFICATES]
-        if peer in self.view.stakes:  # a member that was down may have missed placements too
-            recent = [inst.decision_envelope for inst in list(self.decided.values())[-MAX_SYNC_DECISIONS:]
-                      if inst.decision_envelope is not None and inst.value_kind == "placement"]
-            certificates.extend(recent)
+        if peer in self.view.stakes:
+            # A member that was down may have missed placements too: the newest certificates we
+            # applied, however they reached us (our own instance, a broadcast or a catch-up).
+            sent = set(certificates)
+            certificates.extend(c for c in list(self.recent_certificates.values())[-MAX_SYNC_DECISIONS:]
+                                if c not in sent)
         if not certificates:
             return
         if len(self.sync_answered_ms) > 4096:
@@ -208,12 +244,9 @@ class FailoverFlows:
                                         max_rounds=EPOCH_CHANGE_MAX_ROUNDS)
         if inst is not None and inst.awaiting_value and iid in self.instances:
             self._propose_epoch_change(inst, EPOCH_CHANGE, now_ms, out)  # a leader that had nothing to propose
-        if (inst is not None and iid in self.instances and inst.decision is None and inst.leader != self.me
-                and self.heartbeats and not self.halted and self.detector.is_suspected(inst.leader, now_ms)):
-            # SPEC F4: the round's leader is the silent node itself (or another one): waiting
-            # for its proposal would only cost a round timeout. Entering the next round is
-            # always safe; the announcement counts towards the next leader's quorum. A halted
-            # node suspects nobody (F3): after its pause every peer looks silent to it.
+        if (inst is not None and iid in self.instances and inst.decision is None
+                and inst.leader in self._unresponsive_members(now_ms)):
+            # SPEC F4: the round's leader is most often the silent node itself.
             self._drive(inst, inst.enter_round(inst.round + 1, now_ms), now_ms, out)
         return inst
 
@@ -406,6 +439,7 @@ class FailoverFlows:
         del self.epoch_certificates[:-MAX_EPOCH_CERTIFICATES]
         self.view = view
         self.views[view.epoch] = view
+        self.unheard_since_ms = now_ms
         for epoch in sorted(self.views)[:-VIEWS_KEPT]:
             del self.views[epoch]
         # A member is watched from its first heartbeat (SPEC F2), a newly admitted one too: it

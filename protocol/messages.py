@@ -315,6 +315,19 @@ class RoundChange(Record):
 
 
 @record
+class RoundSync(Record):
+    """A collector's proof that members holding more than 1/3 of the stake entered ``round``:
+    their RoundChanges, so members still in earlier rounds catch up (SPEC.md 6.5)."""
+    KIND: ClassVar = "round_sync"
+    instance: bytes
+    round: int
+    epoch: int
+    changes: tuple  # RoundChange envelopes for (instance, round, epoch), distinct signers
+    SCHEMA: ClassVar = {"instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(),
+                        "changes": List(ENVELOPE, MAX_NODES)}
+
+
+@record
 class Evidence(Record):
     """Two conflicting envelopes signed by one key: proof of equivocation."""
     KIND: ClassVar = "evidence"
@@ -444,7 +457,7 @@ class SyncRequest(Record):
 
 MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
-    CommitCertificate, RoundChange, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
+    CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
     Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest,
 )}
 
