@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 LEADER_DOMAIN = b"meshnode/v1/leader\x00"
 _genesis_views: dict = {}  # (mesh id, epoch) -> EpochView; the mesh id hashes the whole genesis
 VIEW_DOMAIN = b"meshnode/v1/view\x00"
+LEADER_CACHE_INSTANCES = 4096  # instances whose later rounds' leaders a view remembers
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +29,7 @@ class EpochView:
     digest: bytes = field(init=False)       # names this exact membership (cache keys, logs)
     _members: tuple = field(init=False, repr=False)     # public keys sorted by their bytes
     _cumulative: tuple = field(init=False, repr=False)  # running stake sums in that order
+    _leader_cache: dict = field(init=False, repr=False)  # instance -> leaders of rounds 0..k
 
     def __post_init__(self):
         if not self.stakes:
@@ -49,6 +51,7 @@ class EpochView:
         object.__setattr__(self, "digest", digest)
         object.__setattr__(self, "_members", members)
         object.__setattr__(self, "_cumulative", tuple(cumulative))
+        object.__setattr__(self, "_leader_cache", {})
 
     @classmethod
     def from_genesis(cls, genesis, epoch: int = 0) -> "EpochView":
@@ -91,8 +94,33 @@ class EpochView:
         return self.exceeds_one_third_stake(self.stake_of(signers))
 
     def leader(self, instance_id: bytes, round: int) -> bytes:
-        """Stake-weighted, deterministic leader of ``round`` of ``instance_id`` (SPEC.md 6.2)."""
+        """Stake-weighted, deterministic leader of ``round`` of ``instance_id`` (SPEC.md 6.2):
+        round 0 draws from every member in proportion to stake; each later round from the
+        members other than the previous round's leader, so no member leads two rounds in a
+        row (a silent or equivocating leader cannot waste consecutive round timeouts)."""
+        if round == 0 or len(self._members) == 1:
+            return self._draw(instance_id, round, None)
+        cache = self._leader_cache
+        leaders = cache.get(instance_id)
+        if leaders is None:
+            if len(cache) >= LEADER_CACHE_INSTANCES:
+                cache.clear()
+            leaders = cache[instance_id] = [self._draw(instance_id, 0, None)]
+        while len(leaders) <= round:
+            leaders.append(self._draw(instance_id, len(leaders), leaders[-1]))
+        return leaders[round]
+
+    def _draw(self, instance_id: bytes, round: int, excluded: bytes | None) -> bytes:
         digest = hashlib.sha256(LEADER_DOMAIN + instance_id + round.to_bytes(8, "big")).digest()
-        x = int.from_bytes(digest, "big") % self.total_stake
-        # First member whose cumulative stake is strictly greater than x.
+        if excluded is None:
+            x = int.from_bytes(digest, "big") % self.total_stake
+            # First member whose cumulative stake is strictly greater than x.
+            return self._members[bisect.bisect_right(self._cumulative, x)]
+        skip = self.stakes[excluded]
+        x = int.from_bytes(digest, "big") % (self.total_stake - skip)
+        # The same walk over the members without ``excluded``: an x at or past the start of
+        # its stake range moves up by its stake, past that range.
+        start = self._cumulative[bisect.bisect_left(self._members, excluded)] - skip
+        if x >= start:
+            x += skip
         return self._members[bisect.bisect_right(self._cumulative, x)]
