@@ -80,6 +80,9 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "violations_by_check": by_check,
         "failed_seeds": [r.config.seed for r in failed][:100],
         "stalled_seeds": sum(1 for r in results if r.liveness_missing),
+        # Seeds whose newest epoch has 1/3 or more Byzantine stake (honest members evicted):
+        # BFT promises no liveness there; their undecided jobs are counted, not violations.
+        "liveness_unpromised_seeds": sum(1 for r in results if r.counters.get("liveness_unpromised_jobs")),
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
@@ -148,3 +151,7 @@ def render(console: Console, summary: dict, results: list[SimResult]) -> None:
                   % (summary["seeds"], summary["violations"], summary["violations_by_check"] or "none",
                      summary["stalled_seeds"], summary["decisions"], summary["messages_per_decision"],
                      lat["p50"], lat["p99"], summary["wall_s"]))
+    if summary["liveness_unpromised_seeds"]:
+        console.print("%d seeds ended in an epoch with 1/3 or more Byzantine stake (honest members "
+                      "evicted): liveness is not promised there, their undecided jobs are not violations"
+                      % summary["liveness_unpromised_seeds"])

@@ -91,6 +91,9 @@ class FailoverFlows:
         peers = self.broadcast_targets()
         if not self.is_member() or not peers:
             return
+        # A silent member answers nothing: ask among the others (all, if none is left).
+        unresponsive = self._unresponsive_members(now_ms)
+        peers = [peer for peer in peers if peer not in unresponsive] or peers
         data = encode_message(self.identity, self.mesh_id, SyncRequest(epoch=self.epoch))
         out.messages.extend(Outbound(peer, data) for peer in self.rng.sample(peers, min(peers_asked, len(peers))))
 

@@ -445,7 +445,15 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable)
+        unpromised = 0
+        if self._byzantine_third_of_latest_epoch():
+            # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that
+            # must decide; evicting honest nodes (cut off in the safety phase) can lift the
+            # Byzantine share of the next epoch to 1/3 or more. Counted apart, not hidden.
+            unpromised = len(checker.late_jobs(submitted, deciders, deadline_ms, unplaceable))
+            missing = 0
+        else:
+            missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable)
         checker.check_evidence(self.witnessed, self._evidence_of)
         log_digest = checker.log_digest()
         stats = self.network.stats
@@ -457,18 +465,30 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable)))
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=unpromised))
+
+    def _latest_view(self):
+        """The newest epoch's view any honest core reached: certificates name the epoch they
+        were decided in, so an eviction decided last would not show in ``epoch_views``."""
+        views = [self.nodes[i].core.view for i in self.honest if self.nodes[i].core is not None]
+        views += list(self.epoch_views.values())
+        return max(views, key=lambda view: view.epoch) if views else None
+
+    def _byzantine_third_of_latest_epoch(self) -> bool:
+        """Whether evictions lifted a run that started under 1/3 Byzantine stake to 1/3 or more."""
+        view = self._latest_view()
+        genesis_stake, genesis_total = self.world.byzantine_stake_fraction()
+        if view is None or not self.world.byzantine or 3 * genesis_stake >= genesis_total:
+            return False  # a run that starts at 1/3 or more is there to show the stall
+        byzantine = {self.nodes[i].public_key for i in self.world.byzantine}
+        return 3 * sum(stake for key, stake in view.stakes.items() if key in byzantine) >= view.total_stake
 
     def _deciders(self) -> list[int]:
         """Honest members of the newest epoch: an honest node the mesh evicted (it looked dead
         from a partition) is fenced and owes no decisions until it rejoins (SPEC.md 9)."""
-        # The newest epoch any honest core reached: certificates name the epoch they were
-        # decided in, so an eviction decided last would not show in ``epoch_views``.
-        views = [self.nodes[i].core.view for i in self.honest if self.nodes[i].core is not None]
-        views += list(self.epoch_views.values())
-        if not views:
+        latest = self._latest_view()
+        if latest is None:
             return list(self.honest)
-        latest = max(views, key=lambda view: view.epoch)
         return [i for i in self.honest if self.nodes[i].public_key in latest.stakes]
 
     def _unplaceable_jobs(self, deciders: list[int]) -> frozenset:

@@ -285,6 +285,21 @@ class DecisionChecker:
         return (len(free_gpus) >= resources.gpus and load.cpu_milli + resources.cpu_milli <= capacity.cpu_milli
                 and load.mem_mib + resources.mem_mib <= capacity.mem_mib)
 
+    def late_jobs(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
+                  unplaceable: frozenset = frozenset()) -> list[tuple]:
+        """(job id, instance or None, submit ms, late nodes) for every job (id -> submit ms) not
+        placed at every node in ``deciders`` by ``deadline_ms``, the ``unplaceable`` ones aside."""
+        late_jobs = []
+        for jid, submitted_ms in jobs.items():
+            if jid in unplaceable:
+                continue
+            instance = self.placement_of.get(jid)
+            seen = self.decided_at.get(instance, {}) if instance is not None else {}
+            late = [n for n in deciders if seen.get(n, deadline_ms + 1) > deadline_ms]
+            if late:
+                late_jobs.append((jid, instance, submitted_ms, late))
+        return late_jobs
+
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
                        unplaceable: frozenset = frozenset()) -> int:
         """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``,
@@ -293,16 +308,10 @@ class DecisionChecker:
         Returns how many (job, node) pairs were missing; each missing job is one violation.
         """
         missing_pairs = 0
-        for jid, submitted_ms in jobs.items():
-            if jid in unplaceable:
-                continue
-            instance = self.placement_of.get(jid)
-            seen = self.decided_at.get(instance, {}) if instance is not None else {}
-            late = [n for n in deciders if seen.get(n, deadline_ms + 1) > deadline_ms]
-            if late:
-                missing_pairs += len(late)
-                self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
-                          "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), deadline_ms))
+        for jid, instance, submitted_ms, late in self.late_jobs(jobs, deciders, deadline_ms, unplaceable):
+            missing_pairs += len(late)
+            self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
+                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), deadline_ms))
         return missing_pairs
 
     def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:
