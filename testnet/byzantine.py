@@ -14,7 +14,11 @@ under its own name, never under another's. Behaviours:
   capacity (and, sometimes, a zone it is not in);
 - ``phantom_bid``: a Decline becomes a Bid for capacity it does not have;
 - ``silence``: it sends nothing at all (withholding votes: the case that stalls a mesh
-  at >= 1/3 Byzantine stake).
+  at >= 1/3 Byzantine stake);
+- ``rush_rounds``: with each RoundChange it also tells every peer it is ``RUSH_ROUNDS``
+  rounds further on, as a RoundChange and as a RoundSync holding only its own change
+  (SPEC.md 6.5: one node under 1/3 must not drag honest nodes ahead; as a round's leader
+  it may only end that round early).
 
 Conflicting pairs are remembered, so the simulator can tell which honest node received
 both halves of an equivocation and must therefore hold evidence of it.
@@ -29,10 +33,12 @@ from dataclasses import replace
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Bid, CapabilityVector, Decline, GpuState, Placement, Precommit, Prevote, Proposal,
-                               decode_message, decode_value, encode_message)
+                               RoundChange, RoundSync, decode_message, decode_value, encode_message)
 from protocol.ready import Outbound, Ready
 
-BEHAVIOURS = ("equivocate", "double_vote", "bad_signature", "lying_capability", "phantom_bid", "silence")
+BEHAVIOURS = ("equivocate", "double_vote", "bad_signature", "lying_capability", "phantom_bid", "silence",
+              "rush_rounds")
+RUSH_ROUNDS = 8
 BAD_SIGNATURE_PER_MILLE = 200
 MAX_TRACKED_PAIRS = 100_000  # conflicting-pair bookkeeping per Byzantine node
 
@@ -87,7 +93,16 @@ class ByzantineBehaviour:
             return [Outbound(message.to, self._lying_bid(body))]
         if isinstance(body, Decline) and "phantom_bid" in self.behaviours:
             return [Outbound(message.to, self._phantom_bid(body))]
+        if isinstance(body, RoundChange) and "rush_rounds" in self.behaviours:
+            return [message] + self._rushed(body, peers)
         return [message]
+
+    def _rushed(self, change: RoundChange, peers: list[bytes]) -> list[Outbound]:
+        ahead = replace(change, round=min(change.round + RUSH_ROUNDS, 1 << 20), locked_round=None,
+                        lock_certificate=None, lock_proposal=None)
+        ahead_data = self._sign(ahead)
+        sync = self._sign(RoundSync(change.instance, ahead.round, change.epoch, (ahead_data,)))
+        return [Outbound(peer, data) for peer in peers for data in (ahead_data, sync)]
 
     def _split(self, message: Outbound, other: bytes, peers: list[bytes], instance: bytes) -> list[Outbound]:
         """Send ``message`` to one half of its recipients and ``other`` to the other half."""

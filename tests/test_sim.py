@@ -245,3 +245,34 @@ def test_votes_and_locks_of_decided_instances_leave_the_simulated_disk():
         assert node.persisted_records > len(node.certificates) == 3
         assert not [key for key in node.safety_records if key[0] in ("votes", "locks")]
         assert not node.records_of
+
+
+def test_a_node_rushing_rounds_under_one_third_cannot_drag_honest_nodes_ahead():
+    """SPEC.md 6.5: RoundSyncs holding only the rusher's own change (8 rounds ahead) are
+    dropped; the runs still decide every job with no violation."""
+    dropped = 0
+    for seed in (0, 3, 7):
+        sim = Simulation(SimConfig(nodes=4, jobs=2, seed=seed, byzantine_milli=300, faults=FAULTS, heartbeats=False))
+        for index in sim.world.byzantine:
+            sim.nodes[index].behaviour.behaviours = frozenset({"rush_rounds"})
+        result = sim.run()
+        assert result.ok, [v.line() for v in result.violations]
+        dropped += sum(sim.nodes[i].core.counters["bad_round_sync"] for i in sim.honest if sim.nodes[i].core)
+    assert dropped > 0, "the rusher's syncs must have reached honest nodes"
+
+
+def test_evictions_that_lift_byzantine_stake_to_a_third_exempt_liveness_only_then():
+    from protocol.quorum import EpochView
+    sim = Simulation(SimConfig(nodes=4, jobs=1, seed=4, byzantine_milli=300, faults=(), heartbeats=False))
+    sim.run()
+    byzantine = {sim.nodes[i].public_key for i in sim.world.byzantine}
+    assert byzantine and not sim._byzantine_third_of_latest_epoch()
+    honest_left = sim.nodes[sim.honest[0]].public_key   # as if every other honest member was evicted
+    stakes = {key: 1 for key in byzantine} | {honest_left: 2 * len(byzantine)}
+    sim.epoch_views[99] = EpochView(99, stakes)
+    assert sim._byzantine_third_of_latest_epoch()          # exactly 1/3: no liveness promised
+    sim.epoch_views[100] = EpochView(100, {key: 1 for key in byzantine} | {honest_left: 2 * len(byzantine) + 1})
+    assert not sim._byzantine_third_of_latest_epoch()      # under 1/3 again: promised
+    over = Simulation(SimConfig(nodes=4, jobs=1, seed=4, byzantine_milli=340, faults=(), heartbeats=False))
+    over.epoch_views[99] = EpochView(99, stakes)
+    assert not over._byzantine_third_of_latest_epoch()     # started at >= 1/3: its stall is reported
