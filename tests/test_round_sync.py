@@ -142,14 +142,19 @@ def test_6_5_a_round_sync_from_more_than_a_third_of_the_stake_pulls_a_laggard_fo
 
 # --- b. receiving a RoundSync -------------------------------------------------------------------
 
-@pytest.mark.parametrize("signers, valid", [(2, False), (3, True)], ids=["exactly_one_third", "more"])
-def test_6_5_b_a_round_sync_counts_only_with_more_than_a_third_of_the_stake(signers, valid):
-    net = Net(6)
-    round = 2
+def _started_non_leader(net, round: int):
+    """A started node in round 0 that is not ``round``'s leader: (that leader, its key, its instance)."""
     leader = net.view.leader(INSTANCE, round)
     node_key = next(k for k in net.keys if k != leader)
     node = net.nodes[node_key]
     node.start(0)
+    return leader, node_key, node
+
+
+@pytest.mark.parametrize("signers, valid", [(2, False), (3, True)], ids=["exactly_one_third", "more"])
+def test_6_5_b_a_round_sync_counts_only_with_more_than_a_third_of_the_stake(signers, valid):
+    net, round = Net(6), 2
+    leader, node_key, node = _started_non_leader(net, round)
     others = [identity_of(net, k) for k in net.keys if k != node_key]
     data = round_sync(identity_of(net, leader), round, [round_change(i, round) for i in others[:signers]])
     ready = node.receive(data, 0)
@@ -187,12 +192,8 @@ def _bad_item(fault: str, round: int, signer, valid: list[bytes]) -> bytes:
 @pytest.mark.parametrize("fault", ["wrong_round", "wrong_instance", "wrong_epoch", "repeated_signer", "non_member",
                                    "forged", "not_a_round_change"])
 def test_6_5_b_a_round_sync_with_a_bad_change_inside_is_dropped(fault):
-    net = Net(6)
-    round = 2
-    leader = net.view.leader(INSTANCE, round)
-    node_key = next(k for k in net.keys if k != leader)
-    node = net.nodes[node_key]
-    node.start(0)
+    net, round = Net(6), 2
+    leader, node_key, node = _started_non_leader(net, round)
     a, b, c = [identity_of(net, k) for k in net.keys if k != node_key][:3]
     valid = [round_change(a, round), round_change(b, round)]
     data = round_sync(identity_of(net, leader), round, valid + [_bad_item(fault, round, c, valid)])
