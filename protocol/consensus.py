@@ -35,13 +35,17 @@ from protocol.envelope import Envelope
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (VALUE_KINDS, CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate,
                                Proposal, RoundChange, RoundSync, decode_message, sign_message, value_hash)
-from protocol import codec
 from protocol.quorum import EpochView
 from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
 
 MAX_EVIDENCE = 256       # evidence kept per instance; more equivocation proves nothing new
 MAX_CATCH_UP_REPLIES = 4096  # (sender, round) pairs answered with the decision (SPEC.md 6.8)
 MAX_SYNC_REPLIES = 4096      # (sender, round) stale round changes answered with a RoundSync (6.5)
+# How far beyond its own round a message may be (6.5). Bounds the work a far-future round
+# makes a node do (the leader schedule of 6.2 is a chain over the rounds before it) and
+# the round changes it keeps; honest nodes drift apart by a few rounds, not hundreds.
+MAX_ROUNDS_AHEAD = 256
+MAX_SYNC_ITEM_BYTES = 16 << 10  # a round change kept for a RoundSync (a lock makes it big)
 
 # validate(value, justification, proven) -> reason or None. ``proven``: the proposal carries
 # a valid proof of lock, i.e. a prevote quorum accepted this value in an earlier round, so
@@ -286,7 +290,7 @@ class ConsensusInstance:
             return self._drop("non_member", ready)
         if envelope.signer != self.me:
             self.heard_from_others = True
-        if message.round >= self.max_rounds or message.round > self.round + self.max_rounds:
+        if message.round >= self.max_rounds or message.round > self.round + min(self.max_rounds, MAX_ROUNDS_AHEAD):
             return self._drop("round_too_far", ready)
         if self.decision is not None:
             if handler in (self._on_proposal, self._on_vote):
@@ -538,11 +542,12 @@ class ConsensusInstance:
         self._proposal = self._polka = None
 
     def _on_round_change(self, envelope: Envelope, change: RoundChange, data, now_ms: int, ready: Ready) -> None:
+        # SPEC.md 6.5 rule 3: our round's leader has moved on, so our round will see no
+        # proposal: end it now rather than at its timeout. One round at a time, so a
+        # Byzantine leader can cut short only its own round, as its silence would.
+        leader_moved_on = envelope.signer == self.leader and change.round > self.round
         if self.view.leader(self.instance_id, change.round) != self.me:
-            if envelope.signer == self.leader and change.round > self.round:
-                # SPEC.md 6.5: our round's leader has moved on, so our round will see no
-                # proposal: end it now rather than at its timeout. One round at a time, so a
-                # Byzantine leader can cut short only its own round, as its silence would.
+            if leader_moved_on:
                 self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
                 return
             return self._drop("not_collector", ready)
@@ -561,7 +566,9 @@ class ConsensusInstance:
         signers.add(envelope.signer)
         was_one_third = self.view.exceeds_one_third_stake(stake[0])
         stake[0] += self.view.stakes[envelope.signer]
-        changes.append(data if data is not None else envelope.encode())
+        data = data if data is not None else envelope.encode()
+        if len(data) <= MAX_SYNC_ITEM_BYTES:
+            changes.append(data)
         best = self._best_reported_lock
         if lock is not None and (best is None or lock.round > best.round):
             self._best_reported_lock = lock
@@ -571,6 +578,8 @@ class ConsensusInstance:
             # SPEC.md 6.5: more than 1/3 of the stake has moved on, at least one honest node.
             if self.view.exceeds_one_third_stake(stake[0]):
                 self._enter_round(change.round, now_ms, ready, "round_change_quorum", announce=True)
+            elif leader_moved_on:
+                self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
             return
         self._try_propose(now_ms, ready)
 
@@ -581,16 +590,19 @@ class ConsensusInstance:
         1/3 of the stake has moved to ``round``, the leader shows them the round changes. The
         smallest go first; if even those do not fit one frame, no sync is sent (timeouts remain)."""
         chosen, stake = [], 0
-        for data in sorted(changes, key=len):
+        for data in sorted(changes, key=len):  # only those small enough were kept
             if self.view.exceeds_one_third_stake(stake):
                 break
             chosen.append(data)
             stake += self.view.stakes.get(self._signer_of(data), 0)
-        if sum(len(d) for d in chosen) + 1024 > codec.MAX_FRAME_BYTES:
+        try:
+            if not self.view.exceeds_one_third_stake(stake):
+                raise ValueError("the round changes small enough to relay hold 1/3 of the stake or less")
+            envelope = sign_message(self.identity, self.mesh_id,
+                                    RoundSync(self.instance_id, round, self.view.epoch, tuple(chosen)))
+        except (ValueError, LocalProtocolError):  # 1/3 not reached, or over the frame cap
             self.dropped["round_sync_too_large"] += 1
             return
-        sync = RoundSync(self.instance_id, round, self.view.epoch, tuple(chosen))
-        envelope = sign_message(self.identity, self.mesh_id, sync)
         data = envelope.encode()
         self._round_sync = (round, data)
         ready.messages.append(Outbound(None, data))

@@ -186,7 +186,8 @@ class MeshCore(JobFlows, FailoverFlows):
         return {Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
                 PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
                 RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: self._on_job,
-                Bid: self._on_bid,                Decline: self._on_decline, Checkpoint: self._on_checkpoint, CheckpointAck: self._on_checkpoint_ack,
+                Bid: self._on_bid, Decline: self._on_decline, Checkpoint: self._on_checkpoint,
+                CheckpointAck: self._on_checkpoint_ack,
                 JobExit: self._on_job_exit, Cancel: self._on_cancel, CapabilityVector: self._on_capability,
                 Heartbeat: self._on_heartbeat, Suspicion: self._on_suspicion, SyncRequest: self._on_sync_request,
                 Join: self._on_join}

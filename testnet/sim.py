@@ -445,15 +445,13 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
-        unpromised = 0
-        if self._byzantine_third_of_latest_epoch():
-            # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that
-            # must decide; evicting honest nodes (cut off in the safety phase) can lift the
-            # Byzantine share of the next epoch to 1/3 or more. Counted apart, not hidden.
-            unpromised = len(checker.late_jobs(submitted, deciders, deadline_ms, unplaceable))
-            missing = 0
-        else:
-            missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable)
+        # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
+        # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
+        # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
+        unpromised = frozenset(jid for jid, _instance, _submitted, late
+                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable)
+                               if self._liveness_unpromised(jid, late))
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised)
         checker.check_evidence(self.witnessed, self._evidence_of)
         log_digest = checker.log_digest()
         stats = self.network.stats
@@ -465,7 +463,7 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=unpromised))
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised)))
 
     def _latest_view(self):
         """The newest epoch's view any honest core reached: certificates name the epoch they
@@ -474,14 +472,26 @@ class Simulation:
         views += list(self.epoch_views.values())
         return max(views, key=lambda view: view.epoch) if views else None
 
-    def _byzantine_third_of_latest_epoch(self) -> bool:
-        """Whether evictions lifted a run that started under 1/3 Byzantine stake to 1/3 or more."""
-        view = self._latest_view()
-        genesis_stake, genesis_total = self.world.byzantine_stake_fraction()
-        if view is None or not self.world.byzantine or 3 * genesis_stake >= genesis_total:
-            return False  # a run that starts at 1/3 or more is there to show the stall
+    def _byzantine_third(self, view) -> bool:
         byzantine = {self.nodes[i].public_key for i in self.world.byzantine}
         return 3 * sum(stake for key, stake in view.stakes.items() if key in byzantine) >= view.total_stake
+
+    def _liveness_unpromised(self, jid: bytes, late: list[int]) -> bool:
+        """Whether evictions lifted a run that started under 1/3 Byzantine stake to 1/3 or more
+        in every epoch that could still decide this job at the nodes that lack it: the epoch
+        its placement instance runs in there, or their current one when it has none."""
+        genesis_stake, genesis_total = self.world.byzantine_stake_fraction()
+        if not self.world.byzantine or 3 * genesis_stake >= genesis_total:
+            return False  # a run that starts at 1/3 or more is there to show the stall
+        for index in late:
+            core = self.nodes[index].core
+            if core is None:
+                return False
+            record = core.job_records.get(jid)
+            inst = core.instances.get(record.instance) if record is not None and record.instance else None
+            if not self._byzantine_third(inst.view if inst is not None else core.view):
+                return False
+        return True
 
     def _deciders(self) -> list[int]:
         """Honest members of the newest epoch: an honest node the mesh evicted (it looked dead

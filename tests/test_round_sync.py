@@ -91,7 +91,8 @@ def test_6_5_a_a_leader_broadcasts_one_round_sync_once_more_than_a_third_of_the_
     leader_key = net.view.leader(INSTANCE, round)
     leader = net.nodes[leader_key]
     leader.start(0)
-    movers = [identity_of(net, k) for k in net.keys if k != leader_key][:4]
+    # Not round 0's leader: its round change would end the collector's round 0 (rule 3).
+    movers = [identity_of(net, k) for k in net.keys if k not in (leader_key, net.view.leader(INSTANCE, 0))][:4]
     for mover in movers[:2]:
         ready = leader.receive(round_change(mover, round), 0)
         assert not sent(ready, "round_sync")  # exactly 1/3: could all be Byzantine
@@ -356,6 +357,61 @@ def test_6_5_d_a_round_change_from_our_rounds_leader_for_a_later_round_advances_
     assert announced.to == leader1 and decode_message(announced.data, MESH_ID)[1].round == 1
     # Round 1 is another leader's: the same message again moves nothing.
     assert not node.receive(moved_on, 0).events and node.round == 1
+
+
+def test_6_5_d_the_collector_of_the_announced_round_also_ends_its_round_when_its_leader_moved_on():
+    # Round 0's leader announces round m to m's collector, which is itself still in round 0.
+    def roles(view, iid):
+        leader0 = view.leader(iid, 0)
+        m = next((m for m in range(2, 20) if view.leader(iid, m) not in (leader0, view.leader(iid, 1))), None)
+        return None if m is None else (leader0, m)
+    iid, (leader0, m) = find_instance(6, roles)
+    net = Net(6, instance_id=iid)
+    collector = net.nodes[net.view.leader(iid, m)]
+    collector.start(0)
+    ready = collector.receive(round_change(identity_of(net, leader0), m, instance=iid), 0)
+    assert collector.round == 1 and round_changes(ready) == [(1, "leader_moved_on")]
+
+
+def test_6_5_a_message_more_than_max_rounds_ahead_is_dropped_before_any_work():
+    """A far-future round would make the node walk the leader schedule (6.2) up to it and
+    keep a round change per round it leads: dropped as round_too_far, nothing computed."""
+    from protocol.consensus import MAX_ROUNDS_AHEAD
+    net = Net(4, max_rounds=1 << 20)
+    node_key = net.keys[0]
+    node = net.nodes[node_key]
+    node.start(0)
+    cached = len(net.view._leader_cache.get(INSTANCE, ()))
+    far = round_change(net.ids[1], MAX_ROUNDS_AHEAD + 1)
+    node.receive(far, 0)
+    assert node.dropped["round_too_far"] == 1
+    assert len(net.view._leader_cache.get(INSTANCE, ())) == cached   # the schedule was not walked
+    # At the window's edge a round change is still read (the collector check walks the schedule).
+    node.receive(round_change(net.ids[1], MAX_ROUNDS_AHEAD), 0)
+    assert node.dropped["round_too_far"] == 1
+
+
+def test_6_5_a_round_sync_of_round_changes_too_big_to_relay_is_not_sent():
+    """Round changes carrying a big lock are not kept for a RoundSync (at most
+    MAX_SYNC_ITEM_BYTES each): without enough small ones the leader counts
+    round_sync_too_large instead of sending, and still enters the round by the usual rule."""
+    import protocol.consensus as consensus
+    net = Net(6)
+    round = 1
+    leader_key = net.view.leader(INSTANCE, round)
+    leader = net.nodes[leader_key]
+    leader.start(0)
+    movers = [identity_of(net, k) for k in net.keys if k not in (leader_key, net.view.leader(INSTANCE, 0))][:3]
+    small = len(round_change(movers[0], round))
+    saved = consensus.MAX_SYNC_ITEM_BYTES
+    consensus.MAX_SYNC_ITEM_BYTES = small - 1   # as if every change carried a big lock
+    try:
+        for mover in movers:
+            ready = leader.receive(round_change(mover, round), 0)
+            assert not sent(ready, "round_sync")
+    finally:
+        consensus.MAX_SYNC_ITEM_BYTES = saved
+    assert leader.dropped["round_sync_too_large"] == 1 and leader.round == round
 
 
 # --- e. MeshCore skips unresponsive leaders (SPEC F4) --------------------------------------------
