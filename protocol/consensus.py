@@ -587,8 +587,9 @@ class ConsensusInstance:
         """SPEC.md 6.5: round changes reach only the new round's leader, so members still in
         an earlier round (restarted, partitioned, or slower to time out) would never learn that
         others moved on, and the leader would never see the quorum it waits for. Once more than
-        1/3 of the stake has moved to ``round``, the leader shows them the round changes. The
-        smallest go first; if even those do not fit one frame, no sync is sent (timeouts remain)."""
+        1/3 of the stake has moved to ``round``, the leader shows them the round changes,
+        smallest first. Round changes too big to relay were not kept; if those kept hold 1/3 of
+        the stake or less, or do not fit one frame, no sync is sent (timeouts remain)."""
         chosen, stake = [], 0
         for data in sorted(changes, key=len):  # only those small enough were kept
             if self.view.exceeds_one_third_stake(stake):
