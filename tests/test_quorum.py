@@ -111,3 +111,14 @@ def test_a_view_rejects_empty_or_non_positive_stake():
 def test_6_2_spec_test_vector():
     view = EpochView(0, {bytes([i]) * 32: i + 1 for i in range(4)})
     assert [view.leader(bytes(32), r) for r in range(6)] == [bytes([k]) * 32 for k in (3, 2, 3, 1, 2, 3)]
+
+
+def test_6_2_the_leader_cache_is_bounded_and_never_changes_an_answer():
+    from protocol.quorum import LEADER_CACHE_INSTANCES
+    view = view_of(5, 1, 3, 2)
+    first = hashlib.sha256(b"first").digest()
+    expected = [view.leader(first, r) for r in range(6)]
+    for i in range(LEADER_CACHE_INSTANCES + 10):   # push ``first`` out of the cache
+        view.leader(hashlib.sha256(b"%d" % i).digest(), 1)
+    assert len(view._leader_cache) <= LEADER_CACHE_INSTANCES
+    assert [view.leader(first, r) for r in reversed(range(6))] == expected[::-1]

@@ -288,3 +288,12 @@ def test_liveness_is_exempt_only_where_evictions_lifted_byzantine_stake_to_a_thi
     over.run()
     over.nodes[over.honest[0]].core.view = core.view
     assert not over._liveness_unpromised(unknown_job, [over.honest[0]])  # started at >= 1/3: reported
+
+
+def test_the_sweep_summary_counts_liveness_unpromised_runs_apart_from_violations():
+    from meshnode.cli_sim import summarize
+    ran = run_simulation(SimConfig(nodes=4, jobs=1, seed=4, faults=(), heartbeats=False))
+    unpromised = replace(ran, counters=dict(ran.counters, liveness_unpromised_jobs=1))
+    summary = summarize([ran, unpromised], 1.0)
+    assert summary["liveness_unpromised_seeds"] == 1 and summary["violations"] == 0
+    assert summary["stalled_seeds"] == 0 and summary["failed_seeds"] == []
