@@ -391,7 +391,7 @@ def test_6_5_a_message_more_than_max_rounds_ahead_is_dropped_before_any_work():
     assert node.dropped["round_too_far"] == 1
 
 
-def test_6_5_a_round_sync_of_round_changes_too_big_to_relay_is_not_sent():
+def test_6_5_a_round_sync_of_round_changes_too_big_to_relay_is_not_sent(monkeypatch):
     """Round changes carrying a big lock are not kept for a RoundSync (at most
     MAX_SYNC_ITEM_BYTES each): without enough small ones the leader counts
     round_sync_too_large instead of sending, and still enters the round by the usual rule."""
@@ -402,15 +402,11 @@ def test_6_5_a_round_sync_of_round_changes_too_big_to_relay_is_not_sent():
     leader = net.nodes[leader_key]
     leader.start(0)
     movers = [identity_of(net, k) for k in net.keys if k not in (leader_key, net.view.leader(INSTANCE, 0))][:3]
-    small = len(round_change(movers[0], round))
-    saved = consensus.MAX_SYNC_ITEM_BYTES
-    consensus.MAX_SYNC_ITEM_BYTES = small - 1   # as if every change carried a big lock
-    try:
-        for mover in movers:
-            ready = leader.receive(round_change(mover, round), 0)
-            assert not sent(ready, "round_sync")
-    finally:
-        consensus.MAX_SYNC_ITEM_BYTES = saved
+    # As if every change carried a big lock: none is small enough to relay.
+    monkeypatch.setattr(consensus, "MAX_SYNC_ITEM_BYTES", len(round_change(movers[0], round)) - 1)
+    for mover in movers:
+        ready = leader.receive(round_change(mover, round), 0)
+        assert not sent(ready, "round_sync")
     assert leader.dropped["round_sync_too_large"] == 1 and leader.round == round
 
 
