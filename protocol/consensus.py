@@ -46,6 +46,7 @@ MAX_SYNC_REPLIES = 4096      # (sender, round) stale round changes answered with
 # the round changes it keeps; honest nodes drift apart by a few rounds, not hundreds.
 MAX_ROUNDS_AHEAD = 256
 MAX_SYNC_ITEM_BYTES = 16 << 10  # a round change kept for a RoundSync (a lock makes it big)
+MAX_FUTURE_PROPOSALS = 8        # proposals of later rounds held until this node gets there (6.5)
 
 # validate(value, justification, proven) -> reason or None. ``proven``: the proposal carries
 # a valid proof of lock, i.e. a prevote quorum accepted this value in an earlier round, so
@@ -133,6 +134,7 @@ class ConsensusInstance:
         self._tallies: dict[tuple[str, int], _Tally] = {}
         self._round_changes: dict[int, tuple[set, list, list]] = {}  # round -> (signers, [stake], [envelopes])
         self._round_sync: tuple[int, bytes] | None = None  # the newest RoundSync known: (round, envelope)
+        self._future_proposals: dict[int, tuple] = {}  # round -> (envelope, Proposal, data), rounds ahead
         self._sync_replies: set[tuple[bytes, int]] = set()
         self._best_reported_lock: LockProof | None = None
         self._caught_up: set[tuple[bytes, int]] = set()
@@ -355,6 +357,12 @@ class ConsensusInstance:
             self._send_to(self.leader, envelope, change, envelope.encode(), now_ms, ready)
         if self.leader == self.me:
             self._try_propose(now_ms, ready)
+        held = self._future_proposals
+        if held:
+            waiting = held.pop(round, None)
+            self._future_proposals = {r: p for r, p in held.items() if r > round}
+            if waiting is not None and self.decision is None:
+                self._handle_proposal(*waiting, now_ms, ready)
 
     def _try_propose(self, now_ms: int, ready: Ready) -> None:
         """SPEC.md 6.5: after round 0 a leader waits for round changes from a quorum, then
@@ -405,10 +413,21 @@ class ConsensusInstance:
             return
         if proposal.round < self.round:
             return self._drop("stale_round", ready)
-        if proposal.round > self.round:  # SPEC.md 6.5: jump forward, no waiting
-            self._enter_round(proposal.round, now_ms, ready, "proposal", announce=False)
-            if self.gave_up:
-                return
+        if proposal.round > self.round:
+            # SPEC.md 6.5: a proposal is no evidence that anyone else is in its round (one
+            # Byzantine leader of round 63 would make every node give up at once): it waits
+            # until this node enters that round by its timeouts, a RoundSync or a certificate.
+            self._hold_future_proposal(envelope, proposal, data)
+            return self._drop("future_proposal", ready)
+        self._handle_proposal(envelope, proposal, data, now_ms, ready)
+
+    def _hold_future_proposal(self, envelope: Envelope, proposal: Proposal, data) -> None:
+        held = self._future_proposals
+        if proposal.round not in held and len(held) < MAX_FUTURE_PROPOSALS:
+            held[proposal.round] = (envelope, proposal, data)
+
+    def _handle_proposal(self, envelope: Envelope, proposal: Proposal, data, now_ms: int, ready: Ready) -> None:
+        """A proposal of the current round from its leader, not seen before: validate, prevote."""
         hash_ = value_hash(proposal.value)
         pol_valid = False
         reason = None

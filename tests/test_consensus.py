@@ -109,15 +109,33 @@ def test_6_5_a_crashed_leader_is_replaced_by_the_next_rounds_leader():
             assert any(e.detail["reason"] == "timeout" for e in net.events(key, "round_change"))
 
 
-def test_6_5_a_node_jumps_to_the_round_of_a_later_proposal():
+def test_6_5_a_later_rounds_proposal_waits_until_the_node_enters_that_round():
     net = Net(4)
-    round = next(r for r in range(1, 50) if net.view.leader(INSTANCE, r) != net.keys[0])
+    node = net.node(0)
+    round = next(r for r in range(2, 50) if net.view.leader(INSTANCE, r) != net.keys[0])
     leader = net.ids[net.keys.index(net.view.leader(INSTANCE, round))]
     proposal = Proposal(INSTANCE, round, 0, "placement", b"v", (), None, None)
-    ready = net.node(0).receive(sign_message(leader, MESH_ID, proposal).encode(), 0)
-    assert net.node(0).round == round
-    (vote,) = [m for m in ready.messages if kind_of(m.data) == "prevote"]
+    ready = node.receive(sign_message(leader, MESH_ID, proposal).encode(), 0)
+    # One proposal is no evidence that anyone else is in its round: no jump, no vote yet.
+    assert node.round == 0 and not ready.messages and node.dropped["future_proposal"] == 1
+    votes = []
+    while node.round < round:   # its own timeouts bring it there; then it votes on the proposal
+        votes += [m for m in node.tick(node.deadline_ms).messages if kind_of(m.data) == "prevote"]
+    (vote,) = votes
     assert vote.to == leader.public_key and decode_message(vote.data, MESH_ID)[1].round == round
+
+
+def test_6_5_a_byzantine_proposal_for_a_last_round_cannot_make_a_node_give_up():
+    """Before, a node jumped to any later round it saw a proposal for: one signed by the
+    leader of round max_rounds - 1 made every node give up the instance at once."""
+    net = Net(4, max_rounds=64)
+    node = net.node(0)
+    round = next(r for r in range(63, 0, -1) if net.view.leader(INSTANCE, r) != net.keys[0])
+    leader = net.ids[net.keys.index(net.view.leader(INSTANCE, round))]
+    junk = Proposal(INSTANCE, round, 0, "placement", b"junk", (), None, None)
+    node.receive(sign_message(leader, MESH_ID, junk).encode(), 0)
+    assert node.round == 0 and not node.gave_up
+    assert node.deadline_ms == node.timeout_ms(0)   # round 0 runs its full course
 
 
 def test_6_5_max_rounds_bounds_the_instance_and_it_gives_up():
@@ -171,10 +189,14 @@ def test_6_6_a_locked_node_prevotes_nil_for_another_value_without_a_newer_proof_
     round = next(r for r in range(1, 50) if net.view.leader(INSTANCE, r) != node.me)
     leader = net.ids[net.keys.index(net.view.leader(INSTANCE, round))]
     bare = Proposal(INSTANCE, round, 0, "placement", b"B", (), None, None)
-    ready = node.receive(sign_message(leader, MESH_ID, bare).encode(), 1000)
-    (vote,) = [m for m in ready.messages if kind_of(m.data) == "prevote"]
+    node.receive(sign_message(leader, MESH_ID, bare).encode(), 1000)  # held until it gets there
+    readies = []
+    while node.round < round:
+        readies.append(node.tick(node.deadline_ms))
+    (vote,) = [m for r in readies for m in r.messages if kind_of(m.data) == "prevote"]
     assert decode_message(vote.data, MESH_ID)[1].value_hash is None
-    assert "locked on another value" in ready.events[-1].detail["reason"]
+    rejected = [e for r in readies for e in r.events if e.kind == "proposal_rejected"]
+    assert len(rejected) == 1 and "locked on another value" in rejected[0].detail["reason"]
     assert node.locked_value == b"A" and node.locked_round == 0
 
 

@@ -397,8 +397,11 @@ def test_6_9_a_restarted_core_restores_its_lock_and_never_prevotes_against_it():
     restarted = MeshCore(identity=spec, genesis=GENESIS, policy=NodePolicy(zone=ZONES[KEYS.index(victim)]),
                          capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(9), now_ms=net.now,
                          history=net.certificates[victim], safety_records=persisted[victim])
-    out = restarted.step(proposal, net.now)
-    prevotes = [decode_message(m.data, MESH)[1] for m in out.messages if codec.unpack(m.data)[2] == "prevote"]
+    out = restarted.step(proposal, net.now)   # it restarts in round 0: held until it is in round 1
+    inst = restarted.instances[iid]
+    assert inst.round == 0
+    messages = list(out.messages) + list(restarted.tick(inst.deadline_ms).messages)
+    prevotes = [decode_message(m.data, MESH)[1] for m in messages if codec.unpack(m.data)[2] == "prevote"]
     assert [p.round for p in prevotes] == [1] and prevotes[0].value_hash is None
     assert restarted.instances[iid].lock.value_hash == locked.value_hash
 
