@@ -172,9 +172,15 @@ class FailoverFlows:
         timeout; entering the next round is always safe (it signs nothing), and the
         announcement counts towards the next leader's quorum of round changes (6.5)."""
         unresponsive = self._unresponsive_members(now_ms)
-        if not unresponsive:
+        if self.halted or not self.is_member():
             return
-        for inst in [i for i in self.instances.values() if i.leader in unresponsive]:
+        # An instance still running in an earlier epoch whose round's leader has since left
+        # the mesh (evicted): that leader is fenced, so its round will see no proposal.
+        if not unresponsive and self.epoch == 0:
+            return
+        skip = [i for i in self.instances.values()
+                if i.leader in unresponsive or (i.view.epoch < self.epoch and i.leader not in self.view.stakes)]
+        for inst in skip:
             if inst.decision is None and not inst.gave_up and self.instances.get(inst.instance_id) is inst:
                 self._drive(inst, inst.enter_round(inst.round + 1, now_ms), now_ms, out)
 

@@ -478,6 +478,26 @@ def test_an_instance_of_an_older_epoch_broadcasts_to_that_epochs_members():
     assert decode_message(proposals[0].data, MESH)[1].epoch == 0
 
 
+def test_f4_an_older_epochs_instance_skips_the_rounds_of_a_leader_evicted_since():
+    # Review of F4: an instance still running in epoch 0 waited out the whole round of a
+    # leader that epoch 1 evicted (fenced: it proposes nothing that counts).
+    def job_led_by(key):
+        return next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 200))
+                    if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == key)
+    (gone_job, gone_envelope), (kept_job, kept_envelope) = job_led_by(KEYS[3]), job_led_by(KEYS[1])
+    core = Net().cores[KEYS[0]]
+    core.submit(gone_envelope, 0)
+    core.submit(kept_envelope, 0)
+    core.tick(5)
+    gone, kept = core.instances[job_id(gone_job)], core.instances[job_id(kept_job)]
+    assert (gone.round, kept.round) == (0, 0)   # epoch 0: node 3 is a member, its round runs
+    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
+    out = core.tick(10)
+    assert gone.view.epoch == 0 and gone.round == 1 and kept.round == 0
+    assert [(e.detail["instance"], e.detail["reason"]) for e in out.events if e.kind == "round_change"] == [
+        (job_id(gone_job).hex(), "caught_up")]
+
+
 def test_p3_a_round_change_shows_the_job_to_a_new_leader_that_may_have_forgotten_it():
     # Sweep stalls: a leader that crashed and restarted (or was evicted) had forgotten the
     # undecided placement, and round changes alone never brought it back.
