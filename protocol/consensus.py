@@ -165,14 +165,31 @@ class ConsensusInstance:
 
     @property
     def can_leave(self) -> bool:
+        return self.may_leave(())
+
+    def latest_own_signature(self) -> bytes | None:
+        """This node's newest signed proposal or vote here (what it persisted, 6.9), or None."""
+        if not self._own:
+            return None
+        kind_order = {"proposal": 0, "prevote": 1, "precommit": 2}
+        key = max(self._own, key=lambda k: (k[1], kind_order.get(k[0], 0)))
+        return self._own[key][1]
+
+    def may_leave(self, voting_elsewhere: Iterable[bytes]) -> bool:
         """Whether this node may stop voting here for good without risking two decisions of one
         instance id (SPEC.md P2, epoch straddle): it signed nothing, or it never precommitted
-        and the other members' stake is no quorum, so nothing is decided here without it."""
+        and no quorum can precommit here without it. ``voting_elsewhere``: members seen signing
+        a proposal or vote for this instance in an older epoch; an honest one never comes back
+        here (it persisted that signature, 6.9), but up to 1/3 of the stake may lie, so those
+        count as precommitting here up to that much."""
         if not self._own:
             return True
         if any(kind == "precommit" for kind, _ in self._own):
             return False
-        return not self.view.is_quorum_stake(self.view.total_stake - self.view.stakes.get(self.me, 0))
+        view = self.view
+        elsewhere = view.stake_of(set(voting_elsewhere) - {self.me})
+        rest = view.total_stake - view.stakes.get(self.me, 0) - elsewhere
+        return not view.is_quorum_stake(rest + min(elsewhere, (view.total_stake - 1) // 3))
 
     def timeout_ms(self, round: int) -> int:
         """SPEC.md 6.5: min(round_timeout_ms * 2**round, round_timeout_max_ms)."""

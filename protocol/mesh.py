@@ -50,6 +50,7 @@ MAX_VIEWS_KEPT = 8               # epoch views kept for in-flight instances of o
 NO_INSTANCE = bytes(32)          # the instance field of local, uncertified decisions
 SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restore reads back
 MAX_EPOCH_HINTS = 4096           # (peer, instance, round) RoundChanges sent across epochs, then forgotten
+MAX_VOTING_ELSEWHERE = 1024      # per instance: members seen signing it in an older epoch (P2)
 MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 
 
@@ -99,6 +100,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.evidence_log: list[dict] = []
         self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
         self.epoch_hints_sent: set[tuple] = set()   # (peer, instance, round) told of our older epoch
+        self.voting_elsewhere: dict[bytes, set[bytes]] = {}  # instance -> members signing it in an older epoch
         self.jobs_shown: set[tuple] = set()          # (leader, instance) we sent the job to (SPEC P3)
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
@@ -320,6 +322,7 @@ class MeshCore(JobFlows, FailoverFlows):
         if self.instances.pop(iid, None) is None:
             return
         self.instance_round.pop(iid, None)
+        self.voting_elsewhere.pop(iid, None)
         self.restored_votes.pop(iid, None)  # a finished instance is never voted in again
         meta = self.instance_meta.pop(iid, ("?",))
         if inst.gave_up and inst.decision is None:
@@ -362,9 +365,15 @@ class MeshCore(JobFlows, FailoverFlows):
         iid = inst.instance_id
         meta = self.instance_meta.get(iid, ("?",))
         view = self._view_for(message.epoch)
-        if (meta[0] != "placement" or iid not in self.instances or not inst.can_leave
+        if (meta[0] != "placement" or iid not in self.instances
                 or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
             return False
+        elsewhere = self.voting_elsewhere.setdefault(iid, set())
+        if isinstance(message, (Proposal, Prevote, Precommit)) and len(elsewhere) < MAX_VOTING_ELSEWHERE:
+            elsewhere.add(envelope.signer)
+        if not inst.may_leave(elsewhere):
+            return False
+        self.voting_elsewhere.pop(iid, None)
         self._forget_instance(iid)
         self.instance_round.pop(iid, None)
         self.book.release(iid)       # our bid named the newer epoch: not valid in the older one
@@ -393,6 +402,9 @@ class MeshCore(JobFlows, FailoverFlows):
             self.epoch_hints_sent.clear()
         self.epoch_hints_sent.add(key)
         out.messages.append(Outbound(envelope.signer, inst.round_change()))
+        signed = inst.latest_own_signature()
+        if signed is not None:  # it shows we never come back to the newer epoch's instance
+            out.messages.append(Outbound(envelope.signer, signed))
 
     def _answer_applied(self, iid: bytes, peer: bytes, round: int, out: Ready) -> None:
         """SPEC.md 6.8 for a decision applied without a live instance (replayed after a restart,

@@ -434,6 +434,27 @@ def test_p2_a_node_may_leave_an_instance_only_while_nothing_can_be_decided_there
     assert not any(node.can_leave for node in net.nodes.values())  # all precommitted
 
 
+def test_p2_members_seen_signing_in_an_older_epoch_count_here_only_up_to_a_third_of_the_stake():
+    # n = 4, 10 stake each (40): a quorum is 27 or more; a liar holds at most 13.
+    net = Net(4)
+    net.block = lambda sender, to, kind: kind == "prevote_cert"   # stop before anyone precommits
+    net.start()
+    net.propose_where_asked(lambda key, round: b"value")
+    net.deliver()
+    follower_key = next(key for key in net.keys if key != net.view.leader(INSTANCE, 0))
+    follower = net.nodes[follower_key]
+    others = [key for key in net.keys if key != follower_key]
+    assert follower.has_signed and not follower.can_leave          # the other 30 are a quorum
+    # One other seen elsewhere: 20 that may precommit here, plus its 10 (it may lie): 30.
+    assert not follower.may_leave(others[:1])
+    # Two: 10, plus min(20, 13) = 23, no quorum. Ourselves and non-members count nothing.
+    assert follower.may_leave(others[:2])
+    assert not follower.may_leave([others[0], follower_key, b"\x07" * 32])
+    net.block = lambda sender, to, kind: False
+    net.run(start=False)
+    assert not any(node.may_leave(net.keys) for node in net.nodes.values())  # all precommitted
+
+
 def test_an_instance_tells_whether_other_members_took_part():
     """F7: an evicted node keeps exactly the instances others vote in (its stake still
     counts in their epoch); one that only it ran is dropped."""

@@ -463,6 +463,41 @@ def test_6_10_equivocation_in_the_epoch_a_placement_left_is_still_evidence():
     assert len(newer.evidence) == 2
 
 
+def test_p2_a_node_that_signed_in_the_newer_epoch_moves_once_voters_in_the_older_one_leave_no_quorum():
+    # Seed 1090 of the 10,000-seed sweep: node 3 had proposed and prevoted in epoch 1, node 2
+    # in epoch 0; epoch 1's other members held a quorum without node 3 (node 2's stake among
+    # it), so node 3 never left and the job stalled. Node 2's own signed vote shows that its
+    # stake will never precommit in epoch 1.
+    old_view = EpochView(0, {k: 10 for k in KEYS})
+    new_view = EpochView(1, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})   # node 3 evicted
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 500))
+                         if old_view.leader(job_id(j), 0) == KEYS[0] and new_view.leader(job_id(j), 0) == KEYS[2])
+    iid = job_id(job)
+    net = Net()
+    newer, older = net.cores[KEYS[2]], net.cores[KEYS[0]]
+    newer.view = newer.views[1] = new_view
+    after_bid_window = GENESIS.params.bid_window_ms + 1
+    for core in (newer, older):
+        core.submit(envelope, 0)
+        core.tick(after_bid_window)   # each leads round 0 in its epoch, and proposes
+    proposal = newer.instances[iid].latest_own_signature()
+    assert newer.instances[iid].has_signed and older.instances[iid].has_signed
+    assert not newer.instances[iid].can_leave   # nodes 0 and 1 hold 20 of epoch 1's 25
+    # Node 0 answers node 2's epoch-1 proposal with its round change and its newest signed vote.
+    hint = [m.data for m in older.step(proposal, after_bid_window).messages if m.to == KEYS[2]]
+    assert [codec.unpack(d)[2] for d in hint] == ["round_change", "prevote"]
+    assert decode_message(hint[1], MESH)[1].epoch == 0
+    for data in hint:
+        newer.step(data, after_bid_window)
+    # Node 0's 10 may be a liar's: counted as precommitting in epoch 1 up to a third of the
+    # stake (8), with node 1's 10 that is still a quorum of 25 (18 > 16.7): it stays.
+    assert newer.instances[iid].view.epoch == 1
+    # Node 1 is seen voting in epoch 0 as well: at most 8 of epoch 1's stake can still
+    # precommit there without node 2, so nothing is decided there once it leaves.
+    newer.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), after_bid_window)
+    assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
+
+
 def test_an_instance_of_an_older_epoch_broadcasts_to_that_epochs_members():
     # Sweep stalls (seed 5 of 0-1499): node 2 was evicted but kept voting in epoch-0
     # placements, whose quorum needed its stake; the others' proposals and certificates
