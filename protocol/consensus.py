@@ -584,7 +584,7 @@ class ConsensusInstance:
         leader_moved_on = envelope.signer == self.leader and change.round > self.round
         if self.view.leader(self.instance_id, change.round) != self.me:
             if leader_moved_on:
-                self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
+                self._leader_moved_on(now_ms, ready)
                 return
             return self._drop("not_collector", ready)
         if change.round < self.round or change.round == 0:
@@ -615,9 +615,19 @@ class ConsensusInstance:
             if self.view.exceeds_one_third_stake(stake[0]):
                 self._enter_round(change.round, now_ms, ready, "round_change_quorum", announce=True)
             elif leader_moved_on:
-                self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
+                self._leader_moved_on(now_ms, ready)
             return
         self._try_propose(now_ms, ready)
+
+    def _leader_moved_on(self, now_ms: int, ready: Ready) -> None:
+        """SPEC.md 6.5 rule 3: enter the next round now, but leave it when we would have had
+        our round timed out: the leader (Byzantine, perhaps) chose whom it told, and the
+        members it did not tell reach the next round only at their timeout; starting the
+        round's timer now would leave us a round ahead of them when it ends."""
+        due = self.deadline_ms
+        self._enter_round(self.round + 1, now_ms, ready, "leader_moved_on", announce=True)
+        if due is not None and due > now_ms and self.decision is None and not self.gave_up:
+            self._round_started_ms = due
 
     def _send_round_sync(self, round: int, changes: list, now_ms: int, ready: Ready) -> None:
         """SPEC.md 6.5: round changes reach only the new round's leader, so members still in

@@ -373,6 +373,35 @@ def test_6_5_d_the_collector_of_the_announced_round_also_ends_its_round_when_its
     assert collector.round == 1 and round_changes(ready) == [(1, "leader_moved_on")]
 
 
+@pytest.mark.parametrize("at_collector", [False, True], ids=["bystander", "collector_of_the_announced_round"])
+def test_6_5_d_a_round_ended_early_by_its_leader_keeps_the_nodes_round_schedule(at_collector):
+    """Rule 3 ends round r early, but round r + 1 then lasts until the time it would have
+    ended had r timed out: a Byzantine leader that ends its round early for some honest
+    nodes only must not leave them a round ahead of the rest (the 10,000-seed sweep's
+    largest class of stalls)."""
+    n = 6 if at_collector else 4
+    if at_collector:
+        def roles(view, iid):
+            leader0 = view.leader(iid, 0)
+            m = next((m for m in range(2, 20) if view.leader(iid, m) not in (leader0, view.leader(iid, 1))), None)
+            return None if m is None else (leader0, view.leader(iid, m), m)
+        iid, (leader0, node_key, m) = find_instance(n, roles)
+    else:
+        iid, (leader0, _leader1, node_key, m) = find_instance(n, _moved_on_roles)
+    net = Net(n, instance_id=iid)
+    node, other = net.nodes[node_key], net.nodes[next(k for k in net.keys if k not in (leader0, node_key))]
+    node.start(0)
+    other.start(0)
+    round0_ends = node.deadline_ms
+    assert round0_ends == node.timeout_ms(0)
+    ready = node.receive(round_change(identity_of(net, leader0), m, instance=iid), 40)
+    assert node.round == 1 and round_changes(ready) == [(1, "leader_moved_on")]
+    # A member that heard nothing times round 0 out and reaches round 1 later, but both
+    # leave round 1 at the same moment.
+    tick_to_round(other, 1)
+    assert other.round == 1 and node.deadline_ms == other.deadline_ms == round0_ends + node.timeout_ms(1)
+
+
 def test_6_5_a_message_more_than_max_rounds_ahead_is_dropped_before_any_work():
     """A far-future round would make the node walk the leader schedule (6.2) up to it and
     keep a round change per round it leads: dropped as round_too_far, nothing computed."""
