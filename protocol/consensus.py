@@ -220,8 +220,10 @@ class ConsensusInstance:
                 envelope, message = decode_message(value["envelope"], self.mesh_id)
                 if message.epoch != self.view.epoch:
                     continue  # the same instance id in another epoch is another vote count
-                self._own[(envelope.kind, message.round)] = (envelope, value["envelope"])
                 self.round = max(self.round, message.round)
+                if isinstance(message, RoundChange):
+                    continue  # marks the epoch this node moved to (SPEC.md P2); no vote
+                self._own[(envelope.kind, message.round)] = (envelope, value["envelope"])
             elif rec.table == "locks":
                 envelope, proposal = decode_message(value["proposal"], self.mesh_id, expect=Proposal)
                 if proposal.epoch != self.view.epoch:

@@ -229,7 +229,10 @@ class MeshCore(JobFlows, FailoverFlows):
 
     def _start_instance(self, iid: bytes, kind: str, view: EpochView, meta: tuple, validate, now_ms: int,
                         out: Ready, other_kinds: dict | None = None,
-                        max_rounds: int | None = None) -> ConsensusInstance | None:
+                        max_rounds: int | None = None, leaving_newer: bool = False) -> ConsensusInstance | None:
+        """``leaving_newer``: the epoch straddle rule (P2) let us leave the newer epoch we have
+        records of for ``view``'s; otherwise an instance with records runs in the oldest epoch
+        they are of."""
         if iid in self.instances or iid in self.decided or iid in self.applied:
             return self.instances.get(iid)
         if len(self.instances) >= MAX_ACTIVE_INSTANCES:
@@ -237,10 +240,15 @@ class MeshCore(JobFlows, FailoverFlows):
             return None
         restored = self.restored_votes.get(iid)
         voted_in = [r.value["epoch"] for r in restored or () if isinstance(r.value.get("epoch"), int)]
-        if voted_in and min(voted_in) < view.epoch and self._view_for(min(voted_in)) is not None:
-            # After a restart: back in the oldest epoch we voted in for this instance; we may
-            # have left a newer one for it, and must never vote there again (SPEC.md P2).
+        if voted_in and min(voted_in) != view.epoch and not (leaving_newer and view.epoch < min(voted_in)):
+            # After a restart, or re-created within a run: in the oldest epoch we have records
+            # of, whatever epoch asked for it. We may have left a newer one for it and must
+            # never vote there again; and we may not vote in an older one before the epoch
+            # straddle rule (P2) says we may leave the one we signed in (SPEC.md 6.9, P2).
             view = self._view_for(min(voted_in))
+            if view is None:  # that epoch's view is gone: voting anywhere else could be unsafe
+                self.counters["instance_epoch_view_gone"] += 1
+                return None
         inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
                                  mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
@@ -313,6 +321,7 @@ class MeshCore(JobFlows, FailoverFlows):
         from these records exactly as after a restart, and never signs a second proposal or
         vote for a round (the 10,000-seed sweep caught one: seed 7105)."""
         inst = self.instances.pop(iid)
+        self.voting_elsewhere.pop(iid, None)
         records = inst.safety_records()
         if records:
             self.restored_votes.setdefault(iid, []).extend(records)
@@ -323,10 +332,14 @@ class MeshCore(JobFlows, FailoverFlows):
             return
         self.instance_round.pop(iid, None)
         self.voting_elsewhere.pop(iid, None)
-        self.restored_votes.pop(iid, None)  # a finished instance is never voted in again
         meta = self.instance_meta.pop(iid, ("?",))
         if inst.gave_up and inst.decision is None:
+            # Undecided: should it be created again once it left `decided` (a proposal, a
+            # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).
+            self.restored_votes[iid] = inst.safety_records()
             self._instance_gave_up(iid, meta, now_ms, out)
+        else:
+            self.restored_votes.pop(iid, None)  # a decided instance is never voted in again
         self.decided[iid] = inst
         while len(self.decided) > MAX_DECIDED_KEPT:
             self.decided.popitem(last=False)
@@ -340,6 +353,9 @@ class MeshCore(JobFlows, FailoverFlows):
             self._tell_older_epoch(inst, envelope, out)
         if inst is None and isinstance(message, Proposal):
             inst = self._instance_from_proposal(message, now_ms, out)
+            if inst is not None and message.epoch < inst.view.epoch and self._adopt_older_epoch(
+                    inst, envelope, message, now_ms, out):  # our records keep us in a newer epoch
+                inst = self.instances.get(iid)
         if isinstance(message, CommitCertificate) and (inst is None or message.epoch != inst.view.epoch):
             # No instance here, or ours runs in another epoch than the one that decided (SPEC.md
             # P2, epoch straddle): a certificate valid for its own epoch is the decision.
@@ -368,8 +384,9 @@ class MeshCore(JobFlows, FailoverFlows):
         if (meta[0] != "placement" or iid not in self.instances
                 or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
             return False
-        elsewhere = self.voting_elsewhere.setdefault(iid, set())
+        elsewhere = self.voting_elsewhere.get(iid, set())
         if isinstance(message, (Proposal, Prevote, Precommit)) and len(elsewhere) < MAX_VOTING_ELSEWHERE:
+            elsewhere = self.voting_elsewhere.setdefault(iid, elsewhere)
             elsewhere.add(envelope.signer)
         if not inst.may_leave(elsewhere):
             return False
@@ -382,13 +399,27 @@ class MeshCore(JobFlows, FailoverFlows):
         self.windows_open.pop(iid, None)
         self.windows_extended.discard(iid)
         self.counters["placement_moved_to_older_epoch"] += 1
-        moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out)
+        moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out,
+                                     leaving_newer=True)
         if moved is not None:
+            self._persist_move(moved, out)
             moved.inherit_evidence(inst)
             self._send_my_bid(iid, now_ms, out)
             if iid in self.instances:  # join the others' round rather than climb to it by timeouts
                 self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)
         return True
+
+    def _persist_move(self, moved: ConsensusInstance, out: Ready) -> None:
+        """SPEC.md P2: having left the newer epoch's instance for good, this node must not go
+        back there after a restart, though it may not have signed anything in the older epoch
+        yet. Its signed RoundChange of the older epoch, kept with its votes, is what a restart
+        reads (the oldest epoch it has records of); ``restore`` sends nothing from it."""
+        data = moved.round_change()
+        epoch, round = moved.view.epoch, moved.round
+        record = PersistRecord("votes", "%s:%d:%d:round_change" % (moved.instance_id.hex(), epoch, round), {
+            "instance": moved.instance_id, "epoch": epoch, "round": round, "kind": "round_change", "envelope": data})
+        self.restored_votes.setdefault(moved.instance_id, []).append(record)
+        out.persist.append(record)
 
     def _tell_older_epoch(self, inst: ConsensusInstance, envelope, out: Ready) -> None:
         """The other half of _adopt_older_epoch: a member runs this placement in a newer epoch

@@ -463,39 +463,131 @@ def test_6_10_equivocation_in_the_epoch_a_placement_left_is_still_evidence():
     assert len(newer.evidence) == 2
 
 
+STRADDLE_OLD_VIEW = EpochView(0, {k: 10 for k in KEYS})
+STRADDLE_NEW_VIEW = EpochView(1, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})   # node 3 evicted
+
+
+def signed_on_both_sides_of_an_epoch_change():
+    """Node 2 proposed the job in epoch 1 (it leads round 0 there), node 0 in epoch 0:
+    (job id, job envelope, node 2's core, node 0's core, what node 2 persisted)."""
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 500))
+                         if STRADDLE_OLD_VIEW.leader(job_id(j), 0) == KEYS[0]
+                         and STRADDLE_NEW_VIEW.leader(job_id(j), 0) == KEYS[2])
+    net = Net()
+    newer, older = net.cores[KEYS[2]], net.cores[KEYS[0]]
+    newer.view = newer.views[1] = STRADDLE_NEW_VIEW
+    persisted = []
+    for core in (newer, older):
+        for ready in (core.submit(envelope, 0), core.tick(GENESIS.params.bid_window_ms + 1)):
+            persisted += ready.persist if core is newer else []
+    return job_id(job), envelope, newer, older, persisted
+
+
 def test_p2_a_node_that_signed_in_the_newer_epoch_moves_once_voters_in_the_older_one_leave_no_quorum():
     # Seed 1090 of the 10,000-seed sweep: node 3 had proposed and prevoted in epoch 1, node 2
     # in epoch 0; epoch 1's other members held a quorum without node 3 (node 2's stake among
     # it), so node 3 never left and the job stalled. Node 2's own signed vote shows that its
     # stake will never precommit in epoch 1.
-    old_view = EpochView(0, {k: 10 for k in KEYS})
-    new_view = EpochView(1, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})   # node 3 evicted
-    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 500))
-                         if old_view.leader(job_id(j), 0) == KEYS[0] and new_view.leader(job_id(j), 0) == KEYS[2])
-    iid = job_id(job)
-    net = Net()
-    newer, older = net.cores[KEYS[2]], net.cores[KEYS[0]]
-    newer.view = newer.views[1] = new_view
-    after_bid_window = GENESIS.params.bid_window_ms + 1
-    for core in (newer, older):
-        core.submit(envelope, 0)
-        core.tick(after_bid_window)   # each leads round 0 in its epoch, and proposes
+    iid, _envelope, newer, older, _ = signed_on_both_sides_of_an_epoch_change()
+    now = GENESIS.params.bid_window_ms + 1
     proposal = newer.instances[iid].latest_own_signature()
     assert newer.instances[iid].has_signed and older.instances[iid].has_signed
     assert not newer.instances[iid].can_leave   # nodes 0 and 1 hold 20 of epoch 1's 25
     # Node 0 answers node 2's epoch-1 proposal with its round change and its newest signed vote.
-    hint = [m.data for m in older.step(proposal, after_bid_window).messages if m.to == KEYS[2]]
+    hint = [m.data for m in older.step(proposal, now).messages if m.to == KEYS[2]]
     assert [codec.unpack(d)[2] for d in hint] == ["round_change", "prevote"]
     assert decode_message(hint[1], MESH)[1].epoch == 0
     for data in hint:
-        newer.step(data, after_bid_window)
+        newer.step(data, now)
     # Node 0's 10 may be a liar's: counted as precommitting in epoch 1 up to a third of the
     # stake (8), with node 1's 10 that is still a quorum of 25 (18 > 16.7): it stays.
     assert newer.instances[iid].view.epoch == 1
     # Node 1 is seen voting in epoch 0 as well: at most 8 of epoch 1's stake can still
     # precommit there without node 2, so nothing is decided there once it leaves.
-    newer.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), after_bid_window)
+    newer.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
     assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
+
+
+@pytest.mark.parametrize("marker_kept", [True, False])
+def test_p2_a_node_that_moved_to_an_older_epoch_returns_there_after_a_restart(marker_kept):
+    """Having left epoch 1's instance, the node must never vote there again, even if it
+    restarts before signing anything in epoch 0: it persisted a signed RoundChange of epoch 0
+    with its votes, and a restart re-creates the instance in the oldest epoch it has records
+    of. (Without that record it would be back in epoch 1, where its precommit could complete
+    a decision the others' epoch-0 one knows nothing of.)"""
+    iid, envelope, newer, _older, persisted = signed_on_both_sides_of_an_epoch_change()
+    now = GENESIS.params.bid_window_ms + 1
+    assert {r.value["epoch"] for r in persisted if r.table == "votes"} == {1}
+    for signer in (IDS[0], IDS[1]):
+        persisted += newer.step(encode_message(signer, MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now).persist
+    assert newer.instances[iid].view.epoch == 0 and not newer.instances[iid].has_signed
+    marker = [r for r in persisted if r.table == "votes" and r.value["kind"] == "round_change"]
+    assert [r.value["epoch"] for r in marker] == [0]
+    records = [r for r in persisted if r.table == "votes" and (marker_kept or r not in marker)]
+    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=now,
+                         safety_records=records)
+    restarted.view = restarted.views[1] = STRADDLE_NEW_VIEW
+    restarted.step(envelope, now)
+    inst = restarted.instances[iid]
+    assert inst.view.epoch == (0 if marker_kept else 1)
+    assert not inst.has_signed if marker_kept else inst.has_signed   # the marker is no vote
+
+
+def test_p2_a_restarted_node_stays_in_the_epoch_it_signed_in_until_it_may_leave():
+    # Review: a node that had proposed and prevoted in epoch 1 restarted, heard epoch 0's
+    # proposal first, created the instance there and prevoted: it left epoch 1 without the
+    # straddle rule's check, and (with a quorum of others there) two decisions could follow.
+    iid, _envelope, newer, older, persisted = signed_on_both_sides_of_an_epoch_change()
+    now = GENESIS.params.bid_window_ms + 1
+    (older_proposal,) = [r.value["envelope"] for r in older.instances[iid].safety_records()
+                         if r.table == "votes" and r.value["kind"] == "proposal"]
+    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=now,
+                         safety_records=[r for r in persisted if r.table == "votes"])
+    restarted.view = restarted.views[1] = STRADDLE_NEW_VIEW
+    out = restarted.step(older_proposal, now)
+    inst = restarted.instances[iid]
+    assert inst.view.epoch == 1 and inst.has_signed
+    assert restarted.counters["placement_moved_to_older_epoch"] == 0
+    assert not [r for r in out.persist if r.table == "votes" and r.value["epoch"] == 0]
+    # Once the others seen in epoch 0 leave no quorum in epoch 1 without it, it moves.
+    restarted.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
+    assert restarted.instances[iid].view.epoch == 0
+
+
+def test_p2_an_instance_whose_signed_epoch_is_no_longer_held_is_not_created_elsewhere():
+    # A core keeps its newest 8 epochs' views: records of an epoch it no longer holds cannot
+    # be resumed, and voting in another epoch instead could be unsafe (P2): it refuses.
+    iid, envelope, _newer, _older, persisted = signed_on_both_sides_of_an_epoch_change()
+    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=0,
+                         safety_records=[r for r in persisted if r.table == "votes"])
+    restarted.view = restarted.views[2] = EpochView(2, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})
+    assert 1 not in restarted.views
+    restarted.step(envelope, 0)
+    assert iid not in restarted.instances and restarted.counters["instance_epoch_view_gone"] == 1
+
+
+def test_6_9_an_instance_given_up_and_created_again_resumes_from_what_it_signed():
+    # Review: a given-up instance dropped its records when it retired; created again after
+    # it left the bounded `decided` map (a proposal, a resubmit), it could sign afresh.
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 200))
+                         if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
+    iid = job_id(job)
+    core = Net().cores[KEYS[0]]       # alone: it proposes, then every round times out
+    core.submit(envelope, 0)
+    now = 0
+    while iid in core.instances:
+        now += 50
+        core.tick(now)
+    assert core.decided[iid].gave_up and core.decided[iid].has_signed
+    signed = core.decided[iid].latest_own_signature()
+    del core.decided[iid]             # as when later decisions push it out of the bounded map
+    core.job_records[iid].instance = b""
+    core.submit(envelope, now)
+    inst = core.instances[iid]
+    assert inst.has_signed and inst.latest_own_signature() == signed   # back, not signed afresh
 
 
 def test_an_instance_of_an_older_epoch_broadcasts_to_that_epochs_members():
