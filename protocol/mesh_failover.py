@@ -175,7 +175,8 @@ class FailoverFlows:
         if self.halted or not self.is_member():
             return
         # An instance still running in an earlier epoch whose round's leader has since left
-        # the mesh (evicted): that leader is fenced, so its round will see no proposal.
+        # the mesh (evicted): most often dead. (An evicted node that is alive may still vote
+        # there, F7; skipping its rounds costs no safety, and it keeps its votes.)
         if not unresponsive and self.epoch == 0:
             return
         skip = [i for i in self.instances.values()
