@@ -336,7 +336,8 @@ class MeshCore(JobFlows, FailoverFlows):
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).
-            self.restored_votes[iid] = inst.safety_records()
+            # Added to what is kept already: a move's records of the epoch it left, and its marker.
+            self.restored_votes.setdefault(iid, []).extend(inst.safety_records())
             self._instance_gave_up(iid, meta, now_ms, out)
         else:
             self.restored_votes.pop(iid, None)  # a decided instance is never voted in again

@@ -556,6 +556,22 @@ def test_p2_a_restarted_node_stays_in_the_epoch_it_signed_in_until_it_may_leave(
     assert restarted.instances[iid].view.epoch == 0
 
 
+def test_p2_a_node_that_moved_and_gave_up_never_returns_to_the_epoch_it_left():
+    iid, envelope, newer, _older, _ = signed_on_both_sides_of_an_epoch_change()
+    now = GENESIS.params.bid_window_ms + 1
+    for signer in (IDS[0], IDS[1]):
+        newer.step(encode_message(signer, MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
+    assert newer.instances[iid].view.epoch == 0 and not newer.instances[iid].has_signed
+    while iid in newer.instances:     # nobody else answers: it gives up in epoch 0, unsigned there
+        now += 100
+        newer.tick(now)
+    assert newer.decided[iid].gave_up
+    del newer.decided[iid]            # as when later decisions push it out of the bounded map
+    newer.job_records[iid].instance = b""
+    newer.step(envelope, now)         # the job again, in epoch 1, where it signed before leaving
+    assert newer.instances[iid].view.epoch == 0
+
+
 def test_p2_an_instance_whose_signed_epoch_is_no_longer_held_is_not_created_elsewhere():
     # A core keeps its newest 8 epochs' views: records of an epoch it no longer holds cannot
     # be resumed, and voting in another epoch instead could be unsafe (P2): it refuses.
