@@ -101,7 +101,6 @@ class MeshCore(JobFlows, FailoverFlows):
         self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
         self.epoch_hints_sent: set[tuple] = set()   # (peer, instance, round) told of our older epoch
         self.voting_elsewhere: dict[bytes, set[bytes]] = {}  # instance -> members signing it in an older epoch
-        self.joined_newer: set[bytes] = set()        # placements we moved to a newer epoch (P2)
         self.jobs_shown: set[tuple] = set()          # (leader, instance) we sent the job to (SPEC P3)
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
@@ -333,7 +332,6 @@ class MeshCore(JobFlows, FailoverFlows):
             return
         self.instance_round.pop(iid, None)
         self.voting_elsewhere.pop(iid, None)
-        self.joined_newer.discard(iid)
         meta = self.instance_meta.pop(iid, ("?",))
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
@@ -353,10 +351,7 @@ class MeshCore(JobFlows, FailoverFlows):
         if inst is not None and self._adopt_older_epoch(inst, envelope, message, now_ms, out):
             inst = self.instances.get(iid)
         elif inst is not None and message.epoch > inst.view.epoch:
-            if self._join_newer_epoch(inst, envelope, message, now_ms, out):
-                inst = self.instances.get(iid)
-            else:
-                self._tell_older_epoch(inst, envelope, out)
+            self._tell_older_epoch(inst, envelope, out)
         if inst is None and isinstance(message, Proposal):
             inst = self._instance_from_proposal(message, now_ms, out)
             if inst is not None and message.epoch < inst.view.epoch and self._adopt_older_epoch(
@@ -390,15 +385,11 @@ class MeshCore(JobFlows, FailoverFlows):
         if (meta[0] != "placement" or iid not in self.instances
                 or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
             return False
-        signature = isinstance(message, (Proposal, Prevote, Precommit))
-        if iid in self.joined_newer and not signature:
-            return False  # we came here for a signature: only one of the older epoch takes us back
         elsewhere = self.voting_elsewhere.get(iid, set())
-        if signature and len(elsewhere) < MAX_VOTING_ELSEWHERE:
+        if isinstance(message, (Proposal, Prevote, Precommit)) and len(elsewhere) < MAX_VOTING_ELSEWHERE:
             elsewhere = self.voting_elsewhere.setdefault(iid, elsewhere)
             elsewhere.add(envelope.signer)
         if not inst.may_leave(elsewhere):
-            self._show_newer_signature(inst, envelope.signer, out)
             return False
         self.voting_elsewhere.pop(iid, None)
         self._forget_instance(iid)
@@ -418,51 +409,6 @@ class MeshCore(JobFlows, FailoverFlows):
             if iid in self.instances:  # join the others' round rather than climb to it by timeouts
                 self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)
         return True
-
-    def _join_newer_epoch(self, inst: ConsensusInstance, envelope, message, now_ms: int, out: Ready) -> bool:
-        """SPEC.md P2, the other way: a member signed this placement in a newer epoch and may
-        not leave it (it says so with that signature), while we, in the older epoch, have no
-        record of it at all (we never signed here, nor left that epoch for this one). Nothing
-        here depends on us, so we join it there rather than let both sides wait for ever.
-        True if we did."""
-        iid = inst.instance_id
-        view = self._view_for(message.epoch)
-        if (self.instance_meta.get(iid, ("?",))[0] != "placement" or self.instances.get(iid) is not inst
-                or not isinstance(message, (Proposal, Prevote, Precommit)) or inst.has_signed
-                or self.restored_votes.get(iid) or view is None or self.me not in view.stakes
-                or envelope.signer not in view.stakes):
-            return False
-        meta = self.instance_meta[iid]
-        self._forget_instance(iid)
-        self.instance_round.pop(iid, None)
-        self.book.release(iid)       # our bid named the older epoch
-        self.my_bids.pop(iid, None)
-        self.bids_held.pop(iid, None)
-        self.windows_open.pop(iid, None)
-        self.windows_extended.discard(iid)
-        self.counters["placement_moved_to_newer_epoch"] += 1
-        if len(self.joined_newer) >= MAX_EPOCH_HINTS:
-            self.joined_newer.clear()
-        self.joined_newer.add(iid)
-        moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out)
-        if moved is not None:
-            moved.inherit_evidence(inst)
-            self._send_my_bid(iid, now_ms, out)
-            if iid in self.instances:
-                self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)
-        return True
-
-    def _show_newer_signature(self, inst: ConsensusInstance, to: bytes, out: Ready) -> None:
-        """A member runs this placement in an older epoch, and we may not leave ours: our own
-        signature here lets it join us if it signed nothing there (_join_newer_epoch)."""
-        key = (to, inst.instance_id, -1 - inst.round)   # apart from _tell_older_epoch's keys
-        signed = inst.latest_own_signature()
-        if signed is None or to == self.me or key in self.epoch_hints_sent:
-            return
-        if len(self.epoch_hints_sent) >= MAX_EPOCH_HINTS:
-            self.epoch_hints_sent.clear()
-        self.epoch_hints_sent.add(key)
-        out.messages.append(Outbound(to, signed))
 
     def _persist_move(self, moved: ConsensusInstance, out: Ready) -> None:
         """SPEC.md P2: having left the newer epoch's instance for good, this node must not go

@@ -508,35 +508,6 @@ def test_p2_a_node_that_signed_in_the_newer_epoch_moves_once_voters_in_the_older
     assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
 
 
-def test_p2_a_node_with_no_record_in_the_older_epoch_joins_a_signer_that_may_not_leave_the_newer_one():
-    # Seeds 2668, 2527 and others of the 10,000-seed sweep: nodes 0 and 2 ran a placement in
-    # epoch 0 and had signed nothing there; node 3 had proposed and prevoted in epoch 1 and may
-    # not leave it (0 and 2 hold a quorum of epoch 1 without it). Nobody moved: a stall.
-    iid, envelope, newer, older, _ = signed_on_both_sides_of_an_epoch_change()
-    now = GENESIS.params.bid_window_ms + 1
-    idle = Net().cores[KEYS[1]]             # not round 0's leader in epoch 0: it signs nothing
-    idle.submit(envelope, 0)
-    idle.view = idle.views[1] = STRADDLE_NEW_VIEW
-    assert idle.instances[iid].view.epoch == 0 and not idle.instances[iid].has_signed
-    # Its round change of epoch 0 reaches node 2, which may not leave: node 2 answers with its
-    # own signature of epoch 1, once per round.
-    change = idle.instances[iid].round_change()
-    answer = [m.data for m in newer.step(change, now).messages if m.to == KEYS[1]]
-    assert [codec.unpack(d)[2] for d in answer] == ["prevote"] and decode_message(answer[0], MESH)[1].epoch == 1
-    assert not [m for m in newer.step(change, now).messages if m.to == KEYS[1]]
-    assert newer.instances[iid].view.epoch == 1
-    # Node 1 has no record of this instance: nothing in epoch 0 depends on it; it joins.
-    idle.step(answer[0], now)
-    assert idle.instances[iid].view.epoch == 1 and idle.counters["placement_moved_to_newer_epoch"] == 1
-    # A round change of epoch 0 does not take it back (only a signature there would).
-    idle.step(encode_message(IDS[0], MESH, RoundChange(iid, 1, 0, None, None, None)), now)
-    assert idle.instances[iid].view.epoch == 1
-    # A node that signed in epoch 0 never joins epoch 1.
-    older.views[1] = STRADDLE_NEW_VIEW
-    older.step(answer[0], now)
-    assert older.instances[iid].view.epoch == 0 and not older.counters["placement_moved_to_newer_epoch"]
-
-
 @pytest.mark.parametrize("marker_kept", [True, False])
 def test_p2_a_node_that_moved_to_an_older_epoch_returns_there_after_a_restart(marker_kept):
     """Having left epoch 1's instance, the node must never vote there again, even if it
