@@ -406,8 +406,12 @@ class MeshCore(JobFlows, FailoverFlows):
             self._persist_move(moved, out)
             moved.inherit_evidence(inst)
             self._send_my_bid(iid, now_ms, out)
-            if iid in self.instances:  # join the others' round rather than climb to it by timeouts
-                self._drive(moved, moved.enter_round(message.round, now_ms), now_ms, out)
+            if iid in self.instances:
+                # Join the others' round rather than climb to it by timeouts, but no further than
+                # the round we left: one message is no evidence of anyone's round (6.5), and a
+                # Byzantine member's round max_rounds - 1 would make us give the job up.
+                target = min(message.round, inst.round)
+                self._drive(moved, moved.enter_round(target, now_ms), now_ms, out)
         return True
 
     def _persist_move(self, moved: ConsensusInstance, out: Ready) -> None:

@@ -508,6 +508,18 @@ def test_p2_a_node_that_signed_in_the_newer_epoch_moves_once_voters_in_the_older
     assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
 
 
+def test_p2_a_move_to_an_older_epoch_goes_no_further_than_the_round_left():
+    # Review: the mover entered the round named by the one message that made it move; a
+    # Byzantine member's round change for round max_rounds - 1 (or beyond) made it give up.
+    iid, newer, _older = job_straddling_two_epochs()
+    assert newer.instances[iid].round == 0 and not newer.instances[iid].has_signed
+    rushed = encode_message(IDS[1], MESH, RoundChange(iid, GENESIS.params.max_rounds - 1, 0, None, None, None))
+    out = newer.step(rushed, 0)
+    inst = newer.instances[iid]
+    assert inst.view.epoch == 0 and inst.round == 0 and not inst.gave_up
+    assert not [e for e in out.events if e.kind == "job_gave_up"]
+
+
 @pytest.mark.parametrize("marker_kept", [True, False])
 def test_p2_a_node_that_moved_to_an_older_epoch_returns_there_after_a_restart(marker_kept):
     """Having left epoch 1's instance, the node must never vote there again, even if it
