@@ -46,8 +46,9 @@ def submit_examples(root) -> list[str]:
     mesh_id = load_genesis(node_paths(node_dir).genesis).mesh_id
     job_ids = []
     with ControlClient(node_dir) as client:
+        epoch = client.call("status")["epoch"]
         for manifest_path in sorted(JOBS_DIR.glob("*.toml")):
-            job = load_manifest(manifest_path, owner.public_key, time.time_ns() // 1_000_000)
+            job = load_manifest(manifest_path, owner.public_key, time.time_ns() // 1_000_000, epoch=epoch)
             job_ids.append(client.call("submit", job=encode_message(owner, mesh_id, job))["job_id"])
             print("submitted %-22s %s" % (manifest_path.name, job_ids[-1][:12]))
     return job_ids

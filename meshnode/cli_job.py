@@ -26,6 +26,8 @@ def register(subparsers) -> None:
     sign.add_argument("--key", required=True, metavar="FILE", help="the owner's keystore")
     sign.add_argument("--genesis", metavar="FILE",
                       help="sign for this mesh only (default: valid in any mesh)")
+    sign.add_argument("--epoch", type=int, default=0, metavar="N",
+                      help="the mesh epoch whose members place it (`meshnode node status` shows it; default 0)")
     sign.add_argument("--out", required=True, metavar="SIGNED")
     sign.add_argument("--force", action="store_true", help="overwrite SIGNED if it exists")
     add_passphrase_args(sign)
@@ -47,7 +49,7 @@ def job_view(envelope, job) -> dict:
         "entrypoint": job.entrypoint, "args": list(job.args), "strategy": job.strategy,
         "resources": job.resources.to_body(), "constraints": job.constraints.to_body(),
         "priority": job.priority, "backups": job.backups, "max_retries": job.max_retries,
-        "nonce": job.nonce, "created_ms": job.created_ms,
+        "nonce": job.nonce, "created_ms": job.created_ms, "epoch": job.epoch,
     }
 
 
@@ -61,7 +63,7 @@ def render_job(console, title: str, view: dict) -> None:
 def cmd_sign(args: argparse.Namespace) -> int:
     mesh_id = load_genesis(args.genesis).mesh_id if args.genesis else ANY_MESH
     identity = load_identity(args.key, passphrase_source_from_args(args))
-    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000)
+    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=args.epoch)
     envelope = sign_message(identity, mesh_id, job)
     write_file_atomic(args.out, envelope.encode(), mode=0o644, overwrite=args.force)
     view = job_view(envelope, job)

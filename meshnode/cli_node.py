@@ -144,7 +144,9 @@ def cmd_events(args) -> int:
     return 0
 
 
-def _signed_job_bytes(args) -> bytes:
+def _signed_job_bytes(args, epoch: int) -> bytes:
+    """The job to submit: a signed envelope as given, or a TOML manifest signed here for the
+    node's current ``epoch`` (SPEC.md P2: the members of that epoch place it)."""
     with open(args.manifest, "rb") as fh:
         data = fh.read(1 << 20)
     if not data.lstrip()[:1].isalpha() and not data.lstrip().startswith(b"#") and not data.lstrip().startswith(b"["):
@@ -158,14 +160,14 @@ def _signed_job_bytes(args) -> bytes:
     from protocol.messages import encode_message
     source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
     identity = load_identity(args.key, source)
-    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000)
+    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
     genesis = load_genesis(node_paths(args.node).genesis)
     return encode_message(identity, genesis.mesh_id, job)
 
 
 def cmd_submit(args) -> int:
-    signed = _signed_job_bytes(args)
     with ControlClient(args.node) as client:
+        signed = _signed_job_bytes(args, client.call("status")["epoch"])
         result = client.call("submit", job=signed)
         if args.wait:
             result = _wait_placed(client, result["job_id"])

@@ -28,7 +28,7 @@ TABLE_DEFAULTS = {
     "constraints": {"zones": [], "labels": {}, "attested": {}},
 }
 # Filled in from the signer and the clock, never from the file.
-NOT_IN_FILE = ("owner", "created_ms")
+NOT_IN_FILE = ("owner", "created_ms", "epoch")
 
 
 def human_expectation(ftype: FieldType) -> str:
@@ -79,8 +79,11 @@ def _table(document: dict, name: str):
                   for field, ftype in cls.SCHEMA.items()})
 
 
-def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int) -> JobManifest:
-    """Parse a TOML manifest for ``owner_pubkey``, stamped ``created_ms = now_ms``."""
+def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -> JobManifest:
+    """Parse a TOML manifest for ``owner_pubkey``, stamped ``created_ms = now_ms`` and the
+    mesh ``epoch`` whose members are to place it (SPEC.md P2: the node's current one)."""
+    if not isinstance(epoch, int) or epoch < 0:
+        raise ManifestError("epoch: expected a mesh epoch (int >= 0), got %r" % (epoch,))
     if len(text.encode("utf-8")) > MAX_MANIFEST_BYTES:
         raise ManifestError("manifest is larger than %d bytes" % MAX_MANIFEST_BYTES)
     try:
@@ -100,10 +103,10 @@ def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int) -> JobManifest:
         fields[name] = _table(document, name) if name in TABLES else _checked(ftype, values[name], name)
     if fields["strategy"] == "sovereign" and not (fields["constraints"].zones or fields["constraints"].attested):
         raise ManifestError("strategy: 'sovereign' needs constraints.zones or constraints.attested")
-    return JobManifest(owner=owner_pubkey, created_ms=now_ms, **fields)
+    return JobManifest(owner=owner_pubkey, created_ms=now_ms, epoch=epoch, **fields)
 
 
-def load_manifest(path, owner_pubkey: bytes, now_ms: int) -> JobManifest:
+def load_manifest(path, owner_pubkey: bytes, now_ms: int, *, epoch: int) -> JobManifest:
     try:
         with open(path, "rb") as fh:
             data = fh.read(MAX_MANIFEST_BYTES + 1)
@@ -113,7 +116,7 @@ def load_manifest(path, owner_pubkey: bytes, now_ms: int) -> JobManifest:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ManifestError("manifest %s is not UTF-8 text" % path) from None
-    return parse_manifest(text, owner_pubkey, now_ms)
+    return parse_manifest(text, owner_pubkey, now_ms, epoch=epoch)
 
 
 def verify_signed_job(data: bytes, mesh_id: bytes | None = None) -> tuple[Envelope, JobManifest]:

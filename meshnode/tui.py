@@ -15,7 +15,7 @@ import io
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 from textual import work
@@ -348,7 +348,9 @@ class OwnerTui(App):
         except KeystoreError as exc:
             self.notify(str(exc), severity="error")
             return
-        self.push_screen(ComposeScreen(parse_manifest, owner, self.clock_ms), self._on_job_composed)
+        def parse_for_current_epoch(text, owner_pubkey, now_ms):
+            return parse_manifest(text, owner_pubkey, now_ms, epoch=self._epoch())
+        self.push_screen(ComposeScreen(parse_for_current_epoch, owner, self.clock_ms), self._on_job_composed)
 
     def _on_job_composed(self, manifest) -> None:
         if manifest is not None:
@@ -384,11 +386,18 @@ class OwnerTui(App):
         # A job signed before the TUI has seen the node's status is valid in any mesh (SPEC.md 4.2).
         return bytes.fromhex(self.status["mesh_id"]) if self.status else ANY_MESH
 
+    def _epoch(self) -> int:
+        """The node's epoch, whose members place a job signed now (SPEC.md P2)."""
+        epoch = self.status.get("epoch") if self.status else 0
+        return epoch if isinstance(epoch, int) and epoch >= 0 else 0
+
     @work(group="actions")
     async def submit_job(self, manifest) -> None:
         identity = await self.owner_identity()
         if identity is None:
             return
+        if manifest.epoch != self._epoch():  # the mesh moved on while the form was open
+            manifest = replace(manifest, epoch=self._epoch())
         envelope = encode_message(identity, self._mesh_id(), manifest)
         try:
             result = await self.request("submit", {"job": envelope})

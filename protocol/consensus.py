@@ -163,10 +163,6 @@ class ConsensusInstance:
         """Whether this node signed a proposal or vote here: until then it is bound to nothing."""
         return bool(self._own)
 
-    @property
-    def can_leave(self) -> bool:
-        return self.may_leave(())
-
     def latest_own_signature(self) -> bytes | None:
         """This node's newest signed proposal or vote here (what it persisted, 6.9), or None."""
         if not self._own:
@@ -174,22 +170,6 @@ class ConsensusInstance:
         kind_order = {"proposal": 0, "prevote": 1, "precommit": 2}
         key = max(self._own, key=lambda k: (k[1], kind_order.get(k[0], 0)))
         return self._own[key][1]
-
-    def may_leave(self, voting_elsewhere: Iterable[bytes]) -> bool:
-        """Whether this node may stop voting here for good without risking two decisions of one
-        instance id (SPEC.md P2, epoch straddle): it signed nothing, or it never precommitted
-        and no quorum can precommit here without it. ``voting_elsewhere``: members seen signing
-        a proposal or vote for this instance in an older epoch; an honest one never comes back
-        here (it persisted that signature, 6.9), but up to 1/3 of the stake may lie, so those
-        count as precommitting here up to that much."""
-        if not self._own:
-            return True
-        if any(kind == "precommit" for kind, _ in self._own):
-            return False
-        view = self.view
-        elsewhere = view.stake_of(set(voting_elsewhere) - {self.me})
-        rest = view.total_stake - view.stakes.get(self.me, 0) - elsewhere
-        return not view.is_quorum_stake(rest + min(elsewhere, (view.total_stake - 1) // 3))
 
     def timeout_ms(self, round: int) -> int:
         """SPEC.md 6.5: min(round_timeout_ms * 2**round, round_timeout_max_ms)."""
@@ -222,7 +202,7 @@ class ConsensusInstance:
                     continue  # the same instance id in another epoch is another vote count
                 self.round = max(self.round, message.round)
                 if isinstance(message, RoundChange):
-                    continue  # marks the epoch this node moved to (SPEC.md P2); no vote
+                    continue  # no vote (an earlier version persisted epoch-move markers)
                 self._own[(envelope.kind, message.round)] = (envelope, value["envelope"])
             elif rec.table == "locks":
                 envelope, proposal = decode_message(value["proposal"], self.mesh_id, expect=Proposal)
@@ -759,20 +739,12 @@ class ConsensusInstance:
 
     def _check_other_epoch(self, envelope: Envelope, message, data, now_ms: int, ready: Ready) -> None:
         """SPEC.md 6.10: a proposal or vote of this instance in another epoch this node knows
-        (it ran there before moving, or peers straddle two epochs, P2) counts for nothing
-        here, but two conflicting ones from a member of that epoch are still equivocation."""
+        counts for nothing here (one instance id runs in one epoch, P2), but two conflicting
+        ones from a member of that epoch are still equivocation."""
         view = self.other_views.get(message.epoch)
         if (view is not None and envelope.signer in view.stakes and message.round < self.max_rounds
                 and isinstance(message, (Proposal, Prevote, Precommit))):
             self._is_repeat(type(message).KIND, message.round, envelope, data, now_ms, ready, epoch=message.epoch)
-
-    def inherit_evidence(self, earlier: "ConsensusInstance") -> None:
-        """Take over what ``earlier``, this instance id run in another epoch and now left
-        (SPEC.md P2), saw: a conflicting message arriving after the move is still evidence."""
-        for key, first in earlier._first_seen.items():
-            self._first_seen.setdefault(key, first)
-        self._evidenced |= earlier._evidenced
-        self.evidence.extend(earlier.evidence[:MAX_EVIDENCE - len(self.evidence)])
 
     def _is_repeat(self, kind: str, round: int, envelope: Envelope, data, now_ms: int, ready: Ready,
                    epoch: int | None = None) -> bool:

@@ -33,7 +33,7 @@ from protocol.failure_detector import FailureDetector
 from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
                                Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
                                PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
-                               decode_message, decode_value)
+                               decode_message, decode_value, placement_binding_error)
 from protocol.mesh_failover import FailoverFlows
 from protocol.mesh_jobs import JobFlows
 from protocol.policy import LocalCapacity, NodePolicy
@@ -49,8 +49,6 @@ MAX_PENDING_PER_INSTANCE = 64
 MAX_VIEWS_KEPT = 8               # epoch views kept for in-flight instances of older epochs
 NO_INSTANCE = bytes(32)          # the instance field of local, uncertified decisions
 SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restore reads back
-MAX_EPOCH_HINTS = 4096           # (peer, instance, round) RoundChanges sent across epochs, then forgotten
-MAX_VOTING_ELSEWHERE = 1024      # per instance: members seen signing it in an older epoch (P2)
 MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 
 
@@ -99,8 +97,6 @@ class MeshCore(JobFlows, FailoverFlows):
         self.evidence: list = []
         self.evidence_log: list[dict] = []
         self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
-        self.epoch_hints_sent: set[tuple] = set()   # (peer, instance, round) told of our older epoch
-        self.voting_elsewhere: dict[bytes, set[bytes]] = {}  # instance -> members signing it in an older epoch
         self.jobs_shown: set[tuple] = set()          # (leader, instance) we sent the job to (SPEC P3)
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
@@ -229,26 +225,18 @@ class MeshCore(JobFlows, FailoverFlows):
 
     def _start_instance(self, iid: bytes, kind: str, view: EpochView, meta: tuple, validate, now_ms: int,
                         out: Ready, other_kinds: dict | None = None,
-                        max_rounds: int | None = None, leaving_newer: bool = False) -> ConsensusInstance | None:
-        """``leaving_newer``: the epoch straddle rule (P2) let us leave the newer epoch we have
-        records of for ``view``'s; otherwise an instance with records runs in the oldest epoch
-        they are of."""
+                        max_rounds: int | None = None) -> ConsensusInstance | None:
         if iid in self.instances or iid in self.decided or iid in self.applied:
             return self.instances.get(iid)
         if len(self.instances) >= MAX_ACTIVE_INSTANCES:
             self.counters["too_many_instances"] += 1
             return None
         restored = self.restored_votes.get(iid)
-        voted_in = [r.value["epoch"] for r in restored or () if isinstance(r.value.get("epoch"), int)]
-        if voted_in and min(voted_in) != view.epoch and not (leaving_newer and view.epoch < min(voted_in)):
-            # After a restart, or re-created within a run: in the oldest epoch we have records
-            # of, whatever epoch asked for it. We may have left a newer one for it and must
-            # never vote there again; and we may not vote in an older one before the epoch
-            # straddle rule (P2) says we may leave the one we signed in (SPEC.md 6.9, P2).
-            view = self._view_for(min(voted_in))
-            if view is None:  # that epoch's view is gone: voting anywhere else could be unsafe
-                self.counters["instance_epoch_view_gone"] += 1
-                return None
+        if any(r.value.get("epoch", view.epoch) != view.epoch for r in restored or ()):
+            # One instance id runs in one epoch (SPEC.md P2, F4): records of another epoch are
+            # not ours to resume here, and voting afresh beside them could sign twice.
+            self.counters["records_of_another_epoch"] += 1
+            return None
         inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
                                  mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
@@ -291,7 +279,8 @@ class MeshCore(JobFlows, FailoverFlows):
             if event.kind == "evidence" and inst.evidence:
                 self._remember_evidence(inst.evidence[-1], event)
         for decision in ready.decisions:
-            self._apply_certified(decision.value_kind, iid, decision.value, decision.certificate, now_ms, out)
+            self._apply_certified(decision.value_kind, iid, decision.value, decision.certificate, inst.view.epoch,
+                                  now_ms, out)
         if inst.decision is not None or inst.gave_up:
             self._retire(inst, now_ms, out)
             return
@@ -303,10 +292,11 @@ class MeshCore(JobFlows, FailoverFlows):
         self._schedule(inst)
 
     def _to_epoch_members(self, view: EpochView, messages: list) -> list:
-        """An instance of an older epoch (P2 straddle; an evicted node's kept one, F7) broadcasts
-        to that epoch's members: ``Outbound(to=None)`` reaches only the current epoch's, and a
-        member the epoch change removed may hold the stake the instance needs for a quorum."""
-        members = [key for key in view.members if key != self.me]
+        """An instance of an older epoch (a placement that names it, P2; an evicted node's kept
+        one, F7) broadcasts to that epoch's members and the current ones: ``Outbound(to=None)``
+        reaches only the current epoch's, a member the epoch change removed may hold the stake
+        the instance needs for a quorum, and one admitted since must learn the decision."""
+        members = sorted((set(view.members) | set(self.view.members)) - {self.me})
         routed = []
         for message in messages:
             if message.to is None:
@@ -321,7 +311,6 @@ class MeshCore(JobFlows, FailoverFlows):
         from these records exactly as after a restart, and never signs a second proposal or
         vote for a round (the 10,000-seed sweep caught one: seed 7105)."""
         inst = self.instances.pop(iid)
-        self.voting_elsewhere.pop(iid, None)
         records = inst.safety_records()
         if records:
             self.restored_votes.setdefault(iid, []).extend(records)
@@ -331,12 +320,10 @@ class MeshCore(JobFlows, FailoverFlows):
         if self.instances.pop(iid, None) is None:
             return
         self.instance_round.pop(iid, None)
-        self.voting_elsewhere.pop(iid, None)
         meta = self.instance_meta.pop(iid, ("?",))
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).
-            # Added to what is kept already: a move's records of the epoch it left, and its marker.
             self.restored_votes.setdefault(iid, []).extend(inst.safety_records())
             self._instance_gave_up(iid, meta, now_ms, out)
         else:
@@ -348,99 +335,17 @@ class MeshCore(JobFlows, FailoverFlows):
     def _on_consensus(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         iid = message.instance
         inst = self.instances.get(iid) or self.decided.get(iid)
-        if inst is not None and self._adopt_older_epoch(inst, envelope, message, now_ms, out):
-            inst = self.instances.get(iid)
-        elif inst is not None and message.epoch > inst.view.epoch:
-            self._tell_older_epoch(inst, envelope, out)
         if inst is None and isinstance(message, Proposal):
             inst = self._instance_from_proposal(message, now_ms, out)
-            if inst is not None and message.epoch < inst.view.epoch and self._adopt_older_epoch(
-                    inst, envelope, message, now_ms, out):  # our records keep us in a newer epoch
-                inst = self.instances.get(iid)
-        if isinstance(message, CommitCertificate) and (inst is None or message.epoch != inst.view.epoch):
-            # No instance here, or ours runs in another epoch than the one that decided (SPEC.md
-            # P2, epoch straddle): a certificate valid for its own epoch is the decision.
-            if self._apply_certificate_bytes(data, now_ms, out) and iid in self.instances and iid in self.applied:
-                # Ours can no longer decide anything else; later messages get the certificate.
-                self._forget_instance(iid)
-                self.instance_round.pop(iid, None)
-                self.instance_meta.pop(iid, None)
+        if isinstance(message, CommitCertificate) and inst is None:
+            # No instance here: a certificate valid for its own epoch is the decision.
+            self._apply_certificate_bytes(data, now_ms, out)
             return
         if inst is None:
             self._answer_applied(iid, envelope.signer, message.round, out)
             self._hold(iid, envelope, message, data)
             return
         self._drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
-
-    def _adopt_older_epoch(self, inst: ConsensusInstance, envelope, message, now_ms: int, out: Ready) -> bool:
-        """A node that first saw a job after an epoch change runs its placement in the new
-        epoch while those who saw it earlier run it in the old one: the two vote counts never
-        meet and the job stalls. A member's consensus message of the older epoch shows the
-        others' choice; if this node can leave its own instance (signed nothing there, or
-        nothing can be decided there without its precommit), it restarts the instance in
-        that epoch (SPEC.md P2). True if it did."""
-        iid = inst.instance_id
-        meta = self.instance_meta.get(iid, ("?",))
-        view = self._view_for(message.epoch)
-        if (meta[0] != "placement" or iid not in self.instances
-                or message.epoch >= inst.view.epoch or view is None or envelope.signer not in view.stakes):
-            return False
-        elsewhere = self.voting_elsewhere.get(iid, set())
-        if isinstance(message, (Proposal, Prevote, Precommit)) and len(elsewhere) < MAX_VOTING_ELSEWHERE:
-            elsewhere = self.voting_elsewhere.setdefault(iid, elsewhere)
-            elsewhere.add(envelope.signer)
-        if not inst.may_leave(elsewhere):
-            return False
-        self.voting_elsewhere.pop(iid, None)
-        self._forget_instance(iid)
-        self.instance_round.pop(iid, None)
-        self.book.release(iid)       # our bid named the newer epoch: not valid in the older one
-        self.my_bids.pop(iid, None)
-        self.bids_held.pop(iid, None)
-        self.windows_open.pop(iid, None)
-        self.windows_extended.discard(iid)
-        self.counters["placement_moved_to_older_epoch"] += 1
-        moved = self._start_instance(iid, "placement", view, meta, self._placement_validator(iid), now_ms, out,
-                                     leaving_newer=True)
-        if moved is not None:
-            self._persist_move(moved, out)
-            moved.inherit_evidence(inst)
-            self._send_my_bid(iid, now_ms, out)
-            if iid in self.instances:
-                # Join the others' round rather than climb to it by timeouts, but no further than
-                # the round we left: one message is no evidence of anyone's round (6.5), and a
-                # Byzantine member's round max_rounds - 1 would make us give the job up.
-                target = min(message.round, inst.round)
-                self._drive(moved, moved.enter_round(target, now_ms), now_ms, out)
-        return True
-
-    def _persist_move(self, moved: ConsensusInstance, out: Ready) -> None:
-        """SPEC.md P2: having left the newer epoch's instance for good, this node must not go
-        back there after a restart, though it may not have signed anything in the older epoch
-        yet. Its signed RoundChange of the older epoch, kept with its votes, is what a restart
-        reads (the oldest epoch it has records of); ``restore`` sends nothing from it."""
-        data = moved.round_change()
-        epoch, round = moved.view.epoch, moved.round
-        record = PersistRecord("votes", "%s:%d:%d:round_change" % (moved.instance_id.hex(), epoch, round), {
-            "instance": moved.instance_id, "epoch": epoch, "round": round, "kind": "round_change", "envelope": data})
-        self.restored_votes.setdefault(moved.instance_id, []).append(record)
-        out.persist.append(record)
-
-    def _tell_older_epoch(self, inst: ConsensusInstance, envelope, out: Ready) -> None:
-        """The other half of _adopt_older_epoch: a member runs this placement in a newer epoch
-        than ours; our RoundChange (old epoch, our round) lets it join us if it can leave."""
-        iid = inst.instance_id
-        key = (envelope.signer, iid, inst.round)
-        if (self.instance_meta.get(iid, ("?",))[0] != "placement" or iid not in self.instances
-                or envelope.signer not in inst.view.stakes or key in self.epoch_hints_sent):
-            return
-        if len(self.epoch_hints_sent) >= MAX_EPOCH_HINTS:
-            self.epoch_hints_sent.clear()
-        self.epoch_hints_sent.add(key)
-        out.messages.append(Outbound(envelope.signer, inst.round_change()))
-        signed = inst.latest_own_signature()
-        if signed is not None:  # it shows we never come back to the newer epoch's instance
-            out.messages.append(Outbound(envelope.signer, signed))
 
     def _answer_applied(self, iid: bytes, peer: bytes, round: int, out: Ready) -> None:
         """SPEC.md 6.8 for a decision applied without a live instance (replayed after a restart,
@@ -502,7 +407,8 @@ class MeshCore(JobFlows, FailoverFlows):
         verify_commit_certificate(data, self.mesh_id, view)
         if persist:
             out.persist.append(self._certificate_record(cert, data))
-        self._apply_certified(cert.value_kind, cert.instance, cert.value, data, now_ms, out)
+        if not self._apply_certified(cert.value_kind, cert.instance, cert.value, data, cert.epoch, now_ms, out):
+            return True
         inst = self.instances.get(cert.instance)
         if inst is not None:  # our own instance lagged behind: it is decided now
             self._drive(inst, inst.on_message(envelope, cert, now_ms, data), now_ms, Ready())
@@ -513,24 +419,33 @@ class MeshCore(JobFlows, FailoverFlows):
         return PersistRecord("certificates", cert.instance.hex(), {
             "instance": cert.instance, "value_kind": cert.value_kind, "round": cert.round, "certificate": data})
 
-    def _apply_certified(self, value_kind: str, iid: bytes, value_bytes: bytes, certificate: bytes, now_ms: int,
-                         out: Ready) -> None:
+    def _apply_certified(self, value_kind: str, iid: bytes, value_bytes: bytes, certificate: bytes, epoch: int,
+                         now_ms: int, out: Ready) -> bool:
+        """Apply a decision of ``epoch``; False if it was refused (or applied before)."""
         if iid in self.applied:
-            return
+            return False
+        value = decode_value(value_kind, value_bytes)
+        if value_kind == "placement":
+            _envelope, job = decode_message(value.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+            if placement_binding_error(iid, job, epoch) is not None:
+                # Only a quorum with more than a third of Byzantine stake signs one (every
+                # honest voter checks it, P4b): it places nothing (P2, one epoch per instance).
+                self.counters["placement_certificate_wrong_epoch"] += 1
+                return False
         self.applied[iid] = None
         while len(self.applied) > 1 << 16:
             self.applied.popitem(last=False)
         self.recent_certificates[iid] = certificate
         while len(self.recent_certificates) > MAX_DECIDED_KEPT:
             self.recent_certificates.popitem(last=False)
-        value = decode_value(value_kind, value_bytes)
         if value_kind == "placement":
-            self._apply_placement(iid, value, certificate, now_ms, out)
+            self._apply_placement(iid, value, certificate, epoch, now_ms, out)
         elif value_kind == "eviction":
             self._apply_eviction(iid, value, certificate, now_ms, out)
         else:
             self._apply_membership(iid, value, certificate, now_ms, out)
         out.decisions.append(Decision(value_kind, iid, value, certificate))
+        return True
 
     def _replay(self, history: Iterable[bytes], now_ms: int) -> None:
         """Rebuild epochs, placements and fences from persisted certificates (in any order:

@@ -432,6 +432,7 @@ class FailoverFlows:
 
     def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
         record.primary, record.backups = to_node, tuple(backups)
+        record.assigned_epoch = self.epoch   # the epoch the eviction created (P2: where a retry runs)
         record.fence += 1
         record.migrations += 1
         record.state = "migrating"
@@ -466,6 +467,7 @@ class FailoverFlows:
         waiting = self.future_certificates.pop(view.epoch, None)
         if waiting is not None:
             self._apply_certificate_bytes(waiting, now_ms, out)
+        self._start_placements_of_epoch(view.epoch, now_ms, out)
 
     def _carry_pending_joins(self, entered: int, now_ms: int, out: Ready) -> None:
         """SPEC F7: a join that lost its epoch's change to another one (an eviction, another

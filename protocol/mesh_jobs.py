@@ -12,7 +12,8 @@ from protocol import codec
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                Decline, GpuState, JobExit, JobManifest, Placement, RunningJob, decode_message,
-                               decode_value, encode_message, job_id)
+                               decode_value, encode_message, job_id, placement_binding_error,
+                               placement_instance_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
                                 select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -25,13 +26,6 @@ MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
 BID_WINDOW_EXTENSION = 4         # bid windows to wait once more when bids are too few for the backups
 BID_LIFETIME_ROUNDS = 8          # a reservation outlives this many maximal round timeouts
-
-
-def retry_instance_id(jid: bytes, attempt: int) -> bytes:
-    """Placement instance of a job's ``attempt``-th retry; attempt 0 is the job id itself."""
-    if attempt == 0:
-        return jid
-    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
 
 
 @dataclass
@@ -47,6 +41,7 @@ class JobRecord:
     backups: tuple = ()
     gpus: tuple = ()
     fence: int = 0
+    assigned_epoch: int | None = None              # the epoch its current placement or migration took effect in
     migrations: int = 0
     declines: dict = field(default_factory=dict)   # signer -> (reason, detail)
     last_checkpoint_seq: int | None = None
@@ -200,6 +195,10 @@ class JobFlows:
         envelope, job = decode_message(job_envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         if envelope.signer != job.owner:
             raise RemoteProtocolError("job is not signed by its owner")
+        if job.epoch < self.epoch and self._view_for(job.epoch) is None:
+            raise LocalProtocolError(
+                "the job names epoch %d, which this node no longer holds (the mesh is at epoch %d): "
+                "sign it again for the current epoch" % (job.epoch, self.epoch))
         out.messages.append(Outbound(None, job_envelope))
         self._on_job(envelope, job, job_envelope, now_ms, out, entry=self.me)
         return out
@@ -227,17 +226,48 @@ class JobFlows:
         self.job_records[jid] = record
         return record
 
+    def _placement_epoch(self, record: JobRecord) -> int:
+        """SPEC.md P2: attempt 0 runs in the epoch the job names; a retry in the epoch its
+        failed run was assigned in (every node that heard the exit applied that assignment)."""
+        if record.attempt == 0 or record.assigned_epoch is None:
+            return record.manifest.epoch
+        return record.assigned_epoch
+
     def _start_placement(self, record: JobRecord, now_ms: int, out: Ready) -> None:
-        iid = retry_instance_id(record.job_id, record.attempt)
-        record.instance = iid
+        """Start the job's placement in the one epoch it runs in (SPEC.md P2), if this node
+        holds that epoch's view; a job of a later epoch waits until this node enters it."""
+        epoch = self._placement_epoch(record)
         record.state = "pending"
-        inst = self._start_instance(iid, "placement", self.view, ("placement", record.job_id),
+        view = self._view_for(epoch)
+        if view is None:
+            record.instance = b""
+            if epoch > self.epoch:
+                record.hint = "waiting for this node to reach epoch %d" % epoch
+                self.counters["job_for_future_epoch"] += 1
+            else:
+                record.hint = ("placed by epoch %d, whose view this node no longer holds: its owner must "
+                               "sign it again for the current epoch" % epoch)
+                self.counters["job_epoch_view_gone"] += 1
+            return
+        iid = placement_instance_id(record.job_id, record.attempt, epoch)
+        record.instance = iid
+        inst = self._start_instance(iid, "placement", view, ("placement", record.job_id),
                                     self._placement_validator(iid), now_ms, out)
         if inst is not None:
             self._send_my_bid(iid, now_ms, out)
 
+    def _start_placements_of_epoch(self, epoch: int, now_ms: int, out: Ready) -> None:
+        """Jobs that named an epoch this node had not reached yet start their placement now."""
+        for record in list(self.job_records.values()):
+            if record.state == "pending" and not record.instance and self._placement_epoch(record) == epoch:
+                self._start_placement(record, now_ms, out)
+
     def _placement_instance_from_value(self, iid: bytes, placement: Placement, view, now_ms: int, out: Ready):
         envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        binding = placement_binding_error(iid, job, view.epoch)
+        if binding is not None:  # one instance id, one epoch (P2): no straddling it
+            self.counters["placement_wrong_epoch"] += 1
+            return None
         jid = job_id(job)
         record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
         if record.state in TERMINAL or (record.instance and record.instance != iid):
@@ -252,7 +282,8 @@ class JobFlows:
         """SPEC P3: about ``bid_sample << round`` members bid in ``round``. The sample doubles
         every round, so a job the first sample cannot host (all ineligible) is still placed
         once a round times out without a proposal."""
-        members = len(self.view.members)
+        inst = self.instances.get(iid)
+        members = len((inst.view if inst is not None else self.view).members)
         sample = None if self.bid_sample is None else self.bid_sample << min(round, 64)
         if sample is None or sample >= members:
             return True
@@ -400,9 +431,9 @@ class JobFlows:
                 envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
                 if envelope.signer != job.owner:
                     return "job not signed by its owner"
-                jid = job_id(job)
-                if iid not in {retry_instance_id(jid, a) for a in range(job.max_retries + 1)}:
-                    return "instance is not this job's placement"
+                binding = placement_binding_error(iid, job, view.epoch)
+                if binding is not None:
+                    return binding
                 facts = [self._parse_member_bid(b, iid, view) for b in justification]
                 expected = choose_placement(placement.job, job, iid, facts)
             except (RemoteProtocolError, ValueError) as exc:
@@ -455,8 +486,8 @@ class JobFlows:
             out.events.append(self._event("job_gave_up", now_ms, job_id=record.job_id.hex()))
 
     # --- a placement is decided (SPEC P5) ------------------------------------------------------------
-    def _apply_placement(self, iid: bytes, placement: Placement, certificate: bytes, now_ms: int,
-                         out: Ready) -> None:
+    def _apply_placement(self, iid: bytes, placement: Placement, certificate: bytes, certificate_epoch: int,
+                         now_ms: int, out: Ready) -> None:
         envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         jid = job_id(job)
         record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
@@ -469,6 +500,7 @@ class JobFlows:
             return
         record.instance = iid
         record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
+        record.assigned_epoch = certificate_epoch
         record.fence += 1
         record.state = "placed"
         record.hint = None

@@ -138,11 +138,13 @@ class JobManifest(Record):
     backups: int
     max_retries: int
     created_ms: int
+    epoch: int          # the mesh epoch whose members place it (SPEC.md P2): its owner signs it
     SCHEMA: ClassVar = {
         "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
         "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
         "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
         "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
+        "epoch": Int(),
     }
 
 
@@ -151,6 +153,25 @@ def job_id(job: JobManifest) -> bytes:
     """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ).
     Cached: every node asks it of the same (immutable, hashable) manifest many times."""
     return hashlib.sha256(codec.pack(job.to_body())).digest()
+
+
+def placement_instance_id(jid: bytes, attempt: int, epoch: int) -> bytes:
+    """SPEC.md P2: the placement instance of a job's ``attempt``, which runs in ``epoch`` and
+    no other. Attempt 0 is the job id itself (the job names its epoch); a retry's id binds
+    the epoch its failed run was assigned in, so one instance id never has two epochs."""
+    if attempt == 0:
+        return jid
+    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big") + epoch.to_bytes(8, "big")).digest()
+
+
+def placement_binding_error(iid: bytes, job: JobManifest, epoch: int) -> str | None:
+    """Why a placement of ``job`` may not be decided as instance ``iid`` in ``epoch``, or None."""
+    jid = job_id(job)
+    if iid == jid:
+        return None if job.epoch == epoch else "the job is placed in epoch %d, not %d" % (job.epoch, epoch)
+    if any(iid == placement_instance_id(jid, attempt, epoch) for attempt in range(1, job.max_retries + 1)):
+        return None
+    return "instance is not this job's placement in epoch %d" % epoch
 
 
 # --- consensus: bids, proposals, votes, certificates -----------------------------------------

@@ -138,7 +138,7 @@ def sign_jobs(owner_key_file, mesh_id: bytes, count: int, rng: random.Random, ma
     owner = load_identity(owner_key_file, None)
     signed = []
     for nonce in rng.sample(range(1 << 40), count):
-        job = parse_manifest(manifest_text.format(nonce=nonce), owner.public_key, now_ms)
+        job = parse_manifest(manifest_text.format(nonce=nonce), owner.public_key, now_ms, epoch=0)
         signed.append((job_id(job), encode_message(owner, mesh_id, job)))
     return signed
 

@@ -140,6 +140,13 @@ class Simulation:
         self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0}
         self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
         self.complete = 0                          # placement instances decided at every honest node
+        # Liveness after the heal is owed only in rounds an honest member leads: a Byzantine
+        # leader can always waste its round (SPEC.md 11). Per job, the timeouts of the rounds
+        # of its placement that honest nodes entered after the heal under a Byzantine leader.
+        self.byzantine_keys = frozenset(self.nodes[i].public_key for i in self.world.byzantine)
+        self.excused_ms: dict[bytes, int] = {}
+        self.excused_rounds: set[tuple] = set()    # (instance, round) already counted
+        self.longest_excuse_ms = 0
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
@@ -258,7 +265,7 @@ class Simulation:
         queue = self.queue
         while queue:
             at_ms, _, kind, target, payload = heapq.heappop(queue)
-            if at_ms > deadline_ms:
+            if at_ms > deadline_ms + self.longest_excuse_ms:
                 break
             self.now_ms = at_ms
             if kind == DELIVER:
@@ -362,6 +369,8 @@ class Simulation:
 
     def _emit(self, node: SimNode, ready) -> None:
         """Drain one Ready batch in contract order: persist, send, decisions (events are counted)."""
+        if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
+            self._excuse_byzantine_rounds(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
             return  # most deliveries (a vote at its collector, a repeat) change nothing outside
         for record in ready.persist:
@@ -392,6 +401,21 @@ class Simulation:
                 self.honest_done[decision.instance] = done
                 if done == len(self.honest):
                     self.complete += 1  # early stop only when every honest node has every job
+
+    def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
+        for event in events:
+            if event.kind != "round_change" or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys:
+                continue
+            iid = bytes.fromhex(event.detail["instance"])
+            key = (iid, event.detail["round"])
+            meta = node.core.instance_meta.get(iid)
+            inst = node.core.instances.get(iid)
+            if key in self.excused_rounds or inst is None or meta is None or meta[0] != "placement":
+                continue
+            self.excused_rounds.add(key)
+            excused = self.excused_ms.get(meta[1], 0) + inst.timeout_ms(key[1])
+            self.excused_ms[meta[1]] = excused
+            self.longest_excuse_ms = max(self.longest_excuse_ms, excused)
 
     @staticmethod
     def _forget_votes(node: SimNode, instance: bytes) -> None:
@@ -448,10 +472,10 @@ class Simulation:
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
-        unpromised = frozenset(jid for jid, _instance, _submitted, late
-                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable)
+        unpromised = frozenset(jid for jid, _instance, _submitted, late, _due
+                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
                                if self._liveness_unpromised(jid, late))
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
         log_digest = checker.log_digest()
         stats = self.network.stats
@@ -463,7 +487,8 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised)))
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
+                          byzantine_led_rounds_excused=len(self.excused_rounds)))
 
     def _latest_view(self):
         """The newest epoch's view any honest core reached: certificates name the epoch they

@@ -286,32 +286,35 @@ class DecisionChecker:
                 and load.mem_mib + resources.mem_mib <= capacity.mem_mib)
 
     def late_jobs(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
-                  unplaceable: frozenset = frozenset()) -> list[tuple]:
-        """(job id, instance or None, submit ms, late nodes) for every job (id -> submit ms) not
-        placed at every node in ``deciders`` by ``deadline_ms``, the ``unplaceable`` ones aside."""
+                  unplaceable: frozenset = frozenset(), excused_ms: dict | None = None) -> list[tuple]:
+        """(job id, instance or None, submit ms, late nodes, deadline) for every job (id -> submit
+        ms) not placed at every node in ``deciders`` by ``deadline_ms`` plus its ``excused_ms``
+        (time its placement spent in rounds a Byzantine member led), the ``unplaceable`` aside."""
         late_jobs = []
         for jid, submitted_ms in jobs.items():
             if jid in unplaceable:
                 continue
+            due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
             instance = self.placement_of.get(jid)
             seen = self.decided_at.get(instance, {}) if instance is not None else {}
-            late = [n for n in deciders if seen.get(n, deadline_ms + 1) > deadline_ms]
+            late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
-                late_jobs.append((jid, instance, submitted_ms, late))
+                late_jobs.append((jid, instance, submitted_ms, late, due_ms))
         return late_jobs
 
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
-                       unplaceable: frozenset = frozenset()) -> int:
-        """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``,
-        except the ``unplaceable`` ones no honest member can take (not a stall).
+                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None) -> int:
+        """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``
+        plus its ``excused_ms``, except the ``unplaceable`` ones no honest member can take.
 
         Returns how many (job, node) pairs were missing; each missing job is one violation.
         """
         missing_pairs = 0
-        for jid, instance, submitted_ms, late in self.late_jobs(jobs, deciders, deadline_ms, unplaceable):
+        for jid, instance, submitted_ms, late, due_ms in self.late_jobs(jobs, deciders, deadline_ms, unplaceable,
+                                                                        excused_ms):
             missing_pairs += len(late)
             self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
-                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), deadline_ms))
+                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), due_ms))
         return missing_pairs
 
     def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:

@@ -199,4 +199,4 @@ def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[Nod
                        resources=resources, strategy=strategy,
                        constraints=Constraints(zones=zones, labels=labels, attested=()),
                        priority=rng.randint(0, 10), backups=rng.randint(0, 2), max_retries=3,
-                       created_ms=GENESIS_MS + index)
+                       created_ms=GENESIS_MS + index, epoch=0)

@@ -418,43 +418,6 @@ def test_agreement_and_termination_under_random_message_loss(seed):
     assert all(n.decision is not None for n in net.live())
 
 
-def test_p2_a_node_may_leave_an_instance_only_while_nothing_can_be_decided_there_without_it():
-    # Epoch straddle (SPEC.md P2): leaving must not let this instance id decide here too.
-    for n, others_hold_quorum in ((3, False), (4, True)):
-        net = Net(n)
-        net.block = lambda sender, to, kind: kind == "prevote_cert"   # stop before anyone precommits
-        net.start()
-        net.propose_where_asked(lambda key, round: b"value")
-        net.deliver()
-        follower = next(node for key, node in net.nodes.items() if key != net.view.leader(INSTANCE, 0))
-        assert follower.has_signed and follower.lock is None
-        assert follower.can_leave is not others_hold_quorum
-    net = Net(3)
-    net.run()
-    assert not any(node.can_leave for node in net.nodes.values())  # all precommitted
-
-
-def test_p2_members_seen_signing_in_an_older_epoch_count_here_only_up_to_a_third_of_the_stake():
-    # n = 4, 10 stake each (40): a quorum is 27 or more; a liar holds at most 13.
-    net = Net(4)
-    net.block = lambda sender, to, kind: kind == "prevote_cert"   # stop before anyone precommits
-    net.start()
-    net.propose_where_asked(lambda key, round: b"value")
-    net.deliver()
-    follower_key = next(key for key in net.keys if key != net.view.leader(INSTANCE, 0))
-    follower = net.nodes[follower_key]
-    others = [key for key in net.keys if key != follower_key]
-    assert follower.has_signed and not follower.can_leave          # the other 30 are a quorum
-    # One other seen elsewhere: 20 that may precommit here, plus its 10 (it may lie): 30.
-    assert not follower.may_leave(others[:1])
-    # Two: 10, plus min(20, 13) = 23, no quorum. Ourselves and non-members count nothing.
-    assert follower.may_leave(others[:2])
-    assert not follower.may_leave([others[0], follower_key, b"\x07" * 32])
-    net.block = lambda sender, to, kind: False
-    net.run(start=False)
-    assert not any(node.may_leave(net.keys) for node in net.nodes.values())  # all precommitted
-
-
 def test_an_instance_tells_whether_other_members_took_part():
     """F7: an evicted node keeps exactly the instances others vote in (its stake still
     counts in their epoch); one that only it ran is dropped."""

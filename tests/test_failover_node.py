@@ -55,7 +55,7 @@ def owner_job(layout) -> bytes:
     job = JobManifest(owner=owner.public_key, name="late", nonce=7, entrypoint="counter", args=(),
                       resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=100, mem_mib=64),
                       strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
-                      priority=0, backups=0, max_retries=0, created_ms=0)
+                      priority=0, backups=0, max_retries=0, created_ms=0, epoch=0)
     return encode_message(owner, bytes.fromhex(layout["mesh_id"]), job)
 
 

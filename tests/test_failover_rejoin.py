@@ -51,7 +51,7 @@ def make_job():
     job = JobManifest(owner=OWNER.public_key, name="job", nonce=1, entrypoint="counter", args=(),
                       resources=Resources(gpus=1, gpu_mem_mib=1000, cpu_milli=500, mem_mib=512),
                       strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
-                      priority=0, backups=1, max_retries=0, created_ms=0)
+                      priority=0, backups=1, max_retries=0, created_ms=0, epoch=0)
     return job, encode_message(OWNER, MESH, job)
 
 
@@ -250,7 +250,7 @@ def test_an_evicted_node_stays_quiet_then_rejoins_with_its_vouched_stake():
     job = JobManifest(owner=OWNER.public_key, name="late", nonce=2, entrypoint="counter", args=(),
                       resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=0, mem_mib=0), strategy="throughput",
                       constraints=Constraints(zones=(), labels=(), attested=()), priority=0, backups=0,
-                      max_retries=0, created_ms=0)
+                      max_retries=0, created_ms=0, epoch=0)
     net.held[primary].insert(0, encode_message(OWNER, MESH, job))  # read before the eviction
     net.resume(primary)
     net.deliver()

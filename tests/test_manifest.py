@@ -16,7 +16,7 @@ MINIMAL = 'name = "c"\nentrypoint = "counter"\n'
 
 
 def parse(text: str) -> JobManifest:
-    return parse_manifest(text, OWNER.public_key, 1_700_000_000_000)
+    return parse_manifest(text, OWNER.public_key, 1_700_000_000_000, epoch=0)
 
 
 def test_minimal_manifest_takes_documented_defaults():
@@ -29,12 +29,12 @@ def test_minimal_manifest_takes_documented_defaults():
 
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_examples_parse(path):
-    job = load_manifest(path, OWNER.public_key, 1)
+    job = load_manifest(path, OWNER.public_key, 1, epoch=0)
     assert job.name and job.entrypoint in ("counter", "train")
 
 
 def test_sovereign_example_carries_constraints():
-    job = load_manifest(JOBS / "sovereign.toml", OWNER.public_key, 1)
+    job = load_manifest(JOBS / "sovereign.toml", OWNER.public_key, 1, epoch=0)
     assert job.strategy == "sovereign"
     assert dict(job.constraints.attested) == {"jurisdiction": "eu"}
     assert job.constraints.zones == ("zone-a", "zone-b")

@@ -13,9 +13,9 @@ from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.messages import (Bid, Cancel, Checkpoint, Heartbeat, Constraints, JobExit, JobManifest, Member, Precommit,
-                               Prevote, Proposal, Resources, RoundChange, decode_message, encode_message, job_id,
-                               value_hash)
+from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, JobExit,
+                               JobManifest, Member, Placement, Precommit, Prevote, Proposal, Resources, RoundChange,
+                               decode_message, encode_message, job_id, placement_instance_id, value_hash)
 from protocol.placement import choose_placement, parse_bid
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
@@ -31,11 +31,12 @@ GENESIS = Genesis(name="test", created_ms=0, params=DEFAULT_PARAMS, authorities=
 MESH = GENESIS.mesh_id
 
 
-def make_job(nonce=1, gpus=1, entrypoint="counter", backups=1, strategy="throughput", zones=()):
+def make_job(nonce=1, gpus=1, entrypoint="counter", backups=1, strategy="throughput", zones=(), epoch=0,
+             max_retries=0):
     job = JobManifest(owner=OWNER.public_key, name="job%d" % nonce, nonce=nonce, entrypoint=entrypoint, args=(),
                       resources=Resources(gpus=gpus, gpu_mem_mib=1000, cpu_milli=500, mem_mib=512),
                       strategy=strategy, constraints=Constraints(zones=zones, labels=(), attested=()),
-                      priority=0, backups=backups, max_retries=0, created_ms=0)
+                      priority=0, backups=backups, max_retries=max_retries, created_ms=0, epoch=epoch)
     return job, encode_message(OWNER, MESH, job)
 
 
@@ -89,11 +90,11 @@ class Net:
         return [d for d in self.decisions[key] if d.value_kind == kind]
 
 
-def placed_on_the_big_node():
+def placed_on_the_big_node(max_retries=0):
     """A 1-GPU job with one backup, submitted at KEYS[1] and placed on KEYS[0], which has
     the most free GPUs (throughput strategy)."""
     net = Net(gpus=(4, 2, 2, 2))
-    job, envelope = make_job(backups=1)
+    job, envelope = make_job(backups=1, max_retries=max_retries)
     net.submit(KEYS[1], envelope)
     net.run(50)
     return net, job_id(job)
@@ -142,11 +143,13 @@ def test_declines_go_to_the_round_leader_and_the_entry_node_only():
         deliver(src, ready)
 
     net.emit = emit
-    net.submit(KEYS[2], envelope)
+    leader = net.cores[KEYS[0]].view.leader(job_id(job), 0)
+    entry = next(k for k in KEYS if k != leader)  # else the leader's own decline goes nowhere
+    net.submit(entry, envelope)
     net.run(60)
-    leader = net.cores[KEYS[0]].instances[job_id(job)].leader
+    assert net.cores[KEYS[0]].instances[job_id(job)].leader == leader
     assert {src for src, _ in declines_sent} == set(KEYS)
-    assert all(to in {leader, KEYS[2]} - {src} for src, to in declines_sent)
+    assert all(to in {leader, entry} - {src} for src, to in declines_sent)
     assert sorted(net.cores[leader].job_view(job_id(job))["declines"]["not_enough_gpus"]) == sorted(KEYS)
 
 
@@ -406,195 +409,122 @@ def test_6_9_a_restarted_core_restores_its_lock_and_never_prevotes_against_it():
     assert restarted.instances[iid].lock.value_hash == locked.value_hash
 
 
-def job_straddling_two_epochs():
-    """Node 2 entered epoch 1 (without node 3) before it heard of the job; node 0 started
-    the job's placement in epoch 0: (job id, node 2's core, node 0's core)."""
+EPOCH_1_WITHOUT_NODE_3 = EpochView(1, {k: 10 for k in KEYS[:3]})
+
+
+def test_p2_a_placement_runs_in_the_epoch_its_job_names_whatever_epoch_a_node_is_in():
+    # Nodes 0-2 entered epoch 1 (node 3 evicted) before the job, which names epoch 0, came:
+    # all four run its placement in epoch 0, where node 3's stake still counts, and decide
+    # one placement; nobody counts a vote for it in epoch 1.
     net = Net()
+    for key in KEYS[:3]:
+        net.cores[key].view = net.cores[key].views[1] = EPOCH_1_WITHOUT_NODE_3
     job, envelope = make_job()
-    newer = net.cores[KEYS[2]]
-    newer.view = newer.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
-    older = net.cores[KEYS[0]]
-    newer.submit(envelope, 0)
-    older.submit(envelope, 0)
-    return job_id(job), newer, older
+    iid = job_id(job)
+    net.submit(KEYS[0], envelope)
+    net.run(100)
+    certificates = {key: net.certified(key, "placement") for key in KEYS}
+    assert all(len(c) == 1 for c in certificates.values())
+    assert len({c[0].certificate for c in certificates.values()}) == 1
+    assert decode_message(certificates[KEYS[0]][0].certificate, MESH)[1].epoch == 0
+    assert all(net.cores[key].job_view(iid)["state"] == "placed" for key in KEYS)
 
 
-def test_p2_a_placement_started_in_a_newer_epoch_joins_the_others_older_one():
-    # Each drops the other's messages as of the wrong epoch.
-    iid, newer, older = job_straddling_two_epochs()
-    assert (older.instances[iid].view.epoch, newer.instances[iid].view.epoch) == (0, 1)
-    assert not newer.instances[iid].has_signed
-    # Node 2 says anything in epoch 1: node 0 answers with its epoch-0 RoundChange ...
-    hint = older.step(newer.instances[iid].round_change(), 0)
-    (reply,) = [m for m in hint.messages if m.to == KEYS[2]]
-    assert decode_message(reply.data, MESH)[1].epoch == 0
-    assert not older.step(newer.instances[iid].round_change(), 0).messages  # once per peer and round
-    # ... and node 2, bound to nothing in epoch 1, moves its instance there and bids in it.
-    moved = newer.step(reply.data, 0)
-    assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
-    bids = [decode_message(m.data, MESH)[1] for m in moved.messages if codec.unpack(m.data)[2] in ("bid", "decline")]
-    assert [b.epoch for b in bids] == [0]
+def test_p2_a_placement_message_of_another_epoch_is_dropped_not_counted():
+    # The review's cross-epoch example: epoch 0 has four members at 10; epoch 1 adds a joiner
+    # at 30. Were node 2 to count epoch-1 votes for the job (as each node did for the epoch
+    # it was in), node 2, the joiner and a Byzantine node 3 (50 of 70) could decide one
+    # placement in epoch 1 while nodes 0, 1 and 3 (30 of 40) decided another in epoch 0.
+    joiner = SigningIdentity(hashlib.sha256(b"joiner").digest())
+    epoch1 = EpochView(1, {**{k: 10 for k in KEYS}, joiner.public_key: 30})
+    job, envelope = make_job()
+    iid = job_id(job)
+    core = Net().cores[KEYS[2]]
+    core.view = core.views[1] = epoch1
+    core.submit(envelope, 0)
+    inst = core.instances[iid]
+    assert inst.view.epoch == 0
+    leader1 = epoch1.leader(iid, 0)
+    signer = joiner if leader1 == joiner.public_key else IDS[KEYS.index(leader1)]
+    proposal = encode_message(signer, MESH, Proposal(iid, 0, 1, "placement", b"\x80", (), None, None))
+    before = dict(core.counters)
+    out = core.step(proposal, 1)
+    assert core.counters["wrong_epoch"] == before.get("wrong_epoch", 0) + 1
+    assert not [m for m in out.messages if codec.unpack(m.data)[2] in ("prevote", "precommit")]
+    # A node that has not started the placement yet creates nothing from it either.
+    fresh = Net().cores[KEYS[1]]
+    fresh.view = fresh.views[1] = epoch1
+    leader_placement = choose_placement(envelope, job, iid, [])
+    assert leader_placement is None  # no bids: a Byzantine leader's value, validated later
+    bogus = Placement(job=envelope, primary=KEYS[3], backups=(), gpus=(0,))
+    proposal = encode_message(signer, MESH, Proposal(iid, 0, 1, "placement", codec.pack(bogus.to_body()), (),
+                                                     None, None))
+    fresh.step(proposal, 1)
+    assert iid not in fresh.instances and fresh.counters["placement_wrong_epoch"] == 1
 
 
-def test_6_10_equivocation_in_the_epoch_a_placement_left_is_still_evidence():
-    # Seed 6654 of the 10,000-seed sweep: node 2 saw one prevote of an epoch-1 equivocator,
-    # moved its instance to epoch 0 (P2), then got the conflicting prevote; the moved
-    # instance had forgotten the first one and recorded nothing.
-    iid, newer, older = job_straddling_two_epochs()
-    liar = IDS[1]
-    first, second = (encode_message(liar, MESH, Prevote(iid, 0, 1, value_hash(v))) for v in (b"A", b"B"))
-    newer.step(first, 0)
-    hint = older.step(newer.instances[iid].round_change(), 0)
-    (reply,) = [m for m in hint.messages if m.to == KEYS[2]]
-    newer.step(reply.data, 0)
-    assert newer.instances[iid].view.epoch == 0 and newer.evidence == []
-    out = newer.step(second, 0)
-    assert [(e.offender, e.first, e.second) for e in newer.evidence] == [(liar.public_key, first, second)]
-    assert [r.table for r in out.persist] == ["evidence"]
-    # A conflicting pair that arrives wholly after the move is caught as well: the node
-    # holds epoch 1's view, so it knows the signer was a member there.
-    for value in (b"C", b"D"):
-        newer.step(encode_message(liar, MESH, Precommit(iid, 0, 1, value_hash(value))), 0)
-    assert [e.offender for e in newer.evidence] == [liar.public_key] * 2
-    # A key outside that epoch's members proves nothing: two votes from it are only dropped.
-    outsider = IDS[3]
-    for value in (b"E", b"F"):
-        newer.step(encode_message(outsider, MESH, Prevote(iid, 0, 1, value_hash(value))), 0)
-    assert len(newer.evidence) == 2
+def test_p2_a_certificate_deciding_a_placement_in_another_epoch_places_nothing():
+    # Only a quorum with more than a third of Byzantine stake signs one (every honest voter
+    # checks the binding): a node that gets it still places nothing.
+    job, envelope = make_job()
+    iid = job_id(job)
+    value = codec.pack(Placement(job=envelope, primary=KEYS[0], backups=(), gpus=(0,)).to_body())
+    digest = value_hash(value)
+    precommits = tuple(encode_message(i, MESH, Precommit(iid, 0, 1, digest)) for i in IDS[:3])
+    certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 1, "placement", value, precommits))
+    core = Net().cores[KEYS[3]]
+    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
+    out = core.step(certificate, 0)
+    assert not out.decisions and core.counters["placement_certificate_wrong_epoch"] == 1
+    assert core.job_view(iid) is None
 
 
-STRADDLE_OLD_VIEW = EpochView(0, {k: 10 for k in KEYS})
-STRADDLE_NEW_VIEW = EpochView(1, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})   # node 3 evicted
-
-
-def signed_on_both_sides_of_an_epoch_change():
-    """Node 2 proposed the job in epoch 1 (it leads round 0 there), node 0 in epoch 0:
-    (job id, job envelope, node 2's core, node 0's core, what node 2 persisted)."""
-    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 500))
-                         if STRADDLE_OLD_VIEW.leader(job_id(j), 0) == KEYS[0]
-                         and STRADDLE_NEW_VIEW.leader(job_id(j), 0) == KEYS[2])
+def test_p2_a_job_naming_a_later_epoch_waits_until_the_node_enters_it():
     net = Net()
-    newer, older = net.cores[KEYS[2]], net.cores[KEYS[0]]
-    newer.view = newer.views[1] = STRADDLE_NEW_VIEW
-    persisted = []
-    for core in (newer, older):
-        for ready in (core.submit(envelope, 0), core.tick(GENESIS.params.bid_window_ms + 1)):
-            persisted += ready.persist if core is newer else []
-    return job_id(job), envelope, newer, older, persisted
+    job, envelope = make_job(epoch=1)
+    iid = job_id(job)
+    net.submit(KEYS[0], envelope)
+    net.run(50)
+    waiting = net.cores[KEYS[0]].job_view(iid)
+    assert waiting["state"] == "pending" and "epoch 1" in waiting["hint"] and iid not in net.cores[KEYS[0]].instances
+    net.down.add(KEYS[3])
+    net.run(1000)  # node 3 is suspected and evicted: epoch 1
+    for key in KEYS[:3]:
+        assert net.cores[key].epoch == 1 and net.cores[key].job_view(iid)["state"] == "placed"
+        (placement,) = net.certified(key, "placement")
+        assert decode_message(placement.certificate, MESH)[1].epoch == 1
 
 
-def test_p2_a_node_that_signed_in_the_newer_epoch_moves_once_voters_in_the_older_one_leave_no_quorum():
-    # Seed 1090 of the 10,000-seed sweep: node 3 had proposed and prevoted in epoch 1, node 2
-    # in epoch 0; epoch 1's other members held a quorum without node 3 (node 2's stake among
-    # it), so node 3 never left and the job stalled. Node 2's own signed vote shows that its
-    # stake will never precommit in epoch 1.
-    iid, _envelope, newer, older, _ = signed_on_both_sides_of_an_epoch_change()
-    now = GENESIS.params.bid_window_ms + 1
-    proposal = newer.instances[iid].latest_own_signature()
-    assert newer.instances[iid].has_signed and older.instances[iid].has_signed
-    assert not newer.instances[iid].can_leave   # nodes 0 and 1 hold 20 of epoch 1's 25
-    # Node 0 answers node 2's epoch-1 proposal with its round change and its newest signed vote.
-    hint = [m.data for m in older.step(proposal, now).messages if m.to == KEYS[2]]
-    assert [codec.unpack(d)[2] for d in hint] == ["round_change", "prevote"]
-    assert decode_message(hint[1], MESH)[1].epoch == 0
-    for data in hint:
-        newer.step(data, now)
-    # Node 0's 10 may be a liar's: counted as precommitting in epoch 1 up to a third of the
-    # stake (8), with node 1's 10 that is still a quorum of 25 (18 > 16.7): it stays.
-    assert newer.instances[iid].view.epoch == 1
-    # Node 1 is seen voting in epoch 0 as well: at most 8 of epoch 1's stake can still
-    # precommit there without node 2, so nothing is decided there once it leaves.
-    newer.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
-    assert newer.instances[iid].view.epoch == 0 and newer.counters["placement_moved_to_older_epoch"] == 1
+def test_p2_a_job_naming_an_epoch_whose_view_is_gone_is_refused_at_submission():
+    core = Net().cores[KEYS[0]]
+    for epoch in range(1, 10):
+        core.view = core.views[epoch] = EpochView(epoch, {k: 10 for k in KEYS})
+    for epoch in sorted(core.views)[:-8]:
+        del core.views[epoch]
+    _job, envelope = make_job(epoch=0)
+    with pytest.raises(LocalProtocolError, match="names epoch 0.*sign it again"):
+        core.submit(envelope, 0)
+    # Heard from a peer instead, it waits with a hint that says why.
+    job, envelope = make_job(nonce=2, epoch=1)
+    core.step(envelope, 0)
+    assert "sign it again" in core.job_view(job_id(job))["hint"] and core.counters["job_epoch_view_gone"] == 1
 
 
-def test_p2_a_move_to_an_older_epoch_goes_no_further_than_the_round_left():
-    # Review: the mover entered the round named by the one message that made it move; a
-    # Byzantine member's round change for round max_rounds - 1 (or beyond) made it give up.
-    iid, newer, _older = job_straddling_two_epochs()
-    assert newer.instances[iid].round == 0 and not newer.instances[iid].has_signed
-    rushed = encode_message(IDS[1], MESH, RoundChange(iid, GENESIS.params.max_rounds - 1, 0, None, None, None))
-    out = newer.step(rushed, 0)
-    inst = newer.instances[iid]
-    assert inst.view.epoch == 0 and inst.round == 0 and not inst.gave_up
-    assert not [e for e in out.events if e.kind == "job_gave_up"]
-
-
-@pytest.mark.parametrize("marker_kept", [True, False])
-def test_p2_a_node_that_moved_to_an_older_epoch_returns_there_after_a_restart(marker_kept):
-    """Having left epoch 1's instance, the node must never vote there again, even if it
-    restarts before signing anything in epoch 0: it persisted a signed RoundChange of epoch 0
-    with its votes, and a restart re-creates the instance in the oldest epoch it has records
-    of. (Without that record it would be back in epoch 1, where its precommit could complete
-    a decision the others' epoch-0 one knows nothing of.)"""
-    iid, envelope, newer, _older, persisted = signed_on_both_sides_of_an_epoch_change()
-    now = GENESIS.params.bid_window_ms + 1
-    assert {r.value["epoch"] for r in persisted if r.table == "votes"} == {1}
-    for signer in (IDS[0], IDS[1]):
-        persisted += newer.step(encode_message(signer, MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now).persist
-    assert newer.instances[iid].view.epoch == 0 and not newer.instances[iid].has_signed
-    marker = [r for r in persisted if r.table == "votes" and r.value["kind"] == "round_change"]
-    assert [r.value["epoch"] for r in marker] == [0]
-    records = [r for r in persisted if r.table == "votes" and (marker_kept or r not in marker)]
-    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
-                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=now,
-                         safety_records=records)
-    restarted.view = restarted.views[1] = STRADDLE_NEW_VIEW
-    restarted.step(envelope, now)
-    inst = restarted.instances[iid]
-    assert inst.view.epoch == (0 if marker_kept else 1)
-    assert not inst.has_signed if marker_kept else inst.has_signed   # the marker is no vote
-
-
-def test_p2_a_restarted_node_stays_in_the_epoch_it_signed_in_until_it_may_leave():
-    # Review: a node that had proposed and prevoted in epoch 1 restarted, heard epoch 0's
-    # proposal first, created the instance there and prevoted: it left epoch 1 without the
-    # straddle rule's check, and (with a quorum of others there) two decisions could follow.
-    iid, _envelope, newer, older, persisted = signed_on_both_sides_of_an_epoch_change()
-    now = GENESIS.params.bid_window_ms + 1
-    (older_proposal,) = [r.value["envelope"] for r in older.instances[iid].safety_records()
-                         if r.table == "votes" and r.value["kind"] == "proposal"]
-    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
-                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=now,
-                         safety_records=[r for r in persisted if r.table == "votes"])
-    restarted.view = restarted.views[1] = STRADDLE_NEW_VIEW
-    out = restarted.step(older_proposal, now)
-    inst = restarted.instances[iid]
-    assert inst.view.epoch == 1 and inst.has_signed
-    assert restarted.counters["placement_moved_to_older_epoch"] == 0
-    assert not [r for r in out.persist if r.table == "votes" and r.value["epoch"] == 0]
-    # Once the others seen in epoch 0 leave no quorum in epoch 1 without it, it moves.
-    restarted.step(encode_message(IDS[1], MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
-    assert restarted.instances[iid].view.epoch == 0
-
-
-def test_p2_a_node_that_moved_and_gave_up_never_returns_to_the_epoch_it_left():
-    iid, envelope, newer, _older, _ = signed_on_both_sides_of_an_epoch_change()
-    now = GENESIS.params.bid_window_ms + 1
-    for signer in (IDS[0], IDS[1]):
-        newer.step(encode_message(signer, MESH, Prevote(iid, 0, 0, value_hash(b"x"))), now)
-    assert newer.instances[iid].view.epoch == 0 and not newer.instances[iid].has_signed
-    while iid in newer.instances:     # nobody else answers: it gives up in epoch 0, unsigned there
-        now += 100
-        newer.tick(now)
-    assert newer.decided[iid].gave_up
-    del newer.decided[iid]            # as when later decisions push it out of the bounded map
-    newer.job_records[iid].instance = b""
-    newer.step(envelope, now)         # the job again, in epoch 1, where it signed before leaving
-    assert newer.instances[iid].view.epoch == 0
-
-
-def test_p2_an_instance_whose_signed_epoch_is_no_longer_held_is_not_created_elsewhere():
-    # A core keeps its newest 8 epochs' views: records of an epoch it no longer holds cannot
-    # be resumed, and voting in another epoch instead could be unsafe (P2): it refuses.
-    iid, envelope, _newer, _older, persisted = signed_on_both_sides_of_an_epoch_change()
-    restarted = MeshCore(identity=IDS[2], genesis=GENESIS, policy=NodePolicy(zone=ZONES[2]),
-                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(2), now_ms=0,
-                         safety_records=[r for r in persisted if r.table == "votes"])
-    restarted.view = restarted.views[2] = EpochView(2, {KEYS[0]: 10, KEYS[1]: 10, KEYS[2]: 5})
-    assert 1 not in restarted.views
-    restarted.step(envelope, 0)
-    assert iid not in restarted.instances and restarted.counters["instance_epoch_view_gone"] == 1
+def test_p2_a_retry_runs_in_the_epoch_its_failed_run_was_assigned_in():
+    net, jid = placed_on_the_big_node(max_retries=2)
+    backup = net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.down.add(KEYS[0])
+    net.run(600)                       # the primary is evicted; the job migrates in epoch 1
+    survivors = [k for k in KEYS if k != KEYS[0]]
+    assert all(net.cores[k].epoch == 1 and net.cores[k].job_view(jid)["primary"] == backup for k in survivors)
+    net.emit(backup, net.cores[backup].job_exited(jid, 1, net.now))
+    net.run(200)
+    retry = placement_instance_id(jid, 1, 1)
+    for key in survivors:
+        view = net.cores[key].job_view(jid)
+        assert view["attempt"] == 1 and view["instance"] == retry and view["state"] == "placed"
+        (placement,) = [d for d in net.certified(key, "placement") if d.instance == retry]
+        assert decode_message(placement.certificate, MESH)[1].epoch == 1
 
 
 def test_6_9_an_instance_given_up_and_created_again_resumes_from_what_it_signed():
@@ -681,26 +611,6 @@ def test_p3_a_round_change_shows_the_job_to_a_new_leader_that_may_have_forgotten
     for change in changes:
         fresh.step(change, 6000)
     assert len(changes) == 2 and fresh.instances[iid].round == round
-
-
-def test_p2_a_certificate_of_the_other_epoch_decides_a_straddling_placement():
-    epoch1 = EpochView(1, {k: 10 for k in KEYS[:3]})
-    net = Net()
-    for key in KEYS[:3]:
-        net.cores[key].view = net.cores[key].views[1] = epoch1
-    job, envelope = make_job()
-    iid = job_id(job)
-    net.down.add(KEYS[3])
-    net.submit(KEYS[0], envelope)
-    net.run(100)
-    (certificate,) = net.certificates[KEYS[0]]
-    late = net.cores[KEYS[3]]
-    late.submit(envelope, net.now)               # it runs the placement in epoch 0 ...
-    late.view = late.views[1] = epoch1           # ... and has since entered epoch 1
-    assert late.instances[iid].view.epoch == 0
-    out = late.step(certificate, net.now)
-    assert [d.value_kind for d in out.decisions] == ["placement"] and iid not in late.instances
-    assert late.job_view(iid)["state"] == "placed"
 
 
 def test_capability_vector_says_whether_its_gpu_readings_are_simulated():

@@ -40,7 +40,7 @@ def job(strategy="throughput", gpus=1, gpu_mem=1000, zones=(), labels=(), attest
     return JobManifest(owner=ident(99).public_key, name="j", nonce=nonce, entrypoint="counter", args=(),
                        resources=Resources(gpus=gpus, gpu_mem_mib=gpu_mem, cpu_milli=1000, mem_mib=1024),
                        strategy=strategy, constraints=Constraints(zones=zones, labels=labels, attested=attested),
-                       priority=0, backups=backups, max_retries=0, created_ms=0)
+                       priority=0, backups=backups, max_retries=0, created_ms=0, epoch=0)
 
 
 def facts(i, manifest, rtt=1000, attested=(), **cap_kwargs):

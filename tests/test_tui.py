@@ -36,6 +36,10 @@ MESH_ID = bytes(range(32))
 WAIT_S = 10.0  # upper bound on any one UI condition; a pass normally takes milliseconds
 
 
+def parse_at_epoch_0(text, owner_pubkey, now_ms):
+    return parse_manifest(text, owner_pubkey, now_ms, epoch=0)
+
+
 def gpu(index, total, used, util=50_000, temp=60_000, throttle=0):
     return {"index": index, "model": "H100", "mem_total_mib": total, "mem_used_mib": used, "util_milli": util,
             "temp_milli_c": temp, "sm_clock_mhz": 1980, "throttle_reasons": throttle, "ecc_errors": 0,
@@ -197,8 +201,8 @@ def test_compose_sign_broadcast_and_follow_to_placement():
             await pilot.press("ctrl+s")
             await until(pilot, lambda: len(node.received_jobs) == 1, "the node to receive the job")
             job = node.received_jobs[0]
-            assert (job.name, job.owner, job.resources.gpus, job.resources.gpu_mem_mib) == \
-                ("job1", identity.public_key, 1, 40000)
+            assert (job.name, job.owner, job.resources.gpus, job.resources.gpu_mem_mib, job.epoch) == \
+                ("job1", identity.public_key, 1, 40000, 1)   # signed for the node's epoch (SPEC.md P2)
             jid = job_id(job).hex()
             await until(pilot, lambda: app.followed is not None and jid in app.jobs, "the job row")
             assert app.tabs.active == "jobs"
@@ -221,7 +225,7 @@ def test_encrypted_key_prompts_for_passphrase_in_a_modal_and_retries_a_wrong_one
         app = new_app(directory, key_path)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.connected, "connected")
-            manifest = parse_manifest('name = "p"\nentrypoint = "counter"\n', identity.public_key, 1)
+            manifest = parse_manifest('name = "p"\nentrypoint = "counter"\n', identity.public_key, 1, epoch=0)
             app.submit_job(manifest)
             await until(pilot, lambda: isinstance(app.screen, PassphraseScreen), "passphrase modal")
             await pilot.press(*"wrong", "enter")
@@ -323,7 +327,7 @@ def test_form_validation_names_the_field_as_you_type():
 ])
 def test_form_errors_name_the_manifest_field(field_id, text, field_path):
     values = dict(DEFAULT_VALUES, name="j", **{field_id: text})
-    check = check_form(values, parse_manifest, bytes(32), 1)
+    check = check_form(values, parse_at_epoch_0, bytes(32), 1)
     assert check.manifest is None
     assert check.error.startswith(field_path + ":"), check.error
     assert check.field == field_id
@@ -332,13 +336,13 @@ def test_form_errors_name_the_manifest_field(field_id, text, field_path):
 def test_form_builds_the_manifest_a_file_would():
     values = dict(DEFAULT_VALUES, name='quote"d', args='--steps 100 "two words"', zones="zone-a, zone-b",
                   labels="rack=r1", attested="country=DE", strategy="sovereign", gpus="2", gpu_mem_mib="8000")
-    manifest = check_form(values, parse_manifest, bytes(32), 7).manifest
+    manifest = check_form(values, parse_at_epoch_0, bytes(32), 7).manifest
     assert manifest.name == 'quote"d' and manifest.args == ("--steps", "100", "two words")
     assert manifest.constraints.zones == ("zone-a", "zone-b")
     assert dict(manifest.constraints.labels) == {"rack": "r1"}
     assert dict(manifest.constraints.attested) == {"country": "DE"}
     assert (manifest.resources.gpus, manifest.resources.gpu_mem_mib, manifest.created_ms) == (2, 8000, 7)
-    assert parse_manifest(form_to_toml(values), bytes(32), 7) == manifest
+    assert parse_at_epoch_0(form_to_toml(values), bytes(32), 7) == manifest
     assert field_of_error("constraints.zones: expected") == "zones"
 
 
@@ -379,7 +383,7 @@ def test_why_screen_shows_groups_and_hint():
         await node.start()
         key_path, identity = write_keystore(directory, None)
         manifest = parse_manifest('name = "big"\nentrypoint = "counter"\n[resources]\ngpus = 1\ngpu_mem_mib = 60000\n',
-                                  identity.public_key, 1)
+                                  identity.public_key, 1, epoch=1)  # FakeNode's epoch: signed as is
         app = new_app(directory, key_path)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.connected, "connected")

@@ -151,7 +151,7 @@ def submit_counter_job(testnet, node_dir: str, name: str) -> str:
     """Submit a small job straight through the control API (not the TUI under test)."""
     owner = testnet["owner"]
     manifest = parse_manifest('name = "%s"\nentrypoint = "counter"\n[resources]\ncpu_milli = 250\nmem_mib = 128\n'
-                              % name, owner.public_key, time.time_ns() // 1_000_000)
+                              % name, owner.public_key, time.time_ns() // 1_000_000, epoch=0)
     mesh_id = load_genesis(node_paths(node_dir).genesis).mesh_id
     with ControlClient(node_dir) as client:
         return client.call("submit", job=encode_message(owner, mesh_id, manifest))["job_id"]
