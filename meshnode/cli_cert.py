@@ -11,7 +11,7 @@ from meshnode.output import add_json_flag, emit, key_value_table
 from protocol import codec
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import ConfigError, RemoteProtocolError
-from protocol.messages import decode_message, value_hash
+from protocol.messages import JobManifest, decode_message, decode_value, placement_binding_error, value_hash
 from protocol.quorum import EpochView
 
 
@@ -36,6 +36,13 @@ def cmd_verify(args) -> int:
         raise ConfigError("cannot read certificate %s: %s" % (args.certificate, exc.strerror)) from None
     try:
         cert, value = verify_commit_certificate(data, genesis.mesh_id, view)
+        if cert.value_kind == "placement":  # SPEC.md P2: one instance id, one epoch
+            placement = decode_value("placement", value)
+            _job_envelope, job = decode_message(placement.job, genesis.mesh_id, expect=JobManifest,
+                                                allow_any_mesh=True)
+            problem = placement_binding_error(cert.instance, job, cert.epoch)
+            if problem is not None:
+                raise RemoteProtocolError("placement certificate: %s" % problem)
     except RemoteProtocolError as exc:
         if args.json:
             json.dump({"valid": False, "reason": str(exc)}, sys.stdout, sort_keys=True)

@@ -97,7 +97,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.evidence: list = []
         self.evidence_log: list[dict] = []
         self.restored_votes: dict[bytes, list[PersistRecord]] = {}  # undecided instance -> its records
-        self.jobs_shown: set[tuple] = set()          # (leader, instance) we sent the job to (SPEC P3)
+        self.jobs_shown: set[tuple] = set()          # (leader, instance, round) we sent the job to (SPEC P3)
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self._init_jobs()

@@ -432,7 +432,6 @@ class FailoverFlows:
 
     def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
         record.primary, record.backups = to_node, tuple(backups)
-        record.assigned_epoch = self.epoch   # the epoch the eviction created (P2: where a retry runs)
         record.fence += 1
         record.migrations += 1
         record.state = "migrating"

@@ -13,7 +13,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                Decline, GpuState, JobExit, JobManifest, Placement, RunningJob, decode_message,
                                decode_value, encode_message, job_id, placement_binding_error,
-                               placement_instance_id)
+                               placement_attempt, placement_instance_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
                                 select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -41,7 +41,6 @@ class JobRecord:
     backups: tuple = ()
     gpus: tuple = ()
     fence: int = 0
-    assigned_epoch: int | None = None              # the epoch its current placement or migration took effect in
     migrations: int = 0
     declines: dict = field(default_factory=dict)   # signer -> (reason, detail)
     last_checkpoint_seq: int | None = None
@@ -195,10 +194,11 @@ class JobFlows:
         envelope, job = decode_message(job_envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         if envelope.signer != job.owner:
             raise RemoteProtocolError("job is not signed by its owner")
-        if job.epoch < self.epoch and self._view_for(job.epoch) is None:
+        if job.epoch > self.epoch or self._view_for(job.epoch) is None:
             raise LocalProtocolError(
-                "the job names epoch %d, which this node no longer holds (the mesh is at epoch %d): "
-                "sign it again for the current epoch" % (job.epoch, self.epoch))
+                "the job names epoch %d, which this node %s (it is at epoch %d): sign it again for the "
+                "current epoch" % (job.epoch, "has not reached" if job.epoch > self.epoch else "no longer holds",
+                                   self.epoch))
         out.messages.append(Outbound(None, job_envelope))
         self._on_job(envelope, job, job_envelope, now_ms, out, entry=self.me)
         return out
@@ -215,7 +215,9 @@ class JobFlows:
             out.events.append(self._event("job_submitted", now_ms, job_id=jid.hex(), name=job.name))
         if record.entry is None:
             record.entry = entry
-        if record.state == "pending" and not record.instance:
+        if record.state == "pending" and record.instance not in self.instances:
+            # Not started yet, or its instance was dropped (an evicted node drops those only
+            # it ran, F7): the job, shown again by a round's leader-to-be (P3), starts it.
             self._start_placement(record, now_ms, out)
 
     def _new_job_record(self, jid: bytes, data: bytes, job: JobManifest, now_ms: int) -> JobRecord:
@@ -226,17 +228,10 @@ class JobFlows:
         self.job_records[jid] = record
         return record
 
-    def _placement_epoch(self, record: JobRecord) -> int:
-        """SPEC.md P2: attempt 0 runs in the epoch the job names; a retry in the epoch its
-        failed run was assigned in (every node that heard the exit applied that assignment)."""
-        if record.attempt == 0 or record.assigned_epoch is None:
-            return record.manifest.epoch
-        return record.assigned_epoch
-
     def _start_placement(self, record: JobRecord, now_ms: int, out: Ready) -> None:
         """Start the job's placement in the one epoch it runs in (SPEC.md P2), if this node
         holds that epoch's view; a job of a later epoch waits until this node enters it."""
-        epoch = self._placement_epoch(record)
+        epoch = record.manifest.epoch
         record.state = "pending"
         view = self._view_for(epoch)
         if view is None:
@@ -249,7 +244,7 @@ class JobFlows:
                                "sign it again for the current epoch" % epoch)
                 self.counters["job_epoch_view_gone"] += 1
             return
-        iid = placement_instance_id(record.job_id, record.attempt, epoch)
+        iid = placement_instance_id(record.job_id, record.attempt)
         record.instance = iid
         inst = self._start_instance(iid, "placement", view, ("placement", record.job_id),
                                     self._placement_validator(iid), now_ms, out)
@@ -259,7 +254,7 @@ class JobFlows:
     def _start_placements_of_epoch(self, epoch: int, now_ms: int, out: Ready) -> None:
         """Jobs that named an epoch this node had not reached yet start their placement now."""
         for record in list(self.job_records.values()):
-            if record.state == "pending" and not record.instance and self._placement_epoch(record) == epoch:
+            if record.state == "pending" and not record.instance and record.manifest.epoch == epoch:
                 self._start_placement(record, now_ms, out)
 
     def _placement_instance_from_value(self, iid: bytes, placement: Placement, view, now_ms: int, out: Ready):
@@ -371,12 +366,13 @@ class JobFlows:
     def _on_decline(self, envelope, decline: Decline, data, now_ms: int, out: Ready) -> None:
         meta = self.instance_meta.get(decline.instance)
         record = self.job_records.get(meta[1]) if meta and meta[0] == "placement" else None
-        if record is None or envelope.signer not in self.view.stakes:
+        inst = self.instances.get(decline.instance)
+        view = inst.view if inst is not None else self.view
+        if record is None or decline.epoch != view.epoch or envelope.signer not in view.stakes:
             self.counters["decline_unknown"] += 1
             return
         if envelope.signer not in record.declines and len(record.declines) < MAX_DECLINERS_KEPT:
             record.declines[envelope.signer] = (decline.reason, decline.detail)
-        inst = self.instances.get(decline.instance)
         if inst is not None:
             self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
 
@@ -414,7 +410,10 @@ class JobFlows:
             self.windows_extended.add(iid)
             self._schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.params.bid_window_ms)
             return
-        chosen = select_justification(record.manifest, iid, [facts for facts, _ in held.values()])
+        # A placement may run in an older epoch (P2): members evicted since are fenced, and
+        # placing a job on one would only strand it.
+        live = [facts for facts, _ in held.values() if facts.signer in self.view.stakes]
+        chosen = select_justification(record.manifest, iid, live)
         placement = choose_placement(record.envelope, record.manifest, iid, chosen)
         if placement is None:
             record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
@@ -461,11 +460,12 @@ class JobFlows:
         self._send_my_bid(inst.instance_id, now_ms, out)
 
     def _show_job_to_leader(self, inst, record, out: Ready) -> None:
-        """SPEC P3: the job goes with our round change to a new round's leader, once per leader.
+        """SPEC P3: the job goes with our round change to a new round's leader, once per round
+        (a leader shown it before it crashed has forgotten it again).
         A leader that crashed and restarted forgot the undecided instance (and an evicted one
         may have dropped it): only a proposal would bring it back, and it is that leader's
         turn to propose. From the job it runs the instance again, in the others' epoch (P2)."""
-        key = (inst.leader, inst.instance_id)
+        key = (inst.leader, inst.instance_id, inst.round)
         if record is None or inst.leader == self.me or key in self.jobs_shown:
             return
         if len(self.jobs_shown) >= MAX_JOBS_SHOWN:
@@ -495,12 +495,15 @@ class JobFlows:
         self.bids_held.pop(iid, None)
         self.windows_open.pop(iid, None)
         self.windows_extended.discard(iid)
-        if record.state == "cancelled":
+        attempt = placement_attempt(iid, job)  # never None: _apply_certified checked the binding
+        if record.state == "cancelled" or attempt < record.attempt:
+            # A late certificate of an attempt that has failed since (P6) changes nothing.
+            self.counters["placement_of_earlier_attempt"] += record.state != "cancelled"
             self.book.release(iid)
             return
+        record.attempt = attempt  # a node that missed an exit learns the attempt here
         record.instance = iid
         record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
-        record.assigned_epoch = certificate_epoch
         record.fence += 1
         record.state = "placed"
         record.hint = None
@@ -512,6 +515,23 @@ class JobFlows:
             self.book.release(iid)
         out.events.append(self._event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
                                       fence=record.fence))
+        self._follow_evictions_since(record, certificate_epoch, now_ms, out)
+
+    def _follow_evictions_since(self, record: JobRecord, epoch: int, now_ms: int, out: Ready) -> None:
+        """SPEC P5: a placement decided in its job's epoch (P2) after the mesh moved on moves
+        as F5 moved the jobs it knew at each eviction since, epoch by epoch, so a node that
+        learns it late ends with the primary and fence of one that applied it in time."""
+        for later in range(epoch + 1, self.epoch + 1):
+            view = self._view_for(later)
+            if view is None or record.primary in view.stakes:
+                continue
+            gone = record.primary
+            if gone == self.me:
+                self.book.free(record.job_id)
+            live = [b for b in record.backups if b in view.stakes]
+            if not live:
+                return
+            self._migrate(record, live[0], self._new_backups(record, live[0], gone, view), now_ms, out)
 
     # --- workloads, checkpoints, exits (SPEC P6) -------------------------------------------------------
     def _my_job(self, jid: bytes) -> JobRecord:

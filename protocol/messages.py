@@ -155,23 +155,27 @@ def job_id(job: JobManifest) -> bytes:
     return hashlib.sha256(codec.pack(job.to_body())).digest()
 
 
-def placement_instance_id(jid: bytes, attempt: int, epoch: int) -> bytes:
-    """SPEC.md P2: the placement instance of a job's ``attempt``, which runs in ``epoch`` and
-    no other. Attempt 0 is the job id itself (the job names its epoch); a retry's id binds
-    the epoch its failed run was assigned in, so one instance id never has two epochs."""
+def placement_instance_id(jid: bytes, attempt: int) -> bytes:
+    """SPEC.md P2: the placement instance of a job's ``attempt`` (0 is the job id itself).
+    Every attempt runs in the epoch the job names (inside the job id), and in no other."""
     if attempt == 0:
         return jid
-    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big") + epoch.to_bytes(8, "big")).digest()
+    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
+
+
+def placement_attempt(iid: bytes, job: JobManifest) -> int | None:
+    """Which attempt of ``job`` instance ``iid`` places, or None if it is none of them."""
+    jid = job_id(job)
+    return next((a for a in range(job.max_retries + 1) if placement_instance_id(jid, a) == iid), None)
 
 
 def placement_binding_error(iid: bytes, job: JobManifest, epoch: int) -> str | None:
     """Why a placement of ``job`` may not be decided as instance ``iid`` in ``epoch``, or None."""
-    jid = job_id(job)
-    if iid == jid:
-        return None if job.epoch == epoch else "the job is placed in epoch %d, not %d" % (job.epoch, epoch)
-    if any(iid == placement_instance_id(jid, attempt, epoch) for attempt in range(1, job.max_retries + 1)):
-        return None
-    return "instance is not this job's placement in epoch %d" % epoch
+    if placement_attempt(iid, job) is None:
+        return "instance is not this job's placement"
+    if job.epoch != epoch:
+        return "the job is placed in epoch %d, not %d" % (job.epoch, epoch)
+    return None
 
 
 # --- consensus: bids, proposals, votes, certificates -----------------------------------------

@@ -137,7 +137,8 @@ class Simulation:
         self.now_ms = 0
         self.messages = 0
         self.node_decisions = 0
-        self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0}
+        self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0,
+                                         "submit_refused_epoch": 0}
         self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
         self.complete = 0                          # placement instances decided at every honest node
         # Liveness after the heal is owed only in rounds an honest member leads: a Byzantine
@@ -324,6 +325,11 @@ class Simulation:
             self.push(self.now_ms + RETRY_SUBMIT_MS, SUBMIT, number, None)
             return
         node = self.nodes[self.rng.choice(up)]
+        job = self.world.jobs[number].job
+        if job.epoch > node.core.epoch or job.epoch not in node.core.views:
+            # The node refuses it (SPEC.md P2): an owner would sign the job again, as a new job.
+            self.counters["submit_refused_epoch"] += 1
+            return
         self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
 
     def _call(self, node: SimNode, method, *args) -> None:
@@ -502,9 +508,9 @@ class Simulation:
         return 3 * sum(stake for key, stake in view.stakes.items() if key in byzantine) >= view.total_stake
 
     def _liveness_unpromised(self, jid: bytes, late: list[int]) -> bool:
-        """Whether evictions lifted a run that started under 1/3 Byzantine stake to 1/3 or more
-        in every epoch that could still decide this job at the nodes that lack it: the epoch
-        its placement instance runs in there, or their current one when it has none."""
+        """Whether a run that started under 1/3 Byzantine stake is at 1/3 or more in the epoch
+        that must decide this job (the one it names, P2) at every node that lacks it. With
+        every job naming epoch 0 this never holds; kept for worlds whose jobs name others."""
         genesis_stake, genesis_total = self.world.byzantine_stake_fraction()
         if not self.world.byzantine or 3 * genesis_stake >= genesis_total:
             return False  # a run that starts at 1/3 or more is there to show the stall
@@ -513,8 +519,8 @@ class Simulation:
             if core is None:
                 return False
             record = core.job_records.get(jid)
-            inst = core.instances.get(record.instance) if record is not None and record.instance else None
-            if not self._byzantine_third(inst.view if inst is not None else core.view):
+            view = core.views.get(record.manifest.epoch) if record is not None else None
+            if view is None or not self._byzantine_third(view):   # its placement runs there (P2)
                 return False
         return True
 

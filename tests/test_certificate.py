@@ -11,8 +11,22 @@ from keys.genesis import DEFAULT_PARAMS, Genesis
 from meshnode.cli import main
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import RemoteProtocolError
-from protocol.messages import CommitCertificate, Member, Precommit, Prevote, decode_message, sign_message
+from protocol import codec
+from protocol.messages import (CommitCertificate, Constraints, JobManifest, Member, Placement, Precommit, Prevote,
+                               Resources, decode_message, encode_message, job_id, sign_message, value_hash)
 from protocol.quorum import EpochView
+
+
+def placement_of_a_job(mesh_id: bytes, epoch: int) -> tuple[bytes, bytes]:
+    """(instance id, placement value) of a small job naming ``epoch``, placed on node 1."""
+    owner = identities(5)[4]
+    job = JobManifest(owner=owner.public_key, name="j", nonce=1, entrypoint="counter", args=(),
+                      resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=100, mem_mib=64), strategy="throughput",
+                      constraints=Constraints(zones=(), labels=(), attested=()), priority=0, backups=0,
+                      max_retries=0, created_ms=0, epoch=epoch)
+    value = Placement(job=encode_message(owner, mesh_id, job), primary=identities(4)[1].public_key, backups=(),
+                      gpus=())
+    return job_id(job), codec.pack(value.to_body())
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +34,9 @@ def decided():
     """A genesis of 4 equal-stake nodes and the commit certificate of one decision among them."""
     members = tuple(Member(i.public_key, 1, "zone-a", (), ()) for i in identities(4))
     genesis = Genesis("cert test", 0, members, DEFAULT_PARAMS, ())
-    net = Net(4, mesh_id=genesis.mesh_id)
-    net.run(value_of=lambda key, round: b"the value")
+    iid, value = placement_of_a_job(genesis.mesh_id, 0)
+    net = Net(4, mesh_id=genesis.mesh_id, instance_id=iid)
+    net.run(value_of=lambda key, round: value)
     return genesis, net
 
 
@@ -36,7 +51,7 @@ def test_a_decided_certificate_verifies_offline(decided):
     genesis, net = decided
     data = net.node(0).decision_envelope
     cert, value = verify_commit_certificate(data, genesis.mesh_id, EpochView.from_genesis(genesis))
-    assert value == b"the value" and cert.round == 0 and len(cert.precommits) >= 3
+    assert value == placement_of_a_job(genesis.mesh_id, 0)[1] and cert.round == 0 and len(cert.precommits) >= 3
 
 
 def bad_certificates(net: Net, data: bytes):
@@ -99,3 +114,22 @@ def test_cli_cert_verify_exits_0_for_a_valid_and_2_for_a_tampered_certificate(de
     err = capsys.readouterr().err
     assert err.startswith("invalid: ") and err.count("\n") == 1
     assert main(["cert", "verify", str(tmp_path / "missing"), "--genesis", str(genesis_file)]) == 2
+
+
+def test_cli_cert_verify_refuses_a_placement_decided_in_another_epoch_than_its_job_names(decided, tmp_path,
+                                                                                         capsys):
+    # SPEC.md P2: one instance id runs in one epoch; only a quorum with more than 1/3
+    # Byzantine stake signs such a certificate, and it must not pass for a placement.
+    genesis, net = decided
+    iid, value = placement_of_a_job(genesis.mesh_id, 1)
+    precommits = tuple(encode_message(i, genesis.mesh_id, Precommit(iid, 0, 0, value_hash(value)))
+                       for i in net.ids[:3])
+    certificate = encode_message(net.ids[0], genesis.mesh_id,
+                                 CommitCertificate(iid, 0, 0, "placement", value, precommits))
+    genesis_file, cert_file = tmp_path / "genesis.bin", tmp_path / "wrong-epoch.cert"
+    genesis_file.write_bytes(genesis.encode())
+    cert_file.write_bytes(certificate)
+    assert verify_commit_certificate(certificate, genesis.mesh_id, EpochView.from_genesis(genesis))  # the votes hold
+    assert main(["cert", "verify", str(cert_file), "--genesis", str(genesis_file), "--json"]) == 2
+    result = json.loads(capsys.readouterr().out)
+    assert not result["valid"] and "placed in epoch 1, not 0" in result["reason"]

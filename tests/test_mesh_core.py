@@ -15,7 +15,8 @@ from protocol import codec
 from protocol.mesh import MeshCore
 from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, JobExit,
                                JobManifest, Member, Placement, Precommit, Prevote, Proposal, Resources, RoundChange,
-                               decode_message, encode_message, job_id, placement_instance_id, value_hash)
+                               decode_message, decode_value, encode_message, job_id, placement_instance_id,
+                               value_hash)
 from protocol.placement import choose_placement, parse_bid
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
@@ -479,11 +480,50 @@ def test_p2_a_certificate_deciding_a_placement_in_another_epoch_places_nothing()
     assert core.job_view(iid) is None
 
 
+def test_p5_a_placement_decided_after_evictions_follows_them_epoch_by_epoch():
+    # Node 3, the chosen primary, was evicted in epoch 1 and its first backup, node 1, in
+    # epoch 2, before the epoch-0 certificate reached node 2. A node that applied it in time
+    # moved the job at each eviction (F5): to node 1, then to node 2. So does node 2, late.
+    job, envelope = make_job(backups=2)
+    iid = job_id(job)
+    value = codec.pack(Placement(job=envelope, primary=KEYS[3], backups=(KEYS[1], KEYS[2]), gpus=(0,)).to_body())
+    precommits = tuple(encode_message(i, MESH, Precommit(iid, 0, 0, value_hash(value))) for i in IDS[:3])
+    certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 0, "placement", value, precommits))
+    core = Net().cores[KEYS[2]]
+    core.views[1] = EPOCH_1_WITHOUT_NODE_3
+    core.view = core.views[2] = EpochView(2, {KEYS[0]: 10, KEYS[2]: 10})
+    core.step(certificate, 0)
+    view = core.job_view(iid)
+    assert (view["primary"], view["fence"], view["migrations"], view["backups"]) == (KEYS[2], 3, 2, (KEYS[0],))
+
+
+def test_p2_a_leader_in_a_later_epoch_places_nothing_on_a_member_evicted_since():
+    net = Net(gpus=(2, 2, 2, 8))                            # node 3 would win on free GPUs
+    job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 200))
+                         if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
+    iid = job_id(job)
+    leader = net.cores[KEYS[0]]
+    leader.view = leader.views[1] = EPOCH_1_WITHOUT_NODE_3
+    proposals = []
+    for key in KEYS:                                        # every node bids, node 3 too
+        out = net.cores[key].submit(envelope, 0)
+        for message in out.messages:
+            if message.to == KEYS[0]:
+                proposals += leader.step(message.data, 0, key).messages
+    proposals += leader.tick(GENESIS.params.bid_window_ms * 6).messages
+    (proposal,) = {decode_message(m.data, MESH)[1] for m in proposals if codec.unpack(m.data)[2] == "proposal"}
+    placement = decode_value("placement", proposal.value)
+    assert placement.primary != KEYS[3] and proposal.epoch == 0
+
+
 def test_p2_a_job_naming_a_later_epoch_waits_until_the_node_enters_it():
     net = Net()
     job, envelope = make_job(epoch=1)
     iid = job_id(job)
-    net.submit(KEYS[0], envelope)
+    with pytest.raises(LocalProtocolError, match="names epoch 1, which this node has not reached"):
+        net.cores[KEYS[0]].submit(envelope, 0)   # its own owner would sign what it reports
+    for key in KEYS:                             # heard from a node that is further on
+        net.emit(key, net.cores[key].step(envelope, 0))
     net.run(50)
     waiting = net.cores[KEYS[0]].job_view(iid)
     assert waiting["state"] == "pending" and "epoch 1" in waiting["hint"] and iid not in net.cores[KEYS[0]].instances
@@ -510,8 +550,9 @@ def test_p2_a_job_naming_an_epoch_whose_view_is_gone_is_refused_at_submission():
     assert "sign it again" in core.job_view(job_id(job))["hint"] and core.counters["job_epoch_view_gone"] == 1
 
 
-def test_p2_a_retry_runs_in_the_epoch_its_failed_run_was_assigned_in():
+def test_p2_a_retry_runs_in_the_job_epoch_after_a_migration_and_late_certificates_change_nothing():
     net, jid = placed_on_the_big_node(max_retries=2)
+    first = net.certified(KEYS[1], "placement")[0].certificate
     backup = net.cores[KEYS[1]].job_view(jid)["backups"][0]
     net.down.add(KEYS[0])
     net.run(600)                       # the primary is evicted; the job migrates in epoch 1
@@ -519,12 +560,22 @@ def test_p2_a_retry_runs_in_the_epoch_its_failed_run_was_assigned_in():
     assert all(net.cores[k].epoch == 1 and net.cores[k].job_view(jid)["primary"] == backup for k in survivors)
     net.emit(backup, net.cores[backup].job_exited(jid, 1, net.now))
     net.run(200)
-    retry = placement_instance_id(jid, 1, 1)
+    retry = placement_instance_id(jid, 1)
     for key in survivors:
         view = net.cores[key].job_view(jid)
         assert view["attempt"] == 1 and view["instance"] == retry and view["state"] == "placed"
         (placement,) = [d for d in net.certified(key, "placement") if d.instance == retry]
-        assert decode_message(placement.certificate, MESH)[1].epoch == 1
+        assert decode_message(placement.certificate, MESH)[1].epoch == 0   # the job's epoch, every attempt
+    # A node that missed it all learns the retry from its certificate, attempt included, and
+    # the first attempt's certificate arriving after it changes nothing.
+    late = Net().cores[KEYS[3]]
+    late.view = late.views[1] = net.cores[KEYS[1]].view
+    retry_certificate = [d for d in net.certified(KEYS[1], "placement") if d.instance == retry][0].certificate
+    late.step(retry_certificate, net.now)
+    late.step(first, net.now)
+    view = late.job_view(jid)
+    assert (view["attempt"], view["instance"]) == (1, retry) and late.counters["placement_of_earlier_attempt"] == 1
+    assert view["primary"] == net.cores[KEYS[1]].job_view(jid)["primary"]
 
 
 def test_6_9_an_instance_given_up_and_created_again_resumes_from_what_it_signed():
@@ -597,9 +648,11 @@ def test_p3_a_round_change_shows_the_job_to_a_new_leader_that_may_have_forgotten
             sent[key].extend(core.tick(now).messages)
     view = net.cores[KEYS[0]].view
     rounds = range(1, net.cores[KEYS[0]].instances[iid].round + 1)
-    leaders = {view.leader(iid, r) for r in rounds} - {KEYS[0]}
+    leaders = [view.leader(iid, r) for r in rounds if view.leader(iid, r) != KEYS[0]]
     shown = [m.to for m in sent[KEYS[0]] if m.data == envelope and m.to is not None]
-    assert leaders and sorted(shown) == sorted(leaders)  # once per leader, not per round
+    # Once per round it leads, not once per leader: one shown the job before it crashed
+    # forgot it again (seed 9950 of the 10,000-seed sweep stalled so).
+    assert len(set(leaders)) < len(leaders) and shown == leaders
     # That leader, restarted with no memory of the job, runs the instance again from it and
     # counts the round changes: those of more than 1/3 of the stake bring it to their round.
     round = next(r for r in rounds if view.leader(iid, r) not in KEYS[:2])
