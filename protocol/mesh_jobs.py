@@ -423,7 +423,7 @@ class JobFlows:
 
     def _placement_validator(self, iid: bytes):
         def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
-            inst = self.instances.get(iid)
+            inst = self.instances.get(iid) or self.decided.get(iid)   # the one asking
             view = inst.view if inst is not None else self.view
             try:
                 placement = decode_value("placement", value_bytes)
