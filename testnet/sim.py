@@ -546,11 +546,14 @@ class Simulation:
                                  for n in deciders))
 
     def _declined(self, index: int, jid: bytes) -> bool:
-        """Whether node ``index`` answered the job's current placement instance with a decline."""
+        """Whether node ``index`` answered the job's current placement instance with a decline
+        (kept with the job's declines once that instance gave up)."""
         core = self.nodes[index].core
         record = core.job_records.get(jid) if core is not None else None
-        answer = core.my_bids.get(record.instance) if record is not None else None
-        return answer is not None and answer[0] == "decline"
+        if record is None:
+            return False
+        answer = core.my_bids.get(record.instance)
+        return answer[0] == "decline" if answer is not None else core.me in record.declines
 
     def _evidence_of(self, index: int) -> set[bytes]:
         """Offenders a node holds evidence against: persisted (survives its crashes) or live."""

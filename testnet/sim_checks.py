@@ -28,8 +28,8 @@ from typing import Callable
 
 from keys.identity import short_id
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (Eviction, JobManifest, Placement, decode_message, decode_value, job_id,
-                               value_hash)
+from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, decode_message, decode_value,
+                               job_id, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -84,6 +84,9 @@ class DecisionChecker:
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed it
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
+        self.job_backups: dict[bytes, tuple] = {}             # job id -> its backups (node indices) now
+        self.job_resources: dict[bytes, object] = {}          # job id -> its Resources
+        self.members = set(range(len(facts)))                 # after the evictions and joins decided so far
         self.violations: list[Violation] = []
         self.violation_count = 0
         # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
@@ -164,6 +167,10 @@ class DecisionChecker:
             self._check_placement(node, instance, value)
         elif isinstance(value, Eviction):
             self._apply_eviction(node, instance, value)
+        elif isinstance(value, MembershipChange) and value.change == "join":
+            joined = self.index_of.get(value.member.public_key)
+            if joined is not None:
+                self.members.add(joined)
 
     def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
         try:
@@ -198,6 +205,13 @@ class DecisionChecker:
         for key, wanted in job.constraints.labels:
             if labels.get(key) != wanted:
                 self.fail("validity", node, instance, "primary lacks label %s=%s" % (key, wanted))
+        self.job_home[jid] = primary
+        self.job_backups[jid] = tuple(backups)
+        self.job_resources[jid] = job.resources
+        if primary not in self.members:
+            # Decided in its job's epoch after its primary's eviction: every node moves it to
+            # its first backup still a member (SPEC.md P5); the load goes with it.
+            self._move_to_first_live_backup(node, instance, jid, primary)
         if not facts.honest:
             return  # its policy and capacity are whatever it claims; nothing more is checkable
         policy = facts.policy
@@ -205,9 +219,11 @@ class DecisionChecker:
             self.fail("validity", node, instance, "honest primary's policy refuses this owner")
         if job.entrypoint not in policy.allowed_entrypoints:
             self.fail("validity", node, instance, "honest primary's policy refuses entrypoint %s" % job.entrypoint)
-        self._commit(node, instance, primary, jid, job.resources, tuple(placement.gpus))
+        if self.job_home[jid] == primary:
+            self._commit(node, instance, primary, jid, job.resources, tuple(placement.gpus))
 
-    def _commit(self, node: int, instance: bytes, holder: int, jid: bytes, resources, gpus: tuple) -> None:
+    def _commit(self, node: int, instance: bytes, holder: int, jid: bytes, resources, gpus: tuple,
+                checked: bool = True) -> None:
         facts = self.facts[holder]
         self.job_home[jid] = holder
         if not facts.honest:
@@ -219,13 +235,16 @@ class DecisionChecker:
         gpu_totals = facts.capacity.gpu_mem_total_mib
         for index in gpus:
             if index >= len(gpu_totals):
-                self.fail("overcommit", node, instance, "node %d has no GPU %d" % (holder, index))
+                if checked:
+                    self.fail("overcommit", node, instance, "node %d has no GPU %d" % (holder, index))
                 continue
             used = load.gpu_mem_mib.get(index, 0) + resources.gpu_mem_mib
             load.gpu_mem_mib[index] = used
-            if used > gpu_totals[index]:
+            if used > gpu_totals[index] and checked:
                 self.fail("overcommit", node, instance, "node %d GPU %d holds %d MiB of %d"
                           % (holder, index, used, gpu_totals[index]))
+        if not checked:
+            return
         if load.cpu_milli > facts.capacity.cpu_milli:
             self.fail("overcommit", node, instance, "node %d cpu %d of %d milli"
                       % (holder, load.cpu_milli, facts.capacity.cpu_milli))
@@ -238,27 +257,49 @@ class DecisionChecker:
         if evicted is None:
             self.fail("validity", node, instance, "eviction of a non-member")
             return
+        self.members.discard(evicted)
+        planned = set()
         for migration in eviction.migrations:
             target = self.index_of.get(migration.to_node)
             if target is None or target == evicted:
                 self.fail("validity", node, instance, "migration to a non-member or to the evicted node")
                 continue
+            planned.add(migration.job_id)
             if self.job_home.get(migration.job_id) != evicted:
                 continue  # not a job this history placed on the evicted node: nothing to move
-            old = self.loads[evicted].jobs.pop(migration.job_id, None)
-            if old is None:
-                self.job_home[migration.job_id] = target
-                continue
+            self.job_backups[migration.job_id] = tuple(self.index_of.get(b) for b in migration.backups)
+            self._move(node, instance, migration.job_id, evicted, target, checked=True)
+        for jid in [j for j, home in self.job_home.items() if home == evicted and j not in planned]:
+            self._move_to_first_live_backup(node, instance, jid, evicted)
+
+    def _move_to_first_live_backup(self, node: int, instance: bytes, jid: bytes, gone: int) -> None:
+        """SPEC.md F5 for a job its eviction's plan did not name (and P5 for a placement decided
+        after its primary's eviction): the first backup still a member takes it. Its arrival is
+        best effort (R1: ``capacity_short``), so only the load moves; no over-commit is judged."""
+        live = [b for b in self.job_backups.get(jid, ()) if b in self.members and b != gone]
+        if live:
+            self.job_backups[jid] = tuple(b for b in live[1:])
+            self._move(node, instance, jid, gone, live[0], checked=False)
+
+    def _move(self, node: int, instance: bytes, jid: bytes, evicted: int, target: int, checked: bool) -> None:
+        """Move a job's load from ``evicted`` to ``target``. ``checked``: judge over-commit, as
+        for an eviction plan's migration of a load this history put on an honest node."""
+        old = self.loads[evicted].jobs.pop(jid, None)
+        resources = self.job_resources.get(jid)
+        if old is not None:
             resources, gpus = old
             load = self.loads[evicted]
             load.cpu_milli -= resources.cpu_milli
             load.mem_mib -= resources.mem_mib
             for index in gpus:
                 load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
-            # The new primary picks its own GPUs on arrival (SPEC.md R1); the evicted node's
-            # indices mean nothing there. Charge its least loaded GPUs, as allocate_now does.
-            arrival = self._least_loaded_gpus(target, len(gpus))
-            self._commit(node, instance, target, migration.job_id, resources, arrival)
+        if resources is None:
+            self.job_home[jid] = target
+            return
+        # The new primary picks its own GPUs on arrival (SPEC.md R1); the evicted node's
+        # indices mean nothing there. Charge its least loaded GPUs, as allocate_now does.
+        arrival = self._least_loaded_gpus(target, resources.gpus)
+        self._commit(node, instance, target, jid, resources, arrival, checked=checked and old is not None)
 
     def _least_loaded_gpus(self, holder: int, count: int) -> tuple:
         used = self.loads[holder].gpu_mem_mib

@@ -151,6 +151,41 @@ def test_checker_catches_an_over_committing_placement():
     assert [v.check for v in checker.violations] == ["overcommit"], [v.line() for v in checker.violations]
 
 
+def test_checker_moves_a_job_its_eviction_plan_did_not_name_to_the_first_live_backup():
+    """SPEC.md F5/P5: the cores move such a job to its first backup still a member; the
+    checker's accounting must follow, or it would think the old primary's capacity free
+    and call a job nobody can take a stall (seed 5688 of the 10,000-seed sweep)."""
+    from protocol.messages import Eviction
+    sim = _finished_simulation()
+    checker = sim.checker
+    instance = next(iter(checker.canonical))
+    _, certificate = decode_message(_decisions_of(sim, instance)[0], sim.mesh_id, expect=CommitCertificate)
+    placement = Placement.from_body(codec.unpack(certificate.value))
+    _, job = decode_message(placement.job, sim.mesh_id)
+    host, backup, other = (sim.world.nodes[i] for i in sim.honest[:3])
+
+    def place(name: str) -> bytes:
+        moved = replace(job, name=name, constraints=replace(job.constraints, zones=(), labels=()),
+                        entrypoint=sorted(host.policy.allowed_entrypoints)[0],
+                        resources=replace(job.resources, gpus=0, gpu_mem_mib=0, cpu_milli=1000, mem_mib=64))
+        owner = next(o for o in sim.world.owners if host.policy.allowed_owners is None
+                     or o.public_key in host.policy.allowed_owners)
+        moved = replace(moved, owner=owner.public_key)
+        value = Placement(job=encode_message(owner, sim.mesh_id, moved), primary=host.identity.public_key,
+                          backups=(backup.identity.public_key,), gpus=())
+        checker._check_placement(0, bytes(31) + name.encode()[:1], value)
+        return job_id(moved)
+
+    first = place("a")
+    assert first in checker.loads[host.index].jobs
+    checker._apply_eviction(0, bytes(32), Eviction(node=host.identity.public_key, epoch=0, migrations=()))
+    assert checker.job_home[first] == backup.index and checker.loads[host.index].cpu_milli == 0
+    assert first in checker.loads[backup.index].jobs and first not in checker.loads[host.index].jobs
+    later = place("b")   # decided in its job's epoch after its primary's eviction: it moves at once
+    assert checker.job_home[later] == backup.index and later in checker.loads[backup.index].jobs
+    assert other.index not in (checker.job_home[first], checker.job_home[later]) and not checker.violations
+
+
 def _decisions_of(sim: Simulation, instance: bytes) -> list[bytes]:
     return [c for node in sim.nodes for c in node.certificates
             if decode_message(c, sim.mesh_id, expect=CommitCertificate)[1].instance == instance]
