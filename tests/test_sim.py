@@ -130,10 +130,7 @@ def test_checker_catches_an_over_committing_placement():
     capacity from what the simulator knows is true."""
     sim = _finished_simulation()
     checker = sim.checker
-    instance = next(iter(checker.canonical))
-    _, certificate = decode_message(_decisions_of(sim, instance)[0], sim.mesh_id, expect=CommitCertificate)
-    placement = Placement.from_body(codec.unpack(certificate.value))
-    _, job = decode_message(placement.job, sim.mesh_id)
+    certificate, job = _first_decided_placement(sim)
     host = sim.world.nodes[sim.honest[0]]
     greedy = replace(job, name="greedy", constraints=replace(job.constraints, zones=(), labels=()),
                      resources=replace(job.resources, gpus=0, gpu_mem_mib=0,
@@ -158,10 +155,7 @@ def test_checker_moves_a_job_its_eviction_plan_did_not_name_to_the_first_live_ba
     from protocol.messages import Eviction
     sim = _finished_simulation()
     checker = sim.checker
-    instance = next(iter(checker.canonical))
-    _, certificate = decode_message(_decisions_of(sim, instance)[0], sim.mesh_id, expect=CommitCertificate)
-    placement = Placement.from_body(codec.unpack(certificate.value))
-    _, job = decode_message(placement.job, sim.mesh_id)
+    _certificate, job = _first_decided_placement(sim)
     host, backup, other = (sim.world.nodes[i] for i in sim.honest[:3])
 
     def place(name: str) -> bytes:
@@ -184,6 +178,14 @@ def test_checker_moves_a_job_its_eviction_plan_did_not_name_to_the_first_live_ba
     later = place("b")   # decided in its job's epoch after its primary's eviction: it moves at once
     assert checker.job_home[later] == backup.index and later in checker.loads[backup.index].jobs
     assert other.index not in (checker.job_home[first], checker.job_home[later]) and not checker.violations
+
+
+def _first_decided_placement(sim: Simulation) -> tuple:
+    """(its CommitCertificate, its JobManifest) for the first instance the checker saw decided."""
+    instance = next(iter(sim.checker.canonical))
+    _, certificate = decode_message(_decisions_of(sim, instance)[0], sim.mesh_id, expect=CommitCertificate)
+    _, job = decode_message(Placement.from_body(codec.unpack(certificate.value)).job, sim.mesh_id)
+    return certificate, job
 
 
 def _decisions_of(sim: Simulation, instance: bytes) -> list[bytes]:
