@@ -1,17 +1,21 @@
-"""`meshnode cert`: check a commit certificate offline against a genesis (SPEC.md 6.7)."""
+"""`meshnode cert`: check a commit certificate offline against a genesis and the membership
+history (the epoch changes' own certificates) that leads to its epoch (SPEC.md 6.7)."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 
 from keys.genesis import load_genesis
 from keys.identity import short_id
+from meshnode.config import node_paths
 from meshnode.output import add_json_flag, emit, key_value_table
 from protocol import codec
-from protocol.certificate import verify_commit_certificate
+from protocol.certificate import epoch_views_from_history, verify_commit_certificate
 from protocol.errors import ConfigError, RemoteProtocolError
-from protocol.messages import JobManifest, decode_message, decode_value, placement_binding_error, value_hash
+from protocol.messages import (CommitCertificate, JobManifest, decode_message, decode_value, placement_binding_error,
+                               value_hash)
 from protocol.quorum import EpochView
 
 
@@ -22,19 +26,50 @@ def register(subparsers) -> None:
     verify = sub.add_parser("verify", help="check a CommitCertificate envelope file against a genesis")
     verify.add_argument("certificate", metavar="FILE", help="encoded CommitCertificate envelope bytes")
     verify.add_argument("--genesis", required=True, metavar="FILE", help="the mesh's genesis document")
+    verify.add_argument("--history", nargs="+", default=[], metavar="CERT",
+                        help="epoch-change (eviction, join) certificate files leading to a later epoch")
+    verify.add_argument("--node", metavar="DIR",
+                        help="read the epoch-change certificates from a node's store (read-only)")
     add_json_flag(verify)
     verify.set_defaults(func=cmd_verify)
 
 
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(codec.MAX_FRAME_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError("cannot read %s %s: %s" % (what, path, exc.strerror)) from None
+
+
+def _node_history(node_dir: str) -> list[bytes]:
+    """The epoch-change certificates a node applied, from its store, opened read-only."""
+    path = node_paths(node_dir).database
+    try:
+        db = sqlite3.connect("file:%s?mode=ro" % path, uri=True)
+        try:
+            return [row[0] for row in db.execute(
+                "SELECT certificate FROM certificates WHERE value_kind IN ('eviction', 'membership') ORDER BY seq")]
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise ConfigError("cannot read the certificates of %s: %s" % (path, exc)) from None
+
+
 def cmd_verify(args) -> int:
     genesis = load_genesis(args.genesis)
-    view = EpochView.from_genesis(genesis)
+    data = _read(args.certificate, "certificate")
+    history = [_read(path, "history certificate") for path in args.history]
+    if args.node:
+        history += _node_history(args.node)
     try:
-        with open(args.certificate, "rb") as fh:
-            data = fh.read(codec.MAX_FRAME_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError("cannot read certificate %s: %s" % (args.certificate, exc.strerror)) from None
-    try:
+        views = epoch_views_from_history(EpochView.from_genesis(genesis), genesis.mesh_id, history)
+        _envelope, claimed = decode_message(data, genesis.mesh_id, expect=CommitCertificate)
+        view = views.get(claimed.epoch)
+        if view is None:
+            raise RemoteProtocolError("the certificate is of epoch %d; the membership history given reaches epoch %d "
+                                      "(pass its epoch changes with --history or --node)"
+                                      % (claimed.epoch, max(views)))
         cert, value = verify_commit_certificate(data, genesis.mesh_id, view)
         if cert.value_kind == "placement":  # SPEC.md P2: one instance id, one epoch
             placement = decode_value("placement", value)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (CommitCertificate, Precommit, Prevote, PrevoteCertificate, decode_message,
-                               value_hash)
+                               decode_value, value_hash)
 from protocol.quorum import EpochView
 
 CACHE_ENTRIES = 4096
@@ -104,3 +104,39 @@ def verify_commit_certificate(data: bytes, mesh_id: bytes, view: EpochView) -> t
     envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
     check_commit_certificate(envelope, cert, mesh_id=mesh_id, view=view)
     return cert, cert.value
+
+
+def next_epoch_view(view: EpochView, value_kind: str, value) -> EpochView | None:
+    """The view a decided epoch change of ``view``'s epoch creates (SPEC.md F5, F7), or None
+    if ``value`` is no change of that epoch: an eviction removes its node, a join adds its
+    member with the stake the membership instance decided."""
+    stakes = dict(view.stakes)
+    if value_kind == "eviction" and value.epoch == view.epoch and value.node in stakes:
+        del stakes[value.node]
+        return EpochView(view.epoch + 1, stakes)
+    if value_kind == "membership" and value.epoch == view.epoch + 1 and value.change == "join":
+        stakes[value.member.public_key] = value.member.stake
+        return EpochView(value.epoch, stakes)
+    return None
+
+
+def epoch_views_from_history(genesis_view: EpochView, mesh_id: bytes, certificates) -> dict[int, EpochView]:
+    """Every epoch's view, rebuilt offline from the genesis view and the epoch changes' commit
+    certificates (any order; certificates of other kinds, or of epochs the history does not
+    reach, are ignored). Each change is verified against the view of the epoch it decided in.
+    Raises RemoteProtocolError for an epoch-change certificate that does not verify."""
+    changes: dict[int, tuple] = {}
+    for data in certificates:
+        _envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
+        if cert.value_kind in ("eviction", "membership"):
+            changes.setdefault(cert.epoch, (data, cert))
+    views = {genesis_view.epoch: genesis_view}
+    view = genesis_view
+    while view.epoch in changes:
+        data, cert = changes[view.epoch]
+        verify_commit_certificate(data, mesh_id, view)
+        following = next_epoch_view(view, cert.value_kind, decode_value(cert.value_kind, cert.value))
+        if following is None:
+            raise RemoteProtocolError("the epoch %d change certificate decides no change of that epoch" % view.epoch)
+        views[following.epoch] = view = following
+    return views

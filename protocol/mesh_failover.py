@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from protocol import codec
+from protocol.certificate import next_epoch_view
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Attestation, Endorsement, Eviction, Heartbeat, Join, Member, MembershipChange,
                                Migration, Suspicion, SyncRequest, decode_message, encode_message)
@@ -383,11 +384,13 @@ class FailoverFlows:
             # relayed certificate of an epoch this node has already left by that same change.
             self.counters["epoch_change_for_old_epoch"] += 1
             return
-        old = self.view
-        stakes = {k: s for k, s in old.stakes.items() if k != eviction.node}
+        following = next_epoch_view(self.view, "eviction", eviction)
+        if following is None:  # not a member: validators refuse such a value (a forged quorum)
+            self.counters["eviction_of_non_member"] += 1
+            return
         evicted_jobs = [r for r in self.job_records.values() if r.primary == eviction.node
                         and r.state not in ("completed", "failed", "cancelled")]
-        self._enter_epoch(EpochView(old.epoch + 1, stakes), certificate, now_ms, out)
+        self._enter_epoch(following, certificate, now_ms, out)
         moved = set()
         for m in eviction.migrations:
             record = self.job_records.get(m.job_id)
@@ -605,8 +608,7 @@ class FailoverFlows:
             self.counters["epoch_change_for_old_epoch"] += 1
             return
         key = change.member.public_key
-        stakes = dict(self.view.stakes)
-        stakes[key] = change.member.stake
+        following = next_epoch_view(self.view, "membership", change)
         since = self.epoch
         member, known = change.member, self.member_info.get(key)
         if not member.addrs and known is not None and known.addrs:
@@ -616,7 +618,7 @@ class FailoverFlows:
                             addrs=known.addrs)
         self.member_info[key] = member
         pending = self.joins.pop(key, None)  # before entering: the new epoch re-proposes only the others
-        self._enter_epoch(EpochView(change.epoch, stakes), certificate, now_ms, out)
+        self._enter_epoch(following, certificate, now_ms, out)
         if key == self.me and self.evicted_at_epoch is not None:
             out.events.append(self._event("rejoined", now_ms, epoch=self.epoch, evicted_at_epoch=self.evicted_at_epoch))
             self.evicted_at_epoch = None

@@ -133,3 +133,63 @@ def test_cli_cert_verify_refuses_a_placement_decided_in_another_epoch_than_its_j
     assert main(["cert", "verify", str(cert_file), "--genesis", str(genesis_file), "--json"]) == 2
     result = json.loads(capsys.readouterr().out)
     assert not result["valid"] and "placed in epoch 1, not 0" in result["reason"]
+
+
+def test_cli_cert_verify_rebuilds_later_epochs_from_the_membership_history(decided, tmp_path, capsys):
+    # The issue: a certificate verifies offline from the genesis and membership history
+    # alone. Epoch 1 exists once node 3's eviction is decided: a placement certificate of
+    # epoch 1 (a job naming epoch 1, SPEC.md P2) needs that history to be checked.
+    from meshnode.node_store import NodeStore
+    from protocol.mesh_failover import epoch_change_instance_id
+    from protocol.messages import Eviction
+    from protocol.ready import PersistRecord
+    genesis, net = decided
+    mesh, ids = genesis.mesh_id, net.ids
+
+    def certificate(iid, epoch, kind, value, signers):
+        votes = tuple(encode_message(i, mesh, Precommit(iid, 0, epoch, value_hash(value))) for i in signers)
+        return encode_message(ids[0], mesh, CommitCertificate(iid, 0, epoch, kind, value, votes))
+
+    eviction = codec.pack(Eviction(node=ids[3].public_key, epoch=0, migrations=()).to_body())
+    history = certificate(epoch_change_instance_id(0), 0, "eviction", eviction, ids[:3])
+    iid, value = placement_of_a_job(mesh, 1)
+    placed = certificate(iid, 1, "placement", value, ids[:3])
+    files = {"genesis.bin": genesis.encode(), "placed.cert": placed, "evicted.cert": history,
+             "forged.cert": certificate(epoch_change_instance_id(0), 0, "eviction", eviction, ids[:2])}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+
+    def verify(*extra):
+        code = main(["cert", "verify", str(tmp_path / "placed.cert"), "--genesis", str(tmp_path / "genesis.bin"),
+                     "--json", *extra])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, result = verify()
+    assert code == 2 and "reaches epoch 0" in result["reason"]
+    code, result = verify("--history", str(tmp_path / "evicted.cert"))
+    assert code == 0 and (result["epoch"], result["stake"], result["total_stake"]) == (1, 3, 3)
+    code, result = verify("--history", str(tmp_path / "forged.cert"))   # 2 of 4: no quorum of epoch 0
+    assert code == 2 and "2/3" in result["reason"]
+    node_dir = tmp_path / "node"
+    node_dir.mkdir()
+    store = NodeStore(node_dir / "node.sqlite")
+    store.apply([PersistRecord("certificates", epoch_change_instance_id(0).hex(), {
+        "instance": epoch_change_instance_id(0), "value_kind": "eviction", "round": 0, "certificate": history})])
+    store.close()
+    code, result = verify("--node", str(node_dir))
+    assert code == 0 and result["epoch"] == 1
+
+
+def test_next_epoch_view_follows_evictions_and_joins_of_its_own_epoch_only():
+    from protocol.certificate import next_epoch_view
+    from protocol.messages import Eviction, MembershipChange
+    keys = [i.public_key for i in identities(5)]
+    view = EpochView(3, {k: 10 for k in keys[:4]})
+    evicted = next_epoch_view(view, "eviction", Eviction(node=keys[3], epoch=3, migrations=()))
+    assert (evicted.epoch, dict(evicted.stakes)) == (4, {k: 10 for k in keys[:3]})
+    joiner = Member(keys[4], 30, "zone-b", (), ())
+    joined = next_epoch_view(view, "membership", MembershipChange("join", joiner, 4, ()))
+    assert (joined.epoch, joined.stakes[keys[4]], joined.total_stake) == (4, 30, 70)
+    assert next_epoch_view(view, "eviction", Eviction(node=keys[4], epoch=3, migrations=())) is None  # no member
+    assert next_epoch_view(view, "eviction", Eviction(node=keys[0], epoch=2, migrations=())) is None   # old epoch
+    assert next_epoch_view(view, "membership", MembershipChange("join", joiner, 5, ())) is None      # skips one
