@@ -391,18 +391,7 @@ class FailoverFlows:
         evicted_jobs = [r for r in self.job_records.values() if r.primary == eviction.node
                         and r.state not in ("completed", "failed", "cancelled")]
         self._enter_epoch(following, certificate, now_ms, out)
-        moved = set()
-        for m in eviction.migrations:
-            record = self.job_records.get(m.job_id)
-            if record is not None and record.primary == eviction.node:
-                self._migrate(record, m.to_node, m.backups, now_ms, out)
-                moved.add(m.job_id)
-        for record in evicted_jobs:  # jobs the leader did not know: first backup still a member
-            if record.job_id not in moved:
-                live = [b for b in record.backups if b in self.view.stakes]
-                if live:
-                    self._migrate(record, live[0], self._new_backups(record, live[0], eviction.node, self.view),
-                                  now_ms, out)
+        self._move_jobs_of_evicted(evicted_jobs, eviction, following, now_ms, out)
         if eviction.node == self.me:
             for record in evicted_jobs:
                 self.book.free(record.job_id)
@@ -413,7 +402,35 @@ class FailoverFlows:
                 self.detector.forget(key)
             self._drop_instances(keep=iid)
             out.events.append(self._event("evicted", now_ms, epoch=self.epoch))
-        self._carry_pending_joins(eviction.epoch + 1, now_ms, out)
+        self._after_epoch_change(eviction.epoch + 1, now_ms, out)
+
+    def _move_jobs_of_evicted(self, records, eviction: Eviction, view: EpochView, now_ms: int, out: Ready) -> None:
+        """SPEC F5: each of the evicted primary's jobs moves where the eviction's plan says,
+        or, a job the plan does not name, to its first backup that is a member of ``view``
+        (the epoch the eviction created). The same rule replays an eviction for a placement
+        decided before it but learnt after it (P5), so both end alike."""
+        plan = {m.job_id: m for m in eviction.migrations}
+        for record in records:
+            if record.primary != eviction.node:
+                continue
+            planned = plan.get(record.job_id)
+            if planned is not None:
+                self._migrate(record, planned.to_node, planned.backups, now_ms, out)
+                continue
+            live = [b for b in record.backups if b in view.stakes]
+            if live:
+                self._migrate(record, live[0], self._new_backups(record, live[0], eviction.node, view), now_ms, out)
+
+    def _after_epoch_change(self, entered: int, now_ms: int, out: Ready) -> None:
+        """Once the change into epoch ``entered`` is wholly applied (migrations included; a
+        change applied in the middle of another's would move jobs by a half-updated table):
+        the jobs that named that epoch start, that epoch's own change applies if it arrived
+        early, and joins still waiting are proposed again."""
+        self._start_placements_of_epoch(entered, now_ms, out)
+        waiting = self.future_certificates.pop(entered, None)
+        if waiting is not None:
+            self._apply_certificate_bytes(waiting, now_ms, out)
+        self._carry_pending_joins(entered, now_ms, out)
 
     def _drop_instances(self, keep: bytes) -> None:
         """An evicted node drops the open instances only it runs: they would only time out
@@ -466,10 +483,6 @@ class FailoverFlows:
         out.persist.append(PersistRecord("membership", str(view.epoch), {"epoch": view.epoch,
                                                                          "certificate": certificate}))
         out.events.append(self._event("epoch", now_ms, epoch=view.epoch, members=len(view.members)))
-        waiting = self.future_certificates.pop(view.epoch, None)
-        if waiting is not None:
-            self._apply_certificate_bytes(waiting, now_ms, out)
-        self._start_placements_of_epoch(view.epoch, now_ms, out)
 
     def _carry_pending_joins(self, entered: int, now_ms: int, out: Ready) -> None:
         """SPEC F7: a join that lost its epoch's change to another one (an eviction, another
@@ -627,4 +640,4 @@ class FailoverFlows:
             certificates = [c for e, c in self.epoch_certificates if e >= min(join.epoch, since)]
             out.messages.extend(Outbound(key, c) for c in certificates[-MAX_SYNC_CERTIFICATES:])
         out.events.append(self._event("joined", now_ms, key=key.hex(), epoch=self.epoch))
-        self._carry_pending_joins(change.epoch, now_ms, out)
+        self._after_epoch_change(change.epoch, now_ms, out)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from protocol import codec
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
+                               CommitCertificate,
                                Decline, GpuState, JobExit, JobManifest, Placement, RunningJob, decode_message,
                                decode_value, encode_message, job_id, placement_binding_error,
                                placement_attempt, placement_instance_id)
@@ -26,6 +27,7 @@ MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
 BID_WINDOW_EXTENSION = 4         # bid windows to wait once more when bids are too few for the backups
 BID_LIFETIME_ROUNDS = 8          # a reservation outlives this many maximal round timeouts
+FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1; each migration adds 1
 
 
 @dataclass
@@ -457,6 +459,7 @@ class JobFlows:
             if fresh[0] == "decline":
                 return
             self.my_bids[inst.instance_id] = fresh
+            record.declines.pop(self.me, None)  # "why pending" no longer counts ours
         self._send_my_bid(inst.instance_id, now_ms, out)
 
     def _show_job_to_leader(self, inst, record, out: Ready) -> None:
@@ -504,7 +507,9 @@ class JobFlows:
         record.attempt = attempt  # a node that missed an exit learns the attempt here
         record.instance = iid
         record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
-        record.fence += 1
+        # From the certificate alone, not by counting what this node happened to apply: a
+        # node that missed an attempt (or learns it late) gets the fence the others have.
+        record.fence = attempt * FENCE_PER_ATTEMPT + 1
         record.state = "placed"
         record.hint = None
         if placement.primary == self.me:
@@ -515,23 +520,26 @@ class JobFlows:
             self.book.release(iid)
         out.events.append(self._event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
                                       fence=record.fence))
-        self._follow_evictions_since(record, certificate_epoch, now_ms, out)
+        self._replay_evictions_since(record, certificate_epoch, now_ms, out)
 
-    def _follow_evictions_since(self, record: JobRecord, epoch: int, now_ms: int, out: Ready) -> None:
-        """SPEC P5: a placement decided in its job's epoch (P2) after the mesh moved on moves
-        as F5 moved the jobs it knew at each eviction since, epoch by epoch, so a node that
-        learns it late ends with the primary and fence of one that applied it in time."""
-        for later in range(epoch + 1, self.epoch + 1):
-            view = self._view_for(later)
-            if view is None or record.primary in view.stakes:
+    def _replay_evictions_since(self, record: JobRecord, epoch: int, now_ms: int, out: Ready) -> None:
+        """SPEC P5: a placement runs in its job's epoch (P2), so it may be decided after later
+        epoch changes were applied here. It goes through each eviction decided since its
+        certificate's epoch, in order, by the rule F5 applied to the jobs known then (the
+        eviction's plan, else the first live backup): every node ends with the same primary,
+        backups and fence however late it learnt the placement."""
+        for ended, certificate in list(self.epoch_certificates):
+            if ended < epoch or record.state in TERMINAL:
                 continue
-            gone = record.primary
-            if gone == self.me:
-                self.book.free(record.job_id)
-            live = [b for b in record.backups if b in view.stakes]
-            if not live:
-                return
-            self._migrate(record, live[0], self._new_backups(record, live[0], gone, view), now_ms, out)
+            _envelope, cert = decode_message(certificate, self.mesh_id, expect=CommitCertificate)
+            view = self._view_for(ended + 1)
+            if cert.value_kind != "eviction" or view is None:
+                continue
+            eviction = decode_value("eviction", cert.value)
+            if record.primary == eviction.node:
+                if eviction.node == self.me:
+                    self.book.free(record.job_id)
+                self._move_jobs_of_evicted([record], eviction, view, now_ms, out)
 
     # --- workloads, checkpoints, exits (SPEC P6) -------------------------------------------------------
     def _my_job(self, jid: bytes) -> JobRecord:

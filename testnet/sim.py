@@ -142,12 +142,14 @@ class Simulation:
         self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
         self.complete = 0                          # placement instances decided at every honest node
         # Liveness after the heal is owed only in rounds an honest member leads: a Byzantine
-        # leader can always waste its round (SPEC.md 11). Per job, the timeouts of the rounds
-        # of its placement that honest nodes entered after the heal under a Byzantine leader.
+        # leader can always waste its round (SPEC.md 11). Per job, the time its placement
+        # spent, after the heal, in rounds a Byzantine member led: from the first honest node
+        # entering such a round to the first entering a later one, at most that round's timeout.
         self.byzantine_keys = frozenset(self.nodes[i].public_key for i in self.world.byzantine)
         self.excused_ms: dict[bytes, int] = {}
-        self.excused_rounds: set[tuple] = set()    # (instance, round) already counted
-        self.longest_excuse_ms = 0
+        self.excused_rounds: set[tuple] = set()    # (instance, round) counted
+        self.open_rounds: dict[bytes, tuple] = {}  # instance -> (round, entered ms, job id, timeout ms)
+        self.longest_excuse_ms = 0                 # bound on any job's excuse, open rounds at full timeout
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
@@ -410,18 +412,32 @@ class Simulation:
 
     def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
         for event in events:
-            if event.kind != "round_change" or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys:
+            if event.kind != "round_change":
                 continue
             iid = bytes.fromhex(event.detail["instance"])
-            key = (iid, event.detail["round"])
+            round = event.detail["round"]
+            opened = self.open_rounds.get(iid)
+            if opened is not None and round > opened[0]:  # the first honest node left it
+                del self.open_rounds[iid]
+                self._credit(opened[2], min(opened[3], self.now_ms - opened[1]))
             meta = node.core.instance_meta.get(iid)
             inst = node.core.instances.get(iid)
-            if key in self.excused_rounds or inst is None or meta is None or meta[0] != "placement":
+            if ((iid, round) in self.excused_rounds or inst is None or meta is None or meta[0] != "placement"
+                    or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys or iid in self.open_rounds):
                 continue
-            self.excused_rounds.add(key)
-            excused = self.excused_ms.get(meta[1], 0) + inst.timeout_ms(key[1])
-            self.excused_ms[meta[1]] = excused
-            self.longest_excuse_ms = max(self.longest_excuse_ms, excused)
+            self.excused_rounds.add((iid, round))
+            self.open_rounds[iid] = (round, self.now_ms, meta[1], inst.timeout_ms(round))
+            bound = self.excused_ms.get(meta[1], 0) + inst.timeout_ms(round)
+            self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
+
+    def _credit(self, jid: bytes, ms: int) -> None:
+        self.excused_ms[jid] = self.excused_ms.get(jid, 0) + ms
+
+    def _close_open_rounds(self) -> None:
+        """At the end of the run a round still open is credited its whole timeout."""
+        for _round, _entered, jid, timeout_ms in self.open_rounds.values():
+            self._credit(jid, timeout_ms)
+        self.open_rounds.clear()
 
     @staticmethod
     def _forget_votes(node: SimNode, instance: bytes) -> None:
@@ -475,6 +491,7 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
+        self._close_open_rounds()
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.

@@ -87,6 +87,7 @@ class DecisionChecker:
         self.job_backups: dict[bytes, tuple] = {}             # job id -> its backups (node indices) now
         self.job_resources: dict[bytes, object] = {}          # job id -> its Resources
         self.members = set(range(len(facts)))                 # after the evictions and joins decided so far
+        self.plans: dict[int, dict] = {}                      # evicted node -> job id -> (target, backups)
         self.violations: list[Violation] = []
         self.violation_count = 0
         # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
@@ -209,9 +210,14 @@ class DecisionChecker:
         self.job_backups[jid] = tuple(backups)
         self.job_resources[jid] = job.resources
         if primary not in self.members:
-            # Decided in its job's epoch after its primary's eviction: every node moves it to
-            # its first backup still a member (SPEC.md P5); the load goes with it.
-            self._move_to_first_live_backup(node, instance, jid, primary)
+            # Decided in its job's epoch after its primary's eviction: every node moves it as
+            # that eviction moved the jobs it knew (SPEC.md P5); the load goes with it.
+            planned = self.plans.get(primary, {}).get(jid)
+            if planned is not None:
+                self.job_backups[jid] = planned[1]
+                self._move(node, instance, jid, primary, planned[0], checked=False)
+            else:
+                self._move_to_first_live_backup(node, instance, jid, primary)
         if not facts.honest:
             return  # its policy and capacity are whatever it claims; nothing more is checkable
         policy = facts.policy
@@ -259,12 +265,14 @@ class DecisionChecker:
             return
         self.members.discard(evicted)
         planned = set()
+        plan = self.plans.setdefault(evicted, {})
         for migration in eviction.migrations:
             target = self.index_of.get(migration.to_node)
             if target is None or target == evicted:
                 self.fail("validity", node, instance, "migration to a non-member or to the evicted node")
                 continue
             planned.add(migration.job_id)
+            plan[migration.job_id] = (target, tuple(self.index_of.get(b) for b in migration.backups))
             if self.job_home.get(migration.job_id) != evicted:
                 continue  # not a job this history placed on the evicted node: nothing to move
             self.job_backups[migration.job_id] = tuple(self.index_of.get(b) for b in migration.backups)

@@ -329,3 +329,33 @@ def test_the_sweep_summary_counts_liveness_unpromised_runs_apart_from_violations
     summary = summarize([ran, unpromised], 1.0)
     assert summary["liveness_unpromised_seeds"] == 1 and summary["violations"] == 0
     assert summary["stalled_seeds"] == 0 and summary["failed_seeds"] == []
+
+
+def test_liveness_excuses_only_the_time_spent_in_rounds_a_byzantine_member_led():
+    """SPEC.md 11, checker 5: from the first honest node entering such a round to the first
+    entering a later one, at most its timeout; a round still open at the end counts whole."""
+    from types import SimpleNamespace
+
+    from protocol.ready import Event
+    sim = Simulation(SimConfig(nodes=4, jobs=1, seed=4, byzantine_milli=300, faults=(), heartbeats=False))
+    byzantine, honest = b"\x0b" * 32, b"\x0a" * 32
+    sim.byzantine_keys = frozenset({byzantine})
+    iid, jid = b"\x01" * 32, b"\x02" * 32
+    core = SimpleNamespace(instance_meta={iid: ("placement", jid)},
+                           instances={iid: SimpleNamespace(timeout_ms=lambda round: 1600)})
+    node = SimpleNamespace(core=core)
+
+    def enter(at_ms: int, round: int, leader: bytes) -> None:
+        sim.now_ms = at_ms
+        sim._excuse_byzantine_rounds(node, [Event("round_change", at_ms, {
+            "instance": iid.hex(), "round": round, "reason": "timeout", "leader": leader.hex()})])
+
+    enter(1000, 3, byzantine)
+    enter(1050, 3, byzantine)          # another honest node entering it later changes nothing
+    enter(1100, 4, honest)             # skipped after 100 ms
+    enter(2000, 5, byzantine)
+    enter(5000, 6, honest)             # sat out past its timeout: 1,600 ms
+    enter(6000, 7, byzantine)          # still open at the end: its whole timeout
+    assert sim.excused_ms[jid] == 100 + 1600 and sim.longest_excuse_ms == 1700 + 1600
+    sim._close_open_rounds()
+    assert sim.excused_ms[jid] == 3300 and len(sim.excused_rounds) == 3
