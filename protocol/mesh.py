@@ -313,7 +313,15 @@ class MeshCore(JobFlows, FailoverFlows):
         inst = self.instances.pop(iid)
         records = inst.safety_records()
         if records:
-            self.restored_votes.setdefault(iid, []).extend(records)
+            self._keep_safety_records(iid, records)
+
+    def _keep_safety_records(self, iid: bytes, records: list) -> None:
+        """Add to what a re-created instance restores, upserted by (table, key) as on disk: a
+        later lock replaces the earlier one, and an instance dropped and re-created again and
+        again does not pile up copies of its votes."""
+        kept = {(r.table, r.key): r for r in self.restored_votes.get(iid, ())}
+        kept.update(((r.table, r.key), r) for r in records)
+        self.restored_votes[iid] = list(kept.values())
 
     def _retire(self, inst: ConsensusInstance, now_ms: int, out: Ready) -> None:
         iid = inst.instance_id
@@ -324,7 +332,7 @@ class MeshCore(JobFlows, FailoverFlows):
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).
-            self.restored_votes.setdefault(iid, []).extend(inst.safety_records())
+            self._keep_safety_records(iid, inst.safety_records())
             self._instance_gave_up(iid, meta, now_ms, out)
         else:
             self.restored_votes.pop(iid, None)  # a decided instance is never voted in again
