@@ -45,13 +45,25 @@ def _read(path: str, what: str) -> bytes:
 def _node_history(node_dir: str) -> list[bytes]:
     """The epoch-change certificates a node applied, from its store, opened read-only."""
     path = node_paths(node_dir).database
-    try:
-        db = sqlite3.connect("file:%s?mode=ro" % path, uri=True)
+    if not path.is_file():
+        raise ConfigError("no node store at %s" % path)
+    uri = path.resolve().as_uri()  # percent-encodes '#', '?' and '%' in the path
+
+    def read(options: str) -> list[bytes]:
+        db = sqlite3.connect(uri + options, uri=True)
         try:
             return [row[0] for row in db.execute(
                 "SELECT certificate FROM certificates WHERE value_kind IN ('eviction', 'membership') ORDER BY seq")]
         finally:
             db.close()
+
+    try:
+        try:
+            return read("?mode=ro")
+        except sqlite3.OperationalError:
+            # A store in a directory we may not write (WAL needs its -shm file) is read as
+            # immutable: safe for certificates, which are only ever added.
+            return read("?mode=ro&immutable=1")
     except sqlite3.Error as exc:
         raise ConfigError("cannot read the certificates of %s: %s" % (path, exc)) from None
 

@@ -220,6 +220,10 @@ class NodeStore:
         return [PersistRecord(table, key, value) for table in ("votes", "locks", "evidence")
                 for key, value in self.load(table).items()]
 
+    def job_outcomes(self) -> list[bytes]:
+        """The newest exit or cancel envelope the core persisted per job (``MeshCore(job_outcomes=...)``)."""
+        return [row["envelope"] for row in self.load("jobs").values() if isinstance(row.get("envelope"), bytes)]
+
     def certificates(self, value_kind: str | None = None) -> list[dict]:
         sql = "SELECT seq, instance, value_kind, epoch, certificate FROM certificates"
         params = []

@@ -125,18 +125,27 @@ def epoch_views_from_history(genesis_view: EpochView, mesh_id: bytes, certificat
     certificates (any order; certificates of other kinds, or of epochs the history does not
     reach, are ignored). Each change is verified against the view of the epoch it decided in.
     Raises RemoteProtocolError for an epoch-change certificate that does not verify."""
-    changes: dict[int, tuple] = {}
+    changes: dict[int, list] = {}
     for data in certificates:
         _envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
         if cert.value_kind in ("eviction", "membership"):
-            changes.setdefault(cert.epoch, (data, cert))
+            changes.setdefault(cert.epoch, []).append((data, cert))
     views = {genesis_view.epoch: genesis_view}
     view = genesis_view
     while view.epoch in changes:
-        data, cert = changes[view.epoch]
-        verify_commit_certificate(data, mesh_id, view)
-        following = next_epoch_view(view, cert.value_kind, decode_value(cert.value_kind, cert.value))
+        following, problem = None, None
+        for data, cert in changes.pop(view.epoch):  # the first of the epoch's that holds
+            try:
+                verify_commit_certificate(data, mesh_id, view)
+            except RemoteProtocolError as exc:
+                problem = exc
+                continue
+            following = next_epoch_view(view, cert.value_kind, decode_value(cert.value_kind, cert.value))
+            if following is not None:
+                break
+            problem = RemoteProtocolError("the epoch %d change certificate decides no change of that epoch"
+                                          % view.epoch)
         if following is None:
-            raise RemoteProtocolError("the epoch %d change certificate decides no change of that epoch" % view.epoch)
+            raise problem
         views[following.epoch] = view = following
     return views

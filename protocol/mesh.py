@@ -55,10 +55,13 @@ MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an appl
 class MeshCore(JobFlows, FailoverFlows):
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
                  now_ms: int, history: Iterable[bytes] = (), safety_records: Iterable[PersistRecord] = (),
-                 heartbeats: bool = True, bid_sample: int | None = None, min_silence_ms: int | None = None):
+                 job_outcomes: Iterable[bytes] = (), heartbeats: bool = True, bid_sample: int | None = None,
+                 min_silence_ms: int | None = None):
         """``history``: the commit certificates this node persisted; ``safety_records``: its
         persisted ``votes``, ``locks`` and ``evidence`` records (SPEC.md 6.9), restored into an
-        instance whenever it is created again, so a restarted node never votes against itself.
+        instance whenever it is created again, so a restarted node never votes against itself;
+        ``job_outcomes``: the exit or cancel envelopes it persisted (table ``jobs``), replayed
+        after the certificates.
         ``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
         simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
         instance and key, so every node agrees) bid on each job instead of all of them.
@@ -103,6 +106,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self._init_jobs()
         self._init_failover(now_ms)
         self._replay(history, now_ms)
+        self._replay_outcomes(job_outcomes, now_ms)
         for record in safety_records:
             iid = record.value.get("instance")
             if record.table in SAFETY_TABLES and isinstance(iid, bytes) and iid not in self.applied:
@@ -408,7 +412,7 @@ class MeshCore(JobFlows, FailoverFlows):
         view = self._view_for(cert.epoch)
         if view is None:
             if cert.epoch > self.epoch:
-                self._hold_future_certificate(cert.epoch, data)
+                self._hold_future_certificate(cert.epoch, envelope.signer, data)
                 return False
             self.counters["unknown_epoch"] += 1
             return True

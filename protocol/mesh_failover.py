@@ -18,7 +18,8 @@ from protocol.ready import Outbound, PersistRecord, Ready
 
 MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
 MAX_EPOCH_CERTIFICATES = 64    # epoch-change certificates kept to answer syncs
-MAX_FUTURE_CERTIFICATES = 16   # certificates of epochs we have not reached, held for later
+MAX_FUTURE_CERTIFICATES = 16   # epochs not reached yet whose certificates are held for later
+MAX_HELD_PER_EPOCH = 4         # certificates held per such epoch (unverified until it is reached)
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
 MAX_SUSPICION_JUSTIFICATION = 32
 MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
@@ -51,7 +52,7 @@ class FailoverFlows:
         self.suspicion_sent_ms: dict[bytes, int] = {}
         self.halted = False
         self.epoch_certificates: list[tuple[int, bytes]] = []   # (epoch it ended, certificate)
-        self.future_certificates: dict[int, bytes] = {}
+        self.future_certificates: dict[int, list[bytes]] = {}
         self.sync_answered_ms: dict[bytes, int] = {}
         self.joins: dict[bytes, tuple] = {}                      # joining key -> (Join, envelope), until admitted
         self.startup_sync_due = True
@@ -406,15 +407,16 @@ class FailoverFlows:
 
     def _move_jobs_of_evicted(self, records, eviction: Eviction, view: EpochView, now_ms: int, out: Ready) -> None:
         """SPEC F5: each of the evicted primary's jobs moves where the eviction's plan says,
-        or, a job the plan does not name, to its first backup that is a member of ``view``
-        (the epoch the eviction created). The same rule replays an eviction for a placement
-        decided before it but learnt after it (P5), so both end alike."""
+        if the plan names one of the job's backups (voters that knew the job checked that;
+        those that did not could not), or else to its first backup that is a member of
+        ``view`` (the epoch the eviction created). The same rule replays an eviction for a
+        placement decided before it but learnt after it (P5), so both end alike."""
         plan = {m.job_id: m for m in eviction.migrations}
         for record in records:
             if record.primary != eviction.node:
                 continue
             planned = plan.get(record.job_id)
-            if planned is not None:
+            if planned is not None and planned.to_node in record.backups and planned.to_node in view.stakes:
                 self._migrate(record, planned.to_node, planned.backups, now_ms, out)
                 continue
             live = [b for b in record.backups if b in view.stakes]
@@ -427,9 +429,14 @@ class FailoverFlows:
         the jobs that named that epoch start, that epoch's own change applies if it arrived
         early, and joins still waiting are proposed again."""
         self._start_placements_of_epoch(entered, now_ms, out)
-        waiting = self.future_certificates.pop(entered, None)
-        if waiting is not None:
-            self._apply_certificate_bytes(waiting, now_ms, out)
+        for waiting in self.future_certificates.pop(entered, ()):
+            # Held unverified (its epoch's view was unknown): the first that verifies applies.
+            try:
+                self._apply_certificate_bytes(waiting, now_ms, out)
+            except RemoteProtocolError:
+                self.counters["bad_future_certificate"] += 1
+                continue
+            break
         self._carry_pending_joins(entered, now_ms, out)
 
     def _drop_instances(self, keep: bytes) -> None:
@@ -497,11 +504,19 @@ class FailoverFlows:
         if self.joins and self.is_member():
             self._start_epoch_change(self.view, now_ms, out)
 
-    def _hold_future_certificate(self, epoch: int, data: bytes) -> None:
-        if len(self.future_certificates) < MAX_FUTURE_CERTIFICATES:
-            self.future_certificates.setdefault(epoch, data)
-        else:
+    def _hold_future_certificate(self, epoch: int, signer: bytes, data: bytes) -> None:
+        """Keep a certificate of an epoch not reached yet (it cannot be verified before): from
+        members only, at most MAX_HELD_PER_EPOCH per epoch, so a bad one held first cannot
+        shut out the real one."""
+        held = self.future_certificates.get(epoch)
+        if signer not in self.view.stakes:
+            self.counters["future_certificate_from_non_member"] += 1
+        elif held is None and len(self.future_certificates) >= MAX_FUTURE_CERTIFICATES:
             self.counters["future_certificates_full"] += 1
+        elif held is None:
+            self.future_certificates[epoch] = [data]
+        elif data not in held and len(held) < MAX_HELD_PER_EPOCH:
+            held.append(data)
 
     # --- joins (SPEC F7) -----------------------------------------------------------------------------
     def _vouched_stake(self) -> int:

@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from protocol import codec
+from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate,
@@ -528,18 +529,21 @@ class JobFlows:
         certificate's epoch, in order, by the rule F5 applied to the jobs known then (the
         eviction's plan, else the first live backup): every node ends with the same primary,
         backups and fence however late it learnt the placement."""
+        view = self._view_for(epoch)  # held: the placement's certificate verified against it
         for ended, certificate in list(self.epoch_certificates):
-            if ended < epoch or record.state in TERMINAL:
+            if ended < epoch:
                 continue
+            if view is None or ended != view.epoch or record.state in TERMINAL:
+                return  # a gap in the kept history (64 changes), or nothing left to move
             _envelope, cert = decode_message(certificate, self.mesh_id, expect=CommitCertificate)
-            view = self._view_for(ended + 1)
-            if cert.value_kind != "eviction" or view is None:
-                continue
-            eviction = decode_value("eviction", cert.value)
-            if record.primary == eviction.node:
-                if eviction.node == self.me:
+            change = decode_value(cert.value_kind, cert.value)
+            # Each epoch's view from the changes themselves, not from the views this node
+            # still keeps (8): a node far behind computes what one in time saw.
+            view = next_epoch_view(view, cert.value_kind, change)
+            if cert.value_kind == "eviction" and view is not None and record.primary == change.node:
+                if change.node == self.me:
                     self.book.free(record.job_id)
-                self._move_jobs_of_evicted([record], eviction, view, now_ms, out)
+                self._move_jobs_of_evicted([record], change, view, now_ms, out)
 
     # --- workloads, checkpoints, exits (SPEC P6) -------------------------------------------------------
     def _my_job(self, jid: bytes) -> JobRecord:
@@ -620,7 +624,9 @@ class JobFlows:
             return out
         code = exit_code if 0 <= exit_code <= 255 else 255
         message = JobExit(job_id=jid, fence=record.fence, exit_code=code)
-        out.messages.append(Outbound(None, encode_message(self.identity, self.mesh_id, message)))
+        data = encode_message(self.identity, self.mesh_id, message)
+        out.messages.append(Outbound(None, data))
+        self._persist_outcome(jid, "exit", data, out)
         self._finish_job(record, code, now_ms, out)
         return out
 
@@ -630,6 +636,7 @@ class JobFlows:
             self.counters["job_exit_stale"] += 1
             return
         if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "exit", data, out)
             self._finish_job(record, message.exit_code, now_ms, out)
 
     def _finish_job(self, record: JobRecord, code: int, now_ms: int, out: Ready) -> None:
@@ -657,6 +664,7 @@ class JobFlows:
         if envelope.signer != record.manifest.owner:
             raise RemoteProtocolError("cancel: only the job's owner may cancel it")
         out.messages.append(Outbound(None, request))
+        self._persist_outcome(record.job_id, "cancel", request, out)
         self._apply_cancel(record, now_ms, out)
         return message.job_id, out
 
@@ -665,7 +673,30 @@ class JobFlows:
         if record is None or envelope.signer != record.manifest.owner:
             self.counters["cancel_refused"] += 1
             return
+        if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "cancel", data, out)
         self._apply_cancel(record, now_ms, out)
+
+    @staticmethod
+    def _persist_outcome(jid: bytes, kind: str, data: bytes, out: Ready) -> None:
+        """SPEC.md 6.9: exits and cancels are no certificates, so a restart would forget them
+        (a completed job would be resumed); the newest per job is kept and replayed."""
+        out.persist.append(PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data}))
+
+    def _replay_outcomes(self, envelopes, now_ms: int) -> None:
+        """After the certificates: each job's last accepted exit or cancel, through the same
+        checks as when it arrived (the current primary at the current fence; the owner)."""
+        for data in envelopes:
+            try:
+                envelope, message = decode_message(data, self.mesh_id)
+                if isinstance(message, JobExit):
+                    self._on_job_exit(envelope, message, data, now_ms, Ready())
+                elif isinstance(message, Cancel):
+                    self._on_cancel(envelope, message, data, now_ms, Ready())
+                else:
+                    self.counters["bad_job_outcome"] += 1
+            except RemoteProtocolError:
+                self.counters["bad_job_outcome"] += 1
 
     def _apply_cancel(self, record: JobRecord, now_ms: int, out: Ready) -> None:
         if record.state in TERMINAL:

@@ -170,7 +170,9 @@ def test_cli_cert_verify_rebuilds_later_epochs_from_the_membership_history(decid
     assert code == 0 and (result["epoch"], result["stake"], result["total_stake"]) == (1, 3, 3)
     code, result = verify("--history", str(tmp_path / "forged.cert"))   # 2 of 4: no quorum of epoch 0
     assert code == 2 and "2/3" in result["reason"]
-    node_dir = tmp_path / "node"
+    code, result = verify("--history", str(tmp_path / "forged.cert"), str(tmp_path / "evicted.cert"))
+    assert code == 0 and result["epoch"] == 1                          # a bad one first shuts out nothing
+    node_dir = tmp_path / "node #1?"   # the read-only URI must not cut the path short
     node_dir.mkdir()
     store = NodeStore(node_dir / "node.sqlite")
     store.apply([PersistRecord("certificates", epoch_change_instance_id(0).hex(), {

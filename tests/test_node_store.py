@@ -204,3 +204,12 @@ def test_safety_records_stay_bounded_over_many_epochs(tmp_path):
     # Per epoch: 2 decided instances (pruned once the epoch is past) and 1 open one (kept
     # for the newest views only), 2 votes each.
     assert len(store.load("votes")) == 2 * 3 + 2 * (8 - 1)
+
+
+def test_the_newest_exit_or_cancel_per_job_comes_back_after_reopen(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite")
+    jid = b"\x07" * 32
+    for kind, data in (("exit", b"first exit envelope"), ("cancel", b"then a cancel")):
+        store.apply([PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data})])
+    store.close()
+    assert NodeStore(tmp_path / "node.sqlite").job_outcomes() == [b"then a cancel"]
