@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 
 from rich.table import Table

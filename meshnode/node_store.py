@@ -28,7 +28,7 @@ import sqlite_utils
 from protocol import codec
 from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from protocol.mesh_failover import VIEWS_KEPT
-from protocol.ready import Decision, Event, PersistRecord, Ready
+from protocol.ready import Event, PersistRecord, Ready
 
 # Tables the core may write through PersistRecord. A name outside this list is a driver/core
 # contract violation (LocalProtocolError), never a new table made from arbitrary input.

@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from keys.attestation import attested_attributes, issue_attestation, verify_attestation
-from keys.identity import SigningIdentity, peer_id_from_public_key, public_key_from_peer_id
+from keys.identity import SigningIdentity, public_key_from_peer_id
 from keys.keystore import (KDF_PROFILES, PassphraseSource, create_keystore, load_identity, read_public_key,
                            write_file_atomic)
 from protocol.envelope import ANY_MESH

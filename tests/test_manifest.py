@@ -6,7 +6,7 @@ import pytest
 
 from keys.identity import SigningIdentity
 from meshnode.manifest import load_manifest, parse_manifest, verify_signed_job
-from protocol.envelope import ANY_MESH, Envelope, seal
+from protocol.envelope import ANY_MESH
 from protocol.errors import ManifestError, RemoteProtocolError
 from protocol.messages import JobManifest, encode_message, job_id
 

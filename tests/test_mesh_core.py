@@ -14,7 +14,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol import codec
 from protocol.mesh import MeshCore
 from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, JobExit,
-                               JobManifest, Member, Placement, Precommit, Prevote, Proposal, Resources, RoundChange,
+                               JobManifest, Member, Placement, Precommit, Proposal, Resources, RoundChange,
                                decode_message, decode_value, encode_message, job_id, placement_instance_id,
                                value_hash)
 from protocol.placement import choose_placement, parse_bid
@@ -544,7 +544,6 @@ def test_p2_a_leader_in_a_later_epoch_places_nothing_on_a_member_evicted_since()
     net = Net(gpus=(2, 2, 2, 8))                            # node 3 would win on free GPUs
     job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 200))
                          if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
-    iid = job_id(job)
     leader = net.cores[KEYS[0]]
     leader.view = leader.views[1] = EPOCH_1_WITHOUT_NODE_3
     proposals = []
