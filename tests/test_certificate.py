@@ -180,6 +180,12 @@ def test_cli_cert_verify_rebuilds_later_epochs_from_the_membership_history(decid
     store.close()
     code, result = verify("--node", str(node_dir))
     assert code == 0 and result["epoch"] == 1
+    (tmp_path / "garbage.cert").write_bytes(b"\x93not a certificate")
+    code, result = verify("--history", str(tmp_path / "garbage.cert"))
+    assert code == 2 and not result["valid"]
+    code = main(["cert", "verify", str(tmp_path / "placed.cert"), "--genesis", str(tmp_path / "genesis.bin"),
+                 "--node", str(tmp_path / "nowhere")])
+    assert code != 0 and "no node store" in capsys.readouterr().err
 
 
 def test_next_epoch_view_follows_evictions_and_joins_of_its_own_epoch_only():
