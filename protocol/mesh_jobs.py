@@ -12,10 +12,9 @@ from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
-                               CommitCertificate,
-                               Decline, GpuState, JobExit, JobManifest, Placement, RunningJob, decode_message,
-                               decode_value, encode_message, job_id, placement_binding_error,
-                               placement_attempt, placement_instance_id)
+                               CommitCertificate, Decline, GpuState, JobExit, JobManifest, Placement, RunningJob,
+                               decode_message, decode_value, encode_message, job_id, placement_attempt,
+                               placement_binding_error, placement_instance_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,
                                 select_justification, wanted_backups)
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -468,7 +467,7 @@ class JobFlows:
         (a leader shown it before it crashed has forgotten it again).
         A leader that crashed and restarted forgot the undecided instance (and an evicted one
         may have dropped it): only a proposal would bring it back, and it is that leader's
-        turn to propose. From the job it runs the instance again, in the others' epoch (P2)."""
+        turn to propose. From the job it runs the instance again, in the job's epoch (P2)."""
         key = (inst.leader, inst.instance_id, inst.round)
         if record is None or inst.leader == self.me or key in self.jobs_shown:
             return
