@@ -31,16 +31,19 @@ class ProtocolParams(Record):
     round_timeout_max_ms: int
     bid_window_ms: int
     max_rounds: int
+    placement_slot_ms: int  # 0: one instance per job; > 0: first placements batched per slot (SPEC.md P7)
     SCHEMA: ClassVar = {
         "heartbeat_ms": Int(1, 60_000), "checkpoint_ms": Int(1, 60_000), "checkpoint_keep": Int(1, 1000),
         "detection_bound_ms": Int(1, 600_000), "round_timeout_ms": Int(1, 600_000),
         "round_timeout_max_ms": Int(1, 3_600_000), "bid_window_ms": Int(0, 600_000), "max_rounds": Int(1, 1000),
+        "placement_slot_ms": Int(0, 60_000),
     }
 
 
 DEFAULT_PARAMS = ProtocolParams(
     heartbeat_ms=50, checkpoint_ms=60, checkpoint_keep=16, detection_bound_ms=300,
     round_timeout_ms=200, round_timeout_max_ms=5000, bid_window_ms=20, max_rounds=64,
+    placement_slot_ms=0,
 )
 
 

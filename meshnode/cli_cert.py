@@ -15,7 +15,7 @@ from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
 from protocol.errors import ConfigError, RemoteProtocolError
 from protocol.messages import (CommitCertificate, JobManifest, decode_message, decode_value, placement_binding_error,
-                               value_hash)
+                               slot_binding_error, slot_placements, value_hash)
 from protocol.quorum import EpochView
 
 
@@ -90,6 +90,12 @@ def cmd_verify(args) -> int:
             problem = placement_binding_error(cert.instance, job, cert.epoch)
             if problem is not None:
                 raise RemoteProtocolError("placement certificate: %s" % problem)
+        elif cert.value_kind == "placement_slot":  # SPEC.md P7: the slot's own jobs, of its epoch
+            slot = decode_value("placement_slot", value)
+            problem = slot_binding_error(cert.instance, slot, slot_placements(slot, genesis.mesh_id), cert.epoch,
+                                         genesis.params.placement_slot_ms)
+            if problem is not None:
+                raise RemoteProtocolError("placement slot certificate: %s" % problem)
     except RemoteProtocolError as exc:
         if args.json:
             json.dump({"valid": False, "reason": str(exc)}, sys.stdout, sort_keys=True)

@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
     parser.add_argument("--bid-sample", type=int, default=None, metavar="K",
                         help="only about K members bid per job (MeshCore bid_sample; for large meshes)")
+    parser.add_argument("--slot-ms", type=int, default=0, metavar="MS",
+                        help="genesis placement_slot_ms: one instance places the jobs created in each MS "
+                             "window (SPEC.md P7; default 0, one instance per job)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -63,6 +66,7 @@ def percentile(values: list[int], fraction_milli: int) -> int | None:
 def summarize(results: list[SimResult], wall_s: float) -> dict:
     latencies = [ms for r in results for ms in r.latencies_ms]
     decisions = sum(r.decisions for r in results)
+    placements = sum(r.placements for r in results)
     messages = sum(r.messages for r in results)
     failed = [r for r in results if not r.ok]
     by_check: dict[str, int] = {}
@@ -86,6 +90,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
+        "placements": placements,
+        "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
         "byzantine_stake_max_milli": max((1000 * r.byzantine_stake[0] // r.byzantine_stake[1]
@@ -110,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: %s" % exc)
     configs = [SimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k,
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
-                         heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample) for k in range(args.seeds)]
+                         heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms)
+               for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:
         with multiprocessing.get_context("fork").Pool(args.workers) as pool:

@@ -194,7 +194,7 @@ class Node:
         me = self.identity.public_key
         if decision.value_kind == "eviction" and decision.value.node == me:
             await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
-        elif decision.value_kind in ("placement", "eviction", "membership", "resume"):
+        elif decision.value_kind in ("placement", "placement_slot", "eviction", "membership", "resume"):
             # Run what the core's job table says, not what this one decision names: an
             # eviction also moves jobs its plan left out (SPEC.md F5), and a decision may
             # be applied after later ones in the same batch changed the job again.

@@ -33,9 +33,11 @@ from protocol.failure_detector import FailureDetector
 from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
                                Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
                                PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
-                               decode_message, decode_value, placement_binding_error)
+                               decode_message, decode_value, placement_binding_error, slot_binding_error,
+                               slot_placements)
 from protocol.mesh_failover import FailoverFlows
 from protocol.mesh_jobs import JobFlows
+from protocol.mesh_slots import SlotFlows
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
 from protocol.ready import Decision, Event, Outbound, PersistRecord, Ready
@@ -52,7 +54,7 @@ SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restor
 MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 
 
-class MeshCore(JobFlows, FailoverFlows):
+class MeshCore(JobFlows, SlotFlows, FailoverFlows):
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
                  now_ms: int, history: Iterable[bytes] = (), safety_records: Iterable[PersistRecord] = (),
                  job_outcomes: Iterable[bytes] = (), heartbeats: bool = True, bid_sample: int | None = None,
@@ -104,6 +106,7 @@ class MeshCore(JobFlows, FailoverFlows):
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self._init_jobs()
+        self._init_slots()
         self._init_failover(now_ms)
         self._replay(history, now_ms)
         self._replay_outcomes(job_outcomes, now_ms)
@@ -398,6 +401,8 @@ class MeshCore(JobFlows, FailoverFlows):
         value = decode_value(proposal.value_kind, proposal.value)
         if proposal.value_kind == "placement":
             return self._placement_instance_from_value(proposal.instance, value, view, now_ms, out)
+        if proposal.value_kind == "placement_slot":
+            return self._slot_instance_from_value(proposal.instance, value, view, now_ms, out)
         if proposal.value_kind == "eviction":
             return self._eviction_instance_from_value(proposal.instance, value, view, now_ms, out)
         return self._membership_instance_from_value(proposal.instance, value, view, now_ms, out)
@@ -444,6 +449,14 @@ class MeshCore(JobFlows, FailoverFlows):
                 # honest voter checks it, P4b): it places nothing (P2, one epoch per instance).
                 self.counters["placement_certificate_wrong_epoch"] += 1
                 return False
+        elif value_kind == "placement_slot":
+            try:
+                problem = slot_binding_error(iid, value, slot_placements(value, self.mesh_id), epoch, self.slot_ms)
+            except RemoteProtocolError:
+                problem = "a job that is not signed by its owner"
+            if problem is not None:  # as above: only a Byzantine quorum certifies one (P7)
+                self.counters["placement_certificate_wrong_epoch"] += 1
+                return False
         self.applied[iid] = None
         while len(self.applied) > 1 << 16:
             self.applied.popitem(last=False)
@@ -452,6 +465,8 @@ class MeshCore(JobFlows, FailoverFlows):
             self.recent_certificates.popitem(last=False)
         if value_kind == "placement":
             self._apply_placement(iid, value, certificate, epoch, now_ms, out)
+        elif value_kind == "placement_slot":
+            self._apply_slot(iid, value, certificate, epoch, now_ms, out)
         elif value_kind == "eviction":
             self._apply_eviction(iid, value, certificate, now_ms, out)
         else:

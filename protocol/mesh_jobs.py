@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.messages import (MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate, Decline, GpuState, JobExit, JobManifest, Placement, RunningJob,
                                decode_message, decode_value, encode_message, job_id, placement_attempt,
                                placement_binding_error, placement_instance_id)
@@ -55,6 +55,9 @@ class JobRecord:
     # this node's clock). Backups learn it from the checkpoints themselves, everyone else
     # from the primary's capability vectors (SPEC P1); never used to accept a checkpoint.
     known_checkpoint: tuple | None = None
+    # P7c: the commit certificate of the job's slot, decided without it: its first placement
+    # runs in its own instance then, and every proposal there carries this as proof.
+    slot_certificate: bytes | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -191,7 +194,8 @@ class JobFlows:
 
     # --- jobs arriving (SPEC P2) ------------------------------------------------------------------
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
-        """A signed job from a local owner: broadcast it and start its placement."""
+        """A signed job from a local owner: send it on (P2: broadcast, or with bid sampling
+        only to those who need it) and start its placement."""
         out = Ready()
         envelope, job = decode_message(job_envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         if envelope.signer != job.owner:
@@ -201,9 +205,25 @@ class JobFlows:
                 "the job names epoch %d, which this node %s (it is at epoch %d): sign it again for the "
                 "current epoch" % (job.epoch, "has not reached" if job.epoch > self.epoch else "no longer holds",
                                    self.epoch))
-        out.messages.append(Outbound(None, job_envelope))
         self._on_job(envelope, job, job_envelope, now_ms, out, entry=self.me)
+        record = self.job_records[job_id(job)]
+        out.messages[0:0] = [Outbound(to, job_envelope) for to in self._job_recipients(record)]
         return out
+
+    def _job_recipients(self, record: JobRecord) -> list:
+        """SPEC P2: who the entry node sends a new job to. Everyone (``None``: broadcast),
+        unless members bid by sample (P3): then the members sampled to bid in round 0 and
+        round 0's leader. The others learn the job from the proposal or certificate that
+        carries it, or from the entry node's broadcast if round 0 fails; a job broadcast to
+        1000 members cost more than deciding it (BENCHMARKS.md, "Simulator scale")."""
+        inst = self.instances.get(record.instance)
+        if self.bid_sample is None or inst is None or inst.round > 0:
+            return [None]
+        members = inst.view.members
+        chosen = [key for key in members if key != self.me and self._sampled(record.job_id, 0, len(members), key)]
+        if inst.leader != self.me and inst.leader not in chosen:
+            chosen.append(inst.leader)
+        return chosen
 
     def _on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready,
                 entry: bytes | None = None) -> None:
@@ -246,6 +266,9 @@ class JobFlows:
                                "sign it again for the current epoch" % epoch)
                 self.counters["job_epoch_view_gone"] += 1
             return
+        if self._slotted(record):
+            self._join_slot(record, view, now_ms, out)
+            return
         iid = placement_instance_id(record.job_id, record.attempt)
         record.instance = iid
         inst = self._start_instance(iid, "placement", view, ("placement", record.job_id),
@@ -267,7 +290,8 @@ class JobFlows:
             return None
         jid = job_id(job)
         record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
-        if record.state in TERMINAL or (record.instance and record.instance != iid):
+        in_slot = self.slot_ms > 0 and record.instance == self._slot_of(job) and iid == jid
+        if record.state in TERMINAL or (record.instance and record.instance != iid and not in_slot):
             self.counters["placement_for_other_attempt"] += 1
             return None
         record.instance = iid
@@ -275,16 +299,15 @@ class JobFlows:
                                     now_ms, out)
 
     # --- bids and declines (SPEC P3) ----------------------------------------------------------------
-    def _sampled(self, iid: bytes, round: int) -> bool:
-        """SPEC P3: about ``bid_sample << round`` members bid in ``round``. The sample doubles
-        every round, so a job the first sample cannot host (all ineligible) is still placed
-        once a round times out without a proposal."""
-        inst = self.instances.get(iid)
-        members = len((inst.view if inst is not None else self.view).members)
+    def _sampled(self, iid: bytes, round: int, members: int, key: bytes | None = None) -> bool:
+        """SPEC P3: about ``bid_sample << round`` of the ``members`` bid in ``round``. The sample
+        doubles every round, so a job the first sample cannot host (all ineligible) is still
+        placed once a round times out without a proposal. ``iid``: the job's placement key;
+        ``key``: the member asked about (default: this node)."""
         sample = None if self.bid_sample is None else self.bid_sample << min(round, 64)
         if sample is None or sample >= members:
             return True
-        draw = int.from_bytes(hashlib.sha256(b"bidder" + iid + self.me).digest()[:8], "big")
+        draw = int.from_bytes(hashlib.sha256(b"bidder" + iid + (key or self.me)).digest()[:8], "big")
         return draw * members < sample << 64
 
     def _send_my_bid(self, iid: bytes, now_ms: int, out: Ready) -> None:
@@ -294,12 +317,15 @@ class JobFlows:
             return
         mine = self.my_bids.get(iid)
         if mine is None:
-            if not self._sampled(iid, inst.round):
+            if not self._sampled(iid, inst.round, len(inst.view.members)):
                 return
             mine = self._make_bid_or_decline(iid, inst.view.epoch, record, now_ms)
             self.my_bids[iid] = mine
             out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
                                           instance=iid.hex(), job_id=record.job_id.hex()))
+        self._deliver_bid(inst, record, mine, now_ms, out)
+
+    def _deliver_bid(self, inst, record: JobRecord, mine: tuple, now_ms: int, out: Ready) -> None:
         kind, data = mine
         if kind == "decline":
             # To the leader (it counts answers) and the job's entry node (the owner asks it
@@ -343,6 +369,11 @@ class JobFlows:
 
     def _on_bid(self, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(bid.instance)
+        if inst is None and self.slot_ms > 0:
+            slot = self._live_slot_of(bid.instance)   # a bid for a job its slot may place (P7)
+            if slot is not None:
+                self._on_slot_bid(slot, envelope, bid, data)
+                return
         if inst is None:
             done = self.decided.get(bid.instance)
             if done is not None and done.decision_envelope is not None:
@@ -355,32 +386,43 @@ class JobFlows:
             self._hold(bid.instance, envelope, bid, data)
             return
         facts = self._parse_member_bid(data, bid.instance, inst.view)
-        held = self.bids_held.setdefault(bid.instance, {})
+        if self._hold_bid(self.instance_meta.get(bid.instance, (None, b""))[1], facts, data, key=bid.instance):
+            self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
+
+    def _hold_bid(self, jid: bytes, facts, data: bytes, key: bytes | None = None) -> bool:
+        """Keep a verified bid for the leader's proposal, by its placement key (default: the job id)."""
+        held = self.bids_held.setdefault(key or jid, {})
         if facts.signer not in held and len(held) >= MAX_BIDS_HELD:
             self.counters["bids_full"] += 1
-            return
+            return False
         held[facts.signer] = (facts, data)
-        record = self.job_records.get(self.instance_meta.get(bid.instance, (None, b""))[1])
+        record = self.job_records.get(jid)
         if record is not None:
             record.declines.pop(facts.signer, None)  # it declined earlier, for want of free capacity
-        self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
+        return True
 
     def _on_decline(self, envelope, decline: Decline, data, now_ms: int, out: Ready) -> None:
         meta = self.instance_meta.get(decline.instance)
         record = self.job_records.get(meta[1]) if meta and meta[0] == "placement" else None
         inst = self.instances.get(decline.instance)
+        if inst is None and self.slot_ms > 0:
+            inst = self._live_slot_of(decline.instance)   # a decline of a job its slot may place (P7)
+            record = self.job_records.get(decline.instance) if inst is not None else None
         view = inst.view if inst is not None else self.view
         if record is None or decline.epoch != view.epoch or envelope.signer not in view.stakes:
             self.counters["decline_unknown"] += 1
             return
         if envelope.signer not in record.declines and len(record.declines) < MAX_DECLINERS_KEPT:
             record.declines[envelope.signer] = (decline.reason, decline.detail)
-        if inst is not None:
+        if inst is not None and inst.instance_id == decline.instance:
             self._maybe_propose_placement(inst, now_ms, out, window_closed=False)
 
     # --- the leader's proposal (SPEC P4) --------------------------------------------------------------
     def _on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
         meta = self.instance_meta.get(inst.instance_id, ("?",))
+        if meta[0] == "placement_slot":
+            self._open_slot_window(inst, now_ms, out)
+            return
         if meta[0] != "placement":
             self._propose_epoch_change(inst, meta, now_ms, out)
             return
@@ -392,7 +434,9 @@ class JobFlows:
 
     def _bid_window_closed(self, iid: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(iid)
-        if inst is not None:
+        if inst is not None and self.instance_meta.get(iid, ("?",))[0] == "placement_slot":
+            self._propose_slot(inst, now_ms, out)
+        elif inst is not None:
             self._maybe_propose_placement(inst, now_ms, out, window_closed=True)
 
     def _maybe_propose_placement(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
@@ -421,6 +465,10 @@ class JobFlows:
             record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
             return
         justification = tuple(held[facts.signer][1] for facts in chosen)
+        if self.slot_ms > 0 and record.attempt == 0:
+            if record.slot_certificate is None:
+                return  # not this instance's to place before its slot is decided (P7c)
+            justification += (record.slot_certificate,)
         self._drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
 
     def _placement_validator(self, iid: bytes):
@@ -435,7 +483,16 @@ class JobFlows:
                 binding = placement_binding_error(iid, job, view.epoch)
                 if binding is not None:
                     return binding
-                facts = [self._parse_member_bid(b, iid, view) for b in justification]
+                bids, certificates = self._split_justification(justification)
+                if len(bids) > MAX_BIDS_PER_PROPOSAL:
+                    return "more than %d bids" % MAX_BIDS_PER_PROPOSAL
+                if self.slot_ms > 0 and placement_attempt(iid, job) == 0:
+                    problem = self._slot_exclusion_error(job, job_id(job), certificates, view)
+                    if problem is not None:
+                        return problem
+                elif certificates:
+                    return "a certificate in a placement's justification"
+                facts = [self._parse_member_bid(b, iid, view) for b in bids]
                 expected = choose_placement(placement.job, job, iid, facts)
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid placement proposal: %s" % exc
@@ -447,20 +504,31 @@ class JobFlows:
     def _on_round_changed(self, inst, now_ms: int, out: Ready) -> None:
         """SPEC P3: bids go to the current leader, so a new round re-sends ours."""
         meta = self.instance_meta.get(inst.instance_id, ("?",))
+        if meta[0] == "placement_slot":
+            self._on_slot_round_changed(inst, now_ms, out)
+            return
         if meta[0] != "placement":
             return
-        mine = self.my_bids.get(inst.instance_id)
         record = self.job_records.get(meta[1])
         self._show_job_to_leader(inst, record, out)
-        if mine is not None and mine[0] == "decline" and record is not None:
-            # Capacity held by concurrent bids may be free again: decide afresh, and speak
-            # only if the answer became a bid (a repeated decline adds nothing).
-            fresh = self._make_bid_or_decline(inst.instance_id, inst.view.epoch, record, now_ms)
-            if fresh[0] == "decline":
-                return
-            self.my_bids[inst.instance_id] = fresh
-            record.declines.pop(self.me, None)  # "why pending" no longer counts ours
+        self._broadcast_job_after_round_zero(inst, record, out)
+        if record is not None and not self._refresh_decline(inst, record, now_ms, key=inst.instance_id):
+            return
         self._send_my_bid(inst.instance_id, now_ms, out)
+
+    def _refresh_decline(self, inst, record: JobRecord, now_ms: int, key: bytes | None = None) -> bool:
+        """Capacity held by concurrent bids may be free again: decide a decline afresh. False
+        when it stays a decline (repeating it adds nothing), True otherwise."""
+        key = key or record.job_id
+        mine = self.my_bids.get(key)
+        if mine is None or mine[0] != "decline":
+            return True
+        fresh = self._make_bid_or_decline(key, inst.view.epoch, record, now_ms)
+        if fresh[0] == "decline":
+            return False
+        self.my_bids[key] = fresh
+        record.declines.pop(self.me, None)  # "why pending" no longer counts ours
+        return True
 
     def _show_job_to_leader(self, inst, record, out: Ready) -> None:
         """SPEC P3: the job goes with our round change to a new round's leader, once per round
@@ -468,7 +536,7 @@ class JobFlows:
         A leader that crashed and restarted forgot the undecided instance (and an evicted one
         may have dropped it): only a proposal would bring it back, and it is that leader's
         turn to propose. From the job it runs the instance again, in the job's epoch (P2)."""
-        key = (inst.leader, inst.instance_id, inst.round)
+        key = (inst.leader, inst.instance_id, record.job_id if record is not None else b"", inst.round)
         if record is None or inst.leader == self.me or key in self.jobs_shown:
             return
         if len(self.jobs_shown) >= MAX_JOBS_SHOWN:
@@ -476,7 +544,22 @@ class JobFlows:
         self.jobs_shown.add(key)
         out.messages.append(Outbound(inst.leader, record.envelope))
 
+    def _broadcast_job_after_round_zero(self, inst, record, out: Ready) -> None:
+        """P2: with bid sampling the entry node sent the job only to round 0's sample and
+        leader. Once round 0 failed, every member must run the instance (a later round's
+        leader waits for round changes from a quorum, 6.5; the doubled sample bids, P3),
+        so the entry node broadcasts the job, once per instance."""
+        key = (None, inst.instance_id, record.job_id if record is not None else b"", "all")
+        if (record is None or record.entry != self.me or inst.round == 0 or self.bid_sample is None
+                or key in self.jobs_shown):
+            return
+        self.jobs_shown.add(key)
+        out.messages.append(Outbound(None, record.envelope))
+
     def _instance_gave_up(self, iid: bytes, meta: tuple, now_ms: int, out: Ready) -> None:
+        if meta[0] == "placement_slot":
+            self._slot_gave_up(iid, now_ms, out)
+            return
         self.book.release(iid)
         self.my_bids.pop(iid, None)
         self.bids_held.pop(iid, None)
@@ -490,7 +573,8 @@ class JobFlows:
 
     # --- a placement is decided (SPEC P5) ------------------------------------------------------------
     def _apply_placement(self, iid: bytes, placement: Placement, certificate: bytes, certificate_epoch: int,
-                         now_ms: int, out: Ready) -> None:
+                         now_ms: int, out: Ready, instance: bytes | None = None) -> None:
+        """``iid``: the placement's key (its instance, or its job id in a slot ``instance``)."""
         envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         jid = job_id(job)
         record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
@@ -505,7 +589,7 @@ class JobFlows:
             self.book.release(iid)
             return
         record.attempt = attempt  # a node that missed an exit learns the attempt here
-        record.instance = iid
+        record.instance = instance or iid
         record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
         # From the certificate alone, not by counting what this node happened to apply: a
         # node that missed an attempt (or learns it late) gets the fence the others have.

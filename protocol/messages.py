@@ -24,13 +24,16 @@ from protocol.schema import (Bool, Bytes, Int, Key, List, Nested, Optional, Reco
 
 MAX_NODES = 4096          # members of one mesh epoch
 MAX_BIDS_PER_PROPOSAL = 32  # justification kept O(1) per voter (SPEC.md 6.3)
+MAX_SLOT_JOBS = 128         # placements one slot decides (SPEC.md P7)
+MAX_BIDS_PER_SLOT_JOB = 4   # bids a slot proposal carries per placement: its proposal stays under a frame
+MAX_JUSTIFICATION = MAX_SLOT_JOBS * MAX_BIDS_PER_SLOT_JOB
 MAX_STATE_BYTES = 900 * 1024  # checkpoint state; leaves room in the 1 MiB frame
 STRATEGIES = ("latency", "throughput", "sovereign")
 DECLINE_REASONS = ("owner_not_allowed", "entrypoint_not_allowed", "not_enough_gpus",
                    "not_enough_gpu_memory", "not_enough_cpu", "not_enough_memory",
                    "zone_not_allowed", "labels_missing", "attestation_missing",
                    "node_unhealthy", "fenced")
-VALUE_KINDS = ("placement", "eviction", "membership")
+VALUE_KINDS = ("placement", "eviction", "membership", "placement_slot")
 ENVELOPE = Bytes(1, codec.MAX_FRAME_BYTES)  # a nested signed envelope, as its wire bytes
 MILLI_PERCENT = Int(0, 100_000)
 
@@ -148,11 +151,23 @@ class JobManifest(Record):
     }
 
 
-@lru_cache(maxsize=4096)
+MAX_JOB_IDS_KEPT = 1 << 14
+_job_ids: OrderedDict[int, tuple] = OrderedDict()  # id(manifest) -> (manifest, its job id)
+
+
 def job_id(job: JobManifest) -> bytes:
     """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ).
-    Cached: every node asks it of the same (immutable, hashable) manifest many times."""
-    return hashlib.sha256(codec.pack(job.to_body())).digest()
+    Remembered by the manifest object (decoding caches it, so every node holds the same one):
+    hashing a manifest's fields for a dict key cost more than the digest itself. An entry
+    keeps its manifest alive, so no id is reused while the entry exists."""
+    hit = _job_ids.get(id(job))
+    if hit is not None and hit[0] is job:
+        return hit[1]
+    digest = hashlib.sha256(codec.pack(job.to_body())).digest()
+    if len(_job_ids) >= MAX_JOB_IDS_KEPT:
+        _job_ids.popitem(last=False)
+    _job_ids[id(job)] = (job, digest)
+    return digest
 
 
 def placement_instance_id(jid: bytes, attempt: int) -> bytes:
@@ -176,6 +191,18 @@ def placement_binding_error(iid: bytes, job: JobManifest, epoch: int) -> str | N
     if job.epoch != epoch:
         return "the job is placed in epoch %d, not %d" % (job.epoch, epoch)
     return None
+
+
+def placement_slot(job: JobManifest, slot_ms: int) -> int | None:
+    """SPEC.md P7: the slot a job's first attempt is placed in when the mesh batches
+    placements (``slot_ms`` > 0): its owner-signed creation time, in ``slot_ms`` windows."""
+    return job.created_ms // slot_ms if slot_ms > 0 else None
+
+
+@lru_cache(maxsize=4096)
+def placement_slot_id(epoch: int, slot: int) -> bytes:
+    """SPEC.md P7: the instance that places the jobs of ``slot`` named for ``epoch``."""
+    return hashlib.sha256(b"slot" + epoch.to_bytes(8, "big") + slot.to_bytes(8, "big", signed=True)).digest()
 
 
 # --- consensus: bids, proposals, votes, certificates -----------------------------------------
@@ -215,6 +242,20 @@ class Placement(Record):
     gpus: tuple
     SCHEMA: ClassVar = {"job": ENVELOPE, "primary": Key(), "backups": List(Key(), 4),
                         "gpus": List(Int(0, 63), 64)}
+
+
+@record
+class PlacementSlot(Record):
+    """The value a slot instance decides (SPEC.md P7): the first placement of each job in it."""
+    epoch: int
+    slot: int
+    placements: tuple
+    SCHEMA: ClassVar = {"epoch": Int(), "slot": Int(), "placements": List(Nested(Placement), MAX_SLOT_JOBS)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.placements:
+            raise ValueError("PlacementSlot.placements: a slot decides at least one placement")
 
 
 @record
@@ -270,7 +311,7 @@ class Proposal(Record):
     pol_certificate: bytes | None
     SCHEMA: ClassVar = {
         "instance": Key(), "round": Int(0, 1 << 20), "epoch": Int(), "value_kind": Text(choices=VALUE_KINDS),
-        "value": Bytes(1, codec.MAX_FRAME_BYTES), "justification": List(ENVELOPE, MAX_BIDS_PER_PROPOSAL),
+        "value": Bytes(1, codec.MAX_FRAME_BYTES), "justification": List(ENVELOPE, MAX_JUSTIFICATION),
         "pol_round": Optional(Int(0, 1 << 20)), "pol_certificate": Optional(ENVELOPE),
     }
 
@@ -565,13 +606,59 @@ def _remember_decoded(key: tuple, decoded: tuple) -> None:
 def decode_value(value_kind: str, data: bytes):
     """Decode the unsigned value inside a proposal or certificate. Cached like
     decode_message: the value is immutable and every validator decodes the same bytes."""
-    cls = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange}.get(value_kind)
+    cls = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
+           "placement_slot": PlacementSlot}.get(value_kind)
     if cls is None:
         raise RemoteProtocolError("unknown value kind %r" % value_kind)
     try:
         return cls.from_body(codec.unpack(data))
     except ValueError as exc:
         raise RemoteProtocolError(str(exc)) from None
+
+
+MAX_SLOT_VALUES_KEPT = 256
+_slot_items: OrderedDict[tuple, tuple] = OrderedDict()  # (id(value), mesh id) -> (value, items)
+
+
+def slot_placements(value: PlacementSlot, mesh_id: bytes) -> list[tuple]:
+    """(placement, job, job id) of every placement a slot value lists; raises
+    RemoteProtocolError unless every job is a valid job signed by its owner. Remembered by
+    value object (decode_value caches it): validating, binding and applying a slot all ask."""
+    key = (id(value), mesh_id)
+    hit = _slot_items.get(key)
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    items = _slot_placements(value, mesh_id)
+    if len(_slot_items) >= MAX_SLOT_VALUES_KEPT:
+        _slot_items.popitem(last=False)
+    _slot_items[key] = (value, items)
+    return items
+
+
+def _slot_placements(value: PlacementSlot, mesh_id: bytes) -> list[tuple]:
+    items = []
+    for placement in value.placements:
+        envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
+        if envelope.signer != job.owner:
+            raise RemoteProtocolError("a slot places a job not signed by its owner")
+        items.append((placement, job, job_id(job)))
+    return items
+
+
+def slot_binding_error(iid: bytes, value: PlacementSlot, items: list, epoch: int, slot_ms: int) -> str | None:
+    """SPEC.md P7: why ``value`` may not be decided by instance ``iid`` in ``epoch``, or None."""
+    if slot_ms <= 0:
+        return "this mesh does not place jobs in slots"
+    if value.epoch != epoch or placement_slot_id(value.epoch, value.slot) != iid:
+        return "instance is not the slot of epoch %d the value names" % epoch
+    seen = set()
+    for _placement, job, jid in items:
+        if job.epoch != epoch or placement_slot(job, slot_ms) != value.slot:
+            return "job %s is not one of this slot's" % jid.hex()[:12]
+        if jid in seen:
+            return "job %s is placed twice" % jid.hex()[:12]
+        seen.add(jid)
+    return None
 
 
 def value_hash(value_bytes: bytes) -> bytes:

@@ -125,12 +125,13 @@ class ByzantineBehaviour:
     def _conflicting_proposal(self, proposal: Proposal) -> bytes | None:
         """The same round's proposal with another placement: swap primary and first backup,
         or, without backups, claim other GPUs."""
-        if proposal.value_kind != "placement":
+        if proposal.value_kind not in ("placement", "placement_slot"):
             return None
         try:
-            placement = decode_value("placement", proposal.value)
+            value = decode_value(proposal.value_kind, proposal.value)
         except RemoteProtocolError:
             return None
+        placement = value if proposal.value_kind == "placement" else value.placements[0]
         if placement.backups:
             other = replace(placement, primary=placement.backups[0],
                             backups=(placement.primary,) + tuple(placement.backups[1:]))
@@ -139,6 +140,8 @@ class ByzantineBehaviour:
                               gpus=tuple(placement.gpus))
             if other == placement:
                 other = replace(placement, backups=(hashlib.sha256(placement.primary).digest(),))
+        if proposal.value_kind == "placement_slot":  # the slot's first placement changed
+            other = replace(value, placements=(other,) + tuple(value.placements[1:]))
         return self._sign(replace(proposal, value=codec.pack(other.to_body())))
 
     def _conflicting_vote(self, vote) -> bytes:

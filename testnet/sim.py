@@ -22,7 +22,7 @@ import gc
 import heapq
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import MeshError, RemoteProtocolError
@@ -31,7 +31,7 @@ from protocol.messages import CommitCertificate, decode_message
 from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_world import ZONES, World, build_world
+from testnet.sim_world import SIM_PARAMS, ZONES, World, build_world
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
 TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL = range(6)
@@ -53,6 +53,7 @@ class SimConfig:
     faults: tuple[str, ...] = FAULTS
     heartbeats: bool = True
     bid_sample: int | None = None     # MeshCore(bid_sample=K): about K members bid per job (scale runs)
+    slot_ms: int = 0                  # genesis placement_slot_ms: batch first placements per slot (SPEC.md P7)
     tick_ms: int = 10                 # every node's core.tick period
     safety_ms: int = 1000             # faults are active in [0, safety_ms) when any are on
     submit_window_ms: int = 400       # jobs are submitted at seeded times in [0, window]
@@ -70,6 +71,8 @@ class SimConfig:
             line += " --no-heartbeats"
         if self.bid_sample is not None:
             line += " --bid-sample %d" % self.bid_sample
+        if self.slot_ms:
+            line += " --slot-ms %d" % self.slot_ms
         return line
 
 
@@ -94,6 +97,7 @@ class SimResult:
     violations: list
     violation_count: int
     decisions: int                 # distinct instances decided
+    placements: int                # jobs placed (a slot instance places many, SPEC.md P7)
     node_decisions: int            # decisions emitted by all nodes together
     messages: int                  # point-to-point sends (a broadcast to n-1 peers counts n-1)
     latencies_ms: list
@@ -122,7 +126,8 @@ class Simulation:
         faulty = bool(config.faults)
         self.heal_ms = config.safety_ms if faulty else 0
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
-                                        config.submit_window_ms)
+                                        config.submit_window_ms,
+                                        replace(SIM_PARAMS, placement_slot_ms=config.slot_ms))
         self.mesh_id = self.world.mesh_id
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
@@ -404,11 +409,11 @@ class Simulation:
                 continue  # a local workload instruction (halt/resume/stop/cancel), nothing to agree on
             self.node_decisions += 1
             self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
-            if node.behaviour is None and decision.value_kind == "placement":
+            if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
                 done = self.honest_done.get(decision.instance, 0) + 1
                 self.honest_done[decision.instance] = done
-                if done == len(self.honest):
-                    self.complete += 1  # early stop only when every honest node has every job
+                if done == len(self.honest):  # early stop only when every honest node has every job
+                    self.complete += (1 if decision.value_kind == "placement" else len(decision.value.placements))
 
     def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
         for event in events:
@@ -422,21 +427,24 @@ class Simulation:
                 self._credit(opened[2], min(opened[3], self.now_ms - opened[1]))
             meta = node.core.instance_meta.get(iid)
             inst = node.core.instances.get(iid)
-            if ((iid, round) in self.excused_rounds or inst is None or meta is None or meta[0] != "placement"
+            if ((iid, round) in self.excused_rounds or inst is None or meta is None
+                    or meta[0] not in ("placement", "placement_slot")
                     or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys or iid in self.open_rounds):
                 continue
+            jids = (meta[1],) if meta[0] == "placement" else tuple(node.core.slot_jobs.get(iid, ()))
             self.excused_rounds.add((iid, round))
-            self.open_rounds[iid] = (round, self.now_ms, meta[1], inst.timeout_ms(round))
-            bound = self.excused_ms.get(meta[1], 0) + inst.timeout_ms(round)
+            self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
+            bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
             self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
 
-    def _credit(self, jid: bytes, ms: int) -> None:
-        self.excused_ms[jid] = self.excused_ms.get(jid, 0) + ms
+    def _credit(self, jids: tuple, ms: int) -> None:
+        for jid in jids:
+            self.excused_ms[jid] = self.excused_ms.get(jid, 0) + ms
 
     def _close_open_rounds(self) -> None:
         """At the end of the run a round still open is credited its whole timeout."""
-        for _round, _entered, jid, timeout_ms in self.open_rounds.values():
-            self._credit(jid, timeout_ms)
+        for _round, _entered, jids, timeout_ms in self.open_rounds.values():
+            self._credit(jids, timeout_ms)
         self.open_rounds.clear()
 
     @staticmethod
@@ -504,7 +512,8 @@ class Simulation:
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
-            decisions=len(checker.canonical), node_decisions=self.node_decisions, messages=self.messages,
+            decisions=len(checker.canonical), placements=len(checker.placement_of),
+            node_decisions=self.node_decisions, messages=self.messages,
             latencies_ms=checker.latencies_ms(submitted, deciders), virtual_ms=self.now_ms, wall_s=wall_s,
             byzantine=sorted(self.world.byzantine), byzantine_stake=self.world.byzantine_stake_fraction(),
             liveness_missing=missing, decision_log_digest=log_digest,
@@ -569,7 +578,8 @@ class Simulation:
         record = core.job_records.get(jid) if core is not None else None
         if record is None:
             return False
-        answer = core.my_bids.get(record.instance)
+        # A job's bid is kept by its placement key: its instance, or its job id in a slot (P7).
+        answer = core.my_bids.get(record.instance, core.my_bids.get(jid))
         return answer[0] == "decline" if answer is not None else core.me in record.declines
 
     def _evidence_of(self, index: int) -> set[bytes]:

@@ -28,8 +28,8 @@ from typing import Callable
 
 from keys.identity import short_id
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, decode_message, decode_value,
-                               job_id, value_hash)
+from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
+                               decode_value, job_id, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -166,6 +166,9 @@ class DecisionChecker:
         """Validity and capacity are checked once per instance, on its first decision."""
         if isinstance(value, Placement):
             self._check_placement(node, instance, value)
+        elif isinstance(value, PlacementSlot):
+            for placement in value.placements:
+                self._check_placement(node, instance, placement)
         elif isinstance(value, Eviction):
             self._apply_eviction(node, instance, value)
         elif isinstance(value, MembershipChange) and value.change == "join":

@@ -27,7 +27,7 @@ SIM_PARAMS = ProtocolParams(
     heartbeat_ms=DEFAULT_PARAMS.heartbeat_ms, checkpoint_ms=DEFAULT_PARAMS.checkpoint_ms,
     checkpoint_keep=DEFAULT_PARAMS.checkpoint_keep, detection_bound_ms=DEFAULT_PARAMS.detection_bound_ms,
     round_timeout_ms=DEFAULT_PARAMS.round_timeout_ms, round_timeout_max_ms=1600,
-    bid_window_ms=DEFAULT_PARAMS.bid_window_ms, max_rounds=DEFAULT_PARAMS.max_rounds,
+    bid_window_ms=DEFAULT_PARAMS.bid_window_ms, max_rounds=DEFAULT_PARAMS.max_rounds, placement_slot_ms=0,
 )
 
 
@@ -132,8 +132,8 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
     byzantine = choose_byzantine(rng, stakes, byzantine_milli) if byzantine_milli else set()
     honest = [s for s in nodes if s.index not in byzantine]
     mesh_id = genesis.mesh_id  # a property that hashes the whole genesis: compute it once
-    job_specs = [make_job(rng, mesh_id, owners, nodes, honest, index, jobs, submit_window_ms)
-                 for index in range(jobs)]
+    job_specs = [make_job(rng, mesh_id, owners, nodes, honest, index, jobs, submit_window_ms,
+                          stamp_submit_time=params.placement_slot_ms > 0) for index in range(jobs)]
     job_specs.sort(key=lambda j: j.submit_ms)
     return World(genesis, nodes, authority, owners, job_specs, byzantine)
 
@@ -156,8 +156,11 @@ def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
 
 
 def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], nodes: list[NodeSpec],
-             honest: list[NodeSpec], index: int, total_jobs: int, submit_window_ms: int) -> JobSpec:
+             honest: list[NodeSpec], index: int, total_jobs: int, submit_window_ms: int,
+             stamp_submit_time: bool = False) -> JobSpec:
     """A signed job that at least one honest node accepts; sized so all jobs fit together.
+    ``stamp_submit_time``: its owner stamps ``created_ms`` when it submits the job, as real
+    clients do (which slot places it depends on it, SPEC.md P7); otherwise the job's index.
 
     Constraints are drawn, then dropped if no honest node would take the job: a job that
     only a Byzantine node could run may rightly stay pending, which would blur the
@@ -175,7 +178,10 @@ def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], 
         job = replace(job, owner=owner_key, resources=resources, strategy="throughput",
                       constraints=Constraints(zones=(), labels=(), attested=()))
     owner = next(o for o in owners if o.public_key == job.owner)
-    return JobSpec(job, encode_message(owner, mesh_id, job), job_id(job), rng.randint(0, submit_window_ms))
+    submit_ms = rng.randint(0, submit_window_ms)
+    if stamp_submit_time:
+        job = replace(job, created_ms=GENESIS_MS + submit_ms)
+    return JobSpec(job, encode_message(owner, mesh_id, job), job_id(job), submit_ms)
 
 
 def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[NodeSpec], index: int,

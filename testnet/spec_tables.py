@@ -21,14 +21,15 @@ from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member, RunningJob,
-                               MembershipChange, Migration, Placement, Resources)
+                               MembershipChange, Migration, Placement, PlacementSlot, Resources,
+                               placement_instance_id, placement_slot_id)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
 VECTOR_MESH_ID = hashlib.sha256(b"meshnode/v1/test-vector-mesh").digest()
 # Records that appear only nested in messages or as decided values / genesis parts.
-NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, Migration, Member, MembershipChange,
-                  ProtocolParams, Genesis)
+NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
+                  MembershipChange, ProtocolParams, Genesis)
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"
 END = "<!-- END GENERATED: %s -->"
@@ -123,6 +124,22 @@ def render_vectors() -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+VECTOR_JOB_ID = bytes(range(32))
+# (epoch, slot) pairs of the slot instance id vectors: a typical one and a negative slot.
+VECTOR_SLOTS = ((0, 34_000_000_000), (3, -1))
+
+
+def render_instance_ids() -> str:
+    """Placement instance ids derived from a job id (P2) and from a slot (P7)."""
+    lines = ["```", "job_id: %s" % VECTOR_JOB_ID.hex()]
+    for attempt in (1, 2):
+        lines.append("retry_instance attempt=%d: %s" % (attempt, placement_instance_id(VECTOR_JOB_ID, attempt).hex()))
+    for epoch, slot in VECTOR_SLOTS:
+        lines.append("slot_instance epoch=%d slot=%d: %s" % (epoch, slot, placement_slot_id(epoch, slot).hex()))
+    lines.append("```")
+    return "\n".join(lines)
+
+
 VECTOR_PASSPHRASE = b"meshnode test vector"
 VECTOR_SALT = bytes(range(16))
 VECTOR_NONCE = bytes(range(24))
@@ -136,7 +153,7 @@ def render_keystore_vector() -> str:
 
 
 GENERATED = {"field tables": render_field_tables, "test vectors": render_vectors,
-             "keystore vector": render_keystore_vector}
+             "instance ids": render_instance_ids, "keystore vector": render_keystore_vector}
 
 
 def generated_block(text: str, name: str) -> str:

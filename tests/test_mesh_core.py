@@ -33,23 +33,23 @@ MESH = GENESIS.mesh_id
 
 
 def make_job(nonce=1, gpus=1, entrypoint="counter", backups=1, strategy="throughput", zones=(), epoch=0,
-             max_retries=0):
+             max_retries=0, created_ms=0, mesh=MESH):
     job = JobManifest(owner=OWNER.public_key, name="job%d" % nonce, nonce=nonce, entrypoint=entrypoint, args=(),
                       resources=Resources(gpus=gpus, gpu_mem_mib=1000, cpu_milli=500, mem_mib=512),
                       strategy=strategy, constraints=Constraints(zones=zones, labels=(), attested=()),
-                      priority=0, backups=backups, max_retries=max_retries, created_ms=0, epoch=epoch)
-    return job, encode_message(OWNER, MESH, job)
+                      priority=0, backups=backups, max_retries=max_retries, created_ms=created_ms, epoch=epoch)
+    return job, encode_message(OWNER, mesh, job)
 
 
 class Net:
     """Delivers every message in FIFO order; ``down`` nodes neither send nor receive."""
 
-    def __init__(self, gpus=(2, 2, 2, 2), history=None, bid_sample=None):
+    def __init__(self, gpus=(2, 2, 2, 2), history=None, bid_sample=None, genesis=GENESIS):
         self.now = 0
         self.cores = {}
         for index, identity in enumerate(IDS):
             self.cores[identity.public_key] = MeshCore(
-                identity=identity, genesis=GENESIS, policy=NodePolicy(zone=ZONES[index]),
+                identity=identity, genesis=genesis, policy=NodePolicy(zone=ZONES[index]),
                 capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * gpus[index]), rng=random.Random(index),
                 now_ms=0, history=(history or {}).get(identity.public_key, ()), bid_sample=bid_sample)
         self.queue = deque()

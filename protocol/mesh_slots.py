@@ -1,0 +1,261 @@
+"""MeshCore's placement slots (SPEC.md P7), a mixin of protocol.mesh.MeshCore.
+
+A mesh whose genesis sets ``placement_slot_ms`` > 0 decides the first placement of
+every job created in the same slot window (``created_ms // placement_slot_ms``, signed
+by the job's owner) with ONE consensus instance, whose value lists those placements.
+One proposal, one prevote and one precommit per member then carry up to
+MAX_SLOT_JOBS placements, which divides the signatures and messages per job by the
+batch size: what lets 1000 members place 1000 jobs in a run of the simulator.
+
+Which instance may place a job's first attempt follows from the job alone, so two
+instances never race for it: its slot, and only after the slot was decided without it
+(a late job, or one with no eligible bid in time), its own instance, whose proposal
+must carry the slot's commit certificate as proof (P7c). Bids, declines and
+reservations are keyed by the job as in the unbatched mesh (P3), so a bid made for
+the slot still counts in the job's own instance.
+"""
+
+from __future__ import annotations
+
+from protocol import codec
+from protocol.certificate import verify_commit_certificate
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (MAX_BIDS_PER_SLOT_JOB, MAX_SLOT_JOBS, Bid, CommitCertificate, PlacementSlot,
+                               decode_message, decode_value, placement_slot, placement_slot_id, slot_binding_error,
+                               slot_placements)
+from protocol.placement import choose_placement, select_justification, wanted_backups
+from protocol.ready import Outbound, Ready
+
+SLOT = "placement_slot"          # instance_meta[0] of a slot instance: (SLOT, epoch, slot)
+PROPOSAL_BYTES_BUDGET = 768 * 1024  # a slot proposal stays well inside one 1 MiB frame
+
+
+class SlotFlows:
+    def _init_slots(self) -> None:
+        self.slot_jobs: dict[bytes, dict[bytes, None]] = {}   # slot instance -> job ids it may place
+
+    @property
+    def slot_ms(self) -> int:
+        return self.params.placement_slot_ms
+
+    def _slotted(self, record) -> bool:
+        """Whether the job's first placement is its slot's to decide (not decided without it yet)."""
+        return self.slot_ms > 0 and record.attempt == 0 and record.slot_certificate is None
+
+    def _slot_of(self, job) -> bytes:
+        return placement_slot_id(job.epoch, placement_slot(job, self.slot_ms))
+
+    def _slot_records(self, sid: bytes) -> list:
+        """The slot's jobs still waiting for it here, in job id order (the leader's order too)."""
+        records = (self.job_records.get(jid) for jid in sorted(self.slot_jobs.get(sid, ())))
+        return [r for r in records if r is not None and r.state == "pending" and self._slotted(r)]
+
+    # --- joining a slot -------------------------------------------------------------------------
+    def _join_slot(self, record, view, now_ms: int, out: Ready) -> None:
+        job = record.manifest
+        sid = self._slot_of(job)
+        record.instance = sid
+        if sid in self.applied:
+            # Its slot was decided without it (a placed job is not pending): its own instance now.
+            certificate = self.recent_certificates.get(sid)
+            if certificate is None:
+                record.hint = ("its slot was decided without it and this node no longer holds the slot's "
+                               "certificate: its owner must sign it again")
+                self.counters["slot_certificate_gone"] += 1
+                return
+            self._go_late(record, certificate, now_ms, out)
+            return
+        self.slot_jobs.setdefault(sid, {})[record.job_id] = None
+        inst = self._start_instance(sid, SLOT, view, (SLOT, job.epoch, placement_slot(job, self.slot_ms)),
+                                    self._slot_validator(sid), now_ms, out)
+        if inst is None:
+            return
+        self._send_my_slot_bid(inst, record, now_ms, out)
+        for envelope, message, data in self.pending.pop(record.job_id, ()):
+            if isinstance(message, Bid):  # bids that came before the job
+                try:
+                    self._on_bid(envelope, message, data, now_ms, out)
+                except RemoteProtocolError:
+                    self.counters["rejected_bid"] += 1
+
+    def _go_late(self, record, certificate: bytes, now_ms: int, out: Ready) -> None:
+        """P7c: the slot decided without the job: its first placement runs in its own instance,
+        justified by the slot's certificate."""
+        record.slot_certificate = certificate
+        self.counters["slot_late_jobs"] += 1
+        self._start_placement(record, now_ms, out)
+        inst = self.instances.get(record.instance)
+        if inst is not None:  # its round-0 leader may never have seen the job (P2 with bid sampling)
+            self._show_job_to_leader(inst, record, out)
+
+    def _slot_instance_from_value(self, sid: bytes, value: PlacementSlot, view, now_ms: int, out: Ready):
+        """A proposal for a slot we have not started: its jobs come with it."""
+        try:
+            items = slot_placements(value, self.mesh_id)
+        except RemoteProtocolError:
+            self.counters["slot_proposal_bad_job"] += 1
+            return None
+        if slot_binding_error(sid, value, items, view.epoch, self.slot_ms) is not None:
+            self.counters["placement_wrong_epoch"] += 1
+            return None
+        for placement, job, jid in items:
+            record = self.job_records.get(jid) or self._new_job_record(jid, placement.job, job, now_ms)
+            if record.state == "pending" and self._slotted(record):
+                record.instance = sid
+                self.slot_jobs.setdefault(sid, {})[jid] = None
+        return self._start_instance(sid, SLOT, view, (SLOT, value.epoch, value.slot), self._slot_validator(sid),
+                                    now_ms, out)
+
+    # --- bids -----------------------------------------------------------------------------------
+    def _live_slot_of(self, jid: bytes):
+        """The live slot instance that may place job ``jid`` here, or None."""
+        record = self.job_records.get(jid)
+        if record is None or not self._slotted(record):
+            return None
+        inst = self.instances.get(record.instance)
+        return inst if inst is not None and self.instance_meta.get(record.instance, ("?",))[0] == SLOT else None
+
+    def _send_my_slot_bid(self, inst, record, now_ms: int, out: Ready) -> None:
+        jid = record.job_id
+        if record.state != "pending" or self.me not in inst.view.stakes:
+            return
+        mine = self.my_bids.get(jid)
+        if mine is None:
+            if not self._sampled(jid, inst.round, len(inst.view.members)):
+                return
+            mine = self._make_bid_or_decline(jid, inst.view.epoch, record, now_ms)
+            self.my_bids[jid] = mine
+            out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
+                                          instance=inst.instance_id.hex(), job_id=jid.hex()))
+        self._deliver_bid(inst, record, mine, now_ms, out)
+
+    def _on_slot_bid(self, inst, envelope, bid: Bid, data: bytes) -> None:
+        facts = self._parse_member_bid(data, bid.instance, inst.view)
+        self._hold_bid(bid.instance, facts, data)
+
+    # --- the leader's proposal --------------------------------------------------------------------
+    def _open_slot_window(self, inst, now_ms: int, out: Ready) -> None:
+        """Round 0 waits one slot window for the slot's jobs to arrive, then a bid window;
+        later rounds only the bid window (their jobs and bids are here or re-sent)."""
+        sid = inst.instance_id
+        if self.windows_open.get(sid) == inst.round:
+            return
+        self.windows_open[sid] = inst.round
+        wait = self.params.bid_window_ms + (self.slot_ms if inst.round == 0 else 0)
+        self._schedule(inst, "bid_window", now_ms + wait)
+        for record in self._slot_records(sid):
+            self._send_my_slot_bid(inst, record, now_ms, out)
+
+    def _propose_slot(self, inst, now_ms: int, out: Ready) -> None:
+        """Every slot job with an eligible bid, in job id order, up to MAX_SLOT_JOBS and a
+        proposal that fits a frame. A job with no eligible bid yet is left out: it is placed
+        by its own instance once the slot is decided (P7c)."""
+        sid = inst.instance_id
+        if not inst.awaiting_value or self.windows_open.get(sid) != inst.round:
+            return
+        items, justification, size = [], [], 0
+        for record in self._slot_records(sid):
+            held = self.bids_held.get(record.job_id, {})
+            # Members evicted since the slot's epoch are fenced: placing a job there strands it.
+            live = [facts for facts, _ in held.values() if facts.signer in self.view.stakes]
+            keep = min(MAX_BIDS_PER_SLOT_JOB, 1 + 2 * wanted_backups(record.manifest))
+            chosen = select_justification(record.manifest, record.job_id, live)[:keep]
+            placement = choose_placement(record.envelope, record.manifest, record.job_id, chosen)
+            if placement is None:
+                record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
+                continue
+            bids = [held[facts.signer][1] for facts in chosen]
+            cost = len(record.envelope) + sum(map(len, bids)) + 160
+            if len(items) == MAX_SLOT_JOBS or size + cost > PROPOSAL_BYTES_BUDGET:
+                break
+            items.append(placement)
+            justification.extend(bids)
+            size += cost
+        if not items:
+            return  # the round times out; a later leader, with a doubled bid sample, tries again
+        meta = self.instance_meta[sid]
+        value = PlacementSlot(epoch=inst.view.epoch, slot=meta[2], placements=tuple(items))
+        self._drive(inst, inst.propose(codec.pack(value.to_body()), tuple(justification), now_ms), now_ms, out)
+
+    def _slot_validator(self, sid: bytes):
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
+            inst = self.instances.get(sid) or self.decided.get(sid)   # the one asking
+            view = inst.view if inst is not None else self.view
+            try:
+                value = decode_value(SLOT, value_bytes)
+                items = slot_placements(value, self.mesh_id)
+                problem = slot_binding_error(sid, value, items, view.epoch, self.slot_ms)
+                if problem is not None:
+                    return problem
+                bids_of: dict[bytes, list] = {}
+                for data in justification:
+                    _envelope, bid = decode_message(data, self.mesh_id, expect=Bid)
+                    bids_of.setdefault(bid.instance, []).append(data)
+                if set(bids_of) - {jid for _p, _j, jid in items}:
+                    return "a bid for a job the slot does not place"
+                for placement, job, jid in items:
+                    bids = bids_of.get(jid, ())
+                    if len(bids) > MAX_BIDS_PER_SLOT_JOB:
+                        return "more than %d bids for one placement" % MAX_BIDS_PER_SLOT_JOB
+                    facts = [self._parse_member_bid(data, jid, view) for data in bids]
+                    if choose_placement(placement.job, job, jid, facts) != placement:
+                        return "placement of job %s does not follow from its bids" % jid.hex()[:12]
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid slot proposal: %s" % exc
+            return None
+        return validate
+
+    def _slot_exclusion_error(self, job, jid: bytes, certificates: list, view) -> str | None:
+        """P7c: a first placement outside its slot must prove the slot decided without it."""
+        if len(certificates) != 1:
+            return "a job's first placement outside its slot needs the slot's commit certificate"
+        try:
+            cert, value_bytes = verify_commit_certificate(certificates[0], self.mesh_id, view)
+            if cert.instance != self._slot_of(job) or cert.value_kind != SLOT:
+                return "the certificate is not of the job's slot"
+            value = decode_value(SLOT, value_bytes)
+            if any(jid == other for _p, _j, other in slot_placements(value, self.mesh_id)):
+                return "the job's slot placed it"
+        except RemoteProtocolError as exc:
+            return "slot certificate: %s" % exc
+        return None
+
+    def _split_justification(self, justification: tuple) -> tuple[list, list]:
+        """(bids, commit certificates) of a placement proposal's justification."""
+        bids, certificates = [], []
+        for data in justification:
+            _envelope, message = decode_message(data, self.mesh_id)
+            (certificates if isinstance(message, CommitCertificate) else bids).append(data)
+        return bids, certificates
+
+    # --- rounds, giving up, the decision -------------------------------------------------------------
+    def _on_slot_round_changed(self, inst, now_ms: int, out: Ready) -> None:
+        for record in self._slot_records(inst.instance_id):
+            self._show_job_to_leader(inst, record, out)
+            self._broadcast_job_after_round_zero(inst, record, out)
+            self._refresh_decline(inst, record, now_ms)
+            self._send_my_slot_bid(inst, record, now_ms, out)
+
+    def _slot_gave_up(self, sid: bytes, now_ms: int, out: Ready) -> None:
+        self.windows_open.pop(sid, None)
+        for jid in self.slot_jobs.pop(sid, {}):
+            record = self.job_records.get(jid)
+            self.book.release(jid)
+            self.my_bids.pop(jid, None)
+            self.bids_held.pop(jid, None)
+            if record is not None and record.state == "pending" and self._slotted(record):
+                record.hint = "its slot gave up after %d rounds; resubmit to retry" % self.params.max_rounds
+                record.instance = b""
+                out.events.append(self._event("job_gave_up", now_ms, job_id=jid.hex()))
+
+    def _apply_slot(self, sid: bytes, value: PlacementSlot, certificate: bytes, epoch: int, now_ms: int,
+                    out: Ready) -> None:
+        placed = set()
+        for placement, _job, jid in slot_placements(value, self.mesh_id):
+            placed.add(jid)
+            self._apply_placement(jid, placement, certificate, epoch, now_ms, out, instance=sid)
+        self.windows_open.pop(sid, None)
+        for jid in self.slot_jobs.pop(sid, {}):
+            record = self.job_records.get(jid)
+            if jid not in placed and record is not None and record.state == "pending" and self._slotted(record):
+                self._go_late(record, certificate, now_ms, out)
