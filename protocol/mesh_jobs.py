@@ -548,10 +548,11 @@ class JobFlows:
         """P2: with bid sampling the entry node sent the job only to round 0's sample and
         leader. Once round 0 failed, every member must run the instance (a later round's
         leader waits for round changes from a quorum, 6.5; the doubled sample bids, P3),
-        so the entry node broadcasts the job, once per instance."""
+        so the entry node and round 0's leader (should the entry have failed) broadcast the
+        job, once per instance."""
         key = (None, inst.instance_id, record.job_id if record is not None else b"", "all")
-        if (record is None or record.entry != self.me or inst.round == 0 or self.bid_sample is None
-                or key in self.jobs_shown):
+        if (record is None or inst.round == 0 or self.bid_sample is None or key in self.jobs_shown
+                or self.me not in (record.entry, inst.view.leader(inst.instance_id, 0))):
             return
         self.jobs_shown.add(key)
         out.messages.append(Outbound(None, record.envelope))
