@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     consensus.add_argument("--concurrency", type=int, default=1, help="submissions in flight")
     consensus.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
                            help="genesis heartbeat period (detection bound scales with it; default 50)")
+    consensus.add_argument("--slot-ms", type=int, default=0, metavar="MS",
+                           help="genesis placement_slot_ms: batch first placements per MS window (SPEC.md P7)")
     _common(consensus)
     consensus.set_defaults(func=cmd_consensus)
 
@@ -68,7 +70,7 @@ def cmd_consensus(args) -> int:
     from testnet.bench_consensus import run_consensus_bench
     _interrupt_on_sigterm()
     result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
-                                 seed=args.seed, heartbeat_ms=args.heartbeat_ms)
+                                 seed=args.seed, heartbeat_ms=args.heartbeat_ms, slot_ms=args.slot_ms)
     _print(result)
     return 0 if result["undecided"] == 0 and result["refused"] == 0 else 1
 

@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,10 +144,24 @@ def sign_jobs(owner_key_file, mesh_id: bytes, count: int, rng: random.Random, ma
     return signed
 
 
+def job_signer(owner_key_file, mesh_id: bytes, manifest_text: str):
+    """sign(nonce) -> (job id, envelope) of a job stamped ``created_ms`` = now, as a client
+    stamps a submission: which placement slot takes a job depends on it (SPEC.md P7)."""
+    owner = load_identity(owner_key_file, None)
+
+    def sign(nonce: int) -> tuple[bytes, bytes]:
+        job = parse_manifest(manifest_text.format(nonce=nonce), owner.public_key, time.time_ns() // 1_000_000,
+                             epoch=0)
+        return job_id(job), encode_message(owner, mesh_id, job)
+    return sign
+
+
 @dataclass
 class DecisionCollector:
-    """Per job: when each node published ``decided`` for its placement instance."""
+    """Per job: when each node published ``decided`` for its placement instance (with
+    placement slots, ``placed`` for the job: one slot decision places many, SPEC.md P7)."""
     nodes: int
+    slots: bool = False
     decided_ns: dict[str, dict[int, int]] = field(default_factory=dict)
     everywhere: dict[str, trio.Event] = field(default_factory=dict)
     rounds_over_zero: int = 0
@@ -160,9 +175,12 @@ class DecisionCollector:
         detail = event.get("detail", {})
         if event.get("kind") == "decided" and detail.get("value_kind") == "eviction":
             self.evictions.add(detail.get("instance"))  # an overloaded node missed the detection bound
-        if event.get("kind") != "decided" or detail.get("value_kind", "placement") != "placement":
+        if self.slots:
+            if event.get("kind") != "placed":
+                return
+        elif event.get("kind") != "decided" or detail.get("value_kind", "placement") != "placement":
             return
-        job_hex = detail.get("instance") or detail.get("job_id")
+        job_hex = detail.get("job_id") if self.slots else (detail.get("instance") or detail.get("job_id"))
         per_node = self.decided_ns.get(job_hex)
         if per_node is None or index in per_node:
             return
@@ -173,13 +191,13 @@ class DecisionCollector:
             self.everywhere[job_hex].set()
 
 
-async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: int,
-                  job_timeout_s: float = JOB_TIMEOUT_S) -> dict:
-    """Submit ``signed`` over the running testnet ``layout``; the raw per-job numbers."""
+async def measure(layout: dict, signed: list, concurrency: int,
+                  job_timeout_s: float = JOB_TIMEOUT_S, slots: bool = False) -> dict:
+    """Submit ``signed`` over the running testnet ``layout``; the raw per-job numbers.
+    ``signed``: (job id, envelope) pairs, or zero-argument callables that sign one when
+    it is submitted (``slots``: its ``created_ms`` picks its placement slot)."""
     node_dirs = [n["dir"] for n in layout["nodes"]]
-    collector = DecisionCollector(len(node_dirs))
-    for jid, _ in signed:
-        collector.expect(jid.hex())
+    collector = DecisionCollector(len(node_dirs), slots=slots)
     submitted_ns: dict[str, int] = {}
     undecided: list[str] = []
     refused: list[str] = []  # "node I: why" -- e.g. the node was evicted: the mesh is not healthy
@@ -188,11 +206,13 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
     async def worker() -> None:
         connections: dict[int, ControlConnection] = {}
         try:
-            for k, (jid, envelope) in queue:
+            for k, job in queue:
                 target = k % len(node_dirs)
                 if target not in connections:
                     connections[target] = await ControlConnection.open(node_dirs[target])
+                jid, envelope = job() if callable(job) else job
                 job_hex = jid.hex()
+                collector.expect(job_hex)
                 submitted_ns[job_hex] = time.monotonic_ns()
                 try:
                     result = await connections[target].call("submit", job=envelope)
@@ -239,12 +259,14 @@ async def measure(layout: dict, signed: list[tuple[bytes, bytes]], concurrency: 
 
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
                         seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
-                        heartbeat_ms: int | None = None) -> dict:
+                        heartbeat_ms: int | None = None, slot_ms: int = 0) -> dict:
     """Start a testnet, measure, tear it down; one JSON-ready result.
 
     ``heartbeat_ms``: run the testnet with that heartbeat period and a detection bound of
     the same multiple of it as the defaults (6x). Every member heartbeats every other, so
-    idle cost grows with n^2; larger meshes on few cores need a longer period."""
+    idle cost grows with n^2; larger meshes on few cores need a longer period.
+    ``slot_ms``: the genesis ``placement_slot_ms`` (SPEC.md P7); jobs are then signed as
+    they are submitted, so their creation times fall in the slots of their submission."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
         raise MeshError("--jobs must be 1..%d and --concurrency 1..%d" % (MAX_JOBS, MAX_CONCURRENCY))
     params = DEFAULT_PARAMS
@@ -254,6 +276,9 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         scale = DEFAULT_PARAMS.detection_bound_ms // DEFAULT_PARAMS.heartbeat_ms
         params = dataclasses.replace(DEFAULT_PARAMS, heartbeat_ms=heartbeat_ms,
                                      detection_bound_ms=scale * heartbeat_ms)
+    if not 0 <= slot_ms <= 60_000:
+        raise MeshError("--slot-ms must be 0..60000")
+    params = dataclasses.replace(params, placement_slot_ms=slot_ms)
     machine = machine_info()
     root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-consensus-"))
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
@@ -263,9 +288,14 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         launcher.up(root, nodes, owners=1, run_workloads=False, params=params)
         ready_s = time.monotonic() - started
         layout = launcher.load_layout(root)
-        signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs,
-                           random.Random(seed), CONSENSUS_MANIFEST, time.time_ns() // 1_000_000)
-        raw = trio.run(measure, layout, signed, concurrency, job_timeout_s)
+        owner_key, mesh_id = layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"])
+        if slot_ms:
+            sign = job_signer(owner_key, mesh_id, CONSENSUS_MANIFEST)
+            signed = [functools.partial(sign, nonce) for nonce in random.Random(seed).sample(range(1 << 40), jobs)]
+        else:
+            signed = sign_jobs(owner_key, mesh_id, jobs, random.Random(seed), CONSENSUS_MANIFEST,
+                               time.time_ns() // 1_000_000)
+        raw = trio.run(measure, layout, signed, concurrency, job_timeout_s, bool(slot_ms))
         failed = False
     finally:
         if (root / launcher.LAYOUT_FILE).exists():
@@ -278,6 +308,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     return {
         "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,
         "heartbeat_ms": params.heartbeat_ms, "detection_bound_ms": params.detection_bound_ms,
+        "placement_slot_ms": params.placement_slot_ms,
         "decided": decided, "undecided": raw["undecided"], "refused": len(raw["refused"]),
         "refused_first": raw["refused"][0] if raw["refused"] else None,
         "decided_in_later_round": raw["decided_in_later_round"], "evictions": raw["evictions"],
