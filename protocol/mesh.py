@@ -244,8 +244,11 @@ class MeshCore(JobFlows, SlotFlows, FailoverFlows):
             # not ours to resume here, and voting afresh beside them could sign twice.
             self.counters["records_of_another_epoch"] += 1
             return None
+        # A slot's leader waits one slot window before it gathers bids (P7b): its rounds
+        # last that much longer, or members time out just as its decision arrives.
+        timeout_ms = self.params.round_timeout_ms + (self.params.placement_slot_ms if kind == "placement_slot" else 0)
         inst = ConsensusInstance(instance_id=iid, value_kind=kind, view=view, identity=self.identity,
-                                 mesh_id=self.mesh_id, round_timeout_ms=self.params.round_timeout_ms,
+                                 mesh_id=self.mesh_id, round_timeout_ms=timeout_ms,
                                  round_timeout_max_ms=self.params.round_timeout_max_ms,
                                  max_rounds=max_rounds or self.params.max_rounds, validate=validate, now_ms=now_ms,
                                  other_kinds=other_kinds)

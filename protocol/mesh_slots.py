@@ -33,6 +33,7 @@ PROPOSAL_BYTES_BUDGET = 768 * 1024  # a slot proposal stays well inside one 1 Mi
 class SlotFlows:
     def _init_slots(self) -> None:
         self.slot_jobs: dict[bytes, dict[bytes, None]] = {}   # slot instance -> job ids it may place
+        self.slots_short_of_bids: set[bytes] = set()           # slots whose window closed with no job placeable
 
     @property
     def slot_ms(self) -> int:
@@ -129,9 +130,12 @@ class SlotFlows:
                                           instance=inst.instance_id.hex(), job_id=jid.hex()))
         self._deliver_bid(inst, record, mine, now_ms, out)
 
-    def _on_slot_bid(self, inst, envelope, bid: Bid, data: bytes) -> None:
+    def _on_slot_bid(self, inst, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         facts = self._parse_member_bid(data, bid.instance, inst.view)
-        self._hold_bid(bid.instance, facts, data)
+        if self._hold_bid(bid.instance, facts, data) and inst.instance_id in self.slots_short_of_bids:
+            # The window closed with no job placeable: the first eligible bid since is proposed
+            # at once, rather than after the round's timeout and a round change (P7b).
+            self._propose_slot(inst, now_ms, out)
 
     # --- the leader's proposal --------------------------------------------------------------------
     def _open_slot_window(self, inst, now_ms: int, out: Ready) -> None:
@@ -141,6 +145,7 @@ class SlotFlows:
         if self.windows_open.get(sid) == inst.round:
             return
         self.windows_open[sid] = inst.round
+        self.slots_short_of_bids.discard(sid)
         wait = self.params.bid_window_ms + (self.slot_ms if inst.round == 0 else 0)
         self._schedule(inst, "bid_window", now_ms + wait)
         for record in self._slot_records(sid):
@@ -172,7 +177,11 @@ class SlotFlows:
             justification.extend(bids)
             size += cost
         if not items:
-            return  # the round times out; a later leader, with a doubled bid sample, tries again
+            # Wait for an eligible bid (_on_slot_bid), or the round times out and a later
+            # leader, with a doubled bid sample, tries again.
+            self.slots_short_of_bids.add(sid)
+            return
+        self.slots_short_of_bids.discard(sid)
         meta = self.instance_meta[sid]
         value = PlacementSlot(epoch=inst.view.epoch, slot=meta[2], placements=tuple(items))
         self._drive(inst, inst.propose(codec.pack(value.to_body()), tuple(justification), now_ms), now_ms, out)
@@ -238,6 +247,7 @@ class SlotFlows:
 
     def _slot_gave_up(self, sid: bytes, now_ms: int, out: Ready) -> None:
         self.windows_open.pop(sid, None)
+        self.slots_short_of_bids.discard(sid)
         for jid in self.slot_jobs.pop(sid, {}):
             record = self.job_records.get(jid)
             self.book.release(jid)
@@ -255,6 +265,7 @@ class SlotFlows:
             placed.add(jid)
             self._apply_placement(jid, placement, certificate, epoch, now_ms, out, instance=sid)
         self.windows_open.pop(sid, None)
+        self.slots_short_of_bids.discard(sid)
         for jid in self.slot_jobs.pop(sid, {}):
             record = self.job_records.get(jid)
             if jid not in placed and record is not None and record.state == "pending" and self._slotted(record):
