@@ -30,7 +30,7 @@ from protocol.certificate import verify_commit_certificate
 from protocol.consensus import ConsensusInstance
 from protocol.errors import RemoteProtocolError
 from protocol.failure_detector import FailureDetector
-from protocol.messages import (Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
                                Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
                                PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
                                decode_message, decode_value, placement_binding_error, slot_binding_error,
@@ -352,6 +352,9 @@ class MeshCore(JobFlows, SlotFlows, FailoverFlows):
 
     def _on_consensus(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         iid = message.instance
+        if (isinstance(message, Proposal) and message.value_kind != "placement_slot"
+                and len(message.justification) > MAX_BIDS_PER_PROPOSAL + 1):
+            raise RemoteProtocolError("only a slot proposal carries more than %d bids (P7b)" % MAX_BIDS_PER_PROPOSAL)
         inst = self.instances.get(iid) or self.decided.get(iid)
         if inst is None and isinstance(message, Proposal):
             inst = self._instance_from_proposal(message, now_ms, out)
@@ -403,7 +406,8 @@ class MeshCore(JobFlows, SlotFlows, FailoverFlows):
             return None
         value = decode_value(proposal.value_kind, proposal.value)
         if proposal.value_kind == "placement":
-            return self._placement_instance_from_value(proposal.instance, value, view, now_ms, out)
+            return self._placement_instance_from_value(proposal.instance, value, view, now_ms, out,
+                                                       proposal.justification)
         if proposal.value_kind == "placement_slot":
             return self._slot_instance_from_value(proposal.instance, value, view, now_ms, out)
         if proposal.value_kind == "eviction":

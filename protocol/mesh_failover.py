@@ -448,6 +448,8 @@ class FailoverFlows:
             inst = self.instances[iid]
             if self.me in inst.view.stakes and inst.heard_from_others:
                 continue
+            if self.instance_meta.get(iid, ("?",))[0] == "placement_slot":
+                self._release_slot_bids(iid)
             self._forget_instance(iid)
             self.instance_meta.pop(iid, None)
             self.instance_round.pop(iid, None)

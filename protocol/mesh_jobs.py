@@ -282,7 +282,8 @@ class JobFlows:
             if record.state == "pending" and not record.instance and record.manifest.epoch == epoch:
                 self._start_placement(record, now_ms, out)
 
-    def _placement_instance_from_value(self, iid: bytes, placement: Placement, view, now_ms: int, out: Ready):
+    def _placement_instance_from_value(self, iid: bytes, placement: Placement, view, now_ms: int, out: Ready,
+                                       justification: tuple = ()):
         envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
         binding = placement_binding_error(iid, job, view.epoch)
         if binding is not None:  # one instance id, one epoch (P2): no straddling it
@@ -294,6 +295,15 @@ class JobFlows:
         if record.state in TERMINAL or (record.instance and record.instance != iid and not in_slot):
             self.counters["placement_for_other_attempt"] += 1
             return None
+        if self.slot_ms > 0 and iid == jid and record.slot_certificate is None:
+            # P7c: only the slot's certificate leaving the job out lets its own instance run;
+            # without it anyone could start one beside the live slot (and hold its bids).
+            certificates = self._split_justification(justification)[1]
+            if self._slot_exclusion_error(job, jid, certificates, view) is not None:
+                self.counters["late_placement_without_slot_certificate"] += 1
+                return None
+            self._apply_certificate_bytes(certificates[0], now_ms, out)  # the slot is decided here too
+            record.slot_certificate = record.slot_certificate or certificates[0]
         record.instance = iid
         return self._start_instance(iid, "placement", view, ("placement", jid), self._placement_validator(iid),
                                     now_ms, out)
@@ -369,6 +379,8 @@ class JobFlows:
 
     def _on_bid(self, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(bid.instance)
+        if inst is not None and self.instance_meta.get(bid.instance, ("?",))[0] == "placement_slot":
+            raise RemoteProtocolError("a bid names a slot, not a job (P7a)")
         if inst is None and self.slot_ms > 0:
             slot = self._live_slot_of(bid.instance)   # a bid for a job its slot may place (P7)
             if slot is not None:
@@ -549,8 +561,8 @@ class JobFlows:
         leader. Once round 0 failed, every member must run the instance (a later round's
         leader waits for round changes from a quorum, 6.5; the doubled sample bids, P3),
         so the entry node and round 0's leader (should the entry have failed) broadcast the
-        job, once per instance."""
-        key = (None, inst.instance_id, record.job_id if record is not None else b"", "all")
+        job, once per round (a broadcast lost to a partition is not the last)."""
+        key = (None, inst.instance_id, record.job_id if record is not None else b"", inst.round)
         if (record is None or inst.round == 0 or self.bid_sample is None or key in self.jobs_shown
                 or self.me not in (record.entry, inst.view.leader(inst.instance_id, 0))):
             return
@@ -787,6 +799,7 @@ class JobFlows:
             return
         if record.instance:
             self.book.release(record.instance)
+        self.book.release(record.job_id)  # a slot's bid reserves by job (P7a)
         was_mine = record.primary == self.me
         self.book.free(record.job_id)
         record.state = "cancelled"

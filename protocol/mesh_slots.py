@@ -27,7 +27,12 @@ from protocol.placement import choose_placement, select_justification, wanted_ba
 from protocol.ready import Outbound, Ready
 
 SLOT = "placement_slot"          # instance_meta[0] of a slot instance: (SLOT, epoch, slot)
-PROPOSAL_BYTES_BUDGET = 768 * 1024  # a slot proposal stays well inside one 1 MiB frame
+# A slot's value and its proposal stay small enough for what later wraps them inside one
+# 1 MiB frame: a round change carries the proposal and a prevote certificate, a slot
+# certificate carries the value and the precommits, and a left-out job's own proposals
+# (and their round changes) carry that certificate (P7c). About 180 bytes per vote.
+VALUE_BYTES_BUDGET = 192 * 1024
+PROPOSAL_BYTES_BUDGET = 320 * 1024
 
 
 class SlotFlows:
@@ -72,7 +77,11 @@ class SlotFlows:
         if inst is None:
             return
         self._send_my_slot_bid(inst, record, now_ms, out)
-        for envelope, message, data in self.pending.pop(record.job_id, ()):
+        held = self.pending.pop(record.job_id, ())
+        others = [item for item in held if not isinstance(item[1], Bid)]
+        if others:  # messages of the job's own instance (P7c) wait for it
+            self.pending[record.job_id] = others
+        for envelope, message, data in held:
             if isinstance(message, Bid):  # bids that came before the job
                 try:
                     self._on_bid(envelope, message, data, now_ms, out)
@@ -158,7 +167,7 @@ class SlotFlows:
         sid = inst.instance_id
         if not inst.awaiting_value or self.windows_open.get(sid) != inst.round:
             return
-        items, justification, size = [], [], 0
+        items, justification, size, value_size = [], [], 0, 0
         for record in self._slot_records(sid):
             held = self.bids_held.get(record.job_id, {})
             # Members evicted since the slot's epoch are fenced: placing a job there strands it.
@@ -170,12 +179,15 @@ class SlotFlows:
                 record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
                 continue
             bids = [held[facts.signer][1] for facts in chosen]
-            cost = len(record.envelope) + sum(map(len, bids)) + 160
-            if len(items) == MAX_SLOT_JOBS or size + cost > PROPOSAL_BYTES_BUDGET:
+            value_cost = len(record.envelope) + 40 * (2 + len(placement.backups))
+            cost = value_cost + sum(map(len, bids))
+            if (len(items) == MAX_SLOT_JOBS or value_size + value_cost > VALUE_BYTES_BUDGET
+                    or size + cost > PROPOSAL_BYTES_BUDGET):
                 break
             items.append(placement)
             justification.extend(bids)
             size += cost
+            value_size += value_cost
         if not items:
             # Wait for an eligible bid (_on_slot_bid), or the round times out and a later
             # leader, with a doubled bid sample, tries again.
@@ -245,14 +257,21 @@ class SlotFlows:
             self._refresh_decline(inst, record, now_ms)
             self._send_my_slot_bid(inst, record, now_ms, out)
 
-    def _slot_gave_up(self, sid: bytes, now_ms: int, out: Ready) -> None:
+    def _release_slot_bids(self, sid: bytes) -> list:
+        """Forget a slot that will not decide here: its jobs' reservations, bids and window.
+        Returns the job ids it held."""
         self.windows_open.pop(sid, None)
         self.slots_short_of_bids.discard(sid)
-        for jid in self.slot_jobs.pop(sid, {}):
-            record = self.job_records.get(jid)
+        jids = list(self.slot_jobs.pop(sid, {}))
+        for jid in jids:
             self.book.release(jid)
             self.my_bids.pop(jid, None)
             self.bids_held.pop(jid, None)
+        return jids
+
+    def _slot_gave_up(self, sid: bytes, now_ms: int, out: Ready) -> None:
+        for jid in self._release_slot_bids(sid):
+            record = self.job_records.get(jid)
             if record is not None and record.state == "pending" and self._slotted(record):
                 record.hint = "its slot gave up after %d rounds; resubmit to retry" % self.params.max_rounds
                 record.instance = b""

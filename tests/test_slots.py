@@ -9,8 +9,10 @@ import hashlib
 from keys.genesis import DEFAULT_PARAMS
 from protocol import codec
 from protocol.mesh_jobs import JobRecord
-from protocol.messages import Placement, PlacementSlot, decode_message, job_id, placement_slot_id
-from tests.test_mesh_core import GENESIS, KEYS, Net, make_job
+from protocol.mesh_slots import VALUE_BYTES_BUDGET
+from protocol.messages import (Cancel, Placement, PlacementSlot, Proposal, decode_message, encode_message, job_id,
+                               placement_slot_id)
+from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net, make_job
 
 SLOT_MS = 50
 SLOT_GENESIS = dataclasses.replace(GENESIS, params=dataclasses.replace(DEFAULT_PARAMS, placement_slot_ms=SLOT_MS))
@@ -171,3 +173,50 @@ def test_p7c_a_job_its_slot_left_out_for_want_of_an_eligible_bid_is_placed_by_it
         assert [placed_jobs(d.value) for d in net.certified(key, "placement_slot")] == [[job_id(small)]]
         own = net.certified(key, "placement")
         assert [(d.instance, d.value.primary) for d in own] == [(job_id(big), KEYS[3])]
+
+
+def test_p7c_a_proposal_of_a_slot_jobs_own_instance_without_the_certificate_starts_nothing():
+    """Anyone may send a proposal; for a job still in its slot, only one carrying the slot's
+    certificate (that leaves the job out) starts the job's own instance beside it."""
+    net = Net(genesis=SLOT_GENESIS)
+    job, envelope = slot_job(1, created_ms=0)
+    net.submit(KEYS[0], envelope)  # not run: the slot is still gathering bids
+    core = net.cores[KEYS[0]]
+    value = codec.pack(Placement(job=envelope, primary=KEYS[1], backups=(), gpus=(0,)).to_body())
+    forged = encode_message(IDS[3], SLOT_MESH, Proposal(job_id(job), 0, 0, "placement", value, (), None, None))
+    core.step(forged, 0, KEYS[3])
+    assert job_id(job) not in core.instances
+    assert core.counters["late_placement_without_slot_certificate"] == 1
+    assert core.job_view(job_id(job))["instance"] == placement_slot_id(0, 0)
+
+
+def test_p7_cancelling_a_job_waiting_for_its_slot_releases_every_bid_reservation():
+    net = Net(genesis=SLOT_GENESIS)
+    job, envelope = slot_job(1, created_ms=0)
+    net.submit(KEYS[0], envelope)
+    net.deliver()  # every member bid (P7a): each holds a GPU for the job
+    assert all(core.book.held_totals()[0] == 1 for core in net.cores.values())
+    _jid, ready = net.cores[KEYS[0]].cancel(encode_message(OWNER, SLOT_MESH, Cancel(job_id=job_id(job),
+                                                                                     requested_ms=1)), net.now)
+    net.emit(KEYS[0], ready)
+    net.deliver()
+    assert all(core.book.held_totals() == (0, 0, 0) for core in net.cores.values())
+
+
+def test_p7b_a_slot_value_stays_within_its_byte_budget_and_the_rest_go_on_alone():
+    """Jobs near the 64 KiB manifest limit: the slot takes what fits its value budget (so a
+    round change or a left-out job's proposal, which carry it, still fit a frame)."""
+    net = Net(gpus=(4, 4, 4, 4), genesis=SLOT_GENESIS)
+    big_args = tuple("x" * 1000 for _ in range(60))
+    jobs = []
+    for nonce in range(1, 6):
+        job = dataclasses.replace(slot_job(nonce, created_ms=nonce)[0], args=big_args)
+        jobs.append((job, encode_message(OWNER, SLOT_MESH, job)))
+        net.submit(KEYS[nonce % 4], jobs[-1][1])
+    net.run(600)
+    for key in KEYS:
+        [slot] = net.certified(key, "placement_slot")
+        assert len(codec.pack(slot.value.to_body())) <= VALUE_BYTES_BUDGET
+        assert 0 < len(slot.value.placements) < len(jobs)
+        placed = set(placed_jobs(slot.value)) | {d.instance for d in net.certified(key, "placement")}
+        assert placed == {job_id(job) for job, _ in jobs}
