@@ -355,8 +355,8 @@ class JobFlows:
         signer's member record (genesis or join), signed facts a bidder cannot lie about."""
         facts = parse_bid(data, self.mesh_id, iid, view.epoch, view.stakes, self.authorities)
         record = self.member_info.get(facts.signer)
-        if record is not None and (facts.capability.zone != record.zone
-                                   or dict(facts.capability.labels) != dict(record.labels)):
+        # Both label sets are canonical sorted pairs (schema TextMap): compared as they are.
+        if record is not None and (facts.capability.zone != record.zone or facts.capability.labels != record.labels):
             raise RemoteProtocolError("bid's capability zone or labels contradict the member record")
         return facts
 

@@ -18,21 +18,30 @@ the slot still counts in the job's own instance.
 from __future__ import annotations
 
 from protocol import codec
+from protocol.codec import MAX_FRAME_BYTES
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (MAX_BIDS_PER_SLOT_JOB, MAX_SLOT_JOBS, Bid, CommitCertificate, PlacementSlot,
                                decode_message, decode_value, placement_slot, placement_slot_id, slot_binding_error,
                                slot_placements)
-from protocol.placement import choose_placement, select_justification, wanted_backups
+from protocol.placement import choose_placement, select_justification
 from protocol.ready import Outbound, Ready
 
 SLOT = "placement_slot"          # instance_meta[0] of a slot instance: (SLOT, epoch, slot)
-# A slot's value and its proposal stay small enough for what later wraps them inside one
-# 1 MiB frame: a round change carries the proposal and a prevote certificate, a slot
-# certificate carries the value and the precommits, and a left-out job's own proposals
-# (and their round changes) carry that certificate (P7c). About 180 bytes per vote.
-VALUE_BYTES_BUDGET = 192 * 1024
-PROPOSAL_BYTES_BUDGET = 320 * 1024
+VOTE_ENVELOPE_BYTES = 256        # one signed vote in a certificate (249 bytes measured, plus framing)
+WRAPPING_MARGIN_BYTES = 160 * 1024  # a job, 32 bids and the fields around a wrapped certificate
+MIN_BUDGET_BYTES = 32 * 1024
+
+
+def slot_budgets(members: int) -> tuple[int, int]:
+    """(value, proposal) byte budgets of a slot in an epoch of ``members`` (P7b). What later
+    wraps them must fit one frame: a round change carries the proposal and a prevote
+    certificate; the slot's certificate carries the value and the precommits; a left-out
+    job's own proposal carries that certificate, and its round change a prevote
+    certificate too. (Beyond about 1500 members only the minimum is left.)"""
+    votes = members * VOTE_ENVELOPE_BYTES
+    return (max(MIN_BUDGET_BYTES, MAX_FRAME_BYTES - 2 * votes - WRAPPING_MARGIN_BYTES),
+            max(MIN_BUDGET_BYTES, MAX_FRAME_BYTES - votes - WRAPPING_MARGIN_BYTES))
 
 
 class SlotFlows:
@@ -167,22 +176,24 @@ class SlotFlows:
         sid = inst.instance_id
         if not inst.awaiting_value or self.windows_open.get(sid) != inst.round:
             return
+        value_budget, proposal_budget = slot_budgets(len(inst.view.members))
         items, justification, size, value_size = [], [], 0, 0
         for record in self._slot_records(sid):
             held = self.bids_held.get(record.job_id, {})
             # Members evicted since the slot's epoch are fenced: placing a job there strands it.
             live = [facts for facts, _ in held.values() if facts.signer in self.view.stakes]
-            keep = min(MAX_BIDS_PER_SLOT_JOB, 1 + 2 * wanted_backups(record.manifest))
-            chosen = select_justification(record.manifest, record.job_id, live)[:keep]
+            chosen = select_justification(record.manifest, record.job_id, live)
             placement = choose_placement(record.envelope, record.manifest, record.job_id, chosen)
             if placement is None:
                 record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
                 continue
-            bids = [held[facts.signer][1] for facts in chosen]
+            # Only the primary's and the backups' bids: choose_placement over them gives the
+            # same placement (the best of them first, then the rest by the same zone rule).
+            bids = [held[key][1] for key in (placement.primary,) + tuple(placement.backups)]
             value_cost = len(record.envelope) + 40 * (2 + len(placement.backups))
             cost = value_cost + sum(map(len, bids))
-            if (len(items) == MAX_SLOT_JOBS or value_size + value_cost > VALUE_BYTES_BUDGET
-                    or size + cost > PROPOSAL_BYTES_BUDGET):
+            if (len(items) == MAX_SLOT_JOBS or value_size + value_cost > value_budget
+                    or size + cost > proposal_budget):
                 break
             items.append(placement)
             justification.extend(bids)

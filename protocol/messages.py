@@ -25,7 +25,7 @@ from protocol.schema import (Bool, Bytes, Int, Key, List, Nested, Optional, Reco
 MAX_NODES = 4096          # members of one mesh epoch
 MAX_BIDS_PER_PROPOSAL = 32  # justification kept O(1) per voter (SPEC.md 6.3)
 MAX_SLOT_JOBS = 128         # placements one slot decides (SPEC.md P7)
-MAX_BIDS_PER_SLOT_JOB = 4   # bids a slot proposal carries per placement: its proposal stays under a frame
+MAX_BIDS_PER_SLOT_JOB = 5   # a slot proposal carries the bids of each primary and its <= 4 backups
 MAX_JUSTIFICATION = MAX_SLOT_JOBS * MAX_BIDS_PER_SLOT_JOB
 MAX_STATE_BYTES = 900 * 1024  # checkpoint state; leaves room in the 1 MiB frame
 STRATEGIES = ("latency", "throughput", "sovereign")
@@ -661,5 +661,8 @@ def slot_binding_error(iid: bytes, value: PlacementSlot, items: list, epoch: int
     return None
 
 
+@lru_cache(maxsize=1024)
 def value_hash(value_bytes: bytes) -> bytes:
+    """SPEC.md 6.4. Remembered: a slot's value (P7) is up to hundreds of KiB, and every
+    vote, certificate and late job's proof asks for the hash of the same bytes."""
     return hashlib.sha256(b"meshnode/v1/value\x00" + value_bytes).digest()

@@ -9,7 +9,7 @@ import hashlib
 from keys.genesis import DEFAULT_PARAMS
 from protocol import codec
 from protocol.mesh_jobs import JobRecord
-from protocol.mesh_slots import VALUE_BYTES_BUDGET
+from protocol.mesh_slots import slot_budgets
 from protocol.messages import (Cancel, Placement, PlacementSlot, Proposal, decode_message, encode_message, job_id,
                                placement_slot_id)
 from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net, make_job
@@ -206,17 +206,17 @@ def test_p7_cancelling_a_job_waiting_for_its_slot_releases_every_bid_reservation
 def test_p7b_a_slot_value_stays_within_its_byte_budget_and_the_rest_go_on_alone():
     """Jobs near the 64 KiB manifest limit: the slot takes what fits its value budget (so a
     round change or a left-out job's proposal, which carry it, still fit a frame)."""
-    net = Net(gpus=(4, 4, 4, 4), genesis=SLOT_GENESIS)
+    net = Net(gpus=(5, 5, 5, 5), genesis=SLOT_GENESIS)
     big_args = tuple("x" * 1000 for _ in range(60))
     jobs = []
-    for nonce in range(1, 6):
+    for nonce in range(1, 17):  # 16 x 60 KB: more than a 4-member slot's value budget
         job = dataclasses.replace(slot_job(nonce, created_ms=nonce)[0], args=big_args)
         jobs.append((job, encode_message(OWNER, SLOT_MESH, job)))
         net.submit(KEYS[nonce % 4], jobs[-1][1])
     net.run(600)
     for key in KEYS:
         [slot] = net.certified(key, "placement_slot")
-        assert len(codec.pack(slot.value.to_body())) <= VALUE_BYTES_BUDGET
+        assert len(codec.pack(slot.value.to_body())) <= slot_budgets(len(KEYS))[0]
         assert 0 < len(slot.value.placements) < len(jobs)
         placed = set(placed_jobs(slot.value)) | {d.instance for d in net.certified(key, "placement")}
         assert placed == {job_id(job) for job, _ in jobs}
