@@ -5,15 +5,16 @@ drive the same class. It has no IO: raw envelope bytes, ``now_ms`` ints and an
 injected ``random.Random`` go in; one ``Ready`` batch comes out of every call, handled
 as protocol/ready.py says (persist, send, decisions, events).
 
-It owns the consensus instances (protocol/consensus.py) of three kinds of value and
+It owns the consensus instances (protocol/consensus.py) of four kinds of value and
 routes every message to them or to the flows in mesh_jobs.py (placement, checkpoints,
-job lifecycle) and mesh_failover.py (heartbeats, suspicion, eviction, epochs, joins).
+job lifecycle), mesh_slots.py (placements batched per slot, P7) and mesh_failover.py
+(heartbeats, suspicion, eviction, epochs, joins).
 
 Bad remote input never raises: it is dropped and counted in ``self.counters`` under a
 short reason (the consensus instances count into the same Counter).
 
-Decisions: certified ones carry a decoded Placement / Eviction / MembershipChange and
-the commit certificate. Four local, uncertified kinds (``certificate == b""``) tell
+Decisions: certified ones carry a decoded Placement / PlacementSlot / Eviction /
+MembershipChange and the commit certificate. Four local, uncertified kinds (``certificate == b""``) tell
 the driver what to do with workloads: "halt" (value ``()``: this node stalled past the
 detection bound, stop everything until caught up), "resume" (value: job ids to restart
 from their newest checkpoint), "stop" and "cancel" (value: job ids to stop here).
