@@ -323,16 +323,22 @@ class JobFlows:
     def _send_my_bid(self, iid: bytes, now_ms: int, out: Ready) -> None:
         inst = self.instances.get(iid)
         record = self.job_records.get(self.instance_meta.get(iid, (None, b""))[1])
-        if inst is None or record is None or record.state in TERMINAL or self.me not in inst.view.stakes:
+        if inst is not None and record is not None and record.state not in TERMINAL:
+            self._bid_once(inst, record, iid, now_ms, out)
+
+    def _bid_once(self, inst, record: JobRecord, key: bytes, now_ms: int, out: Ready) -> None:
+        """SPEC P3: a sampled member decides once per placement ``key`` (an instance, or a
+        job id in a slot) whether it bids or declines, and sends that to ``inst``'s leader."""
+        if self.me not in inst.view.stakes:
             return
-        mine = self.my_bids.get(iid)
+        mine = self.my_bids.get(key)
         if mine is None:
-            if not self._sampled(iid, inst.round, len(inst.view.members)):
+            if not self._sampled(key, inst.round, len(inst.view.members)):
                 return
-            mine = self._make_bid_or_decline(iid, inst.view.epoch, record, now_ms)
-            self.my_bids[iid] = mine
+            mine = self._make_bid_or_decline(key, inst.view.epoch, record, now_ms)
+            self.my_bids[key] = mine
             out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
-                                          instance=iid.hex(), job_id=record.job_id.hex()))
+                                          instance=inst.instance_id.hex(), job_id=record.job_id.hex()))
         self._deliver_bid(inst, record, mine, now_ms, out)
 
     def _deliver_bid(self, inst, record: JobRecord, mine: tuple, now_ms: int, out: Ready) -> None:

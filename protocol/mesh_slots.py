@@ -135,18 +135,8 @@ class SlotFlows:
         return inst if inst is not None and self.instance_meta.get(record.instance, ("?",))[0] == SLOT else None
 
     def _send_my_slot_bid(self, inst, record, now_ms: int, out: Ready) -> None:
-        jid = record.job_id
-        if record.state != "pending" or self.me not in inst.view.stakes:
-            return
-        mine = self.my_bids.get(jid)
-        if mine is None:
-            if not self._sampled(jid, inst.round, len(inst.view.members)):
-                return
-            mine = self._make_bid_or_decline(jid, inst.view.epoch, record, now_ms)
-            self.my_bids[jid] = mine
-            out.events.append(self._event("bid" if mine[0] == "bid" else "declined", now_ms,
-                                          instance=inst.instance_id.hex(), job_id=jid.hex()))
-        self._deliver_bid(inst, record, mine, now_ms, out)
+        if record.state == "pending":
+            self._bid_once(inst, record, record.job_id, now_ms, out)
 
     def _on_slot_bid(self, inst, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         facts = self._parse_member_bid(data, bid.instance, inst.view)
