@@ -14,10 +14,11 @@ Bad remote input never raises: it is dropped and counted in ``self.counters`` un
 short reason (the consensus instances count into the same Counter).
 
 Decisions: certified ones carry a decoded Placement / PlacementSlot / Eviction /
-MembershipChange and the commit certificate. Four local, uncertified kinds (``certificate == b""``) tell
-the driver what to do with workloads: "halt" (value ``()``: this node stalled past the
-detection bound, stop everything until caught up), "resume" (value: job ids to restart
-from their newest checkpoint), "stop" and "cancel" (value: job ids to stop here).
+MembershipChange and the commit certificate. Four local, uncertified kinds
+(``certificate == b""``) tell the driver what to do with workloads: "halt" (value
+``()``: this node stalled past the detection bound, stop everything until caught up),
+"resume" (value: job ids to restart from their newest checkpoint), "stop" and "cancel"
+(value: job ids to stop here).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from protocol.certificate import verify_commit_certificate
 from protocol.consensus import ConsensusInstance
 from protocol.errors import RemoteProtocolError
 from protocol.failure_detector import FailureDetector
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck, CommitCertificate,
-                               Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
+                               CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
                                PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
                                decode_message, decode_value, placement_binding_error, slot_binding_error,
                                slot_placements)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
-                               CommitCertificate, Decline, GpuState, JobExit, JobManifest, Placement, RunningJob,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_RUNNING_LISTED, Bid, Cancel, CapabilityVector, Checkpoint,
+                               CheckpointAck, CommitCertificate, Decline, GpuState, JobExit, JobManifest, Placement,
+                               RunningJob,
                                decode_message, decode_value, encode_message, job_id, placement_attempt,
                                placement_binding_error, placement_instance_id)
 from protocol.placement import (attested_attributes, choose_placement, eligibility, gpu_free_mem_mib, parse_bid,

@@ -413,7 +413,8 @@ class Simulation:
                 done = self.honest_done.get(decision.instance, 0) + 1
                 self.honest_done[decision.instance] = done
                 if done == len(self.honest):  # early stop only when every honest node has every job
-                    self.complete += (1 if decision.value_kind == "placement" else len(decision.value.placements))
+                    placed = 1 if decision.value_kind == "placement" else len(decision.value.placements)
+                    self.complete += placed
 
     def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
         for event in events:
