@@ -18,7 +18,11 @@ under its own name, never under another's. Behaviours:
 - ``rush_rounds``: with each RoundChange it also tells every peer it is ``RUSH_ROUNDS``
   rounds further on, as a RoundChange and as a RoundSync holding only its own change
   (SPEC.md 6.5: one node under 1/3 must not drag honest nodes ahead; as a round's leader
-  it may only end that round early).
+  it may only end that round early);
+- ``claim_placed_job`` (meshes with placement slots only): with each slot certificate it
+  sends, it proposes the slot's first job again in that job's own instance, offering the
+  certificate that lists it as the proof that the slot left it out (SPEC.md P7c: honest
+  nodes must neither start that instance nor vote for it).
 
 Conflicting pairs are remembered, so the simulator can tell which honest node received
 both halves of an equivocation and must therefore hold evidence of it.
@@ -32,12 +36,14 @@ from dataclasses import replace
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (Bid, CapabilityVector, Decline, GpuState, Placement, Precommit, Prevote, Proposal,
-                               RoundChange, RoundSync, decode_message, decode_value, encode_message)
+from protocol.messages import (Bid, CapabilityVector, CommitCertificate, Decline, GpuState, JobManifest, Placement,
+                               Precommit, Prevote, Proposal, RoundChange, RoundSync, decode_message, decode_value,
+                               encode_message, job_id)
 from protocol.ready import Outbound, Ready
 
 BEHAVIOURS = ("equivocate", "double_vote", "bad_signature", "lying_capability", "phantom_bid", "silence",
               "rush_rounds")
+SLOT_BEHAVIOURS = ("claim_placed_job",)  # drawn only in meshes with placement slots (SPEC.md P7)
 RUSH_ROUNDS = 8
 BAD_SIGNATURE_PER_MILLE = 200
 MAX_TRACKED_PAIRS = 100_000  # conflicting-pair bookkeeping per Byzantine node
@@ -48,7 +54,7 @@ class ByzantineBehaviour:
 
     def __init__(self, index: int, identity, mesh_id: bytes, behaviours: frozenset[str],
                  rng: random.Random, zones: tuple[str, ...]):
-        unknown = set(behaviours) - set(BEHAVIOURS)
+        unknown = set(behaviours) - set(BEHAVIOURS) - set(SLOT_BEHAVIOURS)
         if unknown:
             raise ValueError("unknown Byzantine behaviours: %s" % sorted(unknown))
         self.index = index
@@ -95,7 +101,20 @@ class ByzantineBehaviour:
             return [Outbound(message.to, self._phantom_bid(body))]
         if isinstance(body, RoundChange) and "rush_rounds" in self.behaviours:
             return [message] + self._rushed(body, peers)
+        if (isinstance(body, CommitCertificate) and body.value_kind == "placement_slot"
+                and "claim_placed_job" in self.behaviours):
+            return [message] + [Outbound(peer, self._claim_placed_job(body, message.data)) for peer in peers]
         return [message]
+
+    def _claim_placed_job(self, cert: CommitCertificate, data: bytes) -> bytes:
+        """A proposal of the slot's first job in its own instance, "proven" by the very
+        certificate that placed it."""
+        placement = decode_value("placement_slot", cert.value).placements[0]
+        _envelope, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        forged = replace(placement, primary=self.identity.public_key, backups=())
+        self.forged += 1
+        return self._sign(Proposal(job_id(job), 0, cert.epoch, "placement", codec.pack(forged.to_body()), (data,),
+                                   None, None))
 
     def _rushed(self, change: RoundChange, peers: list[bytes]) -> list[Outbound]:
         ahead = replace(change, round=min(change.round + RUSH_ROUNDS, 1 << 20), locked_round=None,

@@ -28,7 +28,7 @@ from protocol.certificate import verify_commit_certificate
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.mesh import SAFETY_TABLES, MeshCore
 from protocol.messages import CommitCertificate, decode_message
-from testnet.byzantine import BEHAVIOURS, ByzantineBehaviour
+from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_world import SIM_PARAMS, ZONES, World, build_world
@@ -175,6 +175,9 @@ class Simulation:
         active = [b for b in BEHAVIOURS if b != "silence" and self.rng.randrange(2)]
         if self.rng.randrange(6) == 0:
             active = ["silence"]
+        # Drawn after the others, and only with slots: runs without keep their seeds' worlds.
+        if self.config.slot_ms and active != ["silence"]:
+            active += [b for b in SLOT_BEHAVIOURS if self.rng.randrange(2)]
         return frozenset(active or ["equivocate", "double_vote"])
 
     def _network(self, faulty: bool) -> SimNetwork:

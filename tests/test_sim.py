@@ -53,8 +53,9 @@ SLOT_SWEEP_SEEDS = 120
 def test_slot_sweep_under_faults_has_no_violations_and_exercises_both_slot_paths():
     """SPEC.md P7 under the same faults: 4..6 nodes, 6 jobs in 50 ms slots (so several jobs
     share one), up to 0.3 Byzantine stake (an equivocating leader changes a slot's first
-    placement). Some jobs must go on in their own instance after their slot (P7c)."""
-    failures, slot_placed, own_placed = [], 0, 0
+    placement; a claimer proposes a placed job again in its own instance). Some jobs must
+    go on in their own instance after their slot (P7c), and claims must be refused."""
+    failures, slot_placed, own_placed, claims_refused = [], 0, 0, 0
     for seed in range(SLOT_SWEEP_SEEDS):
         sim = Simulation(SimConfig(nodes=4 + seed % 3, jobs=6, seed=seed, byzantine_milli=300 if seed % 3 else 0,
                                    faults=FAULTS, heartbeats=False, slot_ms=50))
@@ -64,8 +65,11 @@ def test_slot_sweep_under_faults_has_no_violations_and_exercises_both_slot_paths
         for jid, instance in sim.checker.placement_of.items():
             slot_placed += instance != jid
             own_placed += instance == jid
+        claims_refused += sum(node.core.counters["late_placement_without_slot_certificate"] for node in sim.nodes
+                              if node.behaviour is None and node.core is not None)
     assert not failures, "\n".join(failures[:10])
     assert slot_placed >= 3 * own_placed > 0, (slot_placed, own_placed)
+    assert claims_refused > 0
 
 
 def test_same_seed_gives_identical_decision_log():
