@@ -5,8 +5,10 @@ end on the 4-core FIFO router of test_mesh_core."""
 
 import dataclasses
 import hashlib
+import json
 
 from keys.genesis import DEFAULT_PARAMS
+from meshnode.cli import main
 from protocol import codec
 from protocol.mesh_jobs import JobRecord
 from protocol.mesh_slots import slot_budgets
@@ -220,3 +222,18 @@ def test_p7b_a_slot_value_stays_within_its_byte_budget_and_the_rest_go_on_alone(
         assert 0 < len(slot.value.placements) < len(jobs)
         placed = set(placed_jobs(slot.value)) | {d.instance for d in net.certified(key, "placement")}
         assert placed == {job_id(job) for job, _ in jobs}
+
+
+def test_p7_a_slot_certificate_verifies_offline_with_meshnode_cert_verify(tmp_path, capsys):
+    net = Net(genesis=SLOT_GENESIS)
+    for nonce in (1, 2):
+        net.submit(KEYS[nonce], slot_job(nonce, created_ms=nonce)[1])
+    net.run(200)
+    [slot] = net.certified(KEYS[0], "placement_slot")
+    (tmp_path / "genesis.bin").write_bytes(SLOT_GENESIS.encode())
+    (tmp_path / "slot.cert").write_bytes(slot.certificate)
+    assert main(["cert", "verify", str(tmp_path / "slot.cert"), "--genesis", str(tmp_path / "genesis.bin"),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["valid"] and result["value_kind"] == "placement_slot"
+    assert result["instance"] == placement_slot_id(0, 0).hex()
