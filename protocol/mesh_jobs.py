@@ -391,7 +391,7 @@ class JobFlows:
         if inst is None and self.slot_ms > 0:
             slot = self._live_slot_of(bid.instance)   # a bid for a job its slot may place (P7)
             if slot is not None:
-                self._on_slot_bid(slot, envelope, bid, data, now_ms, out)
+                self._on_slot_bid(slot, bid, data, now_ms, out)
                 return
         if inst is None:
             done = self.decided.get(bid.instance)

@@ -25,7 +25,7 @@ from protocol.messages import (MAX_BIDS_PER_SLOT_JOB, MAX_SLOT_JOBS, Bid, Commit
                                decode_message, decode_value, placement_slot, placement_slot_id, slot_binding_error,
                                slot_placements)
 from protocol.placement import choose_placement, select_justification
-from protocol.ready import Outbound, Ready
+from protocol.ready import Ready
 
 SLOT = "placement_slot"          # instance_meta[0] of a slot instance: (SLOT, epoch, slot)
 VOTE_ENVELOPE_BYTES = 256        # one signed vote in a certificate (249 bytes measured, plus framing)
@@ -138,7 +138,7 @@ class SlotFlows:
         if record.state == "pending":
             self._bid_once(inst, record, record.job_id, now_ms, out)
 
-    def _on_slot_bid(self, inst, envelope, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
+    def _on_slot_bid(self, inst, bid: Bid, data: bytes, now_ms: int, out: Ready) -> None:
         facts = self._parse_member_bid(data, bid.instance, inst.view)
         if self._hold_bid(bid.instance, facts, data) and inst.instance_id in self.slots_short_of_bids:
             # The window closed with no job placeable: the first eligible bid since is proposed
