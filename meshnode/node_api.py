@@ -58,7 +58,7 @@ class ControlApi:
     def _capability(self, key: bytes) -> dict | None:
         """The member's latest signed capability vector, per GPU (the TUI's mesh view)."""
         core = self.node.core
-        cap = core.capability if key == self.node.identity.public_key else core.peer_capabilities.get(key)
+        cap = core.capability.vector if key == self.node.identity.public_key else core.capability.peers.get(key)
         if cap is None:
             return None
         return {"gpus": [gpu.to_body() for gpu in cap.gpus], "gpus_free": list(cap.gpus_free),

@@ -27,7 +27,7 @@ import sqlite_utils
 
 from protocol import codec
 from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from protocol.mesh_failover import VIEWS_KEPT
+from protocol.epochs import VIEWS_KEPT
 from protocol.ready import Event, PersistRecord, Ready
 
 # Tables the core may write through PersistRecord. A name outside this list is a driver/core

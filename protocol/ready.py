@@ -36,9 +36,12 @@ class PersistRecord:
 
 @dataclass(frozen=True)
 class Decision:
-    value_kind: str       # "placement" | "eviction" | "membership"
+    # Certified: "placement" | "placement_slot" | "eviction" | "membership" (value: the
+    # decoded Placement | PlacementSlot | Eviction | MembershipChange). Local, uncertified
+    # (certificate b"", instance NO_INSTANCE, value: job ids): "halt" | "resume" | "stop" | "cancel".
+    value_kind: str
     instance: bytes
-    value: Any            # Placement | Eviction | MembershipChange
+    value: Any
     certificate: bytes    # encoded signed CommitCertificate envelope (verifiable offline)
 
 
@@ -65,3 +68,12 @@ class Ready:
 
     def __bool__(self) -> bool:
         return bool(self.persist or self.messages or self.decisions or self.events)
+
+
+NO_INSTANCE = bytes(32)  # the instance field of local, uncertified decisions
+
+
+def local_decision(kind: str, job_ids: tuple) -> Decision:
+    """An uncertified decision about this node's own workloads: "halt", "resume", "stop",
+    "cancel" (protocol/mesh.py lists what each means to the driver)."""
+    return Decision(kind, NO_INSTANCE, tuple(job_ids), b"")

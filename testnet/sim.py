@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import MeshError, RemoteProtocolError
-from protocol.mesh import SAFETY_TABLES, MeshCore
+from protocol.instances import SAFETY_TABLES
+from protocol.mesh import MeshCore
 from protocol.messages import CommitCertificate, decode_message
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
@@ -429,13 +430,12 @@ class Simulation:
             if opened is not None and round > opened[0]:  # the first honest node left it
                 del self.open_rounds[iid]
                 self._credit(opened[2], min(opened[3], self.now_ms - opened[1]))
-            meta = node.core.instance_meta.get(iid)
+            role = node.core.instance_table.role(iid)
             inst = node.core.instances.get(iid)
-            if ((iid, round) in self.excused_rounds or inst is None or meta is None
-                    or meta[0] not in ("placement", "placement_slot")
+            if ((iid, round) in self.excused_rounds or inst is None or role is None or not role.flow.places_jobs
                     or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys or iid in self.open_rounds):
                 continue
-            jids = (meta[1],) if meta[0] == "placement" else tuple(node.core.slot_jobs.get(iid, ()))
+            jids = role.flow.job_ids(iid, role.subject)
             self.excused_rounds.add((iid, round))
             self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
             bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
@@ -548,7 +548,7 @@ class Simulation:
             core = self.nodes[index].core
             if core is None:
                 return False
-            record = core.job_records.get(jid)
+            record = core.job_table.get(jid)
             view = core.views.get(record.manifest.epoch) if record is not None else None
             if view is None or not self._byzantine_third(view):   # its placement runs there (P2)
                 return False
@@ -579,11 +579,11 @@ class Simulation:
         """Whether node ``index`` answered the job's current placement instance with a decline
         (kept with the job's declines once that instance gave up)."""
         core = self.nodes[index].core
-        record = core.job_records.get(jid) if core is not None else None
+        record = core.job_table.get(jid) if core is not None else None
         if record is None:
             return False
         # A job's bid is kept by its placement key: its instance, or its job id in a slot (P7).
-        answer = core.my_bids.get(record.instance, core.my_bids.get(jid))
+        answer = core.bidding.mine.get(record.instance, core.bidding.mine.get(jid))
         return answer[0] == "decline" if answer is not None else core.me in record.declines
 
     def _evidence_of(self, index: int) -> set[bytes]:

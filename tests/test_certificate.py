@@ -140,7 +140,7 @@ def test_cli_cert_verify_rebuilds_later_epochs_from_the_membership_history(decid
     # alone. Epoch 1 exists once node 3's eviction is decided: a placement certificate of
     # epoch 1 (a job naming epoch 1, SPEC.md P2) needs that history to be checked.
     from meshnode.node_store import NodeStore
-    from protocol.mesh_failover import epoch_change_instance_id
+    from protocol.flows.epoch_change import epoch_change_instance_id
     from protocol.messages import Eviction
     from protocol.ready import PersistRecord
     genesis, net = decided

@@ -23,7 +23,7 @@ from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError
 from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.mesh_failover import epoch_change_instance_id
+from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (Constraints, Eviction, Heartbeat, Join, JobManifest, Member, Proposal, Resources,
                                Suspicion, decode_message, encode_message, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
@@ -227,8 +227,8 @@ def test_a_voter_that_still_hears_the_suspect_refuses_its_eviction():
     for by in (1, 2):
         voter.step(suspicion(by, 0), net.now)
     iid = epoch_change_instance_id(0)
-    validate = voter._eviction_validator(iid)
-    eviction = voter._eviction_value(KEYS[0], voter.view)
+    validate = voter.epoch_changes._eviction_validator(iid)
+    eviction = voter.epoch_changes._eviction_value(KEYS[0], voter.view)
     justification = tuple(suspicion(by, 0) for by in (1, 2))
     assert "alive" in validate(codec.pack(eviction.to_body()), justification)
     # Re-proposed with a proof of lock (a prevote quorum already found node 0 silent), it is
@@ -403,7 +403,7 @@ def test_a_join_and_an_eviction_in_one_epoch_are_decided_one_after_the_other():
     assert_one_membership_per_epoch(net)
     for core in survivors:
         assert core.epoch == 2 and newcomer.public_key in core.view.stakes and primary not in core.view.stakes
-        assert not core.joins  # admitted: nothing pending
+        assert not core.joins.pending  # admitted: nothing pending
 
 
 def test_an_epoch_change_instance_never_gives_up():

@@ -115,7 +115,7 @@ def test_every_core_decides_the_same_placement():
     for key, core in net.cores.items():
         view = core.job_view(job_id(job))
         assert view["state"] == "placed" and view["fence"] == 1 and view["primary"] == KEYS[1]
-        held_gpus = core.book.held_totals()[0]
+        held_gpus = core.ledger.held_totals()[0]
         assert held_gpus == (1 if key == KEYS[1] else 0)  # losers released their reservations
 
 
@@ -268,7 +268,7 @@ def test_bad_input_is_counted_never_raised():
 def test_a_held_bid_of_an_older_epoch_is_dropped_when_its_instance_starts():
     net = Net()
     job, envelope = make_job()
-    capability, _, _ = net.cores[KEYS[1]]._current_capability(0)
+    capability, _, _ = net.cores[KEYS[1]].capability.current(0)
     stale = encode_message(IDS[1], MESH, Bid(instance=job_id(job), epoch=7, capability=capability,
                                                reserved_gpus=(0,), rtt_us=0, attestations=()))
     core = net.cores[KEYS[0]]
@@ -286,7 +286,7 @@ def test_p4_a_bid_claiming_a_zone_other_than_the_member_record_is_rejected():
     jid = job_id(job)
     net.submit(KEYS[0], envelope)
     leader = net.cores[KEYS[0]].instances[jid].leader
-    honest_capability = net.cores[KEYS[2]]._current_capability(0)[1]
+    honest_capability = net.cores[KEYS[2]].capability.current(0)[1]
     lie = encode_message(IDS[2], MESH, dataclasses.replace(honest_capability, zone="zone-a", seq=99))
     net.emit(KEYS[2], Ready(messages=[Outbound(leader, encode_message(
         IDS[2], MESH, Bid(instance=jid, epoch=0, capability=lie, reserved_gpus=(0,), rtt_us=0, attestations=())))]))
@@ -332,7 +332,7 @@ def test_only_the_owner_can_cancel():
     net.deliver()
     assert all(c.job_view(jid)["state"] == "cancelled" for c in net.cores.values())
     assert [d.value for d in net.decisions[primary] if d.value_kind == "cancel"] == [(jid,)]
-    assert net.cores[primary].book.held_totals() == (0, 0, 0)
+    assert net.cores[primary].ledger.held_totals() == (0, 0, 0)
 
 
 def test_restart_replays_certificates_into_the_same_job_table():
@@ -346,7 +346,7 @@ def test_restart_replays_certificates_into_the_same_job_table():
         before, after = net.cores[key].job_view(jid), restarted.cores[key].job_view(jid)
         assert (after["primary"], after["backups"], after["fence"]) == (before["primary"], before["backups"], 1)
     primary = net.cores[KEYS[0]].job_view(jid)["primary"]
-    assert restarted.cores[primary].book.allocated(jid) is not None
+    assert restarted.cores[primary].ledger.allocated(jid) is not None
 
 
 @pytest.mark.parametrize("outcome", ["exit", "cancel"])
@@ -364,7 +364,7 @@ def test_6_9_a_restart_replays_exits_and_cancels_after_the_certificates(outcome)
                     capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(1), now_ms=net.now,
                     history=net.certificates[primary], job_outcomes=[record.value["envelope"]])
     assert core.job_view(jid)["state"] == ("completed" if outcome == "exit" else "cancelled")
-    assert core.book.allocated(jid) is None and not core._my_live_jobs()
+    assert core.ledger.allocated(jid) is None and not core.job_table.live_jobs_of(core.me)
 
 
 def test_6_8_a_decision_replayed_after_restart_still_answers_a_straggler():
@@ -441,7 +441,7 @@ def test_p2_a_placement_runs_in_the_epoch_its_job_names_whatever_epoch_a_node_is
     # one placement; nobody counts a vote for it in epoch 1.
     net = Net()
     for key in KEYS[:3]:
-        net.cores[key].view = net.cores[key].views[1] = EPOCH_1_WITHOUT_NODE_3
+        net.cores[key].epochs.view = net.cores[key].views[1] = EPOCH_1_WITHOUT_NODE_3
     job, envelope = make_job()
     iid = job_id(job)
     net.submit(KEYS[0], envelope)
@@ -463,7 +463,7 @@ def test_p2_a_placement_message_of_another_epoch_is_dropped_not_counted():
     job, envelope = make_job()
     iid = job_id(job)
     core = Net().cores[KEYS[2]]
-    core.view = core.views[1] = epoch1
+    core.epochs.view = core.views[1] = epoch1
     core.submit(envelope, 0)
     inst = core.instances[iid]
     assert inst.view.epoch == 0
@@ -476,7 +476,7 @@ def test_p2_a_placement_message_of_another_epoch_is_dropped_not_counted():
     assert not [m for m in out.messages if codec.unpack(m.data)[2] in ("prevote", "precommit")]
     # A node that has not started the placement yet creates nothing from it either.
     fresh = Net().cores[KEYS[1]]
-    fresh.view = fresh.views[1] = epoch1
+    fresh.epochs.view = fresh.views[1] = epoch1
     leader_placement = choose_placement(envelope, job, iid, [])
     assert leader_placement is None  # no bids: a Byzantine leader's value, validated later
     bogus = Placement(job=envelope, primary=KEYS[3], backups=(), gpus=(0,))
@@ -496,7 +496,7 @@ def test_p2_a_certificate_deciding_a_placement_in_another_epoch_places_nothing()
     precommits = tuple(encode_message(i, MESH, Precommit(iid, 0, 1, digest)) for i in IDS[:3])
     certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 1, "placement", value, precommits))
     core = Net().cores[KEYS[3]]
-    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
+    core.epochs.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})
     out = core.step(certificate, 0)
     assert not out.decisions and core.counters["placement_certificate_wrong_epoch"] == 1
     assert core.job_view(iid) is None
@@ -507,7 +507,7 @@ def test_p5_placement_and_evictions_applied_in_any_order_leave_one_job_state():
     # after the evictions that followed it (one of them held as a future certificate).
     # Node 3, the chosen primary, is evicted in epoch 0 by a plan sending the job to node 2
     # (not its first backup); node 2 is evicted in epoch 1, with no plan for it.
-    from protocol.mesh_failover import epoch_change_instance_id
+    from protocol.flows.epoch_change import epoch_change_instance_id
     from protocol.messages import Eviction, Migration
     job, envelope = make_job(backups=2)
     iid = job_id(job)
@@ -545,7 +545,7 @@ def test_p2_a_leader_in_a_later_epoch_places_nothing_on_a_member_evicted_since()
     job, envelope = next((j, e) for j, e in (make_job(nonce=n, backups=0) for n in range(1, 200))
                          if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
     leader = net.cores[KEYS[0]]
-    leader.view = leader.views[1] = EPOCH_1_WITHOUT_NODE_3
+    leader.epochs.view = leader.views[1] = EPOCH_1_WITHOUT_NODE_3
     proposals = []
     for key in KEYS:                                        # every node bids, node 3 too
         out = net.cores[key].submit(envelope, 0)
@@ -562,7 +562,7 @@ def test_f5_a_plan_moving_a_job_to_a_node_not_among_its_backups_is_not_followed(
     # Review: voters that did not know the job could not check the plan's target; a
     # Byzantine leader could send a zone-b job to a zone-a node. Every node, in time or
     # late, moves it to its first live backup instead.
-    from protocol.mesh_failover import epoch_change_instance_id
+    from protocol.flows.epoch_change import epoch_change_instance_id
     from protocol.messages import Eviction, Migration
     job, envelope = make_job(backups=1, zones=("zone-b",))
     iid = job_id(job)
@@ -586,7 +586,7 @@ def test_f5_a_plan_moving_a_job_to_a_node_not_among_its_backups_is_not_followed(
 def test_a_bad_certificate_held_for_a_later_epoch_does_not_shut_out_the_real_one():
     # Review: the first certificate held for an epoch took its slot unverified; a junk one
     # (signed by a single member) kept out the real one and raised once the epoch came.
-    from protocol.mesh_failover import epoch_change_instance_id
+    from protocol.flows.epoch_change import epoch_change_instance_id
     from protocol.messages import Eviction
 
     def certificate(epoch, node, signers):
@@ -625,7 +625,7 @@ def test_p2_a_job_naming_a_later_epoch_waits_until_the_node_enters_it():
 def test_p2_a_job_naming_an_epoch_whose_view_is_gone_is_refused_at_submission():
     core = Net().cores[KEYS[0]]
     for epoch in range(1, 10):
-        core.view = core.views[epoch] = EpochView(epoch, {k: 10 for k in KEYS})
+        core.epochs.view = core.views[epoch] = EpochView(epoch, {k: 10 for k in KEYS})
     for epoch in sorted(core.views)[:-8]:
         del core.views[epoch]
     _job, envelope = make_job(epoch=0)
@@ -656,7 +656,7 @@ def test_p2_a_retry_runs_in_the_job_epoch_after_a_migration_and_late_certificate
     # A node that missed it all learns the retry from its certificate, attempt included, and
     # the first attempt's certificate arriving after it changes nothing.
     late = Net().cores[KEYS[3]]
-    late.view = late.views[1] = net.cores[KEYS[1]].view
+    late.epochs.view = late.views[1] = net.cores[KEYS[1]].view
     retry_certificate = [d for d in net.certified(KEYS[1], "placement") if d.instance == retry][0].certificate
     late.step(retry_certificate, net.now)
     late.step(first, net.now)
@@ -681,7 +681,7 @@ def test_6_9_an_instance_given_up_and_created_again_resumes_from_what_it_signed(
     assert core.decided[iid].gave_up and core.decided[iid].has_signed
     signed = core.decided[iid].latest_own_signature()
     del core.decided[iid]             # as when later decisions push it out of the bounded map
-    core.job_records[iid].instance = b""
+    core.job_table.records[iid].instance = b""
     core.submit(envelope, now)
     inst = core.instances[iid]
     assert inst.has_signed and inst.latest_own_signature() == signed   # back, not signed afresh
@@ -695,7 +695,7 @@ def test_an_instance_of_an_older_epoch_broadcasts_to_that_epochs_members():
                          if EpochView(0, {k: 10 for k in KEYS}).leader(job_id(j), 0) == KEYS[0])
     core = Net().cores[KEYS[0]]
     core.submit(envelope, 0)
-    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
+    core.epochs.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
     out = core.tick(GENESIS.params.bid_window_ms + 1)
     proposals = [m for m in out.messages if codec.unpack(m.data)[2] == "proposal"]
     assert proposals and sorted(m.to for m in proposals) == sorted(KEYS[1:])
@@ -715,7 +715,7 @@ def test_f4_an_older_epochs_instance_skips_the_rounds_of_a_leader_evicted_since(
     core.tick(5)
     gone, kept = core.instances[job_id(gone_job)], core.instances[job_id(kept_job)]
     assert (gone.round, kept.round) == (0, 0)   # epoch 0: node 3 is a member, its round runs
-    core.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
+    core.epochs.view = core.views[1] = EpochView(1, {k: 10 for k in KEYS[:3]})  # node 3 evicted meanwhile
     out = core.tick(10)
     assert gone.view.epoch == 0 and gone.round == 1 and kept.round == 0
     assert [(e.detail["instance"], e.detail["reason"]) for e in out.events if e.kind == "round_change"] == [
@@ -793,8 +793,8 @@ def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
     view = net.cores[KEYS[1]].job_view(jid)
     impostor = next(k for k in KEYS if k != view["primary"])
     impostor_core = net.cores[impostor]
-    impostor_core.job_records[jid].primary = impostor  # its own (wrong) belief: it reports the job
-    impostor_core.job_records[jid].state = "running"
+    impostor_core.job_table.records[jid].primary = impostor  # its own (wrong) belief: it reports the job
+    impostor_core.job_table.records[jid].state = "running"
     net.now += 40
     net.emit(impostor, impostor_core.update_telemetry((), 100, net.now))
     net.deliver()
@@ -818,5 +818,5 @@ def test_f7_an_evicted_node_keeps_only_the_instances_others_take_part_in():
     lonely = job_id(lonely_job)
     core.submit(lonely_envelope, net.now)  # its messages never leave the node
     assert not core.instances[lonely].heard_from_others
-    core._drop_instances(keep=b"")
+    core.instance_table.drop_all_but(b"")
     assert shared in core.instances and lonely not in core.instances

@@ -14,7 +14,7 @@ from protocol.messages import (Attestation, Bid, CapabilityVector, Constraints, 
 from protocol.placement import (BidFacts, attested_attributes, choose_placement, eligibility, parse_bid,
                                 select_justification, tie_break)
 from protocol.policy import NodePolicy
-from protocol.reservations import Reservations
+from protocol.ledger import ResourceLedger
 
 MESH = hashlib.sha256(b"test mesh").digest()
 AUTHORITY = SigningIdentity(hashlib.sha256(b"authority").digest())
@@ -206,7 +206,7 @@ def res(gpus=0, gpu_mem=0, cpu=0, mem=0):
 
 
 def test_reservation_lifecycle():
-    book = Reservations((1000, 2000), cpu_milli=4000, mem_mib=4096)
+    book = ResourceLedger((1000, 2000), cpu_milli=4000, mem_mib=4096)
     claim = book.reserve(b"i1", res(1, 1500, 1000, 1024), expires_ms=100)
     assert claim.gpus == (1,)  # the only GPU with 1500 MiB
     assert book.reserve(b"i2", res(1, 1500), expires_ms=100) is None
@@ -228,7 +228,7 @@ ops = st.lists(st.tuples(st.sampled_from(["reserve", "release", "allocate", "all
 @given(ops)
 def test_reserved_plus_allocated_never_exceeds_capacity(operations):
     mem_per_gpu = (1000, 2000, 3000)
-    book = Reservations(mem_per_gpu, cpu_milli=4000, mem_mib=4096)
+    book = ResourceLedger(mem_per_gpu, cpu_milli=4000, mem_mib=4096)
     now = 0
     for op, key, gpus, gpu_mem, cpu, mem in operations:
         k = bytes([key])

@@ -32,7 +32,7 @@ import pytest
 from consensus_net import INSTANCE, MESH_ID, Net, identities, kind_of
 from test_mesh_core import GENESIS, IDS, KEYS, MESH, ZONES, Net as MeshNet, make_job
 from protocol.mesh import MeshCore
-from protocol.mesh_failover import epoch_change_instance_id
+from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (Heartbeat, Prevote, RoundChange, RoundSync, Suspicion, SyncRequest, decode_message,
                                encode_message, job_id, sign_message)
 from protocol.policy import LocalCapacity, NodePolicy
@@ -575,8 +575,8 @@ def test_f4_a_never_heard_member_is_never_suspected(heard_once):
     if heard_once:
         assert set(suspicions) == {KEYS[3]} and suspect_events  # the same silence, once heard
     else:
-        assert suspicions == [] and suspect_events == [] and KEYS[3] not in core.suspicions
-        assert KEYS[3] in core._unresponsive_members(core.last_tick_ms)  # yet its rounds are skipped
+        assert suspicions == [] and suspect_events == [] and KEYS[3] not in core.liveness.suspicions
+        assert KEYS[3] in core.liveness.unresponsive_members(core.last_tick_ms)  # yet its rounds are skipped
 
 
 def test_6_5_a_mesh_core_hands_a_round_sync_to_its_instance():
@@ -605,7 +605,7 @@ def test_6_5_a_sync_answer_to_a_member_includes_a_certificate_applied_from_a_bro
     # it applies the decision without ever running the instance.
     late = MeshNet().cores[KEYS[3]]
     late.step(certificate, 0)
-    assert jid in late.recent_certificates and jid not in late.decided and jid not in late.instances
+    assert jid in late.instance_table.recent_certificates and jid not in late.decided and jid not in late.instances
     answer = late.step(encode_message(IDS[1], MESH, SyncRequest(epoch=0)), 10)
     assert certificate in [m.data for m in answer.messages if m.to == KEYS[1]]
     # Placements are for members only: a non-member asking gets no placement certificate.

@@ -333,7 +333,7 @@ def test_liveness_is_exempt_only_where_the_jobs_epoch_holds_a_third_byzantine_st
     node = sim.honest[0]
     core = sim.nodes[node].core
     jid = sim.world.jobs[0].job_id
-    assert byzantine and sim.world.jobs[0].job.epoch == 0 and jid in core.job_records
+    assert byzantine and sim.world.jobs[0].job.epoch == 0 and core.job_table.get(jid) is not None
     assert not sim._liveness_unpromised(bytes(32), [node])      # no record there: nothing to judge by
     assert not sim._liveness_unpromised(jid, [node])            # the genesis epoch: under 1/3
     honest_left = sim.nodes[node].public_key
@@ -366,7 +366,9 @@ def test_liveness_excuses_only_the_time_spent_in_rounds_a_byzantine_member_led()
     byzantine, honest = b"\x0b" * 32, b"\x0a" * 32
     sim.byzantine_keys = frozenset({byzantine})
     iid, jid = b"\x01" * 32, b"\x02" * 32
-    core = SimpleNamespace(instance_meta={iid: ("placement", jid)},
+    flow = SimpleNamespace(places_jobs=True, job_ids=lambda iid, subject: (subject,))
+    roles = {iid: SimpleNamespace(flow=flow, subject=jid)}
+    core = SimpleNamespace(instance_table=SimpleNamespace(role=roles.get),
                            instances={iid: SimpleNamespace(timeout_ms=lambda round: 1600)})
     node = SimpleNamespace(core=core)
 

@@ -10,8 +10,8 @@ import json
 from keys.genesis import DEFAULT_PARAMS
 from meshnode.cli import main
 from protocol import codec
-from protocol.mesh_jobs import JobRecord
-from protocol.mesh_slots import slot_budgets
+from protocol.job_table import JobRecord
+from protocol.flows.slot import slot_budgets
 from protocol.messages import (Cancel, Placement, PlacementSlot, Proposal, decode_message, encode_message, job_id,
                                placement_slot_id)
 from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net, make_job
@@ -46,7 +46,7 @@ def test_p7_one_instance_places_every_job_created_in_the_same_slot_window():
             assert (view["state"], view["fence"], view["attempt"], view["instance"]) == ("placed", 1, 0, slot)
     assert len({net.certified(key, "placement_slot")[0].value for key in KEYS}) == 1
     # Each job holds one GPU at its primary; every losing bid's reservation was released.
-    assert sum(core.book.held_totals()[0] for core in net.cores.values()) == len(jobs)
+    assert sum(core.ledger.held_totals()[0] for core in net.cores.values()) == len(jobs)
 
 
 def test_p7_jobs_of_two_slot_windows_are_placed_by_two_slot_instances():
@@ -89,24 +89,24 @@ def test_p7c_its_own_instance_needs_the_certificate_of_a_slot_that_left_it_out()
     net, early, late = late_job_net()
     core = net.cores[KEYS[2]]
     slot_certificate = net.certified(KEYS[2], "placement_slot")[0].certificate
-    late_envelope = core.job_records[job_id(late)].envelope
+    late_envelope = core.job_table.records[job_id(late)].envelope
     value = codec.pack(Placement(job=late_envelope, primary=KEYS[0], backups=(), gpus=(0,)).to_body())
-    validate = core._placement_validator(job_id(late))
+    validate = core.placement._validator(job_id(late))
     assert "needs the slot's commit certificate" in validate(value, ())
     assert "needs the slot's commit certificate" in validate(value, (slot_certificate, slot_certificate))
     # With the certificate the slot rule holds; what is left is P4b's (no bids, no placement).
     assert validate(value, (slot_certificate,)) == "placement does not follow from its bids"
     # The job the slot did place can never be placed again by its own instance.
-    early_envelope = core.job_records[job_id(early)].envelope
+    early_envelope = core.job_table.records[job_id(early)].envelope
     early_value = codec.pack(Placement(job=early_envelope, primary=KEYS[0], backups=(), gpus=(0,)).to_body())
-    assert core._placement_validator(job_id(early))(early_value, (slot_certificate,)) == "the job's slot placed it"
+    assert core.placement._validator(job_id(early))(early_value, (slot_certificate,)) == "the job's slot placed it"
 
 
 def test_p7b_a_validator_refuses_slot_values_that_break_the_binding():
     core = Net(genesis=SLOT_GENESIS).cores[KEYS[0]]
     job_a, envelope_a = slot_job(1, created_ms=0)
     job_b, envelope_b = slot_job(2, created_ms=SLOT_MS + 20)  # slot 1
-    validate = core._slot_validator(placement_slot_id(0, 0))
+    validate = core.slots._validator(placement_slot_id(0, 0))
 
     def placement(envelope):
         return Placement(job=envelope, primary=KEYS[1], backups=(), gpus=(0,))
@@ -121,7 +121,7 @@ def test_p7b_a_validator_refuses_slot_values_that_break_the_binding():
     assert "instance is not the slot" in check(1, 0, placement(envelope_a))
     assert "does not follow from its bids" in check(0, 0, placement(envelope_a))
     record_b = JobRecord(job_id(job_b), envelope_b, job_b, 0)
-    kind, bid_b = core._make_bid_or_decline(job_id(job_b), 0, record_b, 0)
+    kind, bid_b = core.bidding.make_bid_or_decline(job_id(job_b), 0, record_b, 0)
     assert kind == "bid"
     assert check(0, 0, placement(envelope_a), justification=(bid_b,)) == "a bid for a job the slot does not place"
     empty = codec.pack({"epoch": 0, "slot": 0, "placements": []})
@@ -133,7 +133,7 @@ def test_p7_a_mesh_without_slots_refuses_every_slot_value():
     _job, envelope = make_job(nonce=1)
     value = PlacementSlot(epoch=0, slot=0, placements=(Placement(job=envelope, primary=KEYS[1], backups=(),
                                                                  gpus=(0,)),))
-    problem = plain._slot_validator(placement_slot_id(0, 0))(codec.pack(value.to_body()), ())
+    problem = plain.slots._validator(placement_slot_id(0, 0))(codec.pack(value.to_body()), ())
     assert problem == "this mesh does not place jobs in slots"
 
 
@@ -145,7 +145,7 @@ def test_p7_with_bid_sampling_the_job_goes_to_the_sample_and_the_leader_only():
     job_sends = [m.to for m in ready.messages if m.data == envelope]
     assert None not in job_sends  # no broadcast
     inst = entry.instances[placement_slot_id(0, 0)]
-    sampled = {k for k in KEYS if k != KEYS[0] and entry._sampled(job_id(_job), 0, len(KEYS), k)}
+    sampled = {k for k in KEYS if k != KEYS[0] and entry.bidding.sampled(job_id(_job), 0, len(KEYS), k)}
     assert set(job_sends) == (sampled | {inst.leader}) - {KEYS[0]}
     net.emit(KEYS[0], ready)
     net.run(400)
@@ -197,12 +197,12 @@ def test_p7_cancelling_a_job_waiting_for_its_slot_releases_every_bid_reservation
     job, envelope = slot_job(1, created_ms=0)
     net.submit(KEYS[0], envelope)
     net.deliver()  # every member bid (P7a): each holds a GPU for the job
-    assert all(core.book.held_totals()[0] == 1 for core in net.cores.values())
+    assert all(core.ledger.held_totals()[0] == 1 for core in net.cores.values())
     _jid, ready = net.cores[KEYS[0]].cancel(encode_message(OWNER, SLOT_MESH, Cancel(job_id=job_id(job),
                                                                                      requested_ms=1)), net.now)
     net.emit(KEYS[0], ready)
     net.deliver()
-    assert all(core.book.held_totals() == (0, 0, 0) for core in net.cores.values())
+    assert all(core.ledger.held_totals() == (0, 0, 0) for core in net.cores.values())
 
 
 def test_p7b_a_slot_value_stays_within_its_byte_budget_and_the_rest_go_on_alone():

@@ -1,6 +1,7 @@
-"""Local capacity bookkeeping: reservations for bids, allocations for placed jobs
-(SPEC.md section 8.6). A node bids only what it holds free, which is why concurrent
-placement instances can never over-commit it.
+"""The resource ledger: the one place a node counts its capacity, per GPU, CPU and
+memory (SPEC.md section 8.6). Reservations hold capacity for bids, allocations for the
+jobs placed or migrated here. A node bids only what it holds free, which is why
+concurrent placement instances can never over-commit it.
 
 Lifecycle of one claim, keyed by the placement instance id:
 reserve (bid sent) -> release (bid lost, instance gave up, or ``expire`` after the
@@ -28,7 +29,7 @@ class Claim:
     expires_ms: int | None  # None once allocated
 
 
-class Reservations:
+class ResourceLedger:
     def __init__(self, gpu_mem_total_mib: tuple[int, ...], cpu_milli: int, mem_mib: int):
         self.gpu_mem_total_mib = tuple(gpu_mem_total_mib)
         self.cpu_milli = cpu_milli

@@ -1,0 +1,125 @@
+"""Capability vectors (SPEC.md P1): this node's own, signed afresh only when its facts
+change, and the newest one of every peer.
+
+A bid carries its bidder's vector, so most bids reuse one signature. Peers' vectors also
+report which jobs they run as primary and how old the newest checkpoint is, which lets
+every member show a job running, not only the backups that hold its checkpoints.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, RunningJob
+from protocol.placement import attested_attributes
+from protocol.ready import Outbound, Ready
+
+CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+
+
+class CapabilityBook:
+    def __init__(self, ctx, epochs, jobs, ledger) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.ledger = ledger
+        self.envelope: bytes | None = None          # our newest signed vector
+        self.vector: CapabilityVector | None = None
+        self.facts: tuple | None = None              # what it was signed for
+        self.broadcast_ms: int | None = None
+        self.seq = 0
+        self.telemetry_gpus: tuple = ()
+        self.telemetry_simulated = False
+        self.rtt_us = 0
+        self.peers: dict[bytes, CapabilityVector] = {}
+        self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
+                                                     ctx.authorities, 0))
+
+    def summary(self, key: bytes) -> dict | None:
+        cap = self.vector if key == self.ctx.me else self.peers.get(key)
+        if cap is None:
+            return None
+        return {"seq": cap.seq, "taken_ms": cap.taken_ms, "zone": cap.zone, "gpus": len(cap.gpus),
+                "gpus_free": list(cap.gpus_free), "cpu_milli_free": cap.cpu_milli_free,
+                "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
+                "gpu_models": sorted({g.model for g in cap.gpus})}
+
+    def _gpu_states(self) -> tuple:
+        if self.telemetry_gpus:
+            return self.telemetry_gpus
+        capacity = self.ctx.capacity
+        return tuple(GpuState(index=i, model=capacity.gpu_model[:96], mem_total_mib=total, mem_used_mib=0,
+                              util_milli=0, temp_milli_c=0, sm_clock_mhz=0, throttle_reasons=0, ecc_errors=0,
+                              power_mw=0) for i, total in enumerate(capacity.gpu_mem_total_mib))
+
+    def current(self, now_ms: int) -> tuple[bytes, CapabilityVector, bool]:
+        """This node's signed capability vector for what is free now; re-signed only when the
+        facts changed. Returns (envelope, vector, whether it was signed just now)."""
+        me, ledger = self.ctx.me, self.ledger
+        gpus = self._gpu_states()
+        running = tuple((r.job_id, r.fence) for r in self.jobs.running_on(me))
+        facts = (self.epochs.epoch, gpus, self.telemetry_simulated, running, ledger.free_gpus(),
+                 ledger.free_cpu_milli(), ledger.free_mem_mib())
+        if self.envelope is not None and facts == self.facts:
+            return self.envelope, self.vector, False
+        self.seq += 1
+        # Zone and labels come from our member record when we have one: peers reject a bid
+        # whose vector contradicts it (SPEC.md P4), so a node.toml typo must not silence us.
+        record = self.epochs.member_info.get(me)
+        policy = self.ctx.policy
+        zone, labels = (record.zone, tuple(record.labels)) if record is not None else (policy.zone, policy.labels)
+        cap = CapabilityVector(node=me, epoch=self.epochs.epoch, seq=self.seq, taken_ms=now_ms,
+                               zone=zone, rail_group=self.ctx.capacity.rail_group[:64], gpus=gpus,
+                               gpus_free=ledger.free_gpus(), cpu_milli_free=max(0, ledger.free_cpu_milli()),
+                               mem_mib_free=max(0, ledger.free_mem_mib()), labels=labels,
+                               simulated=self.telemetry_simulated or not self.telemetry_gpus,
+                               running=self._running_report(now_ms))
+        self.envelope = self.ctx.sign(cap)
+        self.vector, self.facts = cap, facts
+        return self.envelope, cap, True
+
+    def _running_report(self, now_ms: int) -> tuple:
+        """The jobs this node runs as primary, newest checkpoint's age included (SPEC P1)."""
+        running = []
+        for record in self.jobs.running_on(self.ctx.me)[:MAX_RUNNING_LISTED]:
+            seq, at_ms = record.known_checkpoint or (0, now_ms)
+            running.append(RunningJob(job_id=record.job_id, fence=record.fence, checkpoint_seq=seq,
+                                      checkpoint_age_ms=max(0, now_ms - at_ms)))
+        return tuple(running)
+
+    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
+        """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
+        CAPABILITY_REFRESH_MS so peers' views stay fresh."""
+        out = Ready()
+        self.telemetry_gpus = tuple(gpus)
+        self.telemetry_simulated = bool(simulated)
+        self.rtt_us = max(0, int(rtt_us))
+        envelope, _cap, changed = self.current(now_ms)
+        stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= CAPABILITY_REFRESH_MS
+        if (changed or stale) and self.epochs.is_member():
+            if not changed:
+                self.envelope = None  # force a fresh taken_ms and seq
+                envelope, _cap, _ = self.current(now_ms)
+            self.broadcast_ms = now_ms
+            out.messages.append(Outbound(None, envelope))
+        return out
+
+    def on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:
+        if envelope.signer not in self.epochs.view.stakes or cap.node != envelope.signer:
+            self.ctx.counters["capability_not_member"] += 1
+            return
+        known = self.peers.get(envelope.signer)
+        if known is None or cap.seq > known.seq:
+            self.peers[envelope.signer] = cap
+            self._learn_running(envelope.signer, cap, now_ms)
+
+    def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:
+        """A primary's report that it runs a job: every member can show the job running and
+        its checkpoint age, not only the backups that hold the checkpoints (display only)."""
+        for report in cap.running:
+            record = self.jobs.get(report.job_id)
+            if record is None or record.primary != signer or record.fence != report.fence:
+                continue  # a report from a fenced primary, or about a job we do not know
+            if record.state == "placed":
+                record.state = "running"
+            if report.checkpoint_seq and (record.known_checkpoint is None
+                                          or report.checkpoint_seq > record.known_checkpoint[0]):
+                record.known_checkpoint = (report.checkpoint_seq, now_ms - report.checkpoint_age_ms)

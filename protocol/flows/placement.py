@@ -1,0 +1,358 @@
+"""The placement flow: one job's attempt placed by its own instance (SPEC.md P2-P5).
+
+A job arrives (from its owner or a peer), its record is created in the job table, and
+its placement starts in the one epoch it names (P2). Members answer with bids or
+declines (protocol/bidding.py); the round's leader proposes the placement that the
+deterministic scoring (protocol/placement.py) computes from the bids it holds; every
+validator recomputes it from the same bids. The decided placement sets the job's
+primary, backups and fence from the certificate alone, and allocates the capacity in
+the ledger of the node that runs it.
+
+With placement slots (P7) a job's first attempt is its slot's to place (flows/slot.py);
+only a job the slot decided without runs its first attempt here, with the slot's
+certificate as proof (P7c).
+"""
+
+from __future__ import annotations
+
+from protocol import codec
+from protocol.certificate import next_epoch_view
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.flows.base import ValueFlow
+from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CommitCertificate, JobManifest, Placement, decode_message,
+                               decode_value, job_id, placement_attempt, placement_binding_error,
+                               placement_instance_id)
+from protocol.placement import choose_placement, select_justification, wanted_backups
+from protocol.ready import Outbound, Ready
+
+MAX_JOBS_SHOWN = 4096           # (leader, instance) pairs we sent a job to, then forgotten
+BID_WINDOW_EXTENSION = 4         # bid windows to wait once more when bids are too few for the backups
+
+
+class PlacementFlow(ValueFlow):
+    value_kind = "placement"
+    places_jobs = True
+    value_kinds = ("placement",)
+
+    def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.ledger = ledger
+        self.instances = instances
+        self.bidding = bidding
+        self.apply_certificate_bytes = apply_certificate_bytes   # the core's: a slot's certificate (P7c)
+        self.slots = None          # the SlotFlow and the EpochChangeFlow, set by the core
+        self.epoch_changes = None
+        self.jobs_shown: set[tuple] = set()    # (leader, instance, job, round) we sent the job to (SPEC P3)
+
+    def bid_job(self, subject) -> bytes:
+        return subject
+
+    def job_ids(self, iid: bytes, subject) -> tuple:
+        return (subject,)
+
+    def validators(self, iid: bytes) -> tuple:
+        return self._validator(iid), None
+
+    # --- jobs arriving (SPEC P2) ------------------------------------------------------------------
+    def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
+        """A signed job from a local owner: send it on (P2: broadcast, or with bid sampling
+        only to those who need it) and start its placement."""
+        out = Ready()
+        envelope, job = decode_message(job_envelope, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        if envelope.signer != job.owner:
+            raise RemoteProtocolError("job is not signed by its owner")
+        epoch = self.epochs.epoch
+        if job.epoch > epoch or self.epochs.view_for(job.epoch) is None:
+            raise LocalProtocolError(
+                "the job names epoch %d, which this node %s (it is at epoch %d): sign it again for the "
+                "current epoch" % (job.epoch, "has not reached" if job.epoch > epoch else "no longer holds", epoch))
+        self.on_job(envelope, job, job_envelope, now_ms, out, entry=self.ctx.me)
+        record = self.jobs.get(job_id(job))
+        out.messages[0:0] = [Outbound(to, job_envelope) for to in self._job_recipients(record)]
+        return out
+
+    def _job_recipients(self, record) -> list:
+        """SPEC P2: who the entry node sends a new job to. Everyone (``None``: broadcast),
+        unless members bid by sample (P3): then the members sampled to bid in round 0 and
+        round 0's leader. The others learn the job from the proposal or certificate that
+        carries it, or from the entry node's broadcast if round 0 fails; a job broadcast to
+        1000 members cost more than deciding it (BENCHMARKS.md, "Simulator scale")."""
+        inst = self.instances.get(record.instance)
+        if self.ctx.bid_sample is None or inst is None or inst.round > 0:
+            return [None]
+        me, members = self.ctx.me, inst.view.members
+        chosen = [key for key in members
+                  if key != me and self.bidding.sampled(record.job_id, 0, len(members), key)]
+        if inst.leader != me and inst.leader not in chosen:
+            chosen.append(inst.leader)
+        return chosen
+
+    def on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready,
+               entry: bytes | None = None) -> None:
+        if envelope.signer != job.owner:
+            self.ctx.counters["job_not_signed_by_owner"] += 1
+            return
+        jid = job_id(job)
+        record = self.jobs.get(jid)
+        if record is None:
+            record = self.jobs.add(jid, data, job, now_ms)
+            out.events.append(self.ctx.event("job_submitted", now_ms, job_id=jid.hex(), name=job.name))
+        if record.entry is None:
+            record.entry = entry
+        if record.state == "pending" and record.instance not in self.instances.instances:
+            # Not started yet, or its instance was dropped (an evicted node drops those only
+            # it ran, F7): the job, shown again by a round's leader-to-be (P3), starts it.
+            self.start(record, now_ms, out)
+
+    def start(self, record, now_ms: int, out: Ready) -> None:
+        """Start the job's placement in the one epoch it runs in (SPEC.md P2), if this node
+        holds that epoch's view; a job of a later epoch waits until this node enters it."""
+        epoch = record.manifest.epoch
+        record.state = "pending"
+        view = self.epochs.view_for(epoch)
+        if view is None:
+            record.instance = b""
+            if epoch > self.epochs.epoch:
+                record.hint = "waiting for this node to reach epoch %d" % epoch
+                self.ctx.counters["job_for_future_epoch"] += 1
+            else:
+                record.hint = ("placed by epoch %d, whose view this node no longer holds: its owner must "
+                               "sign it again for the current epoch" % epoch)
+                self.ctx.counters["job_epoch_view_gone"] += 1
+            return
+        if self.slots.slotted(record):
+            self.slots.join(record, view, now_ms, out)
+            return
+        iid = placement_instance_id(record.job_id, record.attempt)
+        record.instance = iid
+        inst = self.instances.start(iid, self, record.job_id, view, now_ms, out)
+        if inst is not None:
+            self.bidding.send_mine(iid, now_ms, out)
+
+    def start_placements_of_epoch(self, epoch: int, now_ms: int, out: Ready) -> None:
+        """Jobs that named an epoch this node had not reached yet start their placement now."""
+        for record in list(self.jobs):
+            if record.state == "pending" and not record.instance and record.manifest.epoch == epoch:
+                self.start(record, now_ms, out)
+
+    def instance_from_proposal(self, proposal, placement: Placement, view, now_ms: int, out: Ready):
+        iid = proposal.instance
+        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        binding = placement_binding_error(iid, job, view.epoch)
+        if binding is not None:  # one instance id, one epoch (P2): no straddling it
+            self.ctx.counters["placement_wrong_epoch"] += 1
+            return None
+        jid = job_id(job)
+        record = self.jobs.get_or_add(jid, placement.job, job, now_ms)
+        slots = self.slots
+        in_slot = slots.enabled and record.instance == slots.slot_of(job) and iid == jid
+        if record.state in TERMINAL or (record.instance and record.instance != iid and not in_slot):
+            self.ctx.counters["placement_for_other_attempt"] += 1
+            return None
+        if slots.enabled and iid == jid and record.slot_certificate is None:
+            # P7c: only the slot's certificate leaving the job out lets its own instance run;
+            # without it anyone could start one beside the live slot (and hold its bids).
+            certificates = slots.split_justification(proposal.justification)[1]
+            if slots.exclusion_error(job, jid, certificates, view) is not None:
+                self.ctx.counters["late_placement_without_slot_certificate"] += 1
+                return None
+            self.apply_certificate_bytes(certificates[0], now_ms, out)  # the slot is decided here too
+            record.slot_certificate = record.slot_certificate or certificates[0]
+        record.instance = iid
+        return self.instances.start(iid, self, jid, view, now_ms, out)
+
+    # --- the leader's proposal (SPEC P4) --------------------------------------------------------------
+    def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
+        iid = inst.instance_id
+        if self.bidding.windows_open.get(iid) != inst.round:
+            self.bidding.windows_open[iid] = inst.round
+            self.instances.schedule(inst, "bid_window", now_ms + self.ctx.params.bid_window_ms)
+            self.bidding.send_mine(iid, now_ms, out)
+        self._maybe_propose(inst, now_ms, out, window_closed=False)
+
+    def on_answer(self, inst, now_ms: int, out: Ready) -> None:
+        self._maybe_propose(inst, now_ms, out, window_closed=False)
+
+    def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
+        self._maybe_propose(inst, now_ms, out, window_closed=True)
+
+    def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
+        """Propose once every member answered, or when the bid window closed (SPEC P4)."""
+        iid = inst.instance_id
+        bidding = self.bidding
+        if not inst.awaiting_value or bidding.windows_open.get(iid) != inst.round:
+            return
+        record = self.jobs.get(self.instances.role(iid).subject)
+        held = bidding.held.get(iid, {})
+        answered = len(held) + (len(record.declines) if record else 0)
+        if record is None or not (window_closed or answered >= len(inst.view.members)):
+            return
+        if (window_closed and answered < len(inst.view.members)
+                and len(held) < 1 + wanted_backups(record.manifest) and iid not in bidding.windows_extended):
+            # Too few bids for a primary and its backups: a placement without a backup
+            # cannot fail over, so wait once more before settling (SPEC.md 8.4).
+            bidding.windows_extended.add(iid)
+            self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
+            return
+        # A placement may run in an older epoch (P2): members evicted since are fenced, and
+        # placing a job on one would only strand it.
+        live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        chosen = select_justification(record.manifest, iid, live)
+        placement = choose_placement(record.envelope, record.manifest, iid, chosen)
+        if placement is None:
+            record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
+            return
+        justification = tuple(held[facts.signer][1] for facts in chosen)
+        if self.slots.enabled and record.attempt == 0:
+            if record.slot_certificate is None:
+                return  # not this instance's to place before its slot is decided (P7c)
+            justification += (record.slot_certificate,)
+        self.instances.drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
+
+    def _validator(self, iid: bytes):
+        mesh_id, slots = self.ctx.mesh_id, self.slots
+
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
+            inst = self.instances.live_or_decided(iid)   # the one asking
+            view = inst.view if inst is not None else self.epochs.view
+            try:
+                placement = decode_value("placement", value_bytes)
+                envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
+                if envelope.signer != job.owner:
+                    return "job not signed by its owner"
+                binding = placement_binding_error(iid, job, view.epoch)
+                if binding is not None:
+                    return binding
+                bids, certificates = slots.split_justification(justification)
+                if len(bids) > MAX_BIDS_PER_PROPOSAL:
+                    return "more than %d bids" % MAX_BIDS_PER_PROPOSAL
+                if slots.enabled and placement_attempt(iid, job) == 0:
+                    problem = slots.exclusion_error(job, job_id(job), certificates, view)
+                    if problem is not None:
+                        return problem
+                elif certificates:
+                    return "a certificate in a placement's justification"
+                facts = [self.bidding.parse_member_bid(b, iid, view) for b in bids]
+                expected = choose_placement(placement.job, job, iid, facts)
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid placement proposal: %s" % exc
+            if expected != placement:
+                return "placement does not follow from its bids"
+            return None
+        return validate
+
+    # --- rounds and giving up -----------------------------------------------------------------------
+    def on_round_changed(self, inst, now_ms: int, out: Ready) -> None:
+        """SPEC P3: bids go to the current leader, so a new round re-sends ours."""
+        record = self.jobs.get(self.instances.role(inst.instance_id).subject)
+        self.show_job_to_leader(inst, record, out)
+        self.broadcast_job_after_round_zero(inst, record, out)
+        if record is not None and not self.bidding.refresh_decline(inst, record, now_ms, key=inst.instance_id):
+            return
+        self.bidding.send_mine(inst.instance_id, now_ms, out)
+
+    def show_job_to_leader(self, inst, record, out: Ready) -> None:
+        """SPEC P3: the job goes with our round change to a new round's leader, once per round
+        (a leader shown it before it crashed has forgotten it again).
+        A leader that crashed and restarted forgot the undecided instance (and an evicted one
+        may have dropped it): only a proposal would bring it back, and it is that leader's
+        turn to propose. From the job it runs the instance again, in the job's epoch (P2)."""
+        key = (inst.leader, inst.instance_id, record.job_id if record is not None else b"", inst.round)
+        if record is None or inst.leader == self.ctx.me or key in self.jobs_shown:
+            return
+        if len(self.jobs_shown) >= MAX_JOBS_SHOWN:
+            self.jobs_shown.clear()
+        self.jobs_shown.add(key)
+        out.messages.append(Outbound(inst.leader, record.envelope))
+
+    def broadcast_job_after_round_zero(self, inst, record, out: Ready) -> None:
+        """P2: with bid sampling the entry node sent the job only to round 0's sample and
+        leader. Once round 0 failed, every member must run the instance (a later round's
+        leader waits for round changes from a quorum, 6.5; the doubled sample bids, P3),
+        so the entry node and round 0's leader (should the entry have failed) broadcast the
+        job, once per round (a broadcast lost to a partition is not the last)."""
+        key = (None, inst.instance_id, record.job_id if record is not None else b"", inst.round)
+        if (record is None or inst.round == 0 or self.ctx.bid_sample is None or key in self.jobs_shown
+                or self.ctx.me not in (record.entry, inst.view.leader(inst.instance_id, 0))):
+            return
+        self.jobs_shown.add(key)
+        out.messages.append(Outbound(None, record.envelope))
+
+    def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
+        self.on_dropped(iid)
+        record = self.jobs.get(subject)
+        if record is not None and record.state == "pending":
+            record.hint = "placement gave up after %d rounds; resubmit to retry" % self.ctx.params.max_rounds
+            record.instance = b""
+            out.events.append(self.ctx.event("job_gave_up", now_ms, job_id=record.job_id.hex()))
+
+    def on_dropped(self, iid: bytes) -> None:
+        self.ledger.release(iid)
+        self.bidding.forget(iid)
+
+    # --- a placement is decided (SPEC P5) ------------------------------------------------------------
+    def binding_error(self, iid: bytes, value_kind: str, placement, epoch: int) -> str | None:
+        _envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        return placement_binding_error(iid, job, epoch)
+
+    def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,
+              out: Ready) -> None:
+        self.apply_placement(iid, placement, certificate, epoch, now_ms, out)
+
+    def apply_placement(self, iid: bytes, placement: Placement, certificate: bytes, certificate_epoch: int,
+                        now_ms: int, out: Ready, instance: bytes | None = None) -> None:
+        """``iid``: the placement's key (its instance, or its job id in a slot ``instance``)."""
+        me = self.ctx.me
+        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        jid = job_id(job)
+        record = self.jobs.get_or_add(jid, placement.job, job, now_ms)
+        self.bidding.forget(iid)
+        attempt = placement_attempt(iid, job)  # never None: the core checked the binding
+        if record.state == "cancelled" or attempt < record.attempt:
+            # A late certificate of an attempt that has failed since (P6) changes nothing.
+            self.ctx.counters["placement_of_earlier_attempt"] += record.state != "cancelled"
+            self.ledger.release(iid)
+            return
+        record.attempt = attempt  # a node that missed an exit learns the attempt here
+        record.instance = instance or iid
+        record.primary, record.backups, record.gpus = placement.primary, placement.backups, placement.gpus
+        # From the certificate alone, not by counting what this node happened to apply: a
+        # node that missed an attempt (or learns it late) gets the fence the others have.
+        record.fence = attempt * FENCE_PER_ATTEMPT + 1
+        record.state = "placed"
+        record.hint = None
+        if placement.primary == me:
+            claim = self.ledger.allocate(iid, jid) or self.ledger.allocate_now(jid, job.resources,
+                                                                              prefer=placement.gpus)
+            if claim is None:
+                out.events.append(self.ctx.event("capacity_short", now_ms, job_id=jid.hex()))
+        else:
+            self.ledger.release(iid)
+        out.events.append(self.ctx.event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
+                                         fence=record.fence))
+        self._replay_evictions_since(record, certificate_epoch, now_ms, out)
+
+    def _replay_evictions_since(self, record, epoch: int, now_ms: int, out: Ready) -> None:
+        """SPEC P5: a placement runs in its job's epoch (P2), so it may be decided after later
+        epoch changes were applied here. It goes through each eviction decided since its
+        certificate's epoch, in order, by the rule F5 applied to the jobs known then (the
+        eviction's plan, else the first live backup): every node ends with the same primary,
+        backups and fence however late it learnt the placement."""
+        view = self.epochs.view_for(epoch)  # held: the placement's certificate verified against it
+        for ended, certificate in list(self.epochs.certificates):
+            if ended < epoch:
+                continue
+            if view is None or ended != view.epoch or record.state in TERMINAL:
+                return  # a gap in the kept history (64 changes), or nothing left to move
+            _envelope, cert = decode_message(certificate, self.ctx.mesh_id, expect=CommitCertificate)
+            change = decode_value(cert.value_kind, cert.value)
+            # Each epoch's view from the changes themselves, not from the views this node
+            # still keeps (8): a node far behind computes what one in time saw.
+            view = next_epoch_view(view, cert.value_kind, change)
+            if cert.value_kind == "eviction" and view is not None and record.primary == change.node:
+                if change.node == self.ctx.me:
+                    self.ledger.free(record.job_id)
+                self.epoch_changes.move_jobs_of_evicted([record], change, view, now_ms, out)

@@ -1,0 +1,195 @@
+"""A placed job's life (SPEC.md P6): the workload starts, checkpoints stream from the
+primary to its backups (each acked), and the job ends by an exit (a failed job within its
+retries is placed afresh, by a new instance) or by its owner's cancel.
+
+Exits and cancels are no certificates: the newest per job is persisted (table ``jobs``)
+and replayed after a restart through the same checks as when it arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.job_table import TERMINAL
+from protocol.messages import Cancel, Checkpoint, CheckpointAck, JobExit, decode_message
+from protocol.ready import Outbound, PersistRecord, Ready, local_decision
+
+
+class JobLifecycle:
+    def __init__(self, ctx, epochs, jobs, ledger, placement) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.ledger = ledger
+        self.placement = placement   # a failed job within its retries is placed again
+
+    def _my_job(self, jid: bytes):
+        record = self.jobs.get(jid)
+        if record is None or record.primary != self.ctx.me or record.state in TERMINAL or not self.epochs.is_member():
+            raise LocalProtocolError("this node is not the primary of job %s" % jid.hex()[:12])
+        return record
+
+    def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
+        out = Ready()
+        record = self.jobs.get(jid)
+        if record is not None and record.primary == self.ctx.me and record.fence == fence:
+            record.state = "running"
+            out.events.append(self.ctx.event("job_started", now_ms, job_id=jid.hex(), fence=fence, from_seq=from_seq))
+        return out
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def local_checkpoint(self, jid: bytes, seq: int, progress: int, taken_ms: int, state: bytes,
+                         now_ms: int) -> Ready:
+        """The primary's workload took a checkpoint: persist it, stream it to the backups."""
+        record = self._my_job(jid)
+        checkpoint = Checkpoint(job_id=jid, fence=record.fence, seq=seq, progress=progress, taken_ms=taken_ms,
+                                state=state, state_hash=hashlib.sha256(state).digest())
+        out = Ready()
+        out.persist.append(self._checkpoint_record(checkpoint, self.ctx.me))
+        data = self.ctx.sign(checkpoint)
+        for backup in record.backups:
+            if backup in self.epochs.view.stakes:
+                out.messages.append(Outbound(backup, data))
+        record.state = "running"
+        record.last_checkpoint_seq, record.last_checkpoint_taken_ms = seq, taken_ms
+        record.known_checkpoint = (seq, now_ms)
+        return out
+
+    @staticmethod
+    def _checkpoint_record(checkpoint: Checkpoint, origin: bytes) -> PersistRecord:
+        return PersistRecord("checkpoints", "%s:%d" % (checkpoint.job_id.hex(), checkpoint.seq), {
+            "job_id": checkpoint.job_id, "fence": checkpoint.fence, "seq": checkpoint.seq,
+            "progress": checkpoint.progress, "taken_ms": checkpoint.taken_ms, "state": checkpoint.state,
+            "state_hash": checkpoint.state_hash, "origin": origin})
+
+    def on_checkpoint(self, envelope, checkpoint: Checkpoint, data, now_ms: int, out: Ready) -> None:
+        counters = self.ctx.counters
+        record = self.jobs.get(checkpoint.job_id)
+        if record is None:
+            counters["checkpoint_unknown_job"] += 1
+            return
+        if envelope.signer != record.primary or checkpoint.fence < record.fence:
+            counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
+            out.events.append(self.ctx.event("checkpoint_refused", now_ms, job_id=checkpoint.job_id.hex(),
+                                             signer=envelope.signer.hex(), fence=checkpoint.fence))
+            return
+        if checkpoint.fence > record.fence:
+            counters["checkpoint_future_fence"] += 1
+            return
+        if record.last_checkpoint_seq is not None and checkpoint.seq <= record.last_checkpoint_seq:
+            counters["checkpoint_old_seq"] += 1
+            return
+        record.last_checkpoint_seq, record.last_checkpoint_taken_ms = checkpoint.seq, checkpoint.taken_ms
+        record.known_checkpoint = (checkpoint.seq, now_ms)
+        if record.state in ("placed", "migrating"):
+            record.state = "running"
+        out.persist.append(self._checkpoint_record(checkpoint, envelope.signer))
+        ack = CheckpointAck(job_id=checkpoint.job_id, fence=checkpoint.fence, seq=checkpoint.seq)
+        out.messages.append(Outbound(envelope.signer, self.ctx.sign(ack)))
+
+    def on_checkpoint_ack(self, envelope, ack: CheckpointAck, data, now_ms: int, out: Ready) -> None:
+        record = self.jobs.get(ack.job_id)
+        if (record is None or record.primary != self.ctx.me or ack.fence != record.fence
+                or envelope.signer not in record.backups):
+            self.ctx.counters["ack_unexpected"] += 1
+            return
+        record.acks[envelope.signer] = max(ack.seq, record.acks.get(envelope.signer, 0))
+
+    # --- exits ----------------------------------------------------------------------------------------
+    def job_exited(self, jid: bytes, exit_code: int, now_ms: int) -> Ready:
+        """The workload exited here. A fenced ex-primary's exit changes nothing (an event says so)."""
+        out = Ready()
+        record = self.jobs.get(jid)
+        if record is None or record.primary != self.ctx.me or record.state in TERMINAL:
+            out.events.append(self.ctx.event("exit_ignored", now_ms, job_id=jid.hex(), exit_code=exit_code))
+            return out
+        code = exit_code if 0 <= exit_code <= 255 else 255
+        data = self.ctx.sign(JobExit(job_id=jid, fence=record.fence, exit_code=code))
+        out.messages.append(Outbound(None, data))
+        self._persist_outcome(jid, "exit", data, out)
+        self._finish_job(record, code, now_ms, out)
+        return out
+
+    def on_job_exit(self, envelope, message: JobExit, data, now_ms: int, out: Ready) -> None:
+        record = self.jobs.get(message.job_id)
+        if record is None or envelope.signer != record.primary or message.fence != record.fence:
+            self.ctx.counters["job_exit_stale"] += 1
+            return
+        if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "exit", data, out)
+            self._finish_job(record, message.exit_code, now_ms, out)
+
+    def _finish_job(self, record, code: int, now_ms: int, out: Ready) -> None:
+        self.ledger.free(record.job_id)
+        record.exit_code = code
+        if code == 0:
+            record.state = "completed"
+        elif record.attempt < record.manifest.max_retries:
+            record.attempt += 1  # SPEC P6: a failed job is placed afresh, by a new instance
+            record.primary, record.backups, record.gpus = None, (), ()
+            record.declines.clear()
+            self.placement.start(record, now_ms, out)
+        else:
+            record.state = "failed"
+        out.events.append(self.ctx.event("job_exited", now_ms, job_id=record.job_id.hex(), exit_code=code,
+                                         state=record.state, attempt=record.attempt))
+
+    # --- cancels --------------------------------------------------------------------------------------
+    def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
+        """An owner-signed Cancel envelope: stop and forget the job everywhere."""
+        out = Ready()
+        envelope, message = decode_message(request, self.ctx.mesh_id, expect=Cancel)
+        record = self.jobs.get(message.job_id)
+        if record is None:
+            raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
+        if envelope.signer != record.manifest.owner:
+            raise RemoteProtocolError("cancel: only the job's owner may cancel it")
+        out.messages.append(Outbound(None, request))
+        self._persist_outcome(record.job_id, "cancel", request, out)
+        self._apply_cancel(record, now_ms, out)
+        return message.job_id, out
+
+    def on_cancel(self, envelope, message: Cancel, data, now_ms: int, out: Ready) -> None:
+        record = self.jobs.get(message.job_id)
+        if record is None or envelope.signer != record.manifest.owner:
+            self.ctx.counters["cancel_refused"] += 1
+            return
+        if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "cancel", data, out)
+        self._apply_cancel(record, now_ms, out)
+
+    def _apply_cancel(self, record, now_ms: int, out: Ready) -> None:
+        if record.state in TERMINAL:
+            return
+        if record.instance:
+            self.ledger.release(record.instance)
+        self.ledger.release(record.job_id)  # a slot's bid reserves by job (P7a)
+        was_mine = record.primary == self.ctx.me
+        self.ledger.free(record.job_id)
+        record.state = "cancelled"
+        if was_mine:
+            out.decisions.append(local_decision("cancel", (record.job_id,)))
+        out.events.append(self.ctx.event("job_cancelled", now_ms, job_id=record.job_id.hex()))
+
+    # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
+    @staticmethod
+    def _persist_outcome(jid: bytes, kind: str, data: bytes, out: Ready) -> None:
+        """Exits and cancels are no certificates, so a restart would forget them (a completed
+        job would be resumed); the newest per job is kept and replayed."""
+        out.persist.append(PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data}))
+
+    def replay_outcomes(self, envelopes, now_ms: int) -> None:
+        """After the certificates: each job's last accepted exit or cancel, through the same
+        checks as when it arrived (the current primary at the current fence; the owner)."""
+        for data in envelopes:
+            try:
+                envelope, message = decode_message(data, self.ctx.mesh_id)
+                if isinstance(message, JobExit):
+                    self.on_job_exit(envelope, message, data, now_ms, Ready())
+                elif isinstance(message, Cancel):
+                    self.on_cancel(envelope, message, data, now_ms, Ready())
+                else:
+                    self.ctx.counters["bad_job_outcome"] += 1
+            except RemoteProtocolError:
+                self.ctx.counters["bad_job_outcome"] += 1

@@ -1,0 +1,94 @@
+"""The job table: what this node knows of every job (SPEC.md 7, P1-P6).
+
+One ``JobRecord`` per job id, created when the job (or a proposal or certificate that
+carries it) first arrives, and changed only by the flows that apply decided values
+(protocol/flows/), checkpoints, exits and cancels (protocol/job_lifecycle.py). Every
+member derives the same primary, backups and fence from the same certificates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import JobManifest
+
+TERMINAL = ("completed", "failed", "cancelled")
+LIVE_JOB_STATES = ("placed", "running", "migrating")
+MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
+FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1; each migration adds 1
+
+
+@dataclass
+class JobRecord:
+    job_id: bytes
+    envelope: bytes
+    manifest: JobManifest
+    submitted_ms: int
+    state: str = "pending"
+    attempt: int = 0
+    instance: bytes = b""
+    primary: bytes | None = None
+    backups: tuple = ()
+    gpus: tuple = ()
+    fence: int = 0
+    migrations: int = 0
+    declines: dict = field(default_factory=dict)   # signer -> (reason, detail)
+    last_checkpoint_seq: int | None = None
+    last_checkpoint_taken_ms: int | None = None
+    acks: dict = field(default_factory=dict)       # backup -> newest acked seq
+    exit_code: int | None = None
+    hint: str | None = None
+    entry: bytes | None = None                     # the node the owner submitted it to (hears declines)
+    # The newest checkpoint this node knows of, for display only: (seq, when it was taken on
+    # this node's clock). Backups learn it from the checkpoints themselves, everyone else
+    # from the primary's capability vectors (SPEC P1); never used to accept a checkpoint.
+    known_checkpoint: tuple | None = None
+    # P7c: the commit certificate of the job's slot, decided without it: its first placement
+    # runs in its own instance then, and every proposal there carries this as proof.
+    slot_certificate: bytes | None = None
+
+    def as_dict(self) -> dict:
+        grouped: dict[str, list] = {}
+        for signer, (reason, _detail) in self.declines.items():
+            grouped.setdefault(reason, []).append(signer)
+        return {"job_id": self.job_id, "name": self.manifest.name, "owner": self.manifest.owner,
+                "state": self.state, "primary": self.primary, "backups": self.backups, "gpus": self.gpus,
+                "fence": self.fence, "attempt": self.attempt, "instance": self.instance,
+                "last_checkpoint_seq": self.last_checkpoint_seq,
+                "last_checkpoint_taken_ms": self.last_checkpoint_taken_ms, "migrations": self.migrations,
+                "declines": grouped, "submitted_ms": self.submitted_ms, "exit_code": self.exit_code,
+                "hint": self.hint, "manifest": self.manifest, "known_checkpoint": self.known_checkpoint}
+
+
+class JobTable:
+    """Job records by job id, bounded: past MAX_JOBS the oldest finished ones are dropped."""
+
+    def __init__(self) -> None:
+        self.records: dict[bytes, JobRecord] = {}
+
+    def get(self, jid: bytes) -> JobRecord | None:
+        return self.records.get(jid)
+
+    def __iter__(self):
+        return iter(self.records.values())
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, jid: bytes, data: bytes, job: JobManifest, now_ms: int) -> JobRecord:
+        if len(self.records) >= MAX_JOBS:
+            for old in [k for k, r in self.records.items() if r.state in TERMINAL][:1024]:
+                del self.records[old]
+        record = JobRecord(jid, data, job, now_ms)
+        self.records[jid] = record
+        return record
+
+    def get_or_add(self, jid: bytes, data: bytes, job: JobManifest, now_ms: int) -> JobRecord:
+        return self.records.get(jid) or self.add(jid, data, job, now_ms)
+
+    def live_jobs_of(self, node: bytes) -> tuple:
+        """Ids of the jobs ``node`` is primary of and that have not ended."""
+        return tuple(r.job_id for r in self.records.values() if r.primary == node and r.state in LIVE_JOB_STATES)
+
+    def running_on(self, node: bytes) -> list[JobRecord]:
+        return [r for r in self.records.values() if r.primary == node and r.state == "running"]

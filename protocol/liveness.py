@@ -1,0 +1,274 @@
+"""Liveness: heartbeats, failure detection, suspicion, self-fencing and catch-up sync
+(SPEC.md 7, rules F1-F4, F6).
+
+Every member heartbeats every HEARTBEAT_MS; the failure detector (failure_detector.py)
+turns silence into suspicion; a signed suspicion from more than a third of the stake
+starts the epoch's change (flows/epoch_change.py), which decides the eviction. A node
+that was itself paused past the detection bound halts its workloads (F3) until a current
+member's fresh heartbeat shows it was not evicted.
+"""
+
+from __future__ import annotations
+
+from protocol.failure_detector import FailureDetector
+from protocol.messages import Heartbeat, Suspicion, SyncRequest
+from protocol.ready import Outbound, Ready, local_decision
+
+SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
+MAX_SUSPICION_JUSTIFICATION = 32
+MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
+MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
+STARTUP_SYNC_PEERS = 3
+ANTI_ENTROPY_MS = 1000
+
+
+class Liveness:
+    def __init__(self, ctx, epochs, jobs, instances, now_ms: int, min_silence_ms: int | None = None) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.instances = instances
+        self.epoch_changes = None   # the EpochChangeFlow and the Joins, set by the core
+        self.joins = None
+        params = ctx.params
+        self.detector = FailureDetector(heartbeat_ms=params.heartbeat_ms,
+                                        detection_bound_ms=params.detection_bound_ms,
+                                        min_silence_ms=min_silence_ms)
+        # Members are watched from their first heartbeat on, not from our start: nodes of a
+        # mesh start seconds apart, and one that never came up holds no workload (it never
+        # bid), so suspecting it would only evict a slow starter (SPEC.md F2).
+        self.last_tick_ms = now_ms
+        self.heartbeat_seq = 0
+        self.heartbeat_sent_ms: int | None = None
+        self.suspicions: dict[bytes, dict[bytes, bytes]] = {}   # suspect -> signer -> Suspicion envelope
+        self.suspicion_sent_ms: dict[bytes, int] = {}
+        self.halted = False
+        self.sync_answered_ms: dict[bytes, int] = {}
+        self.startup_sync_due = True
+        self.sync_sent_ms = now_ms
+        self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
+        self.fresh_beat_after_ms: dict[bytes, int] = {}  # while halted: member -> sent_ms that proves news
+        # Since when members never heard from count as unresponsive leaders (SPEC F4): our
+        # start or our entry into the current epoch, whichever came last.
+        self.unheard_since_ms = now_ms
+
+    def is_suspected(self, key: bytes) -> bool:
+        return self.ctx.heartbeats and self.detector.is_suspected(key, self.last_tick_ms)
+
+    def _my_live_jobs(self) -> tuple:
+        return self.jobs.live_jobs_of(self.ctx.me)
+
+    def _hold_restarted_jobs(self, now_ms: int, out: Ready) -> None:
+        """SPEC F3/F6: a (re)started node whose history makes it the primary of live jobs may
+        have been evicted while it was down, and its jobs may run elsewhere under a higher
+        fence. It starts none of them until a member at its epoch has answered its sync
+        (the same wait as self-fencing); with no one to ask, it resumes at once."""
+        mine = self._my_live_jobs()
+        if not mine or not self.epochs.is_member():
+            return
+        if self.ctx.heartbeats and self.epochs.broadcast_targets():
+            self.halted = True
+            out.events.append(self.ctx.event("restart_sync", now_ms, epoch=self.epochs.epoch, jobs=len(mine)))
+        else:
+            out.decisions.append(local_decision("resume", mine))
+
+    def _sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
+        """SPEC F6: a (re)started node asks a few random members for what it missed while down,
+        and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
+        not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
+        self.startup_sync_due = False
+        self.sync_sent_ms = now_ms
+        peers = self.epochs.broadcast_targets()
+        if not self.epochs.is_member() or not peers:
+            return
+        # A silent member answers nothing: ask among the others (all, if none is left).
+        unresponsive = self.unresponsive_members(now_ms)
+        peers = [peer for peer in peers if peer not in unresponsive] or peers
+        data = self.ctx.sign(SyncRequest(epoch=self.epochs.epoch))
+        out.messages.extend(Outbound(peer, data) for peer in self.ctx.rng.sample(peers, min(peers_asked, len(peers))))
+
+    # --- heartbeats, detection, self-fencing (SPEC F1-F3) ------------------------------------------
+    def tick(self, now_ms: int, out: Ready) -> None:
+        ctx, epochs, params = self.ctx, self.epochs, self.ctx.params
+        gap = now_ms - self.last_tick_ms
+        self.last_tick_ms = now_ms
+        if self.startup_sync_due:
+            self._hold_restarted_jobs(now_ms, out)
+            self._sync(now_ms, out, STARTUP_SYNC_PEERS)
+        elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
+            self._sync(now_ms, out, 1)
+        if self.joins.evicted_at_epoch is not None and not epochs.is_member():
+            self.joins.maybe_rejoin(now_ms, out)
+        if not ctx.heartbeats or not epochs.is_member():
+            return
+        if gap >= self.detector.min_silence_ms - params.heartbeat_ms and not self.halted:
+            # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
+            # may be a period older than the pause), so we may have been evicted and our
+            # workloads may run elsewhere already. Halt them and ask for the epochs we missed.
+            self.halted = True
+            # Heartbeats sent while we were stopped wait in our sockets and are read now; the
+            # ones sent before the others evicted us must not end the halt. A member's
+            # heartbeat counts only if sent (by its own clock) about `gap` after the newest
+            # one we had seen: i.e. after we resumed and asked for a sync.
+            self.fresh_beat_after_ms = {peer: sent + gap - params.heartbeat_ms
+                                        for peer, sent in self.peer_beat_sent_ms.items()}
+            out.decisions.append(local_decision("halt", ()))
+            out.events.append(ctx.event("self_fence_check", now_ms, gap_ms=gap, epoch=epochs.epoch))
+            out.messages.append(Outbound(None, ctx.sign(SyncRequest(epoch=epochs.epoch))))
+        if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
+            self.heartbeat_sent_ms = now_ms
+            self.heartbeat_seq += 1
+            beat = Heartbeat(epoch=epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
+            out.messages.append(Outbound(None, ctx.sign(beat)))
+        if self.halted:
+            return  # a node that may be stale suspects nobody
+        view = epochs.view
+        for peer, silent_ms in self.detector.suspects(now_ms):
+            sent = self.suspicion_sent_ms.get(peer)
+            if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
+                continue
+            self.suspicion_sent_ms[peer] = now_ms
+            suspicion = Suspicion(suspect=peer, epoch=epochs.epoch, silent_ms=silent_ms)
+            data = ctx.sign(suspicion)
+            out.messages.append(Outbound(None, data))
+            out.events.append(ctx.event("suspect", now_ms, suspect=peer.hex(), silent_ms=silent_ms))
+            self._record_suspicion(ctx.me, suspicion, data, now_ms, out)
+        if any(s in view.stakes and view.exceeds_one_third(by) for s, by in self.suspicions.items()):
+            # A leader holds an eviction back until the suspect was silent for the whole
+            # bound and a heartbeat period (heard_before_eviction): offer it the value again.
+            self.epoch_changes.start(epochs.view, now_ms, out)
+        self._skip_unresponsive_leaders(now_ms, out)
+
+    def unresponsive_members(self, now_ms: int) -> set[bytes]:
+        """SPEC F4: the members whose rounds we skip: suspected ones, and, once a suspicion
+        threshold has passed since we started or entered this epoch, the ones never heard at all
+        (not suspected: see F2; a silent node's rounds would otherwise each cost a timeout)."""
+        if not self.ctx.heartbeats or self.halted or not self.epochs.is_member():
+            return set()
+        # A halted node suspects nobody (F3): after its pause every peer looks silent to it.
+        view = self.epochs.view
+        suspected = {peer for peer, _silent in self.detector.suspects(now_ms)}
+        unheard = {key for key in view.members if key != self.ctx.me and not self.detector.is_watched(key)}
+        heard_stake = view.total_stake - view.stake_of(suspected | unheard)
+        if not view.is_quorum_stake(heard_stake):
+            # We hear less than a quorum: most likely we are the one cut off, and skipping
+            # rounds would only race us ahead of the members we cannot hear, whose round
+            # changes then never meet ours (a partition in the sweep left a node 30 rounds ahead).
+            return set()
+        if now_ms - self.unheard_since_ms < self.detector.suspect_by_ms:
+            return suspected
+        return suspected | unheard
+
+    def _skip_unresponsive_leaders(self, now_ms: int, out: Ready) -> None:
+        """SPEC F4: waiting for an unresponsive leader's proposal would only cost its round's
+        timeout; entering the next round is always safe (it signs nothing), and the
+        announcement counts towards the next leader's quorum of round changes (6.5)."""
+        unresponsive = self.unresponsive_members(now_ms)
+        epochs = self.epochs
+        if self.halted or not epochs.is_member():
+            return
+        # An instance still running in an earlier epoch whose round's leader has since left
+        # the mesh (evicted): most often dead. (An evicted node that is alive may still vote
+        # there, F7; skipping its rounds costs no safety, and it keeps its votes.)
+        if not unresponsive and epochs.epoch == 0:
+            return
+        skip = [i for i in self.instances.instances.values()
+                if i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes)]
+        for inst in skip:
+            self.instances.skip_round(inst, now_ms, out)
+
+    def on_heartbeat(self, envelope, beat: Heartbeat, data, now_ms: int, out: Ready) -> None:
+        signer, epochs = envelope.signer, self.epochs
+        if beat.epoch < epochs.epoch or signer not in epochs.view.stakes:
+            self.ctx.counters["heartbeat_stale"] += 1
+            self.answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
+            return
+        self.detector.heartbeat(signer, now_ms)
+        fresh = beat.sent_ms >= self.fresh_beat_after_ms.get(signer, beat.sent_ms)
+        # The latest, not the greatest: a restarted peer's clock may start anywhere.
+        self.peer_beat_sent_ms[signer] = beat.sent_ms
+        if self.halted and fresh and beat.epoch >= epochs.epoch and epochs.is_member():
+            # SPEC F3: a current peer's heartbeat after catching up: we were not evicted.
+            self.halted = False
+            self.fresh_beat_after_ms = {}
+            out.decisions.append(local_decision("resume", self._my_live_jobs()))
+            out.events.append(self.ctx.event("self_fence_clear", now_ms, epoch=epochs.epoch))
+
+    def on_sync_request(self, envelope, request: SyncRequest, data, now_ms: int, out: Ready) -> None:
+        self.answer_sync(envelope.signer, request.epoch, now_ms, out)
+        if envelope.signer in self.epochs.view.stakes and request.epoch >= self.epochs.epoch:
+            beat = Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
+            out.messages.append(Outbound(envelope.signer, self.ctx.sign(beat)))
+
+    def answer_sync(self, peer: bytes, since_epoch: int, now_ms: int, out: Ready) -> None:
+        last = self.sync_answered_ms.get(peer)
+        if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
+            return
+        certificates = self.epochs.certificates_since(since_epoch)[:MAX_SYNC_CERTIFICATES]
+        if peer in self.epochs.view.stakes:
+            # A member that was down may have missed placements too: the newest certificates we
+            # applied, however they reached us (our own instance, a broadcast or a catch-up).
+            sent = set(certificates)
+            recent = list(self.instances.recent_certificates.values())[-MAX_SYNC_DECISIONS:]
+            certificates.extend(c for c in recent if c not in sent)
+        if not certificates:
+            return
+        if len(self.sync_answered_ms) > 4096:
+            self.sync_answered_ms.clear()
+        self.sync_answered_ms[peer] = now_ms
+        out.messages.extend(Outbound(peer, c) for c in certificates)
+
+    # --- suspicion (SPEC F4) ---------------------------------------------------------------------
+    def on_suspicion(self, envelope, suspicion: Suspicion, data, now_ms: int, out: Ready) -> None:
+        if envelope.signer not in self.epochs.view.stakes or suspicion.epoch != self.epochs.epoch:
+            self.ctx.counters["suspicion_stale"] += 1
+            return
+        self._record_suspicion(envelope.signer, suspicion, data, now_ms, out)
+
+    def _record_suspicion(self, signer: bytes, suspicion: Suspicion, data: bytes, now_ms: int, out: Ready) -> None:
+        suspect, view = suspicion.suspect, self.epochs.view
+        if suspect not in view.stakes:
+            return
+        by = self.suspicions.setdefault(suspect, {})
+        by.setdefault(signer, data)
+        # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
+        if view.exceeds_one_third(by):
+            self.epoch_changes.start(view, now_ms, out)
+
+    def suspicion_justification(self, suspect: bytes) -> tuple:
+        by = self.suspicions.get(suspect, {})
+        stakes = self.epochs.view.stakes
+        ranked = sorted(by.items(), key=lambda item: (-stakes.get(item[0], 0), item[0]))
+        return tuple(data for _signer, data in ranked[:MAX_SUSPICION_JUSTIFICATION])
+
+    def heard_recently(self, peer: bytes, now_ms: int) -> bool:
+        """SPEC F5: a voter refuses to evict a member it has itself heard from within
+        min_silence_ms (the suspicion threshold's floor). A node that was only paused, or
+        starved for a moment, and whose heartbeat got through meanwhile, is alive: evicting
+        it would cost its workloads."""
+        return self.ctx.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
+
+    def heard_before_eviction(self, peer: bytes, now_ms: int) -> bool:
+        """SPEC F4: the leader proposes an eviction only after the suspect has been silent
+        for the detection bound plus one heartbeat period. A node paused for P < bound is
+        silent for P + up to one period (its last heartbeat may be that old) + the delay
+        until it runs again; it is heard by the voters before they are asked."""
+        window = self.ctx.params.detection_bound_ms + self.ctx.params.heartbeat_ms
+        return self.ctx.heartbeats and self.detector.heard_within(peer, now_ms, window)
+
+    # --- epochs ----------------------------------------------------------------------------------
+    def on_epoch_entered(self, old_view, now_ms: int) -> None:
+        self.unheard_since_ms = now_ms
+        # A member is watched from its first heartbeat (SPEC F2), a newly admitted one too: it
+        # holds no workload yet, and a rejoining node may need a moment to reconnect to all.
+        for key in old_view.members:
+            if key not in self.epochs.view.stakes:
+                self.detector.forget(key)
+                self.peer_beat_sent_ms.pop(key, None)
+        self.suspicions.clear()
+        self.suspicion_sent_ms.clear()
+
+    def on_evicted(self) -> None:
+        self.halted, self.fresh_beat_after_ms = False, {}  # nothing left to hold: its jobs moved
+        for key in self.detector.peers():  # their silence towards a non-member means nothing
+            self.detector.forget(key)
