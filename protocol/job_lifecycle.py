@@ -127,7 +127,7 @@ class JobLifecycle:
             record.state = "completed"
         elif record.attempt < record.manifest.max_retries:
             record.attempt += 1  # SPEC P6: a failed job is placed afresh, by a new instance
-            record.primary, record.backups, record.gpus = None, (), ()
+            self.jobs.assign(record, None, (), ())
             record.declines.clear()
             self.placement.start(record, now_ms, out)
         else:

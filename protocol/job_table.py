@@ -63,8 +63,24 @@ class JobRecord:
 class JobTable:
     """Job records by job id, bounded: past MAX_JOBS the oldest finished ones are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, me: bytes) -> None:
+        self.me = me
         self.records: dict[bytes, JobRecord] = {}
+        self._ever_mine: set[bytes] = set()   # jobs this node was ever made primary of
+
+    def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None) -> None:
+        """Set the job's primary and backups (and GPUs, when given): the only way they change."""
+        record.primary, record.backups = primary, tuple(backups)
+        if gpus is not None:
+            record.gpus = gpus
+        if primary == self.me:
+            self._ever_mine.add(record.job_id)
+
+    def mine(self) -> list[JobRecord]:
+        """Records of the jobs this node is primary of now, in any state."""
+        gone = [jid for jid in self._ever_mine if jid not in self.records or self.records[jid].primary != self.me]
+        self._ever_mine.difference_update(gone)
+        return [self.records[jid] for jid in sorted(self._ever_mine)]
 
     def get(self, jid: bytes) -> JobRecord | None:
         return self.records.get(jid)

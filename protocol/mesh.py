@@ -20,11 +20,12 @@ Bad remote input never raises: it is dropped and counted in ``counters`` under a
 reason (the consensus instances count into the same Counter).
 
 Decisions: certified ones carry a decoded Placement / PlacementSlot / Eviction /
-MembershipChange and the commit certificate. Four local, uncertified kinds
-(``certificate == b""``) tell the driver what to do with workloads: "halt" (value
-``()``: this node stalled past the detection bound, stop everything until caught up),
-"resume" (value: job ids to restart from their newest checkpoint), "stop" and "cancel"
-(value: job ids to stop here).
+MembershipChange and the commit certificate. Local, uncertified ones
+(``certificate == b""``) are about this node's workloads. Two are orders, and the
+driver acts on nothing else (workload_orders.py): "stop" (value: job ids) and "run"
+(value: ``WorkloadRun`` items). Three say why, for logs and tools: "halt" (value ``()``:
+this node stalled past the detection bound; its workloads stop until it caught up),
+"resume" (value: the job ids it may run again) and "cancel" (value: job ids cancelled).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVec
                                decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
+from protocol.workload_orders import WorkloadOrders
 
 
 class MeshCore:
@@ -77,7 +79,7 @@ class MeshCore:
         self.params, self.counters = ctx.params, ctx.counters
         # Shared state, each an explicit object handed to the parts that use it.
         self.epochs = epochs = Epochs(genesis, ctx.me, ctx.counters)
-        self.job_table = jobs = JobTable()
+        self.job_table = jobs = JobTable(ctx.me)
         self.ledger = ledger = ResourceLedger(capacity.gpu_mem_total_mib, capacity.cpu_milli, capacity.mem_mib)
         self.instance_table = instances = InstanceTable(ctx, epochs, self._apply_certified, self._deliver_held,
                                                         safety_records)
@@ -92,6 +94,7 @@ class MeshCore:
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
+        self.orders = WorkloadOrders(epochs, jobs, liveness)
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
         epoch_changes.placement = placement
@@ -226,6 +229,11 @@ class MeshCore:
                 handler(envelope, message, data, now_ms, out)
         except RemoteProtocolError:
             self.counters["rejected_" + envelope.kind] += 1
+        return self._with_orders(out)
+
+    def _with_orders(self, out: Ready) -> Ready:
+        """Every input's Ready ends with the workload orders it implies (workload_orders.py)."""
+        self.orders.reconcile(out)
         return out
 
     def tick(self, now_ms: int) -> Ready:
@@ -235,28 +243,31 @@ class MeshCore:
         for key in self.ledger.expire(now_ms):
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         self.instance_table.prune_timers()
-        return out
+        return self._with_orders(out)
 
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
         """A signed job from a local owner (SPEC P2)."""
-        return self.placement.submit(job_envelope, now_ms)
+        return self._with_orders(self.placement.submit(job_envelope, now_ms))
 
     def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
         """An owner-signed Cancel envelope: stop and forget the job everywhere."""
-        return self.lifecycle.cancel(request, now_ms)
+        jid, out = self.lifecycle.cancel(request, now_ms)
+        return jid, self._with_orders(out)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
         return self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated)
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
-        return self.lifecycle.workload_started(jid, fence, from_seq, now_ms)
+        return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))
 
     def local_checkpoint(self, jid: bytes, seq: int, progress: int, taken_ms: int, state: bytes,
                          now_ms: int) -> Ready:
-        return self.lifecycle.local_checkpoint(jid, seq, progress, taken_ms, state, now_ms)
+        return self._with_orders(self.lifecycle.local_checkpoint(jid, seq, progress, taken_ms, state, now_ms))
 
     def job_exited(self, jid: bytes, exit_code: int, now_ms: int) -> Ready:
-        return self.lifecycle.job_exited(jid, exit_code, now_ms)
+        """The workload ran out here (or could not start: the driver reports 127)."""
+        self.orders.exited(jid)
+        return self._with_orders(self.lifecycle.job_exited(jid, exit_code, now_ms))
 
     def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
         return self.joins.request_join(bootstrap_key, now_ms)

@@ -25,10 +25,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from protocol.certificate import verify_commit_certificate
+from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.instances import SAFETY_TABLES
 from protocol.mesh import MeshCore
 from protocol.messages import CommitCertificate, decode_message
+from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
@@ -90,6 +92,7 @@ class SimNode:
     evidence_offenders: set = field(default_factory=set)  # offenders in persisted evidence records
     persisted_records: int = 0
     behaviour: ByzantineBehaviour | None = None
+    drain: ReadyDrain | None = None
 
 
 @dataclass
@@ -137,6 +140,8 @@ class Simulation:
             NodeFacts(s.identity.public_key, s.zone, s.labels, s.policy, s.capacity, s.index not in self.world.byzantine)
             for s in self.world.nodes], self._verify_certificate)
         self.nodes = [SimNode(s.index, s.identity.public_key) for s in self.world.nodes]
+        for node in self.nodes:
+            node.drain = self._new_drain(node)
         self.index_of = {node.public_key: node.index for node in self.nodes}
         self.queue: list = []
         self.seq = 0
@@ -385,11 +390,25 @@ class Simulation:
                 self._submit(number)
 
     def _emit(self, node: SimNode, ready) -> None:
-        """Drain one Ready batch in contract order: persist, send, decisions (events are counted)."""
+        """Drain one Ready batch through the node's drain (protocol/drain.py): persist, send,
+        decisions; events are only read for the liveness excuses."""
         if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
             return  # most deliveries (a vote at its collector, a repeat) change nothing outside
+        if node.behaviour is not None:
+            ready = Ready(ready.persist, node.behaviour.rewrite(ready, self._peers(node)), ready.decisions)
+        node.drain.drain(ready)
+
+    def _new_drain(self, node: SimNode) -> ReadyDrain:
+        def send(outbound) -> None:
+            if outbound:
+                self._send(node, outbound)
+        return ReadyDrain(persist=lambda ready: self._persist(node, ready), send=send,
+                          apply=lambda decision: self._check_decision(node, decision))
+
+    def _persist(self, node: SimNode, ready) -> None:
+        """The simulated disk: what a restarted core is built from (certificates, votes, locks)."""
         for record in ready.persist:
             node.persisted_records += 1
             table = record.table
@@ -405,20 +424,18 @@ class Simulation:
                     node.records_of.setdefault(record.value["instance"], []).append(key)
                     if table == "votes" and node.behaviour is None:
                         self.checker.check_own_vote(node.index, record.value["envelope"])
-        outbound = ready.messages if node.behaviour is None else node.behaviour.rewrite(ready, self._peers(node))
-        if outbound:
-            self._send(node, outbound)
-        for decision in ready.decisions:
-            if not decision.certificate:
-                continue  # a local workload instruction (halt/resume/stop/cancel), nothing to agree on
-            self.node_decisions += 1
-            self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
-            if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
-                done = self.honest_done.get(decision.instance, 0) + 1
-                self.honest_done[decision.instance] = done
-                if done == len(self.honest):  # early stop only when every honest node has every job
-                    placed = 1 if decision.value_kind == "placement" else len(decision.value.placements)
-                    self.complete += placed
+
+    def _check_decision(self, node: SimNode, decision) -> None:
+        if not decision.certificate:
+            return  # a local workload order or notice (run, stop, halt ...): nothing to agree on
+        self.node_decisions += 1
+        self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
+        if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
+            done = self.honest_done.get(decision.instance, 0) + 1
+            self.honest_done[decision.instance] = done
+            if done == len(self.honest):  # early stop only when every honest node has every job
+                placed = 1 if decision.value_kind == "placement" else len(decision.value.placements)
+                self.complete += placed
 
     def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
         for event in events:

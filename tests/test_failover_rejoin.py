@@ -22,6 +22,7 @@ from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError
 from protocol import codec
+from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (Constraints, Eviction, Heartbeat, Join, JobManifest, Member, Proposal, Resources,
@@ -63,6 +64,7 @@ class Net:
             self.cores[identity.public_key] = self.make_core(index, (histories or {}).get(identity.public_key, ()),
                                                              vouched_stake)
         self.queue = deque()
+        self.drains = {}
         self.paused: set[bytes] = set()
         self.held: dict[bytes, list[bytes]] = {k: [] for k in KEYS}
         self.decisions = {k: [] for k in KEYS}
@@ -77,17 +79,26 @@ class Net:
                         rng=random.Random(index), now_ms=self.now, history=history)
 
     def emit(self, src, ready):
+        """Through the drain every driver uses (protocol/drain.py)."""
+        drain = self.drains.get(src)
+        if drain is None:
+            drain = self.drains[src] = ReadyDrain(persist=lambda r: self.persist(src, r),
+                                                  send=lambda messages: self.send(src, messages),
+                                                  apply=self.decisions[src].append, publish=self.events[src].extend)
+        drain.drain(ready)
+
+    def persist(self, src, ready):
         for record in ready.persist:
             if record.table == "certificates":
                 self.certificates[src].append(record.value["certificate"])
-        for message in ready.messages:
+
+    def send(self, src, messages):
+        for message in messages:
             self.sent[src].append(message.data)
             if self.lose(src, message.data):
                 continue
             for target in self.cores[src].broadcast_targets() if message.to is None else [message.to]:
                 self.queue.append((target, message.data))
-        self.decisions[src].extend(ready.decisions)
-        self.events[src].extend(ready.events)
 
     def deliver(self):
         while self.queue:
@@ -116,8 +127,9 @@ class Net:
             self.emit(key, self.cores[key].step(data, self.now))
         self.held[key].clear()
 
-    def kinds(self, key, since=0):
-        return [d.value_kind for d in self.decisions[key][since:]]
+    def kinds(self, key, since=0, orders=False):
+        """Decision kinds in order; the workload orders ("run", "stop") only if asked."""
+        return [d.value_kind for d in self.decisions[key][since:] if orders or d.value_kind not in ("run", "stop")]
 
     def placed_job(self):
         job, envelope = make_job()
@@ -146,7 +158,7 @@ def test_pause_longer_than_the_bound_evicts_migrates_and_the_paused_node_fences_
     seen = len(net.decisions[primary])
     net.resume(primary)
     # Its first tick finds the gap: it halts its workloads before reading anything.
-    assert net.kinds(primary, seen)[0] == "halt"
+    assert net.kinds(primary, seen, orders=True)[:2] == ["halt", "stop"]
     assert any(e.kind == "self_fence_check" for e in net.events[primary])
     net.deliver()  # the buffered frames: old heartbeats, then the eviction's commit certificate
     assert net.kinds(primary, seen) == ["halt", "eviction"]  # the old heartbeats did not resume it
@@ -310,7 +322,9 @@ def test_a_restarted_primary_resumes_only_after_a_member_confirms_its_epoch():
     assert any(e.kind == "restart_sync" for e in first.events)
     assert sum(b"sync_request" in m.data for m in first.messages) == 3
     beat = encode_message(IDS[KEYS.index(_backup)], MESH, Heartbeat(epoch=0, seq=1, sent_ms=net.now))
-    assert [(d.value_kind, d.value) for d in restarted.step(beat, net.now).decisions] == [("resume", (jid,))]
+    resume, run = restarted.step(beat, net.now).decisions
+    assert (resume.value_kind, resume.value) == ("resume", (jid,))
+    assert (run.value_kind, [r.job_id for r in run.value]) == ("run", [jid])
 
 
 def test_a_primary_restarted_after_its_eviction_learns_it_and_resumes_nothing():

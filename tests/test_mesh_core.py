@@ -12,6 +12,7 @@ from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import SigningIdentity
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol import codec
+from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
 from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, JobExit,
                                JobManifest, Member, Placement, Precommit, Proposal, Resources, RoundChange,
@@ -53,21 +54,31 @@ class Net:
                 capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * gpus[index]), rng=random.Random(index),
                 now_ms=0, history=(history or {}).get(identity.public_key, ()), bid_sample=bid_sample)
         self.queue = deque()
+        self.drains = {}
         self.down = set()
         self.decisions = {k: [] for k in KEYS}
         self.events = {k: [] for k in KEYS}
         self.certificates = {k: [] for k in KEYS}
 
     def emit(self, src, ready):
+        """Through the drain every driver uses (protocol/drain.py)."""
+        drain = self.drains.get(src)
+        if drain is None:
+            drain = self.drains[src] = ReadyDrain(persist=lambda r: self.persist(src, r),
+                                                  send=lambda messages: self.send(src, messages),
+                                                  apply=self.decisions[src].append, publish=self.events[src].extend)
+        drain.drain(ready)
+
+    def persist(self, src, ready):
         for record in ready.persist:
             if record.table == "certificates":
                 self.certificates[src].append(record.value["certificate"])
-        for message in ready.messages:
+
+    def send(self, src, messages):
+        for message in messages:
             targets = self.cores[src].broadcast_targets() if message.to is None else [message.to]
             for target in targets:
                 self.queue.append((src, target, message.data))
-        self.decisions[src].extend(ready.decisions)
-        self.events[src].extend(ready.events)
 
     def deliver(self):
         while self.queue:
@@ -246,12 +257,15 @@ def test_paused_node_halts_then_resumes_when_not_evicted():
     paused = net.cores[KEYS[0]]
     later = net.now + DEFAULT_PARAMS.detection_bound_ms + 1
     out = paused.tick(later)
-    assert [(d.value_kind, d.value) for d in out.decisions] == [("halt", ())]
+    # The halt says why; the order to stop the job it ran is what the driver executes.
+    assert [(d.value_kind, d.value) for d in out.decisions] == [("halt", ()), ("stop", (job_id(job),))]
     assert any(e.kind == "self_fence_check" for e in out.events)
     assert any(m.to is None and b"sync_request" in m.data for m in out.messages)
     beat = encode_message(IDS[1], MESH, Heartbeat(epoch=0, seq=999, sent_ms=later))
     ready = paused.step(beat, later)
-    assert [(d.value_kind, d.value) for d in ready.decisions] == [("resume", (job_id(job),))]
+    resume, run = ready.decisions
+    assert (resume.value_kind, resume.value) == ("resume", (job_id(job),))
+    assert run.value_kind == "run" and [(r.job_id, r.fence, r.resume) for r in run.value] == [(job_id(job), 1, True)]
     assert not paused.step(beat, later).decisions  # resumed once
 
 

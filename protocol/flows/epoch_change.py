@@ -252,7 +252,7 @@ class EpochChangeFlow(ValueFlow):
                 self._migrate(record, live[0], self._new_backups(record, live[0], eviction.node, view), now_ms, out)
 
     def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
-        record.primary, record.backups = to_node, tuple(backups)
+        self.jobs.assign(record, to_node, backups)
         record.fence += 1
         record.migrations += 1
         record.state = "migrating"

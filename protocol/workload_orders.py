@@ -1,0 +1,56 @@
+"""Workload orders: what the driver must start and stop here, said by the core.
+
+The job table decides which jobs this node runs: those it is the primary of, live,
+while it is a member and not halted (self-fencing, F3, or the restart sync, F6). After
+every input the core compares that with what it last ordered and appends two local
+decisions to the Ready batch (protocol/ready.py): "stop" (job ids, stopped first) and
+"run" (``WorkloadRun`` items). The driver executes them and derives nothing itself.
+A run the driver could not start, or a workload that exits, comes back as
+``job_exited``; a run already executing under the same fence is never ordered twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.job_table import LIVE_JOB_STATES
+from protocol.ready import Decision, NO_INSTANCE, Ready
+
+
+@dataclass(frozen=True)
+class WorkloadRun:
+    job_id: bytes
+    fence: int           # the workload writes checkpoints under this fence (SPEC P6)
+    gpus: tuple          # GPU indices the ledger allocated to it here
+    resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6)
+
+
+class WorkloadOrders:
+    def __init__(self, epochs, jobs, liveness) -> None:
+        self.epochs = epochs
+        self.jobs = jobs
+        self.liveness = liveness
+        self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
+
+    def exited(self, jid: bytes) -> None:
+        """The driver reports the workload gone: nothing to stop any more."""
+        self.ordered.pop(jid, None)
+
+    def reconcile(self, out: Ready) -> None:
+        wanted: dict[bytes, object] = {}
+        # Nothing before the first tick's restart check (F6) has had its say on our history.
+        if self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due:
+            wanted = {r.job_id: r for r in self.jobs.mine() if r.state in LIVE_JOB_STATES}
+        stops = tuple(jid for jid, fence in self.ordered.items()
+                      if jid not in wanted or wanted[jid].fence != fence)
+        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=not (r.state == "placed" and r.attempt > 0))
+                     for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
+        if not stops and not runs:
+            return
+        for jid in stops:
+            del self.ordered[jid]
+        if stops:
+            out.decisions.append(Decision("stop", NO_INSTANCE, stops, b""))
+        if runs:
+            self.ordered.update((run.job_id, run.fence) for run in runs)
+            out.decisions.append(Decision("run", NO_INSTANCE, runs, b""))
