@@ -1,5 +1,5 @@
 """The resource ledger: the one place a node counts its capacity, per GPU, CPU and
-memory (SPEC.md section 8.6). Reservations hold capacity for bids, allocations for the
+memory (SPEC.md 7, R1). Reservations hold capacity for bids, allocations for the
 jobs placed or migrated here. A node bids only what it holds free, which is why
 concurrent placement instances can never over-commit it.
 

@@ -44,7 +44,7 @@ def attested_attributes(attestation_envelopes: Iterable[bytes], subject: bytes, 
                         authorities: Iterable[bytes], at_ms: int) -> tuple:
     """Merge the attributes of every attestation that an authority signed about ``subject``
     and that is valid at ``at_ms`` (issued_ms <= at_ms < expires_ms). Invalid ones are
-    ignored, not fatal: a node may carry an expired attestation (SPEC.md 8.4)."""
+    ignored, not fatal: a node may carry an expired attestation (SPEC.md P4)."""
     trusted = set(authorities)
     merged: dict[str, str] = {}
     for data in attestation_envelopes:
@@ -128,7 +128,7 @@ def eligibility(job: JobManifest, capability: CapabilityVector, policy: NodePoli
 
 
 def tie_break(instance: bytes, node: bytes) -> bytes:
-    """SPEC.md 8.3: equal scores are ordered by SHA-256(instance || node key), lowest first.
+    """SPEC.md P4: equal scores are ordered by SHA-256(instance || node key), lowest first.
     Per-instance hashing spreads ties over nodes instead of favouring one key forever."""
     return hashlib.sha256(instance + node).digest()
 
@@ -168,7 +168,7 @@ def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> li
 
 
 def wanted_backups(job: JobManifest) -> int:
-    # SPEC.md 8.5: exactly what the owner asked for (manifests default to 1), fewer if fewer bid.
+    # SPEC.md P4: exactly what the owner asked for (manifests default to 1), fewer if fewer bid.
     return min(MAX_BACKUPS, job.backups)
 
 
@@ -222,7 +222,7 @@ def select_justification(job: JobManifest, instance: bytes, bids: Iterable[BidFa
 
 def parse_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, members: dict,
               authorities: Iterable[bytes]) -> BidFacts:
-    """Verify one bid envelope as a validator does (SPEC.md 8.2). Raises RemoteProtocolError.
+    """Verify one bid envelope as a validator does (SPEC.md P3, P4b). Raises RemoteProtocolError.
 
     ``members``: the epoch's member keys (any mapping or set supporting ``in``)."""
     facts = _verified_bid(data, mesh_id, instance, epoch, tuple(authorities))

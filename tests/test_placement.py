@@ -1,4 +1,4 @@
-"""Placement scoring and local reservations (SPEC.md sections 8.1-8.6)."""
+"""Placement scoring and local reservations (SPEC.md 7: P3, P4, P4b, R1)."""
 
 import hashlib
 import random
@@ -199,7 +199,7 @@ def test_remembered_bid_checks_still_apply_membership_and_authorities():
     assert choose_placement(envelope, unfit, job_id(m), [first]) is None
 
 
-# --- reservations (SPEC.md 8.6) ----------------------------------------------------------------
+# --- reservations (SPEC.md R1) ----------------------------------------------------------------
 
 def res(gpus=0, gpu_mem=0, cpu=0, mem=0):
     return Resources(gpus=gpus, gpu_mem_mib=gpu_mem, cpu_milli=cpu, mem_mib=mem)

@@ -564,7 +564,7 @@ def test_f4_an_epoch_change_started_by_suspicions_skips_a_never_heard_leader_onl
 @pytest.mark.parametrize("heard_once", [False, True], ids=["never_heard", "heard_then_silent"])
 def test_f4_a_never_heard_member_is_never_suspected(heard_once):
     """A member that never came up holds no workload: suspecting it would only start an
-    eviction of a slow starter (SPEC.md 8.1). Its rounds are skipped, but no Suspicion goes out."""
+    eviction of a slow starter (SPEC.md F2). Its rounds are skipped, but no Suspicion goes out."""
     core = MeshNet().cores[KEYS[0]]
     if heard_once:
         core.step(beat(3, 0), 0)

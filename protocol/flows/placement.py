@@ -193,7 +193,7 @@ class PlacementFlow(ValueFlow):
         if (window_closed and answered < len(inst.view.members)
                 and len(held) < 1 + wanted_backups(record.manifest) and iid not in bidding.windows_extended):
             # Too few bids for a primary and its backups: a placement without a backup
-            # cannot fail over, so wait once more before settling (SPEC.md 8.4).
+            # cannot fail over, so wait once more before settling (SPEC.md P4b).
             bidding.windows_extended.add(iid)
             self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
             return
