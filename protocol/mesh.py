@@ -333,10 +333,11 @@ class MeshCore:
             self.counters["unknown_epoch"] += 1
             return True
         verify_commit_certificate(data, self.mesh_id, view)
-        if persist:
-            out.persist.append(self._certificate_record(cert, data))
+        position = len(out.persist)
         if not self._apply_certified(cert.value_kind, cert.instance, cert.value, data, cert.epoch, now_ms, out):
-            return True
+            return True   # refused: not even persisted, or a restart would replay (and store) a forgery
+        if persist:   # first, before what applying it persisted (a restart replays it first)
+            out.persist.insert(position, self._certificate_record(cert, data))
         inst = table.get(cert.instance)
         if inst is not None:  # our own instance lagged behind: it is decided now
             table.drive(inst, inst.on_message(envelope, cert, now_ms, data), now_ms, Ready())
@@ -357,8 +358,10 @@ class MeshCore:
         flow = self.flows[value_kind]
         if flow.binding_error(iid, value_kind, value, epoch) is not None:
             # Only a quorum with more than a third of Byzantine stake signs one (every honest
-            # voter checks it, P4b, P7): it places nothing (P2, one epoch per instance).
-            self.counters["placement_certificate_wrong_epoch"] += 1
+            # voter checks it, P4b, P7), or a relabelled certificate (flows/binding.py): it
+            # changes nothing (P2, one epoch per instance; F4, one change per epoch).
+            self.counters["placement_certificate_wrong_epoch" if flow.places_jobs
+                          else "epoch_change_certificate_unbound"] += 1
             return False
         table.mark_applied(iid, certificate)
         flow.apply(iid, value_kind, value, certificate, epoch, now_ms, out)

@@ -14,7 +14,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol import codec
 from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
-from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, JobExit,
+from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, Eviction, JobExit,
                                JobManifest, Member, Placement, Precommit, Proposal, Resources, RoundChange,
                                decode_message, decode_value, encode_message, job_id, placement_instance_id,
                                value_hash)
@@ -834,3 +834,35 @@ def test_f7_an_evicted_node_keeps_only_the_instances_others_take_part_in():
     assert not core.instances[lonely].heard_from_others
     core.instance_table.drop_all_but(b"")
     assert shared in core.instances and lonely not in core.instances
+
+
+# --- a certificate's kind is bound to what it decided (flows/binding.py) ---------------------------
+@pytest.mark.parametrize("relabelled_as", ["eviction", "membership", "placement_slot"])
+def test_a_placement_certificate_relabelled_as_another_kind_changes_nothing(relabelled_as):
+    from protocol.flows.binding import certificate_binding_error
+    net, jid, _primary = placed_job()
+    data = net.certificates[KEYS[0]][0]
+    _envelope, real = decode_message(data, MESH, expect=CommitCertificate)
+    assert certificate_binding_error(real.value_kind, real.instance, real.value, real.epoch, MESH, 0) is None
+    forged = dataclasses.replace(real, value_kind=relabelled_as)  # the voters' signatures still verify
+    assert certificate_binding_error(forged.value_kind, forged.instance, forged.value, forged.epoch, MESH, 50)
+    fresh = Net().cores[KEYS[2]]   # never saw the placement: nothing makes it refuse as "already decided"
+    before = (fresh.epoch, tuple(fresh.view.members), fresh.jobs())
+    ready = fresh.step(encode_message(IDS[1], MESH, forged), 0)
+    assert not ready.decisions and not ready.persist
+    assert (fresh.epoch, tuple(fresh.view.members), fresh.jobs()) == before
+    assert sum(fresh.counters.values()) >= 1   # refused and counted, not applied
+    # The genuine certificate, relayed the same way, is applied.
+    assert [d.value_kind for d in fresh.step(encode_message(IDS[1], MESH, real), 0).decisions] == ["placement"]
+    assert fresh.job_view(jid)["state"] == "placed"
+
+
+def test_an_epoch_change_certificate_for_another_instance_is_refused():
+    from protocol.flows.binding import certificate_binding_error
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    eviction = Eviction(node=KEYS[3], epoch=0, migrations=())
+    value = codec.pack(eviction.to_body())
+    assert certificate_binding_error("eviction", epoch_change_instance_id(0), value, 0, MESH, 0) is None
+    assert "not the change of epoch" in certificate_binding_error("eviction", epoch_change_instance_id(1), value, 0,
+                                                                  MESH, 0)
+    assert "names epoch" in certificate_binding_error("eviction", epoch_change_instance_id(1), value, 1, MESH, 0)

@@ -198,6 +198,23 @@ class EpochChangeFlow(ValueFlow):
         return validate
 
     # --- applying a decided change -------------------------------------------------------------------
+    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
+        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0)
+
+    @staticmethod
+    def value_binding_error(iid: bytes, value_kind: str, value, epoch: int, mesh_id: bytes,
+                            slot_ms: int) -> str | None:
+        """SPEC F4: an epoch's change is decided by that epoch's one instance, and the value
+        names that epoch (an eviction) or the next (a join). Votes sign only the value's
+        hash, so this is what binds a certificate's stated kind to what it decided."""
+        if iid != epoch_change_instance_id(epoch):
+            return "instance is not the change of epoch %d" % epoch
+        if value_kind == "eviction" and value.epoch != epoch:
+            return "the eviction names epoch %d, not %d" % (value.epoch, epoch)
+        if value_kind == "membership" and (value.epoch != epoch + 1 or value.change != "join"):
+            return "the membership change does not lead from epoch %d to %d" % (epoch, epoch + 1)
+        return None
+
     def apply(self, iid: bytes, value_kind: str, value, certificate: bytes, epoch: int, now_ms: int,
               out: Ready) -> None:
         if value_kind == "eviction":

@@ -295,7 +295,13 @@ class PlacementFlow(ValueFlow):
 
     # --- a placement is decided (SPEC P5) ------------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, placement, epoch: int) -> str | None:
-        _envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        return self.value_binding_error(iid, value_kind, placement, epoch, self.ctx.mesh_id, 0)
+
+    @staticmethod
+    def value_binding_error(iid: bytes, value_kind: str, placement, epoch: int, mesh_id: bytes,
+                            slot_ms: int) -> str | None:
+        """SPEC P2: a placement's instance is its job's attempt, in the job's epoch."""
+        _envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,
