@@ -230,7 +230,7 @@ def test_a_sealed_vote_decodes_from_the_cache_as_from_its_bytes():
     for vote in (messages.Prevote(bytes(range(32)), 2, 1, None), messages.Precommit(bytes(32), 0, 0, bytes(32))):
         data = messages.sign_message(SigningIdentity(bytes(32)), mesh, vote).encode()
         cached = messages.decode_message(data, mesh, expect=type(vote))
-        messages._decoded.clear()
+        messages.wire._decoded.clear()
         decoded = messages.decode_message(data, mesh, expect=type(vote))
         assert cached == decoded and cached[1] == vote
         assert dict(cached[0].body) == dict(decoded[0].body) and cached[0].encode() == data
