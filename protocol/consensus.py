@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from protocol.certificate import check_commit_certificate, check_prevote_certificate, decode_prevote_certificate
+from protocol.caches import CoreCaches
 from protocol.envelope import Envelope
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (VALUE_KINDS, CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate,
@@ -88,7 +89,7 @@ class ConsensusInstance:
 
     def __init__(self, *, instance_id: bytes, value_kind: str, view: EpochView, identity, mesh_id: bytes,
                  round_timeout_ms: int, round_timeout_max_ms: int, max_rounds: int, validate: Validate,
-                 now_ms: int, other_kinds: dict[str, Validate] | None = None):
+                 now_ms: int, other_kinds: dict[str, Validate] | None = None, caches: CoreCaches | None = None):
         # value kind -> its validity check. ``other_kinds``: an instance that may decide a value
         # of another kind too (SPEC.md F4: one instance per epoch decides its epoch change,
         # an eviction or a join); ``value_kind`` is what it proposes unless told otherwise.
@@ -99,6 +100,7 @@ class ConsensusInstance:
             raise LocalProtocolError("instance id must be 32 bytes; rounds and timeouts positive")
         self.instance_id = instance_id
         self.value_kind = value_kind
+        self.caches = caches  # the core's memo tables (protocol/caches.py); None: remember nothing
         self.view = view
         self.identity = identity
         self.me = identity.public_key
@@ -197,7 +199,7 @@ class ConsensusInstance:
             if value.get("instance") != self.instance_id:
                 continue
             if rec.table == "votes":
-                envelope, message = decode_message(value["envelope"], self.mesh_id)
+                envelope, message = decode_message(value["envelope"], self.mesh_id, caches=self.caches)
                 if message.epoch != self.view.epoch:
                     continue  # the same instance id in another epoch is another vote count
                 self.round = max(self.round, message.round)
@@ -205,16 +207,16 @@ class ConsensusInstance:
                     continue  # no vote (an earlier version persisted epoch-move markers)
                 self._own[(envelope.kind, message.round)] = (envelope, value["envelope"])
             elif rec.table == "locks":
-                envelope, proposal = decode_message(value["proposal"], self.mesh_id, expect=Proposal)
+                envelope, proposal = decode_message(value["proposal"], self.mesh_id, expect=Proposal, caches=self.caches)
                 if proposal.epoch != self.view.epoch:
                     continue
-                lock = LockProof(value["round"], value_hash(proposal.value), proposal.value,
+                lock = LockProof(value["round"], value_hash(proposal.value, caches=self.caches), proposal.value,
                                  proposal.justification, value["certificate"], value["proposal"], proposal.value_kind)
                 if self._lock is None or lock.round > self._lock.round:
                     self._lock = lock
                 self.round = max(self.round, lock.round)
             elif rec.table == "certificates":
-                envelope, cert = decode_message(value["certificate"], self.mesh_id, expect=CommitCertificate)
+                envelope, cert = decode_message(value["certificate"], self.mesh_id, expect=CommitCertificate, caches=self.caches)
                 self._set_decided(cert, value["certificate"])
             elif rec.table == "evidence" and len(self.evidence) < MAX_EVIDENCE:
                 self.evidence.append(Evidence(value["offender"], value["first"], value["second"]))
@@ -267,7 +269,7 @@ class ConsensusInstance:
     def receive(self, data: bytes, now_ms: int) -> Ready:
         """Decode and verify wire bytes, then handle them as ``on_message``. Bad bytes are counted."""
         try:
-            envelope, message = decode_message(data, self.mesh_id)
+            envelope, message = decode_message(data, self.mesh_id, caches=self.caches)
         except RemoteProtocolError:
             self.dropped["undecodable"] += 1
             return Ready()
@@ -319,7 +321,7 @@ class ConsensusInstance:
         lock = self._lock
         change = RoundChange(self.instance_id, self.round, self.view.epoch, lock and lock.round,
                              lock and lock.certificate, lock and lock.proposal)
-        return sign_message(self.identity, self.mesh_id, change).encode()
+        return sign_message(self.identity, self.mesh_id, change, caches=self.caches).encode()
 
     def tick(self, now_ms: int) -> Ready:
         """On round timeout move to the next round and tell its leader (SPEC.md 6.5)."""
@@ -352,7 +354,7 @@ class ConsensusInstance:
             lock = self._lock
             change = RoundChange(self.instance_id, round, self.view.epoch, lock and lock.round,
                                  lock and lock.certificate, lock and lock.proposal)
-            envelope = sign_message(self.identity, self.mesh_id, change)
+            envelope = sign_message(self.identity, self.mesh_id, change, caches=self.caches)
             self._send_to(self.leader, envelope, change, envelope.encode(), now_ms, ready)
         if self.leader == self.me:
             self._try_propose(now_ms, ready)
@@ -392,12 +394,12 @@ class ConsensusInstance:
                                 justification, pol_round, pol_certificate)
         except ValueError as exc:
             raise LocalProtocolError("cannot propose: %s" % exc) from None
-        envelope = sign_message(self.identity, self.mesh_id, proposal)
+        envelope = sign_message(self.identity, self.mesh_id, proposal, caches=self.caches)
         data = envelope.encode()
         self._record_own(envelope, proposal, data, ready)
         self.awaiting_value = False
         ready.events.append(Event("proposed", now_ms, {
-            "instance": self.instance_id.hex(), "round": self.round, "value_hash": value_hash(value).hex(),
+            "instance": self.instance_id.hex(), "round": self.round, "value_hash": value_hash(value, caches=self.caches).hex(),
             "pol_round": pol_round}))
         self._broadcast(envelope, proposal, data, now_ms, ready)
 
@@ -427,7 +429,7 @@ class ConsensusInstance:
 
     def _handle_proposal(self, envelope: Envelope, proposal: Proposal, data, now_ms: int, ready: Ready) -> None:
         """A proposal of the current round from its leader, not seen before: validate, prevote."""
-        hash_ = value_hash(proposal.value)
+        hash_ = value_hash(proposal.value, caches=self.caches)
         pol_valid = False
         reason = None
         if proposal.pol_round is not None or proposal.pol_certificate is not None:
@@ -452,7 +454,7 @@ class ConsensusInstance:
         if proposal.pol_round is None or proposal.pol_certificate is None or proposal.pol_round >= proposal.round:
             return "proof of lock needs pol_round < round and a certificate"
         try:
-            _, cert = decode_prevote_certificate(proposal.pol_certificate, self.mesh_id, self.view)
+            _, cert = decode_prevote_certificate(proposal.pol_certificate, self.mesh_id, self.view, caches=self.caches)
         except RemoteProtocolError as exc:
             return "bad proof of lock: %s" % exc
         if cert.instance != self.instance_id or cert.round != proposal.pol_round or cert.value_hash != hash_:
@@ -487,7 +489,7 @@ class ConsensusInstance:
             tally.certified = True
             cert = CommitCertificate(self.instance_id, vote.round, self.view.epoch, proposal.proposal.value_kind,
                                      proposal.proposal.value, tuple(tally.votes[hash_]))
-        cert_envelope = sign_message(self.identity, self.mesh_id, cert)
+        cert_envelope = sign_message(self.identity, self.mesh_id, cert, caches=self.caches)
         self._broadcast(cert_envelope, cert, cert_envelope.encode(), now_ms, ready)
 
     def _on_prevote_certificate(self, envelope: Envelope, cert: PrevoteCertificate, data, now_ms: int,
@@ -495,7 +497,7 @@ class ConsensusInstance:
         if cert.round < self.round:
             return self._drop("stale_round", ready)
         try:
-            check_prevote_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view)
+            check_prevote_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view, caches=self.caches)
         except RemoteProtocolError:
             return self._drop("bad_certificate", ready)
         if cert.value_hash is None:  # a quorum refused this round: no need to wait for its timeout
@@ -534,7 +536,7 @@ class ConsensusInstance:
         if cert.value_kind not in self.validators:
             return self._drop("wrong_value_kind", ready)
         try:
-            check_commit_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view)
+            check_commit_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view, caches=self.caches)
         except RemoteProtocolError:
             return self._drop("bad_certificate", ready)
         data = data if data is not None else envelope.encode()
@@ -543,7 +545,7 @@ class ConsensusInstance:
             "instance": self.instance_id, "value_kind": cert.value_kind, "round": cert.round, "certificate": data}))
         ready.decisions.append(Decision(cert.value_kind, self.instance_id, cert.value, data))
         ready.events.append(Event("decided", now_ms, {
-            "instance": self.instance_id.hex(), "round": cert.round, "value_hash": value_hash(cert.value).hex(),
+            "instance": self.instance_id.hex(), "round": cert.round, "value_hash": value_hash(cert.value, caches=self.caches).hex(),
             "value_kind": cert.value_kind}))
 
     def _set_decided(self, cert: CommitCertificate, data: bytes) -> None:
@@ -628,7 +630,8 @@ class ConsensusInstance:
             if not self.view.exceeds_one_third_stake(stake):
                 raise ValueError("the round changes small enough to relay hold 1/3 of the stake or less")
             envelope = sign_message(self.identity, self.mesh_id,
-                                    RoundSync(self.instance_id, round, self.view.epoch, tuple(chosen)))
+                                    RoundSync(self.instance_id, round, self.view.epoch, tuple(chosen)),
+                                    caches=self.caches)
         except (ValueError, LocalProtocolError):  # 1/3 not reached, or over the frame cap
             self.dropped["round_sync_too_large"] += 1
             return
@@ -638,7 +641,7 @@ class ConsensusInstance:
         self.messages_sent += 1
 
     def _signer_of(self, data: bytes) -> bytes:
-        envelope, _ = decode_message(data, self.mesh_id, expect=RoundChange)
+        envelope, _ = decode_message(data, self.mesh_id, expect=RoundChange, caches=self.caches)
         return envelope.signer
 
     def _on_round_sync(self, envelope: Envelope, sync: RoundSync, data, now_ms: int, ready: Ready) -> None:
@@ -649,7 +652,7 @@ class ConsensusInstance:
         signers, stake = set(), 0
         for item in sync.changes:
             try:
-                change_envelope, change = decode_message(item, self.mesh_id, expect=RoundChange)
+                change_envelope, change = decode_message(item, self.mesh_id, expect=RoundChange, caches=self.caches)
             except RemoteProtocolError:
                 return self._drop("bad_round_sync", ready)
             signer = change_envelope.signer
@@ -681,9 +684,9 @@ class ConsensusInstance:
             raise RemoteProtocolError("a reported lock needs its round, certificate and proposal")
         if change.locked_round >= change.round:
             raise RemoteProtocolError("a reported lock must be from an earlier round")
-        _, cert = decode_prevote_certificate(change.lock_certificate, self.mesh_id, self.view)
-        proposal_envelope, proposal = decode_message(change.lock_proposal, self.mesh_id, expect=Proposal)
-        hash_ = value_hash(proposal.value)
+        _, cert = decode_prevote_certificate(change.lock_certificate, self.mesh_id, self.view, caches=self.caches)
+        proposal_envelope, proposal = decode_message(change.lock_proposal, self.mesh_id, expect=Proposal, caches=self.caches)
+        hash_ = value_hash(proposal.value, caches=self.caches)
         if (cert.instance != self.instance_id or cert.round != change.locked_round or cert.value_hash != hash_
                 or proposal.instance != self.instance_id or proposal.round != change.locked_round
                 or proposal.value_kind not in self.validators
@@ -706,7 +709,7 @@ class ConsensusInstance:
         own = self._own.get((vote_type.KIND, self.round))
         if own is None:
             vote = vote_type(self.instance_id, self.round, self.view.epoch, hash_)
-            envelope = sign_message(self.identity, self.mesh_id, vote)
+            envelope = sign_message(self.identity, self.mesh_id, vote, caches=self.caches)
             data = envelope.encode()
             self._record_own(envelope, vote, data, ready)
         else:  # restored: repeat exactly what was signed before the restart

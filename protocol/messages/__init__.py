@@ -24,25 +24,24 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
                                       MAX_JUSTIFICATION, MAX_NODES, MAX_SLOT_JOBS, MAX_STATE_BYTES, MILLI_PERCENT,
                                       STRATEGIES, VALUE_KINDS, record)
-from protocol.messages.jobs import (MAX_JOB_IDS_KEPT, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel,
-                                    Constraints, Decline, GpuState, JobExit, JobManifest, Placement, PlacementSlot,
-                                    Resources, RunningJob, job_id, placement_attempt, placement_binding_error,
-                                    placement_instance_id, placement_slot, placement_slot_id)
+from protocol.messages.jobs import (MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints, Decline,
+                                    GpuState, JobExit, JobManifest, Placement, PlacementSlot, Resources, RunningJob,
+                                    job_id, placement_attempt, placement_binding_error, placement_instance_id,
+                                    placement_slot, placement_slot_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
-from protocol.messages.slots import MAX_SLOT_VALUES_KEPT, slot_binding_error, slot_placements
+from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
-from protocol.messages.wire import (MAX_DECODED_BYTES, MAX_DECODED_KEPT, MESSAGE_TYPES, decode_message,
-                                    decode_value, encode_message, sign_message)
+from protocol.messages.wire import MESSAGE_TYPES, decode_message, decode_value, encode_message, sign_message
 
 __all__ = [
     # fields
     "DECLINE_REASONS", "ENVELOPE", "MAX_BIDS_PER_PROPOSAL", "MAX_BIDS_PER_SLOT_JOB", "MAX_JUSTIFICATION",
     "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
     # jobs
-    "MAX_JOB_IDS_KEPT", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
+    "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
     "GpuState", "JobExit", "JobManifest", "Placement", "PlacementSlot", "Resources", "RunningJob", "job_id",
     "placement_attempt", "placement_binding_error", "placement_instance_id", "placement_slot",
     "placement_slot_id",
@@ -51,11 +50,11 @@ __all__ = [
     # membership
     "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
     # slots
-    "MAX_SLOT_VALUES_KEPT", "slot_binding_error", "slot_placements",
+    "slot_binding_error", "slot_placements",
     # votes
     "CommitCertificate", "Evidence", "Precommit", "Prevote", "PrevoteCertificate", "Proposal", "RoundChange",
     "RoundSync", "value_hash",
     # wire
-    "MAX_DECODED_BYTES", "MAX_DECODED_KEPT", "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message",
+    "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message",
     "sign_message",
 ]

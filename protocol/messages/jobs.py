@@ -5,8 +5,6 @@ Also the owner's and the primary's job lifecycle messages (SPEC.md 9.5-9.7)."""
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from functools import lru_cache
 from typing import ClassVar
 
 from protocol import codec
@@ -121,22 +119,15 @@ class JobManifest(Record):
     }
 
 
-MAX_JOB_IDS_KEPT = 1 << 14
-_job_ids: OrderedDict[int, tuple] = OrderedDict()  # id(manifest) -> (manifest, its job id)
-
-
 def job_id(job: JobManifest) -> bytes:
     """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ).
-    Remembered by the manifest object (decoding caches it, so every node holds the same one):
-    hashing a manifest's fields for a dict key cost more than the digest itself. An entry
-    keeps its manifest alive, so no id is reused while the entry exists."""
-    hit = _job_ids.get(id(job))
-    if hit is not None and hit[0] is job:
-        return hit[1]
-    digest = hashlib.sha256(codec.pack(job.to_body())).digest()
-    if len(_job_ids) >= MAX_JOB_IDS_KEPT:
-        _job_ids.popitem(last=False)
-    _job_ids[id(job)] = (job, digest)
+    Remembered on the manifest object itself (it is immutable, so the id cannot go stale,
+    and the memo dies with it): hashing a manifest's fields for a dict key cost more than
+    the digest itself."""
+    digest = job.__dict__.get("_job_id")
+    if digest is None:
+        digest = hashlib.sha256(codec.pack(job.to_body())).digest()
+        object.__setattr__(job, "_job_id", digest)
     return digest
 
 
@@ -169,9 +160,9 @@ def placement_slot(job: JobManifest, slot_ms: int) -> int | None:
     return job.created_ms // slot_ms if slot_ms > 0 else None
 
 
-@lru_cache(maxsize=4096)
 def placement_slot_id(epoch: int, slot: int) -> bytes:
-    """SPEC.md P7: the instance that places the jobs of ``slot`` named for ``epoch``."""
+    """SPEC.md P7: the instance that places the jobs of ``slot`` named for ``epoch``. Not
+    remembered: one SHA-256 of 20 bytes costs about what a cache lookup does."""
     return hashlib.sha256(b"slot" + epoch.to_bytes(8, "big") + slot.to_bytes(8, "big", signed=True)).digest()
 
 

@@ -3,39 +3,33 @@ and whether an instance may decide it."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages.jobs import JobManifest, PlacementSlot, job_id, placement_slot, placement_slot_id
 from protocol.messages.wire import decode_message
 
 
-MAX_SLOT_VALUES_KEPT = 256
-_slot_items: OrderedDict[tuple, tuple] = OrderedDict()  # (id(value), mesh id) -> (value, items)
-
-
-def slot_placements(value: PlacementSlot, mesh_id: bytes) -> list[tuple]:
+def slot_placements(value: PlacementSlot, mesh_id: bytes, *, caches: CoreCaches | None = None) -> list[tuple]:
     """(placement, job, job id) of every placement a slot value lists; raises
-    RemoteProtocolError unless every job is a valid job signed by its owner. Remembered by
-    value object (decode_value caches it): validating, binding and applying a slot all ask."""
-    key = (id(value), mesh_id)
-    hit = _slot_items.get(key)
-    if hit is not None and hit[0] is value:
-        return hit[1]
-    items = _slot_placements(value, mesh_id)
-    if len(_slot_items) >= MAX_SLOT_VALUES_KEPT:
-        _slot_items.popitem(last=False)
-    _slot_items[key] = (value, items)
-    return items
-
-
-def _slot_placements(value: PlacementSlot, mesh_id: bytes) -> list[tuple]:
+    RemoteProtocolError unless every job is a valid job signed by its owner. Remembered in
+    ``caches.slot_items`` by value object (decode_value remembers the object): validating,
+    binding and applying a slot all ask. An entry holds its value, so no id is reused while
+    the entry exists, and a hit checks identity."""
+    table = caches.slot_items if caches is not None else None
+    if table is not None:
+        key = (id(value), mesh_id)
+        hit = table.lookup(key)
+        if hit is not None and hit[0] is value:
+            return hit[1]
     items = []
     for placement in value.placements:
-        envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
+        envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=caches)
         if envelope.signer != job.owner:
             raise RemoteProtocolError("a slot places a job not signed by its owner")
         items.append((placement, job, job_id(job)))
+    if table is not None:
+        table.remember(key, (value, items))
     return items
 
 

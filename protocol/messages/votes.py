@@ -4,10 +4,10 @@ builds from them, round changes and syncs, and equivocation evidence."""
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from typing import ClassVar
 
 from protocol import codec
+from protocol.caches import CoreCaches
 from protocol.messages.fields import ENVELOPE, MAX_JUSTIFICATION, MAX_NODES, VALUE_KINDS, record
 from protocol.schema import Bytes, Int, Key, List, Optional, Record, Text
 
@@ -117,8 +117,16 @@ class Evidence(Record):
     SCHEMA: ClassVar = {"offender": Key(), "first": ENVELOPE, "second": ENVELOPE}
 
 
-@lru_cache(maxsize=1024)
-def value_hash(value_bytes: bytes) -> bytes:
-    """SPEC.md 6.4. Remembered: a slot's value (P7) is up to hundreds of KiB, and every
-    vote, certificate and late job's proof asks for the hash of the same bytes."""
-    return hashlib.sha256(b"meshnode/v1/value\x00" + value_bytes).digest()
+def value_hash(value_bytes: bytes, *, caches: CoreCaches | None = None) -> bytes:
+    """SPEC.md 6.4. Remembered in ``caches.value_hashes``: a slot's value (P7) is up to
+    hundreds of KiB, and every vote, certificate and late job's proof asks for the hash
+    of the same bytes."""
+    table = caches.value_hashes if caches is not None else None
+    if table is not None:
+        hit = table.lookup(value_bytes)
+        if hit is not None:
+            return hit
+    digest = hashlib.sha256(b"meshnode/v1/value\x00" + value_bytes).digest()
+    if table is not None:
+        table.remember(value_bytes, digest)
+    return digest
