@@ -116,11 +116,9 @@ class ConsensusInstance:
     # --- inputs ----------------------------------------------------------------------------
 
     def restore(self, records: Iterable[PersistRecord]) -> None:
-        """Reload this instance's own votes, lock and decision from its persisted records.
-
-        Call before ``start``. Records of other instances are ignored. The instance resumes
-        in the highest round it voted in, re-sending (never re-signing) what it signed.
-        """
+        """Reload this instance's own votes, lock and decision from its persisted records, before
+        ``start`` (other instances' records are ignored). The instance resumes in the highest
+        round it voted in, re-sending (never re-signing) what it signed."""
         if self._started:
             raise LocalProtocolError("restore() must come before start()")
         restored = self._safety.restore(records, self.mesh_id, self.caches)
@@ -145,8 +143,7 @@ class ConsensusInstance:
         if self.decision is None and self.leader == self.me:
             own = self._safety.signed("proposal", self.round)
             if own is not None:  # restarted after proposing: repeat it, never sign a second one
-                ready.messages.append(Outbound(None, own[1]))
-                self.messages_sent += 1
+                self._send(None, own[1], ready)
             else:
                 self._try_propose(now_ms, ready)
         return ready
