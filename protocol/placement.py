@@ -24,7 +24,7 @@ from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, Capabili
                                Placement, decode_message)
 from protocol.policy import NodePolicy
 
-MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages.py)
+MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages/jobs.py)
 
 
 @dataclass(frozen=True)
