@@ -6,35 +6,24 @@ every vote's signature, instance, round, epoch and value hash, distinct member
 signers, and more than 2/3 of the stake. The collector's own signature adds nothing
 to the proof; it only names who assembled it.
 
-Verdicts are cached by the certificate envelope's (signer, signature) and the
-membership digest: a node that re-receives the certificate every other member also
-received (or, in the simulator, one process holding many nodes) checks its votes
+Given a core's ``caches``, verdicts are remembered in ``caches.certificate_verdicts``,
+keyed by the certificate envelope's (signer, signature) and the membership digest: a
+node that re-receives the certificate every other member also received checks its votes
 once. Keying on the signature is sound because the caller has verified the envelope,
 and an Ed25519 signature binds its signed bytes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from protocol.caches import CoreCaches
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (CommitCertificate, Precommit, Prevote, PrevoteCertificate, decode_message,
                                decode_value, value_hash)
 from protocol.quorum import EpochView
 
-CACHE_ENTRIES = 4096
-_verdicts: OrderedDict = OrderedDict()  # (view digest, mesh id, signer, signature) -> None
-
-
-def _remember(key) -> None:
-    _verdicts[key] = None
-    if len(_verdicts) > CACHE_ENTRIES:
-        _verdicts.popitem(last=False)
-
-
 def check_votes(votes: tuple, vote_type: type, *, mesh_id: bytes, view: EpochView, instance: bytes,
-                round: int, expected_hash: bytes | None) -> int:
+                round: int, expected_hash: bytes | None, caches: CoreCaches | None = None) -> int:
     """Check a certificate's vote envelopes; return their total stake. RemoteProtocolError otherwise.
 
     Each vote must be a validly signed ``vote_type`` for exactly (instance, round, view.epoch,
@@ -43,7 +32,7 @@ def check_votes(votes: tuple, vote_type: type, *, mesh_id: bytes, view: EpochVie
     seen: set[bytes] = set()
     stake = 0
     for index, data in enumerate(votes):
-        envelope, vote = decode_message(data, mesh_id, expect=vote_type)
+        envelope, vote = decode_message(data, mesh_id, expect=vote_type, caches=caches)
         if (vote.instance != instance or vote.round != round or vote.epoch != view.epoch
                 or vote.value_hash != expected_hash):
             raise RemoteProtocolError("certificate vote %d is for another instance, round, epoch or value" % index)
@@ -61,48 +50,54 @@ def check_votes(votes: tuple, vote_type: type, *, mesh_id: bytes, view: EpochVie
 
 
 def check_prevote_certificate(envelope: Envelope, cert: PrevoteCertificate, *, mesh_id: bytes,
-                              view: EpochView) -> None:
+                              view: EpochView, caches: CoreCaches | None = None) -> None:
     """Check a verified PrevoteCertificate envelope's contents (quorum of matching prevotes)."""
-    _check_certificate_votes(envelope, cert, cert.prevotes, Prevote, cert.value_hash, mesh_id=mesh_id, view=view)
+    _check_certificate_votes(envelope, cert, cert.prevotes, Prevote, cert.value_hash, mesh_id=mesh_id, view=view,
+                             caches=caches)
 
 
 def check_commit_certificate(envelope: Envelope, cert: CommitCertificate, *, mesh_id: bytes,
-                             view: EpochView) -> None:
+                             view: EpochView, caches: CoreCaches | None = None) -> None:
     """Check a verified CommitCertificate envelope's contents (quorum of precommits for its value)."""
-    _check_certificate_votes(envelope, cert, cert.precommits, Precommit, value_hash(cert.value),
-                             mesh_id=mesh_id, view=view)
+    _check_certificate_votes(envelope, cert, cert.precommits, Precommit, value_hash(cert.value, caches=caches),
+                             mesh_id=mesh_id, view=view, caches=caches)
 
 
 def _check_certificate_votes(envelope: Envelope, cert, votes, vote_type, expected_hash: bytes | None, *,
-                             mesh_id: bytes, view: EpochView) -> None:
-    """The epoch, then the votes, once per (view, certificate signature): a certificate is
-    re-broadcast to everyone, and its quorum check is the costly part."""
+                             mesh_id: bytes, view: EpochView, caches: CoreCaches | None) -> None:
+    """The epoch, then the votes, once per (view, certificate signature) when ``caches`` is
+    given: a certificate is re-broadcast to everyone, and its quorum check is the costly part."""
     kind = "prevote" if vote_type is Prevote else "commit"
     if cert.epoch != view.epoch:
         raise RemoteProtocolError("%s certificate for epoch %d, view is %d" % (kind, cert.epoch, view.epoch))
-    key = (view.digest, mesh_id, envelope.signer, envelope.signature)
-    if key in _verdicts:
-        _verdicts.move_to_end(key)
-        return
+    table = caches.certificate_verdicts if caches is not None else None
+    if table is not None:
+        key = (view.digest, mesh_id, envelope.signer, envelope.signature)
+        if key in table:
+            table.move_to_end(key)
+            return
     check_votes(votes, vote_type, mesh_id=mesh_id, view=view, instance=cert.instance,
-                round=cert.round, expected_hash=expected_hash)
-    _remember(key)
+                round=cert.round, expected_hash=expected_hash, caches=caches)
+    if table is not None:
+        table.remember(key, True)
 
 
-def decode_prevote_certificate(data: bytes, mesh_id: bytes, view: EpochView) -> tuple[Envelope, PrevoteCertificate]:
+def decode_prevote_certificate(data: bytes, mesh_id: bytes, view: EpochView, *,
+                               caches: CoreCaches | None = None) -> tuple[Envelope, PrevoteCertificate]:
     """Open, verify and check encoded PrevoteCertificate envelope bytes."""
-    envelope, cert = decode_message(data, mesh_id, expect=PrevoteCertificate)
-    check_prevote_certificate(envelope, cert, mesh_id=mesh_id, view=view)
+    envelope, cert = decode_message(data, mesh_id, expect=PrevoteCertificate, caches=caches)
+    check_prevote_certificate(envelope, cert, mesh_id=mesh_id, view=view, caches=caches)
     return envelope, cert
 
 
-def verify_commit_certificate(data: bytes, mesh_id: bytes, view: EpochView) -> tuple[CommitCertificate, bytes]:
+def verify_commit_certificate(data: bytes, mesh_id: bytes, view: EpochView, *,
+                              caches: CoreCaches | None = None) -> tuple[CommitCertificate, bytes]:
     """Offline check of an encoded CommitCertificate envelope against ``view`` (SPEC.md 6.7).
 
     Returns (certificate, value bytes). Raises RemoteProtocolError naming the first fault.
     """
-    envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
-    check_commit_certificate(envelope, cert, mesh_id=mesh_id, view=view)
+    envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate, caches=caches)
+    check_commit_certificate(envelope, cert, mesh_id=mesh_id, view=view, caches=caches)
     return cert, cert.value
 
 
@@ -120,14 +115,15 @@ def next_epoch_view(view: EpochView, value_kind: str, value) -> EpochView | None
     return None
 
 
-def epoch_views_from_history(genesis_view: EpochView, mesh_id: bytes, certificates) -> dict[int, EpochView]:
+def epoch_views_from_history(genesis_view: EpochView, mesh_id: bytes, certificates, *,
+                             caches: CoreCaches | None = None) -> dict[int, EpochView]:
     """Every epoch's view, rebuilt offline from the genesis view and the epoch changes' commit
     certificates (any order; certificates of other kinds, or of epochs the history does not
     reach, are ignored). Each change is verified against the view of the epoch it decided in.
     Raises RemoteProtocolError for an epoch-change certificate that does not verify."""
     changes: dict[int, list] = {}
     for data in certificates:
-        _envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate)
+        _envelope, cert = decode_message(data, mesh_id, expect=CommitCertificate, caches=caches)
         if cert.value_kind in ("eviction", "membership"):
             changes.setdefault(cert.epoch, []).append((data, cert))
     views = {genesis_view.epoch: genesis_view}
@@ -136,11 +132,12 @@ def epoch_views_from_history(genesis_view: EpochView, mesh_id: bytes, certificat
         following, problem = None, None
         for data, cert in changes.pop(view.epoch):  # the first of the epoch's that holds
             try:
-                verify_commit_certificate(data, mesh_id, view)
+                verify_commit_certificate(data, mesh_id, view, caches=caches)
             except RemoteProtocolError as exc:
                 problem = exc
                 continue
-            following = next_epoch_view(view, cert.value_kind, decode_value(cert.value_kind, cert.value))
+            following = next_epoch_view(view, cert.value_kind, decode_value(cert.value_kind, cert.value,
+                                                                            caches=caches))
             if following is not None:
                 break
             problem = RemoteProtocolError("the epoch %d change certificate decides no change of that epoch"

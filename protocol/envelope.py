@@ -9,11 +9,11 @@ the mesh id keeps a message signed for one mesh from being replayed into another
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from keys.identity import SigningIdentity, verify_signature
 from protocol import codec
+from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 
 PROTOCOL_VERSION = 1
@@ -50,14 +50,15 @@ def signing_input(version: int, mesh_id: bytes, kind: str, body: dict) -> bytes:
     return SIGNATURE_DOMAIN + codec.pack([version, mesh_id, kind, body])
 
 
-def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict) -> Envelope:
+def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict, *,
+         caches: CoreCaches | None = None) -> Envelope:
     message = signing_input(PROTOCOL_VERSION, mesh_id, kind, body)
     signature = identity.sign(message)
-    if type(identity) is SigningIdentity:
+    if caches is not None and type(identity) is SigningIdentity:
         # Its public key is derived from the key that just signed, so the signature is
-        # valid by construction (RFC 8032); this process never needs to check it again
-        # (a node's own messages come back to it; the simulator runs every node here).
-        _remember_verified(identity.public_key, hashlib.sha256(message).digest(), signature)
+        # valid by construction (RFC 8032); this core never needs to check it again
+        # (a node's own messages come back to it).
+        caches.signatures.remember((identity.public_key, hashlib.sha256(message).digest(), signature), True)
     envelope = Envelope(mesh_id, kind, body, identity.public_key, signature)
     signer = identity.public_key
     if len(signer) == 32 and len(signature) == 64:
@@ -69,25 +70,21 @@ def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict) -> En
     return envelope
 
 
-# Verdicts of the pure function "is this a valid signature": certificates re-carry votes
-# a node has already checked, so caching keeps re-verification off the hot path (SPEC.md
-# 2.4). Keyed by the SHA-256 of the signed bytes; bounded, oldest entries go first.
-MAX_VERIFIED_KEPT = 1 << 18
-_verified_signatures: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
-
-
-def _remember_verified(signer: bytes, message_digest: bytes, signature: bytes) -> None:
-    if len(_verified_signatures) >= MAX_VERIFIED_KEPT:
-        _verified_signatures.popitem(last=False)
-    _verified_signatures[(signer, message_digest, signature)] = None
-
-
-def _verified(signer: bytes, message_digest: bytes, message: bytes, signature: bytes) -> bool:
-    """Raise RemoteProtocolError unless ``signature`` is ``signer``'s over ``message``."""
-    if (signer, message_digest, signature) not in _verified_signatures:
+def _verify(signer: bytes, message: bytes, signature: bytes, caches: CoreCaches | None) -> None:
+    """Raise RemoteProtocolError unless ``signature`` is ``signer``'s over ``message``.
+    A verdict is a pure function of its inputs: ``caches.signatures`` remembers the valid
+    ones, since certificates re-carry votes a node has already checked (SPEC.md 2.4).
+    Keyed by the SHA-256 of the signed bytes."""
+    if caches is None:
         verify_signature(signer, message, signature)
-        _remember_verified(signer, message_digest, signature)
-    return True
+        return
+    key = (signer, hashlib.sha256(message).digest(), signature)
+    table = caches.signatures
+    if key in table:
+        table.move_to_end(key)
+        return
+    verify_signature(signer, message, signature)
+    table.remember(key, True)
 
 
 _WIRE_TAIL_BYTES = (2 + 32) + (2 + 64)  # bin8 signer (32 bytes) + bin8 signature (64 bytes)
@@ -104,7 +101,7 @@ def _signed_part(data: bytes, version: int, mesh_id: bytes, kind: str, body: dic
 
 
 def open_envelope(data: bytes, mesh_id: bytes, max_bytes: int = codec.MAX_FRAME_BYTES,
-                  allow_any_mesh: bool = False) -> Envelope:
+                  allow_any_mesh: bool = False, *, caches: CoreCaches | None = None) -> Envelope:
     """Decode and verify an envelope for ``mesh_id``. Raises RemoteProtocolError on any fault."""
     value = codec.unpack(data, max_bytes)
     data = bytes(data)
@@ -122,7 +119,7 @@ def open_envelope(data: bytes, mesh_id: bytes, max_bytes: int = codec.MAX_FRAME_
     if not isinstance(signer, bytes) or not isinstance(signature, bytes):
         raise RemoteProtocolError("envelope: signer and signature must be bin")
     message = _signed_part(data, version, env_mesh, kind, body, signer, signature)
-    _verified(signer, hashlib.sha256(message).digest(), message, signature)
+    _verify(signer, message, signature, caches)
     envelope = Envelope(env_mesh, kind, body, signer, signature, version)
     object.__setattr__(envelope, "_wire", data)  # canonical: unpack re-encoded it to these bytes
     return envelope

@@ -15,16 +15,16 @@ local state, integers only. Two kinds of checks exist:
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
+from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, JobManifest,
                                Placement, decode_message)
 from protocol.policy import NodePolicy
 
-MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages.py)
+MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages/jobs.py)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class BidFacts:
 
 
 def attested_attributes(attestation_envelopes: Iterable[bytes], subject: bytes, mesh_id: bytes,
-                        authorities: Iterable[bytes], at_ms: int) -> tuple:
+                        authorities: Iterable[bytes], at_ms: int, *, caches: CoreCaches | None = None) -> tuple:
     """Merge the attributes of every attestation that an authority signed about ``subject``
     and that is valid at ``at_ms`` (issued_ms <= at_ms < expires_ms). Invalid ones are
     ignored, not fatal: a node may carry an expired attestation (SPEC.md P4)."""
@@ -49,7 +49,8 @@ def attested_attributes(attestation_envelopes: Iterable[bytes], subject: bytes, 
     merged: dict[str, str] = {}
     for data in attestation_envelopes:
         try:
-            envelope, attestation = decode_message(data, mesh_id, expect=Attestation, allow_any_mesh=True)
+            envelope, attestation = decode_message(data, mesh_id, expect=Attestation, allow_any_mesh=True,
+                                                   caches=caches)
         except RemoteProtocolError:
             continue
         if envelope.signer not in trusted or attestation.subject != subject:
@@ -179,26 +180,24 @@ def choose_backups(primary: BidFacts, ranked_others: list[BidFacts], count: int)
     return tuple(f.signer for f in (other_zone + same_zone)[:count])
 
 
-# Every validator recomputes the leader's placement from the same verified bids (the same
-# BidFacts objects: parse_bid remembers them by bytes), so the pure result is remembered
-# too. Keyed by the identities of the facts; an entry holds them alive, so no id is reused
-# while its entry exists.
-MAX_PLACEMENTS_KEPT = 4096
-_placements: OrderedDict[tuple, tuple] = OrderedDict()
+def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes, bids: Iterable[BidFacts], *,
+                     caches: CoreCaches | None = None) -> Placement | None:
+    """The placement every correct node computes from the same bids, or None if none fits.
 
-
-def choose_placement(job_envelope: bytes, job: JobManifest, instance: bytes,
-                     bids: Iterable[BidFacts]) -> Placement | None:
-    """The placement every correct node computes from the same bids, or None if none fits."""
+    A core recomputes the leader's placement for every proposal of it, from the same
+    verified bids (the same BidFacts objects: parse_bid remembers them by bytes), so
+    ``caches.placements`` remembers the pure result, keyed by the identities of the facts;
+    an entry holds them alive, so no id is reused while it exists."""
     facts = tuple(bids)
-    key = (job_envelope, instance, tuple(map(id, facts)))
-    hit = _placements.get(key)
-    if hit is not None and (hit[0] is job or hit[0] == job) and all(a is b for a, b in zip(hit[1], facts)):
-        return hit[2]
+    table = caches.placements if caches is not None else None
+    if table is not None:
+        key = (job_envelope, instance, tuple(map(id, facts)))
+        hit = table.lookup(key)
+        if hit is not None and (hit[0] is job or hit[0] == job) and all(a is b for a, b in zip(hit[1], facts)):
+            return hit[2]
     placement = _choose_placement(job_envelope, job, instance, facts)
-    if len(_placements) >= MAX_PLACEMENTS_KEPT:
-        _placements.popitem(last=False)
-    _placements[key] = (job, facts, placement)
+    if table is not None:
+        table.remember(key, (job, facts, placement))
     return placement
 
 
@@ -221,40 +220,36 @@ def select_justification(job: JobManifest, instance: bytes, bids: Iterable[BidFa
 
 
 def parse_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, members: dict,
-              authorities: Iterable[bytes]) -> BidFacts:
+              authorities: Iterable[bytes], *, caches: CoreCaches | None = None) -> BidFacts:
     """Verify one bid envelope as a validator does (SPEC.md P3, P4b). Raises RemoteProtocolError.
 
-    ``members``: the epoch's member keys (any mapping or set supporting ``in``)."""
-    facts = _verified_bid(data, mesh_id, instance, epoch, tuple(authorities))
+    ``members``: the epoch's member keys (any mapping or set supporting ``in``).
+    A bid is checked by the leader and by every validator of every proposal that carries
+    it: the membership-independent part of the check is a pure function of the other
+    arguments, so ``caches.bids`` remembers its result (failures are not remembered)."""
+    authorities = tuple(authorities)
+    table = caches.bids if caches is not None else None
+    facts = None
+    if table is not None:
+        key = (data, mesh_id, instance, epoch, authorities)
+        facts = table.lookup(key)
+    if facts is None:
+        facts = _verify_bid(data, mesh_id, instance, epoch, authorities, caches)
+        if table is not None:
+            table.remember(key, facts)
     if facts.signer not in members:
         raise RemoteProtocolError("bid from a non-member")
     return facts
 
 
-# A bid is checked by the leader and by every validator of every proposal that carries it:
-# the membership-independent part of the check is a pure function of these arguments, so
-# its result is remembered (bounded, oldest first; failures are not remembered).
-MAX_BIDS_KEPT = 8192
-_bids: OrderedDict[tuple, BidFacts] = OrderedDict()
-
-
-def _verified_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple) -> BidFacts:
-    key = (data, mesh_id, instance, epoch, authorities)
-    facts = _bids.get(key)
-    if facts is None:
-        facts = _verify_bid(data, mesh_id, instance, epoch, authorities)
-        if len(_bids) >= MAX_BIDS_KEPT:
-            _bids.popitem(last=False)
-        _bids[key] = facts
-    return facts
-
-
-def _verify_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple) -> BidFacts:
-    envelope, bid = decode_message(data, mesh_id, expect=Bid)
+def _verify_bid(data: bytes, mesh_id: bytes, instance: bytes, epoch: int, authorities: tuple,
+                caches: CoreCaches | None) -> BidFacts:
+    envelope, bid = decode_message(data, mesh_id, expect=Bid, caches=caches)
     if bid.instance != instance or bid.epoch != epoch:
         raise RemoteProtocolError("bid for another instance or epoch")
-    cap_envelope, capability = decode_message(bid.capability, mesh_id, expect=CapabilityVector)
+    cap_envelope, capability = decode_message(bid.capability, mesh_id, expect=CapabilityVector, caches=caches)
     if cap_envelope.signer != envelope.signer or capability.node != envelope.signer:
         raise RemoteProtocolError("bid carries another node's capability vector")
-    attested = attested_attributes(bid.attestations, envelope.signer, mesh_id, authorities, capability.taken_ms)
+    attested = attested_attributes(bid.attestations, envelope.signer, mesh_id, authorities, capability.taken_ms,
+                                   caches=caches)
     return BidFacts(envelope.signer, bid, capability, attested)

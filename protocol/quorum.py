@@ -14,7 +14,6 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 LEADER_DOMAIN = b"meshnode/v1/leader\x00"
-_genesis_views: dict = {}  # (mesh id, epoch) -> EpochView; the mesh id hashes the whole genesis
 VIEW_DOMAIN = b"meshnode/v1/view\x00"
 LEADER_CACHE_INSTANCES = 4096  # instances whose later rounds' leaders a view remembers
 
@@ -56,16 +55,9 @@ class EpochView:
     @classmethod
     def from_genesis(cls, genesis, epoch: int = 0) -> "EpochView":
         """The genesis members are epoch 0 (SPEC.md 5); later epochs come from membership decisions.
-        Views are immutable, so every core of one process built from the same genesis (the
-        simulator runs up to thousands) shares one: building it is O(n log n) per core."""
-        key = (genesis.mesh_id, epoch)
-        view = _genesis_views.get(key)
-        if view is None:
-            view = cls(epoch, {m.public_key: m.stake for m in genesis.members})
-            if len(_genesis_views) >= 16:
-                _genesis_views.clear()
-            _genesis_views[key] = view
-        return view
+        A new view each call (O(n log n)): a view remembers the leaders it drew, and a core's
+        view is its own."""
+        return cls(epoch, {m.public_key: m.stake for m in genesis.members})
 
     @property
     def members(self) -> tuple[bytes, ...]:

@@ -228,7 +228,7 @@ class Simulation:
         hit = self._cert_cache.get(id(data))
         if hit is not None and hit[0] is data and hit[1] == view.digest:
             return hit[2]
-        result = verify_commit_certificate(data, self.mesh_id, view)
+        result = verify_commit_certificate(data, self.mesh_id, view, caches=self.checker.caches)
         self._cert_cache[id(data)] = (data, view.digest, result)
         return result
 
@@ -236,7 +236,7 @@ class Simulation:
         hit = self._decoded.get(id(data))
         if hit is not None and hit[0] is data:
             return hit[1]
-        decoded = decode_message(data, self.mesh_id, expect=CommitCertificate)
+        decoded = decode_message(data, self.mesh_id, expect=CommitCertificate, caches=self.checker.caches)
         self._decoded[id(data)] = (data, decoded)
         return decoded
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from keys.identity import short_id
+from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
                                decode_value, job_id, value_hash)
@@ -79,6 +80,8 @@ class DecisionChecker:
         self.facts = facts
         self.index_of = {f.public_key: i for i, f in enumerate(facts)}
         self.verify_certificate = verify_certificate
+        # The checker's own memo tables: it is an observer, not a core, and shares none with them.
+        self.caches = CoreCaches()
         self.canonical: dict[bytes, tuple[str, bytes]] = {}   # instance -> (kind, value hash)
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed it
@@ -107,7 +110,7 @@ class DecisionChecker:
         """An honest node persisted a proposal or vote it is about to send (table ``votes``).
         Ed25519 signatures are deterministic, so signing the same message again gives the
         same bytes: different bytes for one slot are two different messages."""
-        _, vote = decode_message(envelope, self.mesh_id)
+        _, vote = decode_message(envelope, self.mesh_id, caches=self.caches)
         slot = (node, vote.instance, vote.epoch, vote.round, type(vote).KIND)
         digest = hashlib.sha256(envelope).digest()
         first = self.signed.setdefault(slot, digest)
@@ -127,13 +130,13 @@ class DecisionChecker:
             self.fail("certificate", node, instance, "certificate is for another instance or kind")
             return
         try:
-            decided_value = decode_value(decision.value_kind, value_bytes)
+            decided_value = decode_value(decision.value_kind, value_bytes, caches=self.caches)
         except RemoteProtocolError as exc:
             self.fail("certificate", node, instance, "certified value does not decode: %s" % exc)
             return
         if decided_value != decision.value:
             self.fail("certificate", node, instance, "decision value differs from the certified value")
-        digest = value_hash(value_bytes)
+        digest = value_hash(value_bytes, caches=self.caches)
         self._log((now_ms, node, decision.value_kind, instance.hex(), digest.hex()))
         seen_at = self.decided_at.setdefault(instance, {})
         if node in seen_at:
@@ -178,7 +181,8 @@ class DecisionChecker:
 
     def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
         try:
-            _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True)
+            _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                    caches=self.caches)
         except RemoteProtocolError as exc:
             self.fail("validity", node, instance, "placed job is not a valid signed job: %s" % exc)
             return

@@ -174,16 +174,20 @@ def test_signatures_remembered_at_sealing_do_not_vouch_for_altered_envelopes():
     signer's key on the same bytes must still be checked, and fail."""
     from keys.identity import SigningIdentity
     from protocol import envelope as env
+    from protocol.caches import CoreCaches
 
+    caches = CoreCaches()
     signer, other = SigningIdentity(bytes(range(32))), SigningIdentity(bytes(range(1, 33)))
-    sealed = env.seal(signer, bytes(32), "note", {"n": 1})
-    assert env.open_envelope(sealed.encode(), bytes(32)) == sealed
+    sealed = env.seal(signer, bytes(32), "note", {"n": 1}, caches=caches)
+    assert len(caches.signatures) == 1
+    assert env.open_envelope(sealed.encode(), bytes(32), caches=caches) == sealed
     flipped = bytearray(sealed.signature)
     flipped[0] ^= 1
     for forged in (env.Envelope(sealed.mesh_id, sealed.kind, sealed.body, sealed.signer, bytes(flipped)),
                    env.Envelope(sealed.mesh_id, sealed.kind, sealed.body, other.public_key, sealed.signature)):
         with pytest.raises(RemoteProtocolError, match="signature"):
-            env.open_envelope(forged.encode(), bytes(32))
+            env.open_envelope(forged.encode(), bytes(32), caches=caches)
+    assert len(caches.signatures) == 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -208,29 +212,35 @@ def test_decoded_message_cache_keeps_the_mesh_check():
     """One cache entry serves lenient and strict decodes: a job signed for any mesh, decoded
     leniently first, is still refused by a strict decode of the same bytes."""
     from keys.identity import SigningIdentity
+    from protocol.caches import CoreCaches
     from protocol.envelope import ANY_MESH
     from protocol.messages import Cancel, decode_message, encode_message
 
+    caches = CoreCaches()
     mesh = bytes(range(32))
     data = encode_message(SigningIdentity(bytes(range(32))), ANY_MESH, Cancel(job_id=bytes(32), requested_ms=1))
-    envelope, cancel = decode_message(data, mesh, allow_any_mesh=True)
+    envelope, cancel = decode_message(data, mesh, allow_any_mesh=True, caches=caches)
     assert envelope.mesh_id == ANY_MESH and cancel.requested_ms == 1
+    assert len(caches.decoded) == 1
+    with pytest.raises(RemoteProtocolError, match="another mesh"):
+        decode_message(data, mesh, caches=caches)
     with pytest.raises(RemoteProtocolError, match="another mesh"):
         decode_message(data, mesh)
-    with pytest.raises(RemoteProtocolError, match="another mesh"):
-        decode_message(bytes(data), mesh)  # the same bytes in another object: a cache miss
 
 
 def test_a_sealed_vote_decodes_from_the_cache_as_from_its_bytes():
     """sign_message remembers what decoding a vote's bytes gives; it must equal a real decode."""
     from keys.identity import SigningIdentity
     from protocol import messages
+    from protocol.caches import CoreCaches
 
     mesh = bytes(range(32))
     for vote in (messages.Prevote(bytes(range(32)), 2, 1, None), messages.Precommit(bytes(32), 0, 0, bytes(32))):
-        data = messages.sign_message(SigningIdentity(bytes(32)), mesh, vote).encode()
-        cached = messages.decode_message(data, mesh, expect=type(vote))
-        messages._decoded.clear()
+        caches = CoreCaches()
+        data = messages.sign_message(SigningIdentity(bytes(32)), mesh, vote, caches=caches).encode()
+        assert len(caches.decoded) == 1
+        cached = messages.decode_message(data, mesh, expect=type(vote), caches=caches)
+        assert cached[1] is vote  # primed: the record signed, not a decode of its bytes
         decoded = messages.decode_message(data, mesh, expect=type(vote))
         assert cached == decoded and cached[1] == vote
         assert dict(cached[0].body) == dict(decoded[0].body) and cached[0].encode() == data

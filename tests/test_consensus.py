@@ -289,7 +289,7 @@ def test_6_9_a_replacement_instance_object_never_signs_a_second_proposal_for_a_r
     assert not replacement.awaiting_value and ready.persist == []  # asks for no value: it proposed already
     with pytest.raises(LocalProtocolError):
         replacement.propose(b"B", (), 1)
-    assert ("proposal", 0) in replacement._own and replacement._own[("proposal", 0)][1] == proposal
+    assert [r.value["envelope"] for r in replacement.safety_records() if r.value.get("kind") == "proposal"] == [proposal]
 
 
 # --- 6.10 evidence and drops ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keys.identity import SigningIdentity
+from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Attestation, Bid, CapabilityVector, Constraints, GpuState, JobManifest, Resources,
                                encode_message, job_id)
@@ -186,17 +187,19 @@ def test_remembered_bid_checks_still_apply_membership_and_authorities():
                                           capability=encode_message(node, MESH, cap(node.public_key)),
                                           attestations=(att,)))
     members = {node.public_key: 1}
-    first = parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key])
-    assert parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key]) is first
+    caches = CoreCaches()
+    first = parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key], caches=caches)
+    assert parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key], caches=caches) is first
+    assert parse_bid(data, MESH, job_id(m), 0, members, [AUTHORITY.public_key]) is not first  # no caches: no memo
     assert first.attested == (("tier", "3"),)
-    assert parse_bid(data, MESH, job_id(m), 0, members, []).attested == ()
+    assert parse_bid(data, MESH, job_id(m), 0, members, [], caches=caches).attested == ()
     with pytest.raises(RemoteProtocolError):
-        parse_bid(data, MESH, job_id(m), 0, {}, [AUTHORITY.public_key])
+        parse_bid(data, MESH, job_id(m), 0, {}, [AUTHORITY.public_key], caches=caches)
     envelope = encode_message(ident(99), MESH, m)
-    assert choose_placement(envelope, m, job_id(m), [first]).primary == node.public_key
-    assert choose_placement(envelope, m, job_id(m), []) is None
+    assert choose_placement(envelope, m, job_id(m), [first], caches=caches).primary == node.public_key
+    assert choose_placement(envelope, m, job_id(m), [], caches=caches) is None
     unfit = job(gpus=3)  # same bids, another job: the memo must not answer for it
-    assert choose_placement(envelope, unfit, job_id(m), [first]) is None
+    assert choose_placement(envelope, unfit, job_id(m), [first], caches=caches) is None
 
 
 # --- reservations (SPEC.md R1) ----------------------------------------------------------------

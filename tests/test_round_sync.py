@@ -424,7 +424,7 @@ def test_6_5_a_round_sync_of_round_changes_too_big_to_relay_is_not_sent(monkeypa
     """Round changes carrying a big lock are not kept for a RoundSync (at most
     MAX_SYNC_ITEM_BYTES each): without enough small ones the leader counts
     round_sync_too_large instead of sending, and still enters the round by the usual rule."""
-    import protocol.consensus as consensus
+    import protocol.consensus.rounds as consensus
     net = Net(6)
     round = 1
     leader_key = net.view.leader(INSTANCE, round)

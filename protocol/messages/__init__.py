@@ -1,0 +1,60 @@
+"""Every message kind of the meshnode protocol (SPEC.md section 4).
+
+Each class is a frozen record whose SCHEMA is the normative field list: names, types
+and limits. ``KIND`` is the envelope kind string. Integers carry milli-units where a
+fraction is needed (``util_milli`` = percent x 1000), never floats. Nested signed
+messages (bids in a proposal, votes in a certificate) travel as the exact envelope
+bytes their signer produced, so anyone can re-verify them offline.
+
+The kinds live in one module per concern; this package exports them all, so callers
+import from ``protocol.messages`` and never need to know which file holds a record:
+
+- ``fields``: the limits shared across kinds, and the ``record`` decorator;
+- ``jobs``: capability vectors, job manifests and job ids, bids, declines, placement
+  values (one job, or a slot of them), cancels and job exits;
+- ``votes``: proposals, prevotes, precommits, their certificates, round changes and
+  syncs, equivocation evidence, ``value_hash``;
+- ``liveness``: heartbeats, suspicions, evictions and their migrations, checkpoints,
+  checkpoint acks, the epoch catch-up request;
+- ``membership``: members, membership changes, attestations, endorsements, joins, leaves;
+- ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
+- ``slots``: checks of a placement slot's value (SPEC.md P7).
+"""
+
+from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
+                                      MAX_JUSTIFICATION, MAX_NODES, MAX_SLOT_JOBS, MAX_STATE_BYTES, MILLI_PERCENT,
+                                      STRATEGIES, VALUE_KINDS, record)
+from protocol.messages.jobs import (MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints, Decline,
+                                    GpuState, JobExit, JobManifest, Placement, PlacementSlot, Resources, RunningJob,
+                                    job_id, placement_attempt, placement_binding_error, placement_instance_id,
+                                    placement_slot, placement_slot_id)
+from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
+                                        SyncRequest)
+from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
+from protocol.messages.slots import slot_binding_error, slot_placements
+from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
+                                     RoundChange, RoundSync, value_hash)
+from protocol.messages.wire import MESSAGE_TYPES, decode_message, decode_value, encode_message, sign_message
+
+__all__ = [
+    # fields
+    "DECLINE_REASONS", "ENVELOPE", "MAX_BIDS_PER_PROPOSAL", "MAX_BIDS_PER_SLOT_JOB", "MAX_JUSTIFICATION",
+    "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
+    # jobs
+    "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
+    "GpuState", "JobExit", "JobManifest", "Placement", "PlacementSlot", "Resources", "RunningJob", "job_id",
+    "placement_attempt", "placement_binding_error", "placement_instance_id", "placement_slot",
+    "placement_slot_id",
+    # liveness
+    "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
+    # membership
+    "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
+    # slots
+    "slot_binding_error", "slot_placements",
+    # votes
+    "CommitCertificate", "Evidence", "Precommit", "Prevote", "PrevoteCertificate", "Proposal", "RoundChange",
+    "RoundSync", "value_hash",
+    # wire
+    "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message",
+    "sign_message",
+]

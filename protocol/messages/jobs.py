@@ -1,0 +1,240 @@
+"""Jobs and what places them (SPEC.md 4, 8, P2, P7): capability vectors, manifests and
+their ids, bids and declines, and the placement values a placement or slot instance decides.
+Also the owner's and the primary's job lifecycle messages (SPEC.md 9.5-9.7)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import ClassVar
+
+from protocol import codec
+from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_SLOT_JOBS, MILLI_PERCENT, STRATEGIES,
+                                      record)
+from protocol.schema import Bool, Int, Key, List, Nested, Record, Text, TextMap
+
+
+# --- capability vectors ---------------------------------------------------------------------
+
+@record
+class GpuState(Record):
+    index: int
+    model: str
+    mem_total_mib: int
+    mem_used_mib: int
+    util_milli: int
+    temp_milli_c: int
+    sm_clock_mhz: int
+    throttle_reasons: int
+    ecc_errors: int
+    power_mw: int
+    SCHEMA: ClassVar = {
+        "index": Int(0, 63), "model": Text(0, 96), "mem_total_mib": Int(0, 1 << 24),
+        "mem_used_mib": Int(0, 1 << 24), "util_milli": MILLI_PERCENT, "temp_milli_c": Int(0, 200_000),
+        "sm_clock_mhz": Int(0, 100_000), "throttle_reasons": Int(0, (1 << 64) - 1),
+        "ecc_errors": Int(0, (1 << 63) - 1), "power_mw": Int(0, 10_000_000),
+    }
+
+
+@record
+class RunningJob(Record):
+    """A job the signer runs as primary, so every member -- not only the backups that receive
+    its checkpoints -- can show it running and how old its newest checkpoint is."""
+    job_id: bytes
+    fence: int
+    checkpoint_seq: int          # 0: no checkpoint yet
+    checkpoint_age_ms: int       # the vector's taken_ms minus the checkpoint's (signer's clock)
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "checkpoint_seq": Int(),
+                        "checkpoint_age_ms": Int(0, 1 << 40)}
+
+
+MAX_RUNNING_LISTED = 64
+
+
+@record
+class CapabilityVector(Record):
+    KIND: ClassVar = "cap"
+    node: bytes
+    epoch: int
+    seq: int
+    taken_ms: int
+    zone: str
+    rail_group: str
+    gpus: tuple
+    gpus_free: tuple
+    cpu_milli_free: int
+    mem_mib_free: int
+    labels: tuple
+    simulated: bool
+    running: tuple
+    SCHEMA: ClassVar = {
+        "node": Key(), "epoch": Int(), "seq": Int(), "taken_ms": Int(), "zone": Text(1, 64),
+        "rail_group": Text(0, 64), "gpus": List(Nested(GpuState), 64), "gpus_free": List(Int(0, 63), 64),
+        "cpu_milli_free": Int(), "mem_mib_free": Int(), "labels": TextMap(), "simulated": Bool(),
+        "running": List(Nested(RunningJob), MAX_RUNNING_LISTED),
+    }
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+@record
+class Resources(Record):
+    gpus: int
+    gpu_mem_mib: int
+    cpu_milli: int
+    mem_mib: int
+    SCHEMA: ClassVar = {"gpus": Int(0, 64), "gpu_mem_mib": Int(0, 1 << 24),
+                        "cpu_milli": Int(0, 1 << 20), "mem_mib": Int(0, 1 << 24)}
+
+
+@record
+class Constraints(Record):
+    zones: tuple
+    labels: tuple
+    attested: tuple
+    SCHEMA: ClassVar = {"zones": List(Text(1, 64), 16), "labels": TextMap(), "attested": TextMap()}
+
+
+@record
+class JobManifest(Record):
+    KIND: ClassVar = "job"
+    owner: bytes
+    name: str
+    nonce: int
+    entrypoint: str
+    args: tuple
+    resources: Resources
+    strategy: str
+    constraints: Constraints
+    priority: int
+    backups: int
+    max_retries: int
+    created_ms: int
+    epoch: int          # the mesh epoch whose members place it (SPEC.md P2): its owner signs it
+    SCHEMA: ClassVar = {
+        "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
+        "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
+        "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
+        "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
+        "epoch": Int(),
+    }
+
+
+def job_id(job: JobManifest) -> bytes:
+    """A job's id: SHA-256 of its canonical body. Equal manifests are one job (nonce to differ).
+    Remembered on the manifest object itself (it is immutable, so the id cannot go stale,
+    and the memo dies with it): hashing a manifest's fields for a dict key cost more than
+    the digest itself."""
+    digest = job.__dict__.get("_job_id")
+    if digest is None:
+        digest = hashlib.sha256(codec.pack(job.to_body())).digest()
+        object.__setattr__(job, "_job_id", digest)
+    return digest
+
+
+def placement_instance_id(jid: bytes, attempt: int) -> bytes:
+    """SPEC.md P2: the placement instance of a job's ``attempt`` (0 is the job id itself).
+    Every attempt runs in the epoch the job names (inside the job id), and in no other."""
+    if attempt == 0:
+        return jid
+    return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
+
+
+def placement_attempt(iid: bytes, job: JobManifest) -> int | None:
+    """Which attempt of ``job`` instance ``iid`` places, or None if it is none of them."""
+    jid = job_id(job)
+    return next((a for a in range(job.max_retries + 1) if placement_instance_id(jid, a) == iid), None)
+
+
+def placement_binding_error(iid: bytes, job: JobManifest, epoch: int) -> str | None:
+    """Why a placement of ``job`` may not be decided as instance ``iid`` in ``epoch``, or None."""
+    if placement_attempt(iid, job) is None:
+        return "instance is not this job's placement"
+    if job.epoch != epoch:
+        return "the job is placed in epoch %d, not %d" % (job.epoch, epoch)
+    return None
+
+
+def placement_slot(job: JobManifest, slot_ms: int) -> int | None:
+    """SPEC.md P7: the slot a job's first attempt is placed in when the mesh batches
+    placements (``slot_ms`` > 0): its owner-signed creation time, in ``slot_ms`` windows."""
+    return job.created_ms // slot_ms if slot_ms > 0 else None
+
+
+def placement_slot_id(epoch: int, slot: int) -> bytes:
+    """SPEC.md P7: the instance that places the jobs of ``slot`` named for ``epoch``. Not
+    remembered: one SHA-256 of 20 bytes costs about what a cache lookup does."""
+    return hashlib.sha256(b"slot" + epoch.to_bytes(8, "big") + slot.to_bytes(8, "big", signed=True)).digest()
+
+
+# --- bids and placement values ---------------------------------------------------------------
+
+@record
+class Bid(Record):
+    KIND: ClassVar = "bid"
+    instance: bytes
+    epoch: int
+    capability: bytes
+    reserved_gpus: tuple
+    rtt_us: int
+    attestations: tuple
+    SCHEMA: ClassVar = {
+        "instance": Key(), "epoch": Int(), "capability": ENVELOPE, "reserved_gpus": List(Int(0, 63), 64),
+        "rtt_us": Int(), "attestations": List(ENVELOPE, 8),
+    }
+
+
+@record
+class Decline(Record):
+    KIND: ClassVar = "decline"
+    instance: bytes
+    epoch: int
+    reason: str
+    detail: str
+    SCHEMA: ClassVar = {"instance": Key(), "epoch": Int(), "reason": Text(choices=DECLINE_REASONS),
+                        "detail": Text(0, 256)}
+
+
+@record
+class Placement(Record):
+    """The value a placement instance decides."""
+    job: bytes
+    primary: bytes
+    backups: tuple
+    gpus: tuple
+    SCHEMA: ClassVar = {"job": ENVELOPE, "primary": Key(), "backups": List(Key(), 4),
+                        "gpus": List(Int(0, 63), 64)}
+
+
+@record
+class PlacementSlot(Record):
+    """The value a slot instance decides (SPEC.md P7): the first placement of each job in it."""
+    epoch: int
+    slot: int
+    placements: tuple
+    SCHEMA: ClassVar = {"epoch": Int(), "slot": Int(), "placements": List(Nested(Placement), MAX_SLOT_JOBS)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.placements:
+            raise ValueError("PlacementSlot.placements: a slot decides at least one placement")
+
+
+# --- job lifecycle (SPEC.md 9.5-9.7) ----------------------------------------------------------
+
+@record
+class Cancel(Record):
+    """The job's owner asks the mesh to stop and forget a job. Only the owner's signature counts."""
+    KIND: ClassVar = "cancel"
+    job_id: bytes
+    requested_ms: int
+    SCHEMA: ClassVar = {"job_id": Key(), "requested_ms": Int()}
+
+
+@record
+class JobExit(Record):
+    """The job's primary reports that its workload exited (0: completed, else failed)."""
+    KIND: ClassVar = "job_exit"
+    job_id: bytes
+    fence: int
+    exit_code: int
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "exit_code": Int(0, 255)}

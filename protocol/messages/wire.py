@@ -1,0 +1,113 @@
+"""Signing and decoding messages: the kind registry, ``sign_message``, ``decode_message``
+(verify the envelope, parse the body strictly) and ``decode_value`` (SPEC.md 2, 4)."""
+
+from __future__ import annotations
+
+from keys.identity import SigningIdentity
+from protocol import codec
+from protocol.caches import CoreCaches
+from protocol.envelope import Envelope, open_envelope, seal
+from protocol.errors import RemoteProtocolError
+from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobExit, JobManifest, Placement,
+                                    PlacementSlot)
+from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
+from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
+from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
+                                     RoundChange, RoundSync)
+from protocol.schema import Record, scalars_only
+
+
+MESSAGE_TYPES = {cls.KIND: cls for cls in (
+    CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
+    CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
+    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest,
+)}
+
+
+def sign_message(identity, mesh_id: bytes, message: Record, *, caches: CoreCaches | None = None) -> Envelope:
+    """Seal ``message`` for ``mesh_id``. With ``caches``, a vote's decode is remembered too:
+    what decoding its bytes would give is known (this envelope, its signature valid by
+    construction, see seal, and this record, whose fields are scalars, so a decoded body
+    holds the same values); a node's own vote comes back to it when it collects."""
+    envelope = seal(identity, mesh_id, type(message).KIND, message.to_body(), caches=caches)
+    if (caches is not None and type(message) in _PRIMED_KINDS and type(identity) is SigningIdentity
+            and envelope._wire is not None):
+        _remember_decoded(caches, (envelope._wire, mesh_id), (envelope, message))
+    return envelope
+
+
+# Votes: small and many. Bigger messages (a checkpoint's state) would only crowd the
+# decode cache out.
+_PRIMED_KINDS = frozenset((Prevote, Precommit))
+if not all(scalars_only(cls.SCHEMA) for cls in _PRIMED_KINDS):
+    raise TypeError("a vote kind gained a non-scalar field: its decode can no longer be primed")
+
+
+def encode_message(identity, mesh_id: bytes, message: Record, *, caches: CoreCaches | None = None) -> bytes:
+    return sign_message(identity, mesh_id, message, caches=caches).encode()
+
+
+def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
+                   allow_any_mesh: bool = False, *, caches: CoreCaches | None = None) -> tuple[Envelope, Record]:
+    """Verify an envelope and parse its body strictly. Raises RemoteProtocolError.
+
+    Decoding is a pure function of (bytes, mesh id) and its results are immutable, so
+    ``caches.decoded`` remembers verified decodes: one node meets the same bytes many
+    times (a bid in every proposal, a job in every placement, a certificate from its
+    collector and again from a peer). One entry serves both ``allow_any_mesh`` settings:
+    the envelope's own mesh id says whether a strict caller may have it."""
+    table = caches.decoded if caches is not None else None
+    key = (data, mesh_id) if table is not None and type(data) is bytes else None
+    hit = table.get(key) if key is not None else None
+    if hit is not None:
+        table.move_to_end(key)
+        if hit[0].mesh_id != mesh_id and not allow_any_mesh:
+            raise RemoteProtocolError("envelope: signed for another mesh")
+        if expect is not None and type(hit[1]) is not expect:
+            raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, hit[0].kind))
+        return hit
+    envelope = open_envelope(data, mesh_id, allow_any_mesh=allow_any_mesh, caches=caches)
+    cls = MESSAGE_TYPES.get(envelope.kind)
+    if cls is None:
+        raise RemoteProtocolError("unknown message kind %r" % envelope.kind)
+    if expect is not None and cls is not expect:
+        raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, envelope.kind))
+    try:
+        decoded = envelope, cls.from_body(envelope.body)
+    except ValueError as exc:  # a record's own cross-field check (e.g. checkpoint hash)
+        raise RemoteProtocolError(str(exc)) from None
+    if key is not None:
+        _remember_decoded(caches, key, decoded)
+    return decoded
+
+
+def _remember_decoded(caches: CoreCaches, key: tuple, decoded: tuple) -> None:
+    table = caches.decoded
+    if len(key[0]) > table.max_bytes // 64:
+        return  # a huge message (checkpoint state) would push out hundreds of small ones
+    table.remember(key, decoded)
+
+
+_VALUE_TYPES = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
+                "placement_slot": PlacementSlot}
+
+
+def decode_value(value_kind: str, data: bytes, *, caches: CoreCaches | None = None):
+    """Decode the unsigned value inside a proposal or certificate. Remembered in
+    ``caches.values`` like decode_message: the value is immutable and every validator
+    decodes the same bytes."""
+    table = caches.values if caches is not None else None
+    if table is not None:
+        hit = table.lookup((value_kind, data))
+        if hit is not None:
+            return hit
+    cls = _VALUE_TYPES.get(value_kind)
+    if cls is None:
+        raise RemoteProtocolError("unknown value kind %r" % value_kind)
+    try:
+        value = cls.from_body(codec.unpack(data))
+    except ValueError as exc:
+        raise RemoteProtocolError(str(exc)) from None
+    if table is not None:
+        table.remember((value_kind, data), value)
+    return value
