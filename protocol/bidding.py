@@ -86,10 +86,10 @@ class Bidding:
             # "why pending"), not to everyone: a broadcast per decliner is n^2 per job.
             for target in sorted({inst.leader, record.entry} - {None, me}):
                 out.messages.append(Outbound(target, data))
-            envelope, decline = decode_message(data, mesh_id, expect=Decline)
+            envelope, decline = decode_message(data, mesh_id, expect=Decline, caches=self.ctx.caches)
             self.on_decline(envelope, decline, data, now_ms, out)
         elif inst.leader == me:
-            envelope, bid = decode_message(data, mesh_id, expect=Bid)
+            envelope, bid = decode_message(data, mesh_id, expect=Bid, caches=self.ctx.caches)
             self.on_bid(envelope, bid, data, now_ms, out)
         else:
             out.messages.append(Outbound(inst.leader, data))
@@ -97,7 +97,8 @@ class Bidding:
     def parse_member_bid(self, data: bytes, key: bytes, view):
         """parse_bid, plus SPEC.md P4: the capability vector's zone and labels must be the
         signer's member record (genesis or join), signed facts a bidder cannot lie about."""
-        facts = parse_bid(data, self.ctx.mesh_id, key, view.epoch, view.stakes, self.ctx.authorities)
+        facts = parse_bid(data, self.ctx.mesh_id, key, view.epoch, view.stakes, self.ctx.authorities,
+                          caches=self.ctx.caches)
         record = self.epochs.member_info.get(facts.signer)
         # Both label sets are canonical sorted pairs (schema TextMap): compared as they are.
         if record is not None and (facts.capability.zone != record.zone or facts.capability.labels != record.labels):

@@ -31,7 +31,7 @@ class CapabilityBook:
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
-                                                     ctx.authorities, 0))
+                                                     ctx.authorities, 0, caches=ctx.caches))
 
     def summary(self, key: bytes) -> dict | None:
         cap = self.vector if key == self.ctx.me else self.peers.get(key)

@@ -13,6 +13,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from protocol.caches import CoreCaches
 from protocol.messages import encode_message
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Event
@@ -28,6 +29,7 @@ class NodeContext:
     heartbeats: bool = True          # False: no heartbeats, detection or self-fencing (scale runs)
     bid_sample: int | None = None    # about this many members bid per job (P3), None: all
     counters: Counter = field(default_factory=Counter)
+    caches: CoreCaches = field(default_factory=CoreCaches)   # this core's own memo tables
 
     def __post_init__(self) -> None:
         self.me: bytes = self.identity.public_key
@@ -37,7 +39,7 @@ class NodeContext:
 
     def sign(self, message) -> bytes:
         """``message`` in a signed envelope of this mesh, ready for the wire."""
-        return encode_message(self.identity, self.mesh_id, message)
+        return encode_message(self.identity, self.mesh_id, message, caches=self.caches)
 
     @staticmethod
     def event(kind: str, now_ms: int, **detail) -> Event:

@@ -139,7 +139,7 @@ class JobLifecycle:
     def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
         """An owner-signed Cancel envelope: stop and forget the job everywhere."""
         out = Ready()
-        envelope, message = decode_message(request, self.ctx.mesh_id, expect=Cancel)
+        envelope, message = decode_message(request, self.ctx.mesh_id, expect=Cancel, caches=self.ctx.caches)
         record = self.jobs.get(message.job_id)
         if record is None:
             raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
@@ -184,7 +184,7 @@ class JobLifecycle:
         checks as when it arrived (the current primary at the current fence; the owner)."""
         for data in envelopes:
             try:
-                envelope, message = decode_message(data, self.ctx.mesh_id)
+                envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
                 if isinstance(message, JobExit):
                     self.on_job_exit(envelope, message, data, now_ms, Ready())
                 elif isinstance(message, Cancel):

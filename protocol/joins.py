@@ -30,7 +30,7 @@ class Joins:
         for data in self.ctx.policy.attestations:
             try:
                 envelope, attestation = decode_message(data, self.ctx.mesh_id, expect=Attestation,
-                                                       allow_any_mesh=True)
+                                                       allow_any_mesh=True, caches=self.ctx.caches)
             except RemoteProtocolError:
                 continue
             if envelope.signer in self.ctx.authorities and attestation.subject == self.ctx.me:
@@ -100,7 +100,7 @@ class Joins:
         endorsers = set()
         for data in vouchers:
             try:
-                envelope, message = decode_message(data, self.ctx.mesh_id, allow_any_mesh=True)
+                envelope, message = decode_message(data, self.ctx.mesh_id, allow_any_mesh=True, caches=self.ctx.caches)
             except RemoteProtocolError:
                 continue
             if envelope.signer == member.public_key:

@@ -211,7 +211,7 @@ class MeshCore:
         job's first deliverer is its entry node, the one that hears its declines, SPEC P3)."""
         out = Ready()
         try:
-            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True)
+            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True, caches=self.ctx.caches)
         except RemoteProtocolError:
             self.counters["undecodable"] += 1
             return out
@@ -313,14 +313,14 @@ class MeshCore:
         if view is None:
             self.counters["unknown_epoch"] += 1
             return None
-        value = decode_value(proposal.value_kind, proposal.value)
+        value = decode_value(proposal.value_kind, proposal.value, caches=self.ctx.caches)
         return self.flows[proposal.value_kind].instance_from_proposal(proposal, value, view, now_ms, out)
 
     # --- decisions ----------------------------------------------------------------------------
     def _apply_certificate_bytes(self, data: bytes, now_ms: int, out: Ready, persist: bool = True) -> bool:
         """Apply a commit certificate that arrived without a live instance (catch-up, sync,
         replay). Returns False if its epoch is not known yet (the caller may retry later)."""
-        envelope, cert = decode_message(data, self.mesh_id, expect=CommitCertificate)
+        envelope, cert = decode_message(data, self.mesh_id, expect=CommitCertificate, caches=self.ctx.caches)
         table = self.instance_table
         if cert.instance in table.applied:
             self.counters["already_decided"] += 1
@@ -332,7 +332,7 @@ class MeshCore:
                 return False
             self.counters["unknown_epoch"] += 1
             return True
-        verify_commit_certificate(data, self.mesh_id, view)
+        verify_commit_certificate(data, self.mesh_id, view, caches=self.ctx.caches)
         position = len(out.persist)
         if not self._apply_certified(cert.value_kind, cert.instance, cert.value, data, cert.epoch, now_ms, out):
             return True   # refused: not even persisted, or a restart would replay (and store) a forgery
@@ -354,7 +354,7 @@ class MeshCore:
         table = self.instance_table
         if iid in table.applied:
             return False
-        value = decode_value(value_kind, value_bytes)
+        value = decode_value(value_kind, value_bytes, caches=self.ctx.caches)
         flow = self.flows[value_kind]
         if flow.binding_error(iid, value_kind, value, epoch) is not None:
             # Only a quorum with more than a third of Byzantine stake signs one (every honest

@@ -145,7 +145,8 @@ class EpochChangeFlow(ValueFlow):
                 eviction = Eviction.from_body(codec.unpack(value_bytes))
                 signers = set()
                 for data in justification:
-                    envelope, suspicion = decode_message(data, self.ctx.mesh_id, expect=Suspicion)
+                    envelope, suspicion = decode_message(data, self.ctx.mesh_id, expect=Suspicion,
+                                                         caches=self.ctx.caches)
                     if suspicion.suspect == eviction.node and suspicion.epoch == view.epoch:
                         signers.add(envelope.signer)
             except (RemoteProtocolError, ValueError) as exc:

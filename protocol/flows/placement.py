@@ -61,7 +61,8 @@ class PlacementFlow(ValueFlow):
         """A signed job from a local owner: send it on (P2: broadcast, or with bid sampling
         only to those who need it) and start its placement."""
         out = Ready()
-        envelope, job = decode_message(job_envelope, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        envelope, job = decode_message(job_envelope, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=self.ctx.caches)
         if envelope.signer != job.owner:
             raise RemoteProtocolError("job is not signed by its owner")
         epoch = self.epochs.epoch
@@ -140,7 +141,8 @@ class PlacementFlow(ValueFlow):
 
     def instance_from_proposal(self, proposal, placement: Placement, view, now_ms: int, out: Ready):
         iid = proposal.instance
-        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=self.ctx.caches)
         binding = placement_binding_error(iid, job, view.epoch)
         if binding is not None:  # one instance id, one epoch (P2): no straddling it
             self.ctx.counters["placement_wrong_epoch"] += 1
@@ -201,7 +203,7 @@ class PlacementFlow(ValueFlow):
         # placing a job on one would only strand it.
         live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
         chosen = select_justification(record.manifest, iid, live)
-        placement = choose_placement(record.envelope, record.manifest, iid, chosen)
+        placement = choose_placement(record.envelope, record.manifest, iid, chosen, caches=self.ctx.caches)
         if placement is None:
             record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
             return
@@ -219,8 +221,9 @@ class PlacementFlow(ValueFlow):
             inst = self.instances.live_or_decided(iid)   # the one asking
             view = inst.view if inst is not None else self.epochs.view
             try:
-                placement = decode_value("placement", value_bytes)
-                envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
+                placement = decode_value("placement", value_bytes, caches=self.ctx.caches)
+                envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                               caches=self.ctx.caches)
                 if envelope.signer != job.owner:
                     return "job not signed by its owner"
                 binding = placement_binding_error(iid, job, view.epoch)
@@ -236,7 +239,7 @@ class PlacementFlow(ValueFlow):
                 elif certificates:
                     return "a certificate in a placement's justification"
                 facts = [self.bidding.parse_member_bid(b, iid, view) for b in bids]
-                expected = choose_placement(placement.job, job, iid, facts)
+                expected = choose_placement(placement.job, job, iid, facts, caches=self.ctx.caches)
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid placement proposal: %s" % exc
             if expected != placement:
@@ -312,7 +315,8 @@ class PlacementFlow(ValueFlow):
                         now_ms: int, out: Ready, instance: bytes | None = None) -> None:
         """``iid``: the placement's key (its instance, or its job id in a slot ``instance``)."""
         me = self.ctx.me
-        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True)
+        envelope, job = decode_message(placement.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=self.ctx.caches)
         jid = job_id(job)
         record = self.jobs.get_or_add(jid, placement.job, job, now_ms)
         self.bidding.forget(iid)
@@ -353,8 +357,9 @@ class PlacementFlow(ValueFlow):
                 continue
             if view is None or ended != view.epoch or record.state in TERMINAL:
                 return  # a gap in the kept history (64 changes), or nothing left to move
-            _envelope, cert = decode_message(certificate, self.ctx.mesh_id, expect=CommitCertificate)
-            change = decode_value(cert.value_kind, cert.value)
+            _envelope, cert = decode_message(certificate, self.ctx.mesh_id, expect=CommitCertificate,
+                                             caches=self.ctx.caches)
+            change = decode_value(cert.value_kind, cert.value, caches=self.ctx.caches)
             # Each epoch's view from the changes themselves, not from the views this node
             # still keeps (8): a node far behind computes what one in time saw.
             view = next_epoch_view(view, cert.value_kind, change)

@@ -137,7 +137,7 @@ class SlotFlow(ValueFlow):
         """A proposal for a slot we have not started: its jobs come with it."""
         sid = proposal.instance
         try:
-            items = slot_placements(value, self.ctx.mesh_id)
+            items = slot_placements(value, self.ctx.mesh_id, caches=self.ctx.caches)
         except RemoteProtocolError:
             self.ctx.counters["slot_proposal_bad_job"] += 1
             return None
@@ -205,7 +205,8 @@ class SlotFlow(ValueFlow):
             # Members evicted since the slot's epoch are fenced: placing a job there strands it.
             live = [facts for facts, _ in held.values() if facts.signer in stakes]
             chosen = select_justification(record.manifest, record.job_id, live)
-            placement = choose_placement(record.envelope, record.manifest, record.job_id, chosen)
+            placement = choose_placement(record.envelope, record.manifest, record.job_id, chosen,
+                                         caches=self.ctx.caches)
             if placement is None:
                 record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
                 continue
@@ -239,14 +240,14 @@ class SlotFlow(ValueFlow):
             inst = self.instances.live_or_decided(sid)   # the one asking
             view = inst.view if inst is not None else self.epochs.view
             try:
-                value = decode_value(SLOT, value_bytes)
-                items = slot_placements(value, mesh_id)
+                value = decode_value(SLOT, value_bytes, caches=self.ctx.caches)
+                items = slot_placements(value, mesh_id, caches=self.ctx.caches)
                 problem = slot_binding_error(sid, value, items, view.epoch, self.slot_ms)
                 if problem is not None:
                     return problem
                 bids_of: dict[bytes, list] = {}
                 for data in justification:
-                    _envelope, bid = decode_message(data, mesh_id, expect=Bid)
+                    _envelope, bid = decode_message(data, mesh_id, expect=Bid, caches=self.ctx.caches)
                     bids_of.setdefault(bid.instance, []).append(data)
                 if set(bids_of) - {jid for _p, _j, jid in items}:
                     return "a bid for a job the slot does not place"
@@ -255,7 +256,7 @@ class SlotFlow(ValueFlow):
                     if len(bids) > MAX_BIDS_PER_SLOT_JOB:
                         return "more than %d bids for one placement" % MAX_BIDS_PER_SLOT_JOB
                     facts = [self.bidding.parse_member_bid(data, jid, view) for data in bids]
-                    if choose_placement(placement.job, job, jid, facts) != placement:
+                    if choose_placement(placement.job, job, jid, facts, caches=self.ctx.caches) != placement:
                         return "placement of job %s does not follow from its bids" % jid.hex()[:12]
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid slot proposal: %s" % exc
@@ -267,11 +268,12 @@ class SlotFlow(ValueFlow):
         if len(certificates) != 1:
             return "a job's first placement outside its slot needs the slot's commit certificate"
         try:
-            cert, value_bytes = verify_commit_certificate(certificates[0], self.ctx.mesh_id, view)
+            cert, value_bytes = verify_commit_certificate(certificates[0], self.ctx.mesh_id, view,
+                                                          caches=self.ctx.caches)
             if cert.instance != self.slot_of(job) or cert.value_kind != SLOT:
                 return "the certificate is not of the job's slot"
-            value = decode_value(SLOT, value_bytes)
-            if any(jid == other for _p, _j, other in slot_placements(value, self.ctx.mesh_id)):
+            value = decode_value(SLOT, value_bytes, caches=self.ctx.caches)
+            if any(jid == other for _p, _j, other in slot_placements(value, self.ctx.mesh_id, caches=self.ctx.caches)):
                 return "the job's slot placed it"
         except RemoteProtocolError as exc:
             return "slot certificate: %s" % exc
@@ -281,7 +283,7 @@ class SlotFlow(ValueFlow):
         """(bids, commit certificates) of a placement proposal's justification."""
         bids, certificates = [], []
         for data in justification:
-            _envelope, message = decode_message(data, self.ctx.mesh_id)
+            _envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
             (certificates if isinstance(message, CommitCertificate) else bids).append(data)
         return bids, certificates
 
@@ -333,7 +335,7 @@ class SlotFlow(ValueFlow):
     def apply(self, sid: bytes, value_kind: str, value: PlacementSlot, certificate: bytes, epoch: int, now_ms: int,
               out: Ready) -> None:
         placed = set()
-        for placement, _job, jid in slot_placements(value, self.ctx.mesh_id):
+        for placement, _job, jid in slot_placements(value, self.ctx.mesh_id, caches=self.ctx.caches):
             placed.add(jid)
             self.placement.apply_placement(jid, placement, certificate, epoch, now_ms, out, instance=sid)
         self.bidding.windows_open.pop(sid, None)
