@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import sqlite_utils
 import trio
 
-from protocol.errors import ConfigError, RemoteProtocolError
+from keys.errors import ConfigError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES, Checkpoint
 
 WAL_SIZE_LIMIT_BYTES = 64 << 20

@@ -7,13 +7,14 @@ import json
 import sqlite3
 import sys
 
+from keys.errors import ConfigError
 from keys.genesis import load_genesis
 from keys.identity import short_id
 from meshnode.config import node_paths
 from meshnode.output import add_json_flag, emit, key_value_table
 from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
-from protocol.errors import ConfigError, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import (CommitCertificate, JobManifest, decode_message, decode_value, placement_binding_error,
                                slot_binding_error, slot_placements, value_hash)
 from protocol.quorum import EpochView

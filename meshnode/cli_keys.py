@@ -7,11 +7,12 @@ import os
 import time
 
 from keys.attestation import issue_attestation
-from keys.identity import SigningIdentity, peer_id_from_public_key, public_key_from_peer_id, short_id
+from keys.identity import generate_identity, peer_id_from_public_key, public_key_from_peer_id, short_id
 from keys.keystore import create_keystore, is_encrypted, load_identity, read_public_key, write_file_atomic
 from meshnode.output import (add_json_flag, add_passphrase_args, emit, key_value_table,
                              passphrase_source_from_args)
-from protocol.errors import KeystoreError, RemoteProtocolError
+from keys.errors import KeystoreError
+from protocol.errors import RemoteProtocolError
 
 DAY_MS = 86_400_000
 
@@ -80,7 +81,7 @@ def parse_key_value(text: str, what: str) -> tuple[str, str]:
 
 def cmd_new(args: argparse.Namespace) -> int:
     source = None if args.insecure_no_passphrase else passphrase_source_from_args(args)
-    identity = SigningIdentity.generate()
+    identity = generate_identity()
     create_keystore(args.out, identity, source, overwrite=args.force)
     view = dict(identity_view(identity.public_key), file=args.out, encrypted=source is not None)
     emit(args, view, lambda console: console.print(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from keys.errors import ConfigError
 from meshnode.output import add_json_flag, emit
-from protocol.errors import ConfigError
 
 SNAPSHOT_OPS = ("status", "nodes", "jobs", "consensus")
 

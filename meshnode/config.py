@@ -19,8 +19,9 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from keys.errors import ConfigError
 from keys.identity import peer_id_from_public_key, public_key_from_peer_id
-from protocol.errors import ConfigError, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 from protocol.policy import LocalCapacity, NodePolicy
 
 CONFIG_NAME = "node.toml"

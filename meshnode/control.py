@@ -27,8 +27,9 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from keys.errors import ConfigError
 from meshnode.control_client import FrameBuffer, decode_map, encode_frame
-from protocol.errors import ConfigError, LocalProtocolError, MeshError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, MeshError, RemoteProtocolError
 from protocol.ready import Event
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import trio
 
+from keys.errors import ConfigError
 from protocol import codec
-from protocol.errors import ConfigError, MeshError, RemoteProtocolError
+from protocol.errors import MeshError, RemoteProtocolError
 
 LENGTH_PREFIX_BYTES = 4
 CALL_TIMEOUT_S = 10.0

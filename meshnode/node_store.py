@@ -25,8 +25,9 @@ import sqlite3
 
 import sqlite_utils
 
+from keys.errors import ConfigError
 from protocol import codec
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.mesh_failover import VIEWS_KEPT
 from protocol.ready import Event, PersistRecord, Ready
 

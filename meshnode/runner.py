@@ -38,10 +38,11 @@ from typing import Awaitable, Callable
 
 import trio
 
+from keys.errors import ConfigError
 from meshnode import workload as sdk
 from meshnode.builtin_workloads import BUILTIN_KINDS
 from meshnode.state_slot import SlotReader, create_region
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
 PR_SET_PDEATHSIG = 1

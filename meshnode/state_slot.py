@@ -34,7 +34,8 @@ import os
 import struct
 import zlib
 
-from protocol.errors import ConfigError, RemoteProtocolError
+from keys.errors import ConfigError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
 MAGIC = b"MNS1"

@@ -21,8 +21,9 @@ from __future__ import annotations
 import importlib
 import random
 
+from keys.errors import ConfigError
 from meshnode.config import GpuProfile
-from protocol.errors import ConfigError, MeshError
+from protocol.errors import MeshError
 from protocol.messages import GpuState
 
 # NVML clock-event (throttle) reason bit for an idle GPU, from nvml.h; the simulation sets it too.

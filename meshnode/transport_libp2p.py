@@ -72,7 +72,8 @@ from meshnode.transport import (
     encode_frame,
     redial_delay_ms,
 )
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from keys.errors import ConfigError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ import collections
 
 import trio
 
+from keys.errors import ConfigError
 from meshnode.transport import INCOMING_FRAMES_MAX_DEFAULT, MAX_FRAME_BYTES_DEFAULT
-from protocol.errors import ConfigError, LocalProtocolError
+from protocol.errors import LocalProtocolError
 
 MEMORY_ADDR_PREFIX = "/memory/"
 

@@ -29,9 +29,10 @@ from meshnode.tui_client import ControlError, ControlUnavailable, TuiControlClie
 from meshnode.tui_screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
 from meshnode.tui_tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
                                  event_line, evidence_row, job_row, mesh_row, short_hex, status_line)
+from keys.errors import KeystoreError
 from meshnode.tui_why import format_declines
 from protocol.envelope import ANY_MESH
-from protocol.errors import KeystoreError, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import Cancel, encode_message
 
 CONTROL_SOCKET_NAME = "control.sock"

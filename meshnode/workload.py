@@ -29,8 +29,9 @@ import struct
 import threading
 import time
 
+from keys.errors import ConfigError
 from meshnode.state_slot import MAX_COUNT, SlotWriter
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
 SDK_FD_ENV = "MESHNODE_SDK_FD"

@@ -12,7 +12,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from keys.identity import SigningIdentity, verify_signature
+from protocol.signing import SigningIdentity, verify_signature
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 

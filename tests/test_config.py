@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from keys.identity import SigningIdentity
 from meshnode.config import (BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, load_config, node_paths,
                              node_policy, read_passphrase, write_config)
-from protocol.errors import ConfigError
+from keys.errors import ConfigError
 
 KEY = SigningIdentity(bytes(range(32)))
 

@@ -13,10 +13,11 @@ import pytest
 import trio
 import trio.testing
 
+from keys.errors import ConfigError
 from meshnode.control import SEND_STALL_S, ControlServer, EventHub
 from meshnode.control_client import AsyncControlClient, ControlClient, ControlError, FrameBuffer, encode_frame
 from protocol import codec
-from protocol.errors import ConfigError, MeshError, RemoteProtocolError
+from protocol.errors import MeshError, RemoteProtocolError
 from protocol.ready import Event
 
 

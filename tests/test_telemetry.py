@@ -6,9 +6,9 @@ import types
 
 import pytest
 
+from keys.errors import ConfigError
 from meshnode.config import GpuProfile
 from meshnode.telemetry import SIM_FULL_LOAD_TEMP_MILLI_C, SIM_IDLE_TEMP_MILLI_C, Telemetry, TelemetryError
-from protocol.errors import ConfigError
 from protocol.messages import GpuState
 
 MIB = 1 << 20

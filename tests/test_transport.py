@@ -25,8 +25,9 @@ from meshnode.transport import (
     encode_uvarint,
     redial_delay_ms,
 )
+from keys.errors import ConfigError
 from meshnode.transport_memory import MemoryNetwork
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 SEED_A = bytes([1]) * 32
 SEED_B = bytes([2]) * 32
