@@ -36,8 +36,8 @@ import trio
 
 from keys.genesis import DEFAULT_PARAMS
 from keys.keystore import load_identity
-from meshnode.control_client import ControlError, FrameBuffer, decode_map, encode_frame, socket_path
-from meshnode.manifest import parse_manifest
+from meshnode.control.client import ControlError, FrameBuffer, decode_map, encode_frame, socket_path
+from meshnode.workload.manifest import parse_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message, job_id
 from testnet import launcher

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import trio
 
-from meshnode.control_client import ControlError
+from meshnode.control.client import ControlError
 from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_consensus import ControlConnection, sign_jobs, subscribe

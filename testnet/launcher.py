@@ -26,8 +26,8 @@ from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
 from keys.identity import generate_identity
 from keys.keystore import create_keystore, load_identity
-from meshnode.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
-from meshnode.control_client import ControlClient
+from meshnode.control.client import ControlClient
+from meshnode.node.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
 from protocol.errors import MeshError
 from protocol.messages import Member
 

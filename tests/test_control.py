@@ -14,8 +14,8 @@ import trio
 import trio.testing
 
 from keys.errors import ConfigError
-from meshnode.control import SEND_STALL_S, ControlServer, EventHub
-from meshnode.control_client import AsyncControlClient, ControlClient, ControlError, FrameBuffer, encode_frame
+from meshnode.control.client import AsyncControlClient, ControlClient, ControlError, FrameBuffer, encode_frame
+from meshnode.control.server import SEND_STALL_S, ControlServer, EventHub
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.ready import Event

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from meshnode.state_slot import (FAILED_READS_LIMIT, HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader,
+from meshnode.workload.state_slot import (FAILED_READS_LIMIT, HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader,
                                  SlotWriter, create_region)
 from keys.errors import ConfigError
 from protocol.errors import RemoteProtocolError

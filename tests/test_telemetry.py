@@ -7,8 +7,8 @@ import types
 import pytest
 
 from keys.errors import ConfigError
-from meshnode.config import GpuProfile
-from meshnode.telemetry import SIM_FULL_LOAD_TEMP_MILLI_C, SIM_IDLE_TEMP_MILLI_C, Telemetry, TelemetryError
+from meshnode.node.config import GpuProfile
+from meshnode.node.telemetry import SIM_FULL_LOAD_TEMP_MILLI_C, SIM_IDLE_TEMP_MILLI_C, Telemetry, TelemetryError
 from protocol.messages import GpuState
 
 MIB = 1 << 20

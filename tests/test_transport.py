@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from keys.identity import SigningIdentity
-from meshnode.transport import (
+from meshnode.net.transport import (
     FRAME_KIND_DATA,
     FRAME_KIND_PING,
     FRAME_KIND_PONG,
@@ -26,7 +26,7 @@ from meshnode.transport import (
     redial_delay_ms,
 )
 from keys.errors import ConfigError
-from meshnode.transport_memory import MemoryNetwork
+from meshnode.net.memory_transport import MemoryNetwork
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 SEED_A = bytes([1]) * 32
@@ -56,7 +56,7 @@ class Libp2pHarness:
 
     @asynccontextmanager
     async def node(self, seed: bytes, listen_addr: str | None = None, **limits):
-        from meshnode.transport_libp2p import open_libp2p_transport
+        from meshnode.net.libp2p_transport import open_libp2p_transport
 
         async with open_libp2p_transport(seed, [listen_addr or "/ip4/127.0.0.1/tcp/0"], **limits) as transport:
             yield transport

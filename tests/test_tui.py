@@ -1,6 +1,6 @@
 """The owner's TUI, headless (Textual's run_test pilot) against a fake control server.
 
-The fake node speaks the real control framing (meshnode.control_client) on a Unix
+The fake node speaks the real control framing (meshnode.control.client) on a Unix
 socket, verifies submitted jobs with the real manifest code, and changes job state
 only when the test tells it to, so every assertion waits for a state the test made.
 Textual runs on asyncio, so each UI test drives its own loop with asyncio.run.
@@ -22,14 +22,14 @@ from textual.widgets import Input, Static
 from keys.identity import SigningIdentity, short_id
 from keys.keystore import KDF_PROFILES, encode_keystore
 from meshnode.cli import main as cli_main
-from meshnode.control_client import encode_frame
-from meshnode.manifest import parse_manifest, verify_signed_job
-from meshnode.tui import MAX_EVENT_LINES, OwnerTui
-from meshnode.tui_client import ControlUnavailable, read_frame
-from meshnode.tui_form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
-from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
-from meshnode.tui_tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
-from meshnode.tui_why import format_declines, group_declines, placeable_hint, suggest_changes
+from meshnode.control.client import encode_frame
+from meshnode.tui.app import MAX_EVENT_LINES, OwnerTui
+from meshnode.tui.client import ControlUnavailable, read_frame
+from meshnode.tui.form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
+from meshnode.tui.screens import ComposeScreen, PassphraseScreen, WhyScreen
+from meshnode.tui.tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
+from meshnode.tui.why import format_declines, group_declines, placeable_hint, suggest_changes
+from meshnode.workload.manifest import parse_manifest, verify_signed_job
 from protocol.messages import Cancel, decode_message, job_id
 
 MESH_ID = bytes(range(32))

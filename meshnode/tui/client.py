@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import struct
 
-from meshnode.control_client import LENGTH_PREFIX_BYTES, ControlError, decode_map, encode_frame
+from meshnode.control.client import LENGTH_PREFIX_BYTES, ControlError, decode_map, encode_frame
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 
@@ -40,7 +40,7 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
 class TuiControlClient:
     """One request connection; ``events()`` opens a second one for the subscription.
 
-    A refused request raises ``ControlError`` (shared with meshnode.control_client);
+    A refused request raises ``ControlError`` (shared with meshnode.control.client);
     anything that means the node is gone raises ``ControlUnavailable``.
     """
 

@@ -8,8 +8,8 @@ import time
 from keys.genesis import load_genesis
 from keys.identity import peer_id_from_public_key, short_id
 from keys.keystore import load_identity, write_file_atomic
-from meshnode.manifest import load_manifest, verify_signed_job
-from meshnode.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.workload.manifest import load_manifest, verify_signed_job
 from protocol import codec
 from protocol.envelope import ANY_MESH
 from protocol.errors import ManifestError, RemoteProtocolError

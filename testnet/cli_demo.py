@@ -15,9 +15,9 @@ from pathlib import Path
 
 from keys.genesis import load_genesis
 from keys.keystore import load_identity
-from meshnode.config import node_paths
-from meshnode.control_client import ControlClient
-from meshnode.manifest import load_manifest
+from meshnode.control.client import ControlClient
+from meshnode.node.config import node_paths
+from meshnode.workload.manifest import load_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message
 from testnet import launcher
@@ -69,8 +69,8 @@ async def capture_tui(node_dir, key_path, job_ids, out_dir: Path) -> list[Path]:
     """Drive the TUI headless on ``node_dir`` and save each view, a why and the help screen."""
     from textual.widgets import Input  # Textual only loads when a TUI is wanted
 
-    from meshnode.tui import OwnerTui
-    from meshnode.tui_screens import WhyScreen
+    from meshnode.tui.app import OwnerTui
+    from meshnode.tui.screens import WhyScreen
     out_dir.mkdir(parents=True, exist_ok=True)
     app = OwnerTui(node_dir, key_path, poll_s=0.2)
     written: list[Path] = []
@@ -132,11 +132,11 @@ def cmd_demo(args) -> int:
                                                 Path(args.capture))):
                 print("wrote %s" % path)
         elif sys.stdin.isatty() and sys.stdout.isatty():
-            from meshnode.tui import OwnerTui
+            from meshnode.tui.app import OwnerTui
             OwnerTui(node_dir, layout["owners"][0]["key_file"]).run()
         else:
-            from meshnode.cli_tui import fetch_snapshot
-            from meshnode.tui_tables import render_snapshot
+            from meshnode.cli.tui import fetch_snapshot
+            from meshnode.tui.tables import render_snapshot
             from rich.console import Console
             render_snapshot(fetch_snapshot(node_dir), Console(width=120))
     finally:

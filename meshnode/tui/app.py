@@ -24,13 +24,13 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static, TabbedContent, TabPane
 
 from keys.keystore import PassphraseSource, is_encrypted, load_identity, read_public_key
-from meshnode.manifest import parse_manifest
-from meshnode.tui_client import ControlError, ControlUnavailable, TuiControlClient
-from meshnode.tui_screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
-from meshnode.tui_tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
+from meshnode.tui.client import ControlError, ControlUnavailable, TuiControlClient
+from meshnode.tui.screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
+from meshnode.workload.manifest import parse_manifest
+from meshnode.tui.tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
                                  event_line, evidence_row, job_row, mesh_row, short_hex, status_line)
 from keys.errors import KeystoreError
-from meshnode.tui_why import format_declines
+from meshnode.tui.why import format_declines
 from protocol.envelope import ANY_MESH
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Cancel, encode_message

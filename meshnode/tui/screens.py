@@ -13,8 +13,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from meshnode.tui_form import DEFAULT_VALUES, FORM_FIELDS, check_form
-from meshnode.tui_why import format_declines, group_declines, placeable_hint
+from meshnode.tui.form import DEFAULT_VALUES, FORM_FIELDS, check_form
+from meshnode.tui.why import format_declines, group_declines, placeable_hint
 from protocol.messages import STRATEGIES
 
 HELP_TEXT = """\

@@ -1,6 +1,6 @@
 """An in-process network of ``Transport``s for driver tests (no sockets, no tasks).
 
-It keeps the contract of meshnode/transport.py that the driver relies on: per-peer
+It keeps the contract of meshnode/net/transport.py that the driver relies on: per-peer
 order, bounded incoming queues with counted drops, receiver-side size limit,
 ``send`` that never raises for a dead peer, and a connection that comes back by
 itself when a dialled peer reopens (here at once instead of after a redial delay,
@@ -15,7 +15,7 @@ import collections
 import trio
 
 from keys.errors import ConfigError
-from meshnode.transport import INCOMING_FRAMES_MAX_DEFAULT, MAX_FRAME_BYTES_DEFAULT
+from meshnode.net.transport import INCOMING_FRAMES_MAX_DEFAULT, MAX_FRAME_BYTES_DEFAULT
 from protocol.errors import LocalProtocolError
 
 MEMORY_ADDR_PREFIX = "/memory/"
@@ -70,7 +70,7 @@ class MemoryNetwork:
 
 
 class MemoryTransport:
-    """One node's endpoint on a ``MemoryNetwork``; see meshnode.transport.Transport."""
+    """One node's endpoint on a ``MemoryNetwork``; see meshnode.net.transport.Transport."""
 
     def __init__(self, network: MemoryNetwork, key: bytes, max_frame_bytes: int, incoming_frames_max: int):
         self._network = network

@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from keys.identity import public_key_from_peer_id, short_id
+from meshnode.node.clock import now_ms, wall_ms
 from protocol.errors import MeshError, RemoteProtocolError
 
 if TYPE_CHECKING:
-    from meshnode.node import Node
+    from meshnode.node.driver import Node
+
+CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op (the driver's windows too)
 
 
 def _hex(value):
@@ -35,7 +38,6 @@ class ControlApi:
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
-        from meshnode.node import now_ms
         return {"node": node.identity.public_key.hex(), "peer_id": node.identity.peer_id,
                 "mesh_id": node.genesis.mesh_id.hex(), "epoch": core.epoch,
                 "members": len(core.member_records()), "member": core.is_member(),
@@ -66,7 +68,6 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        from meshnode.node import now_ms, wall_ms
         rows = []
         for job in self.node.core.jobs():
             latest = self.node.checkpoints.latest(job["job_id"])
@@ -126,7 +127,6 @@ class ControlApi:
         """Raw recent samples (bounded windows): how late checkpoints are stored here after the
         workload offered them, as primary (write_ms) and as backup (replication_ms), and how
         far each checkpoint tick of the workloads running here was from its period."""
-        from meshnode.node import CHECKPOINT_STATS_WINDOW
         node = self.node
         interval_error_us = [e for job in (node.runner.jobs_info() if node.runner else ())
                              for e in job.interval_error_us]

@@ -8,7 +8,7 @@ One ``WorkloadRunner`` per node, served in the node's trio nursery::
     await runner.start(job_id, "counter", ["--progress-log", path], gpus=[0], restore=None, fence=1)
 
 Every ``checkpoint_ms`` the runner reads the workload's shared-memory state slot
-(``meshnode.state_slot``) and, if the workload offered a new state since the last
+(``meshnode.workload.state_slot``) and, if the workload offered a new state since the last
 tick, awaits ``on_checkpoint(job_id, seq, progress, taken_ms, state)``. The read does
 not involve the workload's process, so a descheduled or stalled workload delays no
 checkpoint: the newest state it offered is taken on time.
@@ -39,9 +39,9 @@ from typing import Awaitable, Callable
 import trio
 
 from keys.errors import ConfigError
-from meshnode import workload as sdk
-from meshnode.builtin_workloads import BUILTIN_KINDS
-from meshnode.state_slot import SlotReader, create_region
+from meshnode.workload import sdk
+from meshnode.workload.builtin import BUILTIN_KINDS
+from meshnode.workload.state_slot import SlotReader, create_region
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
@@ -166,7 +166,7 @@ class WorkloadRunner:
         if entrypoint in self._commands:
             return self._commands[entrypoint] + list(args)
         if entrypoint in BUILTIN_KINDS:
-            return [sys.executable, "-m", "meshnode.builtin_workloads", entrypoint, *args]
+            return [sys.executable, "-m", "meshnode.workload.builtin", entrypoint, *args]
         raise LocalProtocolError("entrypoint %r is neither a built-in kind (%s) nor a command in this "
                                  "node's config" % (entrypoint, ", ".join(BUILTIN_KINDS)))
 

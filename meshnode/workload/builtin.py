@@ -1,4 +1,4 @@
-"""Built-in workload kinds, started as ``python -m meshnode.builtin_workloads KIND ARGS``.
+"""Built-in workload kinds, started as ``python -m meshnode.workload.builtin KIND ARGS``.
 
 ``counter``: counts work units of ``--unit-ms`` milliseconds of busy arithmetic each.
 State is the unit count (and the arithmetic's accumulator); after a restore it goes on
@@ -24,7 +24,7 @@ import sys
 import time
 from array import array
 
-from meshnode.workload import Workload
+from meshnode.workload.sdk import Workload
 from protocol.errors import RemoteProtocolError
 
 BUILTIN_KINDS = ("counter", "train")
@@ -131,7 +131,7 @@ def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: Prog
 # --- entry point -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m meshnode.builtin_workloads")
+    parser = argparse.ArgumentParser(prog="python -m meshnode.workload.builtin")
     kinds = parser.add_subparsers(dest="kind", required=True)
     counter = kinds.add_parser("counter", help="count units of busy work")
     counter.add_argument("--unit-ms", type=int, default=1)

@@ -12,7 +12,7 @@ that handles it:
   switched off / cleared before each dial: redialling is ours (transport.redial_delay_ms).
 - The swarm's auto-connector (it dials every known peer up to 150 connections) is
   stopped: the node decides whom to dial.
-- Frames are length-prefixed by us (meshnode.transport.FrameDecoder): libp2p's
+- Frames are length-prefixed by us (meshnode.net.transport.FrameDecoder): libp2p's
   ``stream.read(n)`` returns up to n bytes.
 - yamux's receive-window credit goes back in batches, not one WINDOW_UPDATE frame
   per read (``_release_window_in_batches``).
@@ -58,7 +58,7 @@ from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE as YAMUX_WINDOW_
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from keys.identity import peer_id_bytes, public_key_from_peer_id
-from meshnode.transport import (
+from meshnode.net.transport import (
     FRAME_KIND_DATA,
     FRAME_KIND_PING,
     FRAME_KIND_PONG,
@@ -205,7 +205,7 @@ class _ConnectionEvents(INotifee):
 
 
 class Libp2pTransport:
-    """meshnode.transport.Transport over py-libp2p; built by ``open_libp2p_transport``."""
+    """meshnode.net.transport.Transport over py-libp2p; built by ``open_libp2p_transport``."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from keys.errors import ConfigError
-from meshnode.output import add_json_flag, emit
+from meshnode.cli.output import add_json_flag, emit
 
 SNAPSHOT_OPS = ("status", "nodes", "jobs", "consensus")
 
@@ -24,19 +24,19 @@ def register(subparsers) -> None:
 
 def fetch_snapshot(node_dir: str) -> dict:
     """One answer to each polled op, over the synchronous control client."""
-    from meshnode.control_client import ControlClient
+    from meshnode.control.client import ControlClient
     with ControlClient(node_dir) as client:
         return {op: client.call(op) for op in SNAPSHOT_OPS}
 
 
 def run(args: argparse.Namespace) -> int:
     if args.snapshot or args.json:
-        from meshnode.tui_tables import render_snapshot
+        from meshnode.tui.tables import render_snapshot
         snapshot = fetch_snapshot(args.node)
         emit(args, snapshot, lambda console: render_snapshot(snapshot, console))
         return 0
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ConfigError("meshnode tui needs a terminal; use --snapshot to print the tables once")
-    from meshnode.tui import OwnerTui
+    from meshnode.tui.app import OwnerTui
     OwnerTui(args.node, args.key).run()
     return 0

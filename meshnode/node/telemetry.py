@@ -22,7 +22,7 @@ import importlib
 import random
 
 from keys.errors import ConfigError
-from meshnode.config import GpuProfile
+from meshnode.node.config import GpuProfile
 from protocol.errors import MeshError
 from protocol.messages import GpuState
 

@@ -11,8 +11,8 @@ from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams, load_genesis
 from keys.identity import peer_id_from_public_key, short_id
 from keys.keystore import write_file_atomic
-from meshnode.cli_keys import parse_key_value, parse_public_key
-from meshnode.output import add_json_flag, emit, key_value_table
+from meshnode.cli.keys import parse_key_value, parse_public_key
+from meshnode.cli.output import add_json_flag, emit, key_value_table
 from protocol.messages import Member
 
 DEFAULT_ZONE = "zone-a"

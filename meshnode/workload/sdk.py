@@ -1,9 +1,9 @@
 """The workload SDK: the process side of the node <-> workload channel (SPEC.md 9.4).
 
-A workload is a subprocess the node's runner (``meshnode.runner``) starts with two
+A workload is a subprocess the node's runner (``meshnode.node.runner``) starts with two
 inherited file descriptors: one end of a Unix ``socketpair`` (``$MESHNODE_SDK_FD``),
 over which the node sends one RESTORE frame, and a shared-memory state slot
-(``$MESHNODE_SLOT_FD``, ``meshnode.state_slot``). Usage::
+(``$MESHNODE_SLOT_FD``, ``meshnode.workload.state_slot``). Usage::
 
     from meshnode.workload import Workload
     w = Workload.connect()              # blocks until the node sends RESTORE
@@ -30,7 +30,7 @@ import threading
 import time
 
 from keys.errors import ConfigError
-from meshnode.state_slot import MAX_COUNT, SlotWriter
+from meshnode.workload.state_slot import MAX_COUNT, SlotWriter
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 

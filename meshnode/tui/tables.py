@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from keys.identity import short_id
-from meshnode.tui_why import format_declines
+from meshnode.tui.why import format_declines
 
 # NVML clock-throttle reason bits (nvmlClocksThrottleReason*) worth an owner's attention;
 # idle (0x1) and user-set application clocks (0x2) are normal and not shown.

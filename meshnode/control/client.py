@@ -1,6 +1,6 @@
 """Clients of a node's control socket ``DIR/control.sock`` (SPEC.md "Control API").
 
-Framing (shared with the server in meshnode/control.py): a 4-byte big-endian length,
+Framing (shared with the server in meshnode/control/server.py): a 4-byte big-endian length,
 then that many bytes of one canonical msgpack map, at most ``codec.MAX_FRAME_BYTES``.
 A request is ``{"id": int, "op": str, "args": map}``; its reply is ``{"id", "ok": true,
 "result"}`` or ``{"id", "ok": false, "error": str}``. After a successful ``subscribe``
@@ -8,7 +8,7 @@ reply the connection carries only ``{"event": map}`` frames until either side cl
 a final ``{"id", "ok": false, "error"}`` frame says why the server ended it.
 
 ``ControlClient`` is synchronous (the CLI); ``AsyncControlClient`` is trio (tools and
-tests that already run trio). The TUI, on asyncio, has its own in meshnode/tui_client.py.
+tests that already run trio). The TUI, on asyncio, has its own in meshnode/tui/client.py.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import time
 
 from rich.table import Table
 
-from meshnode.control_client import ControlClient
-from meshnode.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
-from meshnode.tui_tables import node_label
+from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.control.client import ControlClient
+from meshnode.tui.tables import node_label
 from protocol.errors import MeshError
 
 COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
 
 def cmd_run(args) -> int:
     import trio
-    from meshnode.node import run_node
+    from meshnode.node.driver import run_node
     trio.run(lambda: run_node(args.node, run_workloads=not args.no_workloads))
     return 0
 
@@ -153,8 +153,8 @@ def _signed_job_bytes(args, epoch: int) -> bytes:
         raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
     from keys.genesis import load_genesis
     from keys.keystore import is_encrypted, load_identity
-    from meshnode.config import node_paths
-    from meshnode.manifest import load_manifest
+    from meshnode.node.config import node_paths
+    from meshnode.workload.manifest import load_manifest
     from protocol.messages import encode_message
     source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
     identity = load_identity(args.key, source)

@@ -10,8 +10,8 @@ import sys
 from keys.errors import ConfigError
 from keys.genesis import load_genesis
 from keys.identity import short_id
-from meshnode.config import node_paths
-from meshnode.output import add_json_flag, emit, key_value_table
+from meshnode.cli.output import add_json_flag, emit, key_value_table
+from meshnode.node.config import node_paths
 from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
 from protocol.errors import RemoteProtocolError

@@ -9,7 +9,7 @@ import time
 from keys.attestation import issue_attestation
 from keys.identity import generate_identity, peer_id_from_public_key, public_key_from_peer_id, short_id
 from keys.keystore import create_keystore, is_encrypted, load_identity, read_public_key, write_file_atomic
-from meshnode.output import (add_json_flag, add_passphrase_args, emit, key_value_table,
+from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, key_value_table,
                              passphrase_source_from_args)
 from keys.errors import KeystoreError
 from protocol.errors import RemoteProtocolError

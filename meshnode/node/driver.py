@@ -23,13 +23,14 @@ import trio
 
 from keys.genesis import load_genesis
 from keys.keystore import PassphraseSource, load_identity
-from meshnode import config as node_config
-from meshnode.checkpoint_store import CheckpointStore, StoredCheckpoint
-from meshnode.control import ControlServer, EventHub
-from meshnode.node_api import ControlApi
-from meshnode.node_store import NodeStore
-from meshnode.runner import WorkloadRunner
-from meshnode.telemetry import Telemetry
+from meshnode.control.server import ControlServer, EventHub
+from meshnode.node import config as node_config
+from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
+from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
+from meshnode.node.clock import now_ms, wall_ms
+from meshnode.node.runner import WorkloadRunner
+from meshnode.node.store import NodeStore
+from meshnode.node.telemetry import Telemetry
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
@@ -39,18 +40,8 @@ log = logging.getLogger("meshnode.node")
 
 LIVE_JOB_STATES = ("placed", "running", "migrating")
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
-CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 CONNECT_RETRY_MS = 500
-
-
-def now_ms() -> int:
-    """The core's clock: trio's (monotonic, and mockable in driver tests)."""
-    return int(trio.current_time() * 1000)
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Node:
@@ -328,7 +319,7 @@ def _passphrase_source(config, data_dir) -> PassphraseSource:
 
 
 def _libp2p_factory(seed: bytes, listen: list[str]):
-    from meshnode.transport_libp2p import open_libp2p_transport  # libp2p import costs 0.6 s
+    from meshnode.net.libp2p_transport import open_libp2p_transport  # libp2p import costs 0.6 s
     return open_libp2p_transport(seed, listen)
 
 

@@ -7,7 +7,7 @@ import signal
 
 from rich.table import Table
 
-from meshnode.output import add_json_flag, emit
+from meshnode.cli.output import add_json_flag, emit
 from testnet import launcher
 
 
