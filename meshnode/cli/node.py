@@ -128,8 +128,8 @@ RENDERERS = {"status": render_status, "nodes": render_nodes, "jobs": render_jobs
 
 def cmd_events(args) -> int:
     seen = 0
-    with ControlClient(args.node, timeout_s=None) as client:
-        for event in client.subscribe():
+    with ControlClient(args.node).subscribe() as events:
+        for event in events:
             if args.json:
                 print(json.dumps(event, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)), flush=True)
             else:

@@ -1,81 +1,53 @@
-"""Clients of a node's control socket ``DIR/control.sock`` (SPEC.md "Control API").
+"""The one client of a node's control socket ``DIR/control.sock`` (SPEC.md "Control API").
 
-Framing (shared with the server in meshnode/control/server.py): a 4-byte big-endian length,
-then that many bytes of one canonical msgpack map, at most ``codec.MAX_FRAME_BYTES``.
-A request is ``{"id": int, "op": str, "args": map}``; its reply is ``{"id", "ok": true,
-"result"}`` or ``{"id", "ok": false, "error": str}``. After a successful ``subscribe``
-reply the connection carries only ``{"event": map}`` frames until either side closes;
-a final ``{"id", "ok": false, "error"}`` frame says why the server ended it.
+``ClientProtocol`` is the whole client side of the protocol, with no IO (h11's pattern):
+it turns a request into bytes, and the node's bytes into a result, an event, the end of
+a stream or an error. Two faces only move bytes for it:
 
-``ControlClient`` is synchronous (the CLI); ``AsyncControlClient`` is trio (tools and
-tests that already run trio). The TUI, on asyncio, has its own in meshnode/tui/client.py.
+* ``ControlClient``: blocking sockets, for the CLI, the testnet launcher and scripts;
+* ``AsyncControlClient``: anyio streams, so one implementation serves trio (testnet
+  benchmarks, driver tests) and asyncio (the Textual TUI).
+
+Both keep one connection for requests, one request in flight at a time, and give each
+subscription a connection of its own (``subscribe()``: a context manager that returns
+once the node acknowledged, and iterates the node's event maps). Errors:
+
+* ``ControlError``: the node refused the request (``ok: false``); the text is the node's;
+* ``ControlUnavailable``: no node answers: not running, the connection broke, or no
+  reply within the timeout; the connection is closed, the next call opens a new one;
+* ``RemoteProtocolError``: the node sent something that is not the protocol; the
+  connection is closed too.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import struct
 from pathlib import Path
 
-import trio
+import anyio
 
-from keys.errors import ConfigError
-from protocol import codec
-from protocol.errors import MeshError, RemoteProtocolError
+from meshnode.control.wire import FrameBuffer, decode_map, encode_frame
+from protocol.errors import LocalProtocolError, MeshError, RemoteProtocolError
 
-LENGTH_PREFIX_BYTES = 4
 CALL_TIMEOUT_S = 10.0
-_RECV_CHUNK_BYTES = 65536
+RECV_CHUNK_BYTES = 65536
 
 
 class ControlError(MeshError):
     """The node refused a request (``ok: false``); the message is the node's error text."""
 
 
-def encode_frame(value: dict) -> bytes:
-    payload = codec.pack(value)
-    return struct.pack(">I", len(payload)) + payload
+class ControlUnavailable(MeshError):
+    """The node's control socket cannot be reached, the connection broke, or no reply came in time."""
 
 
-class FrameBuffer:
-    """Splits a byte stream into frames; no IO, so the server and both clients share it."""
-
-    def __init__(self, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
-        self.max_frame_bytes = max_frame_bytes
-        self._data = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self._data += data
-
-    @property
-    def buffered_bytes(self) -> int:
-        return len(self._data)
-
-    def next_payload(self) -> bytes | None:
-        """The next complete frame's payload, or None if more bytes are needed.
-
-        Raises RemoteProtocolError when a length prefix announces more than the cap:
-        the stream cannot be resynchronised after that, so the caller must close it.
-        """
-        if len(self._data) < LENGTH_PREFIX_BYTES:
-            return None
-        (length,) = struct.unpack_from(">I", self._data)
-        if length > self.max_frame_bytes:
-            raise RemoteProtocolError("frame of %d bytes announced, over the %d cap" % (length, self.max_frame_bytes))
-        end = LENGTH_PREFIX_BYTES + length
-        if len(self._data) < end:
-            return None
-        payload = bytes(self._data[LENGTH_PREFIX_BYTES:end])
-        del self._data[:end]
-        return payload
+class _Need:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
 
 
-def decode_map(payload: bytes) -> dict:
-    value = codec.unpack(payload)
-    if not isinstance(value, dict):
-        raise RemoteProtocolError("control frame is not a map")
-    return value
+NEED_DATA = _Need()  # ClientProtocol needs more bytes from the node before it can answer
 
 
 def socket_path(node_dir_or_socket) -> Path:
@@ -84,8 +56,80 @@ def socket_path(node_dir_or_socket) -> Path:
     return path / "control.sock" if path.is_dir() else path
 
 
-def _not_running(path: Path, why: str) -> ConfigError:
-    return ConfigError("node not running at %s (%s)" % (path.parent, why))
+def not_running(path: Path, why: str) -> ControlUnavailable:
+    return ControlUnavailable("node not running at %s (%s)" % (path.parent, why))
+
+
+class ClientProtocol:
+    """One connection's client side, sans IO.
+
+    ``request(op, args)`` gives the bytes to send; feed what the node sends to
+    ``receive_data`` (``b""`` when it closed the connection) and ask ``next_reply()``
+    for the request's result, then, after an acknowledged ``subscribe``, ``next_event()``
+    for each event. Both return ``NEED_DATA`` until enough bytes have arrived.
+    """
+
+    def __init__(self):
+        self._frames = FrameBuffer()
+        self._closed_by_node = False
+        self._next_id = 1
+        self._in_flight: tuple[int, str] | None = None   # (request id, op)
+        self._subscription: int | None = None            # id of the acknowledged subscribe
+
+    def request(self, op: str, args: dict) -> bytes:
+        if self._in_flight is not None or self._subscription is not None:
+            raise LocalProtocolError("%s: one request at a time, and none on a subscription's connection" % op)
+        request_id = self._next_id
+        self._next_id += 1
+        self._in_flight = (request_id, op)
+        return encode_frame({"id": request_id, "op": op, "args": args})
+
+    def receive_data(self, data: bytes) -> None:
+        if data:
+            self._frames.feed(data)
+        else:
+            self._closed_by_node = True
+
+    def _next_frame(self, op: str):
+        """The next frame, NEED_DATA, or None when the node has closed the connection."""
+        payload = self._frames.next_payload()
+        if payload is not None:
+            return decode_map(payload)
+        if not self._closed_by_node:
+            return NEED_DATA
+        if self._frames.buffered_bytes:
+            raise RemoteProtocolError("%s: connection closed inside a frame" % op)
+        return None
+
+    def next_reply(self):
+        """The in-flight request's result; raises ControlError if the node refused it."""
+        if self._in_flight is None:
+            raise LocalProtocolError("no request in flight")
+        request_id, op = self._in_flight
+        frame = self._next_frame(op)
+        if frame is NEED_DATA:
+            return NEED_DATA
+        self._in_flight = None
+        if frame is None:
+            raise ControlUnavailable("%s: the node closed the connection without replying" % op)
+        result = _reply_result(frame, request_id, op)
+        if op == "subscribe":
+            self._subscription = request_id
+        return result
+
+    def next_event(self):
+        """The next event map of the subscription, or None when the node ended the stream.
+
+        Raises ControlError when the node ended it with a reason (a subscriber too slow)."""
+        if self._subscription is None:
+            raise LocalProtocolError("no acknowledged subscription on this connection")
+        frame = self._next_frame("subscribe")
+        if frame is NEED_DATA or frame is None:
+            return frame
+        if "event" in frame:
+            return frame["event"]
+        _reply_result(frame, self._subscription, "subscribe")
+        raise RemoteProtocolError("subscribe: a second acknowledgement on the stream")
 
 
 def _reply_result(reply: dict, request_id: int, op: str):
@@ -96,15 +140,16 @@ def _reply_result(reply: dict, request_id: int, op: str):
     raise ControlError("%s: %s" % (op, reply.get("error", "request failed")))
 
 
-class ControlClient:
-    """Synchronous client: one connection, one request in flight. Use as a context manager."""
+# --- the blocking face ------------------------------------------------------------------------
 
-    def __init__(self, node_dir_or_socket, timeout_s: float = CALL_TIMEOUT_S):
+class ControlClient:
+    """Blocking client. Use as a context manager; ``timeout_s=None`` waits forever."""
+
+    def __init__(self, node_dir_or_socket, timeout_s: float | None = CALL_TIMEOUT_S):
         self.path = socket_path(node_dir_or_socket)
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
-        self._frames = FrameBuffer()
-        self._next_id = 1
+        self._protocol = ClientProtocol()
 
     def __enter__(self) -> "ControlClient":
         return self
@@ -117,131 +162,198 @@ class ControlClient:
             self._sock.close()
             self._sock = None
 
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            if not os.path.exists(self.path):
-                raise _not_running(self.path, "no %s" % self.path.name)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
-            try:
-                sock.connect(str(self.path))
-            except OSError as exc:
-                sock.close()
-                raise _not_running(self.path, "%s: %s" % (self.path.name, exc.strerror or exc)) from None
-            self._sock = sock
-            self._frames = FrameBuffer()
-        return self._sock
-
-    def _send(self, op: str, args: dict) -> int:
-        sock = self._connect()
-        request_id = self._next_id
-        self._next_id += 1
+    def connect(self) -> None:
+        if self._sock is not None:
+            return
+        if not os.path.exists(self.path):
+            raise not_running(self.path, "no %s" % self.path.name)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
         try:
-            sock.sendall(encode_frame({"id": request_id, "op": op, "args": args}))
+            sock.connect(str(self.path))
         except OSError as exc:
-            self.close()
-            raise ControlError("%s: connection to the node failed: %s" % (op, exc)) from None
-        return request_id
-
-    def _receive(self, op: str) -> dict | None:
-        """The next frame, or None at a clean end of stream."""
-        while True:
-            payload = self._frames.next_payload()
-            if payload is not None:
-                return decode_map(payload)
-            try:
-                data = self._sock.recv(_RECV_CHUNK_BYTES)
-            except socket.timeout:
-                self.close()
-                raise ControlError("%s: no reply from the node within %.1f s" % (op, self.timeout_s)) from None
-            except OSError as exc:
-                self.close()
-                raise ControlError("%s: connection to the node failed: %s" % (op, exc)) from None
-            if not data:
-                if self._frames.buffered_bytes:
-                    raise RemoteProtocolError("%s: connection closed inside a frame" % op)
-                return None
-            self._frames.feed(data)
+            sock.close()
+            raise not_running(self.path, "%s: %s" % (self.path.name, exc.strerror or exc)) from None
+        self._sock, self._protocol = sock, ClientProtocol()
 
     def call(self, op: str, **args):
         """Send one request; return its result or raise ControlError with the node's message."""
-        request_id = self._send(op, args)
-        reply = self._receive(op)
-        if reply is None:
-            self.close()
-            raise ControlError("%s: the node closed the connection without replying" % op)
-        return _reply_result(reply, request_id, op)
-
-    def subscribe(self, **args):
-        """Yield event maps until the node ends the stream (ControlError if it says why).
-
-        The connection is given over to the stream, so no blocking timeout applies."""
-        request_id = self._send("subscribe", args)
-        self._sock.settimeout(None)
+        self.connect()
         try:
-            first = self._receive("subscribe")
-            if first is None:
-                return
-            _reply_result(first, request_id, "subscribe")
-            while (frame := self._receive("subscribe")) is not None:
-                if "event" in frame:
-                    yield frame["event"]
-                else:
-                    _reply_result(frame, request_id, "subscribe")
-        finally:
+            self._sock.sendall(self._protocol.request(op, args))
+            return self._until(self._protocol.next_reply, op)
+        except socket.timeout:
             self.close()
+            raise ControlUnavailable("%s: no reply from the node within %.1f s" % (op, self.timeout_s)) from None
+        except OSError as exc:
+            self.close()
+            raise ControlUnavailable("%s: connection to the node failed: %s" % (op, exc)) from None
+        except (ControlUnavailable, RemoteProtocolError):
+            self.close()
+            raise
+
+    def _until(self, step, op: str):
+        while (value := step()) is NEED_DATA:
+            self._protocol.receive_data(self._sock.recv(RECV_CHUNK_BYTES))
+        return value
+
+    def subscribe(self, **args) -> "EventStream":
+        """The node's events, on a connection of their own: ``with client.subscribe() as events``."""
+        return EventStream(ControlClient(self.path, self.timeout_s), args)
+
+
+class EventStream:
+    """A subscription: entering returns once the node acknowledged; iterating yields event
+    maps, with no timeout, until the node ends the stream. Iterating unentered enters."""
+
+    def __init__(self, connection: ControlClient, args: dict):
+        self._connection = connection
+        self._args = args
+        self._open = False
+
+    def __enter__(self) -> "EventStream":
+        if not self._open:
+            self._connection.call("subscribe", **self._args)
+            self._connection._sock.settimeout(None)  # the stream may be quiet for any time
+            self._open = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> dict:
+        self.__enter__()
+        connection = self._connection
+        if connection._sock is None:
+            raise StopIteration
+        try:
+            event = connection._until(connection._protocol.next_event, "subscribe")
+        except OSError as exc:
+            self.close()
+            raise ControlUnavailable("subscribe: connection to the node failed: %s" % exc) from None
+        except MeshError:
+            self.close()
+            raise
+        if event is None:
+            self.close()
+            raise StopIteration
+        return event
+
+
+# --- the async face (trio or asyncio, through anyio) --------------------------------------------
+
+_STREAM_FAILURES = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
 class AsyncControlClient:
-    """trio client; each ``call`` and ``subscribe`` uses its own short connection."""
+    """Async client for trio and asyncio. ``async with`` it, or ``await aclose()``."""
 
-    def __init__(self, node_dir_or_socket):
+    def __init__(self, node_dir_or_socket, timeout_s: float | None = CALL_TIMEOUT_S):
         self.path = socket_path(node_dir_or_socket)
-        self._next_id = 1
+        self.timeout_s = timeout_s
+        self._stream: anyio.abc.ByteStream | None = None
+        self._protocol = ClientProtocol()
+        self._lock = anyio.Lock()  # one request in flight: replies come back in order
 
-    async def _open(self) -> trio.SocketStream:
+    async def __aenter__(self) -> "AsyncControlClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await anyio.aclose_forcefully(stream)
+
+    async def connect(self) -> None:
+        if self._stream is not None:
+            return
         if not os.path.exists(self.path):
-            raise _not_running(self.path, "no %s" % self.path.name)
+            raise not_running(self.path, "no %s" % self.path.name)
         try:
-            return await trio.open_unix_socket(str(self.path))
+            stream = await anyio.connect_unix(str(self.path))
         except OSError as exc:
-            raise _not_running(self.path, "%s: %s" % (self.path.name, exc.strerror or exc)) from None
-
-    @staticmethod
-    async def _read_frame(stream: trio.SocketStream, frames: FrameBuffer) -> dict | None:
-        """The next frame, or None at a clean end of stream."""
-        while True:
-            payload = frames.next_payload()
-            if payload is not None:
-                return decode_map(payload)
-            data = await stream.receive_some(_RECV_CHUNK_BYTES)
-            if not data:
-                if frames.buffered_bytes:
-                    raise RemoteProtocolError("connection closed inside a frame")
-                return None
-            frames.feed(data)
+            raise not_running(self.path, "%s: %s" % (self.path.name, exc.strerror or exc)) from None
+        self._stream, self._protocol = stream, ClientProtocol()
 
     async def call(self, op: str, **args):
-        request_id = self._next_id
-        self._next_id += 1
-        async with await self._open() as stream:
-            await stream.send_all(encode_frame({"id": request_id, "op": op, "args": args}))
-            reply = await self._read_frame(stream, FrameBuffer())
-        if reply is None:
-            raise ControlError("%s: the node closed the connection without replying" % op)
-        return _reply_result(reply, request_id, op)
+        """Send one request; return its result or raise ControlError with the node's message."""
+        async with self._lock:
+            await self.connect()
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    await self._stream.send(self._protocol.request(op, args))
+                    return await self._until(self._protocol.next_reply)
+            except TimeoutError:
+                await self.aclose()
+                raise ControlUnavailable("%s: no reply from the node within %.1f s" % (op, self.timeout_s)) from None
+            except _STREAM_FAILURES as exc:
+                await self.aclose()
+                raise ControlUnavailable("%s: connection to the node failed: %s"
+                                         % (op, exc or type(exc).__name__)) from None
+            except (ControlUnavailable, RemoteProtocolError):
+                await self.aclose()
+                raise
 
-    async def subscribe(self, **args):
-        """Async generator of event maps; use inside ``async with aclosing(...)``."""
-        request_id = self._next_id
-        self._next_id += 1
-        async with await self._open() as stream:
-            await stream.send_all(encode_frame({"id": request_id, "op": "subscribe", "args": args}))
-            frames = FrameBuffer()
-            acknowledged = False
-            while (frame := await self._read_frame(stream, frames)) is not None:
-                if "event" in frame and acknowledged:
-                    yield frame["event"]
-                else:
-                    _reply_result(frame, request_id, "subscribe")
-                    acknowledged = True
+    async def _until(self, step):
+        while (value := step()) is NEED_DATA:
+            try:
+                data = await self._stream.receive(RECV_CHUNK_BYTES)
+            except anyio.EndOfStream:
+                data = b""
+            self._protocol.receive_data(data)
+        return value
+
+    def subscribe(self, **args) -> "AsyncEventStream":
+        """The node's events, on a connection of their own: ``async with client.subscribe() as events``."""
+        return AsyncEventStream(AsyncControlClient(self.path, self.timeout_s), args)
+
+
+class AsyncEventStream:
+    """A subscription: entering returns once the node acknowledged; ``async for`` yields
+    event maps, with no timeout, until the node ends the stream. Iterating unentered enters."""
+
+    def __init__(self, connection: AsyncControlClient, args: dict):
+        self._connection = connection
+        self._args = args
+        self._open = False
+
+    async def __aenter__(self) -> "AsyncEventStream":
+        if not self._open:
+            await self._connection.call("subscribe", **self._args)
+            self._open = True
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._connection.aclose()
+
+    def __aiter__(self) -> "AsyncEventStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        await self.__aenter__()
+        connection = self._connection
+        if connection._stream is None:
+            raise StopAsyncIteration
+        try:
+            event = await connection._until(connection._protocol.next_event)
+        except _STREAM_FAILURES as exc:
+            await self.aclose()
+            raise ControlUnavailable("subscribe: connection to the node failed: %s" % (exc or type(exc).__name__)) from None
+        except MeshError:
+            await self.aclose()
+            raise
+        if event is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return event

@@ -4,7 +4,7 @@ The CLI and the TUI reach a running node only through this socket, so it is the
 node's local trust boundary: the socket is created mode 0600 (umask set before bind,
 then chmod, then verified) inside a data directory no other user can write to, and
 the server refuses to start otherwise. Framing and message shapes are in
-meshnode/control/client.py and SPEC.md "Control API".
+meshnode/control/wire.py and SPEC.md "Control API".
 
 The driver registers the operations: ``handlers`` maps an op name to an async
 function of the request's ``args`` map that returns a canonical-encodable result or
@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from keys.errors import ConfigError
-from meshnode.control.client import FrameBuffer, decode_map, encode_frame
+from meshnode.control.wire import FrameBuffer, decode_map, encode_frame
 from protocol.errors import LocalProtocolError, MeshError, RemoteProtocolError
 from protocol.ready import Event
 

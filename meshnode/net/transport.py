@@ -2,8 +2,8 @@
 
 The node driver talks to peers only through ``Transport`` (SPEC.md section
 "Transport"). Two implementations pass one conformance suite
-(tests/test_transport.py): ``transport_libp2p`` (TCP + Noise + yamux, the only
-module of the project that imports libp2p) and ``transport_memory`` (an in-process
+(tests/test_transport.py): ``libp2p_transport`` (TCP + Noise + yamux, the only
+module of the project that imports libp2p) and ``memory_transport`` (an in-process
 network for driver tests under ``trio.testing.MockClock``).
 
 Framing (SPEC.md "Transport / Frames") is sans-IO here so it can be tested without a

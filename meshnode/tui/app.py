@@ -24,7 +24,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static, TabbedContent, TabPane
 
 from keys.keystore import PassphraseSource, is_encrypted, load_identity, read_public_key
-from meshnode.tui.client import ControlError, ControlUnavailable, TuiControlClient
+from meshnode.control.client import AsyncControlClient, ControlError, ControlUnavailable
 from meshnode.tui.screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
 from meshnode.workload.manifest import parse_manifest
 from meshnode.tui.tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
@@ -37,6 +37,7 @@ from protocol.messages import Cancel, encode_message
 
 CONTROL_SOCKET_NAME = "control.sock"
 POLL_S = 1.0
+REQUEST_TIMEOUT_S = 5.0   # a live node answers in milliseconds; longer means it is gone
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 MAX_EVENT_LINES = 500       # the events view keeps the newest lines only
@@ -121,7 +122,7 @@ class OwnerTui(App):
         # laid out, without bound, and a tab never shown is never laid out: so the history is
         # kept here, bounded, and written to the log only while the events tab is showing.
         self.event_lines: deque[str] = deque(maxlen=MAX_EVENT_LINES)
-        self._client: TuiControlClient | None = None
+        self._client: AsyncControlClient | None = None
         self._identity = None
         self._wake = asyncio.Event()
         self._shown_rows: dict[str, list] = {}
@@ -167,7 +168,7 @@ class OwnerTui(App):
     async def _connection_loop(self) -> None:
         retry_s, attempt = self.retry_min_s, 0
         while True:
-            client = TuiControlClient(self.socket_path)
+            client = AsyncControlClient(self.socket_path, timeout_s=REQUEST_TIMEOUT_S)
             events_task = None
             try:
                 await client.connect()
@@ -191,15 +192,15 @@ class OwnerTui(App):
                 self._client = None
                 if events_task is not None:
                     events_task.cancel()
-                await client.close()
+                await client.aclose()
             await asyncio.sleep(retry_s)
             retry_s = min(retry_s * 2, self.retry_max_s)
 
-    async def _poll_once(self, client: TuiControlClient) -> None:
+    async def _poll_once(self, client: AsyncControlClient) -> None:
         results = {}
         for op in POLLED_OPS:
             try:
-                results[op] = await client.request(op)
+                results[op] = await client.call(op)
             except ControlError as exc:  # the node is up but cannot answer this one
                 results[op] = None
                 self.log.warning("control op %s: %s" % (op, exc))
@@ -221,11 +222,13 @@ class OwnerTui(App):
             self.consensus = dict(results["consensus"])
         self._render_views()
 
-    async def _follow_events(self, client: TuiControlClient) -> None:
+    async def _follow_events(self, client: AsyncControlClient) -> None:
         try:
-            async for event in client.events():
-                self.log_event(event_line(event))
-                self._wake.set()  # something changed: refresh the tables now, not at the next tick
+            async with client.subscribe() as events:
+                async for event in events:
+                    self.log_event(event_line(event))
+                    self._wake.set()  # something changed: refresh the tables now, not at the next tick
+            self.log_event("event stream ended: the node closed it")  # the poll loop notices and reconnects
         except ControlError as exc:
             self.log_event("event stream refused: %s" % exc)
         except (ControlUnavailable, RemoteProtocolError) as exc:
@@ -338,7 +341,7 @@ class OwnerTui(App):
         """A control request from an action; raises ControlUnavailable while disconnected."""
         if self._client is None:
             raise ControlUnavailable("not connected to %s" % self.socket_path)
-        return await self._client.request(op, args)
+        return await self._client.call(op, **(args or {}))
 
     def action_compose(self) -> None:
         if self.key_path is None:
