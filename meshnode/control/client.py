@@ -259,7 +259,9 @@ class AsyncControlClient:
         self.timeout_s = timeout_s
         self._stream: anyio.abc.ByteStream | None = None
         self._protocol = ClientProtocol()
-        self._lock = anyio.Lock()  # one request in flight: replies come back in order
+        # One request in flight: replies come back in order. fast_acquire: no scheduler round trip
+        # when the lock is free (the usual case), a third of a call's CPU on a benchmark's hot path.
+        self._lock = anyio.Lock(fast_acquire=True)
 
     async def __aenter__(self) -> "AsyncControlClient":
         return self
@@ -288,9 +290,10 @@ class AsyncControlClient:
         async with self._lock:
             await self.connect()
             try:
+                if self.timeout_s is None:  # no cancel scope at all: benchmarks call on their hot path
+                    return await self._exchange(op, args)
                 with anyio.fail_after(self.timeout_s):
-                    await self._stream.send(self._protocol.request(op, args))
-                    return await self._until(self._protocol.next_reply)
+                    return await self._exchange(op, args)
             except TimeoutError:
                 await self.aclose()
                 raise ControlUnavailable("%s: no reply from the node within %.1f s" % (op, self.timeout_s)) from None
@@ -301,6 +304,10 @@ class AsyncControlClient:
             except (ControlUnavailable, RemoteProtocolError):
                 await self.aclose()
                 raise
+
+    async def _exchange(self, op: str, args: dict):
+        await self._stream.send(self._protocol.request(op, args))
+        return await self._until(self._protocol.next_reply)
 
     async def _until(self, step):
         while (value := step()) is NEED_DATA:
