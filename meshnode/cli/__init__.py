@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(first, plugins={})  # a node command: no need to scan installed packages
     else:
         plugins = plugin_commands()
+        if first is not None and not plugins:  # e.g. `meshnode testnet` from a stale install
+            print("meshnode: no commands from installed packages (entry-point group %s); "
+                  "reinstall the project (pip install -e .) to get testnet, sim, bench and demo"
+                  % COMMAND_GROUP, file=sys.stderr)
         parser = build_parser(first if first in plugins else None, plugins)
     args = parser.parse_args(argv)
     try:
