@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
 
+from keys.errors import ConfigError
 from protocol import codec
-from protocol.errors import ConfigError, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import Member, record
 from protocol.schema import Int, Key, List, Nested, Record, Text
 

@@ -23,8 +23,8 @@ import nacl.pwhash.argon2id as argon2id
 import nacl.secret
 import nacl.utils
 
+from keys.errors import KeystoreError
 from keys.identity import PUBLIC_KEY_BYTES, SEED_BYTES, SigningIdentity
-from protocol.errors import KeystoreError
 
 KEYSTORE_FORMAT = "meshnode-keystore"
 KEYSTORE_VERSION = 1

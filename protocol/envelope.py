@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from keys.identity import SigningIdentity, verify_signature
+from protocol.signing import SigningIdentity, verify_signature
 from protocol import codec
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError

@@ -4,6 +4,7 @@
 the project's failures without catching programming bugs. A ``RemoteProtocolError``
 means a peer (or a file from outside) sent something invalid: drop it, count it,
 keep going. A ``LocalProtocolError`` means this process asked for something illegal.
+Errors about files (keystores, configs) derive from ``MeshError`` in keys/errors.py.
 """
 
 
@@ -19,13 +20,5 @@ class LocalProtocolError(MeshError):
     """This node asked the protocol core for something the rules forbid."""
 
 
-class KeystoreError(MeshError):
-    """A keystore could not be created or opened (wrong passphrase, corrupt, unsafe mode)."""
-
-
 class ManifestError(MeshError):
     """A job manifest is invalid; the message names the field and what was expected."""
-
-
-class ConfigError(MeshError):
-    """A node config, genesis document or data directory is missing or invalid."""

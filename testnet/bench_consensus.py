@@ -36,8 +36,8 @@ import trio
 
 from keys.genesis import DEFAULT_PARAMS
 from keys.keystore import load_identity
-from meshnode.control_client import ControlError, FrameBuffer, decode_map, encode_frame, socket_path
-from meshnode.manifest import parse_manifest
+from meshnode.control.client import AsyncControlClient, ControlError, ControlUnavailable
+from meshnode.workload.manifest import parse_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message, job_id
 from testnet import launcher
@@ -46,7 +46,6 @@ from testnet.bench_stats import machine_info, summary_ms
 JOB_TIMEOUT_S = 30.0        # a job not decided everywhere by then counts as undecided
 MAX_JOBS = 100_000
 MAX_CONCURRENCY = 256
-RECV_CHUNK_BYTES = 65536
 IDLE_SAMPLE_S = 2.0         # node CPU is sampled this long before the first submit
 
 CONSENSUS_MANIFEST = """
@@ -63,64 +62,15 @@ mem_mib = 0
 """
 
 
-class ControlConnection:
-    """One persistent trio connection to a node's control socket; one request at a time.
-
-    The library's AsyncControlClient opens a connection per call; a benchmark wants
-    the connect out of the measured path, and a subscription it knows is live.
-    """
-
-    def __init__(self, stream: trio.SocketStream):
-        self._stream = stream
-        self._frames = FrameBuffer()
-        self._next_id = 1
-
-    @classmethod
-    async def open(cls, node_dir) -> "ControlConnection":
-        try:
-            return cls(await trio.open_unix_socket(str(socket_path(node_dir))))
-        except OSError as exc:
-            raise MeshError("node not running at %s: %s" % (node_dir, exc)) from None
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    async def _frame(self) -> dict:
-        while (payload := self._frames.next_payload()) is None:
-            data = await self._stream.receive_some(RECV_CHUNK_BYTES)
-            if not data:
-                raise ControlError("the node closed the control connection")
-            self._frames.feed(data)
-        return decode_map(payload)
-
-    async def call(self, op: str, **args):
-        request_id = self._next_id
-        self._next_id += 1
-        await self._stream.send_all(encode_frame({"id": request_id, "op": op, "args": args}))
-        reply = await self._frame()
-        if reply.get("id") != request_id or reply.get("ok") is not True:
-            raise ControlError("%s: %s" % (op, reply.get("error", "bad reply %r" % reply)))
-        return reply.get("result")
-
-    async def events(self):
-        """After ``call("subscribe")``: the event maps, until the node ends the stream."""
-        while True:
-            frame = await self._frame()
-            if "event" not in frame:
-                raise ControlError("subscription ended: %s" % frame.get("error", frame))
-            yield frame["event"]
-
-
 async def subscribe(node_dir, index: int, on_event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Feed ``on_event(index, event)`` every event node ``index`` publishes; started once live."""
-    connection = await ControlConnection.open(node_dir)
-    try:
-        await connection.call("subscribe")
+    """Feed ``on_event(index, event)`` every event node ``index`` publishes; started once live.
+
+    A stream the node ends is an error here: the benchmark's nodes are meant to stay up."""
+    async with AsyncControlClient(node_dir, timeout_s=None).subscribe() as events:
         task_status.started()
-        async for event in connection.events():
+        async for event in events:
             on_event(index, event)
-    finally:
-        await connection.aclose()
+    raise ControlUnavailable("node %d ended its event stream" % index)
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -204,12 +154,13 @@ async def measure(layout: dict, signed: list, concurrency: int,
     queue = iter(enumerate(signed))
 
     async def worker() -> None:
-        connections: dict[int, ControlConnection] = {}
+        connections: dict[int, AsyncControlClient] = {}  # one each, opened before the first submit is timed
         try:
             for k, job in queue:
                 target = k % len(node_dirs)
                 if target not in connections:
-                    connections[target] = await ControlConnection.open(node_dirs[target])
+                    connections[target] = AsyncControlClient(node_dirs[target], timeout_s=None)
+                    await connections[target].connect()
                 jid, envelope = job() if callable(job) else job
                 job_hex = jid.hex()
                 collector.expect(job_hex)

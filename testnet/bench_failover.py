@@ -44,10 +44,10 @@ from pathlib import Path
 
 import trio
 
-from meshnode.control_client import ControlError
+from meshnode.control.client import AsyncControlClient, ControlError
 from protocol.errors import MeshError
 from testnet import launcher
-from testnet.bench_consensus import ControlConnection, sign_jobs, subscribe
+from testnet.bench_consensus import sign_jobs, subscribe
 from testnet.bench_stats import (lost_work, machine_info, overlapping_runs, parse_progress_log, parse_workload_starts,
                                  stale_fence_starts, summary_ms)
 
@@ -131,7 +131,7 @@ def workload_processes(root: Path) -> dict[str, list[int]]:
             cwd = os.readlink("/proc/%d/cwd" % pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if b"builtin_workloads" in cmdline:
+        if b"meshnode.workload.builtin" in cmdline:
             found.setdefault(os.path.basename(cwd), []).append(pid)
     return found
 
@@ -171,11 +171,8 @@ class FailoverRun:
         return [n["index"] for n in layout["nodes"] if launcher.process_state(n.get("pid")) == "running"]
 
     async def _call(self, index: int, op: str, **args):
-        connection = await ControlConnection.open(self.layout["nodes"][index]["dir"])
-        try:
-            return await connection.call(op, **args)
-        finally:
-            await connection.aclose()
+        async with AsyncControlClient(self.layout["nodes"][index]["dir"], timeout_s=None) as client:
+            return await client.call(op, **args)
 
     async def _collect_checkpoint_stats(self, index: int) -> None:
         try:

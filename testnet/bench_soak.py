@@ -28,11 +28,11 @@ from pathlib import Path
 
 import trio
 
-from meshnode.control_client import ControlError
+from meshnode.control.client import ControlError
+from meshnode.node.runner import WORKLOAD_NICE
 from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_failover import OVERLAP_TOLERANCE_US, FailoverRun, start_counter_testnet
-from meshnode.runner import WORKLOAD_NICE
 from testnet.bench_stats import machine_info, summary_ms
 
 GAP_MIN_S, GAP_MAX_S = 0.3, 1.0

@@ -4,7 +4,7 @@ Pure computations (percentiles, the counter workload's progress logs, lost work 
 double runs) are separate from the one function that reads the machine
 (:func:`machine_info`), so the computations are unit-tested from synthetic logs.
 
-Progress logs are written by the ``counter`` built-in (meshnode/builtin_workloads.py):
+Progress logs are written by the ``counter`` built-in (meshnode/workload/builtin.py):
 one ``<unit> <wall_us>`` line per finished unit, appended with O_APPEND, one file per
 node that ran the job (``{workdir}/progress.log``). They are the benchmark's independent
 witness of lost work: they do not go through the checkpoint path they measure.
@@ -192,7 +192,7 @@ class WorkloadStart:
 
 
 def parse_workload_starts(node: int, log_text: str) -> list[WorkloadStart]:
-    """The ``job_started job_id=... fence=F`` lines of one node's log (meshnode/node.py)."""
+    """The ``job_started job_id=... fence=F`` lines of one node's log (meshnode/node/driver.py)."""
     starts = []
     for line in log_text.split("\n"):
         marker = line.find(" job_started ")

@@ -21,13 +21,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
-from keys.identity import SigningIdentity
 from keys.attestation import issue_attestation
+from keys.errors import ConfigError
+from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
+from keys.identity import generate_identity
 from keys.keystore import create_keystore, load_identity
-from meshnode.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
-from meshnode.control_client import ControlClient
-from protocol.errors import ConfigError, MeshError
+from meshnode.control.client import ControlClient
+from meshnode.node.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
+from protocol.errors import MeshError
 from protocol.messages import Member
 
 LAYOUT_FILE = "testnet.json"
@@ -96,15 +97,15 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     owner_entries = []
     (root / "owners").mkdir(exist_ok=True)
     for k in range(owners):
-        identity = SigningIdentity.generate()
+        identity = generate_identity()
         path = root / "owners" / ("owner-%d.key" % k)
         create_keystore(path, identity, None)
         owner_entries.append({"key_file": str(path), "public_key": identity.public_key.hex()})
     # The testnet's attestation authority vouches for node attributes and for the stake
     # of nodes that join later (SPEC.md 7.2: a join cannot grant itself stake).
-    authority = SigningIdentity.generate()
+    authority = generate_identity()
     create_keystore(root / "authority.key", authority, None)
-    identities = [SigningIdentity.generate() for _ in range(nodes)]
+    identities = [generate_identity() for _ in range(nodes)]
     ports = [free_port() for _ in range(nodes)]
     members = []
     for i, identity in enumerate(identities):
@@ -161,7 +162,7 @@ def add_node(root, stake: int = 100) -> dict:
     genesis_bytes = node_paths(layout["nodes"][0]["dir"]).genesis.read_bytes()
     genesis = Genesis.decode(genesis_bytes)
     authority = load_identity(root / "authority.key", None)
-    identity = SigningIdentity.generate()
+    identity = generate_identity()
     port = free_port()
     node_dir = root / ("node-%d" % index)
     node_dir.mkdir()

@@ -472,7 +472,7 @@ class Simulation:
     def _forget_votes(node: SimNode, instance: bytes) -> None:
         """A restarted core never reads the votes or lock of an instance whose certificate it
         persisted (it replays the decision instead), so the disk may drop them, as the node
-        store does (meshnode/node_store.py); the simulator does it at once so that its memory
+        store does (meshnode/node/store.py); the simulator does it at once so that its memory
         stays flat over thousands of decisions. Evidence records stay."""
         for key in node.records_of.pop(instance, ()):
             node.safety_records.pop(key, None)

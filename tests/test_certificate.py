@@ -9,9 +9,9 @@ import pytest
 from consensus_net import Net, identities
 from keys.genesis import DEFAULT_PARAMS, Genesis
 from meshnode.cli import main
+from protocol import codec
 from protocol.certificate import verify_commit_certificate
 from protocol.errors import RemoteProtocolError
-from protocol import codec
 from protocol.messages import (CommitCertificate, Constraints, JobManifest, Member, Placement, Precommit, Prevote,
                                Resources, decode_message, encode_message, job_id, sign_message, value_hash)
 from protocol.quorum import EpochView
@@ -139,7 +139,7 @@ def test_cli_cert_verify_rebuilds_later_epochs_from_the_membership_history(decid
     # The issue: a certificate verifies offline from the genesis and membership history
     # alone. Epoch 1 exists once node 3's eviction is decided: a placement certificate of
     # epoch 1 (a job naming epoch 1, SPEC.md P2) needs that history to be checked.
-    from meshnode.node_store import NodeStore
+    from meshnode.node.store import NodeStore
     from protocol.flows.epoch_change import epoch_change_instance_id
     from protocol.messages import Eviction
     from protocol.ready import PersistRecord

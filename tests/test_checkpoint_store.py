@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from meshnode.checkpoint_store import AsyncCheckpointStore, CheckpointStore, StoredCheckpoint
+from meshnode.node.checkpoint_store import AsyncCheckpointStore, CheckpointStore, StoredCheckpoint
 from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
@@ -122,7 +122,7 @@ async def test_async_store_runs_off_the_event_loop(store):
 
 WRITER = textwrap.dedent("""
     import hashlib, random, sys
-    from meshnode.checkpoint_store import CheckpointStore, StoredCheckpoint
+    from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
     path, first_seq = sys.argv[1], int(sys.argv[2])
     store = CheckpointStore(path, keep=8)
     job = hashlib.sha256(b"job").digest()

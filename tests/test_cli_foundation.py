@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.attestation import verify_attestation
+from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import peer_id_from_public_key
 from keys.keystore import KDF_ENV, PassphraseSource, load_identity
 from meshnode.cli import main
-from meshnode.cli_mesh import parse_member_spec
+from meshnode.cli.mesh import parse_member_spec
 from protocol.envelope import ANY_MESH
 
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keys.identity import SigningIdentity
-from meshnode.config import (BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, load_config, node_paths,
+from meshnode.node.config import (BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, load_config, node_paths,
                              node_policy, read_passphrase, write_config)
-from protocol.errors import ConfigError
+from keys.errors import ConfigError
 
 KEY = SigningIdentity(bytes(range(32)))
 
@@ -37,7 +37,7 @@ def test_full_config_round_trips_and_file_is_private(tmp_path):
         allowed_owners=(KEY.public_key,), allowed_entrypoints=("counter",),
         labels=(("country", "de"), ("tier", "gold \"1\"")), attestation_files=("att/a.bin",),
         gpu=GpuProfile(source="simulated", model="H100-SIM", count=4, mem_mib=81920, seed=7),
-        entrypoints=(("counter", ("python", "-m", "meshnode.builtin_workloads", "counter")),),
+        entrypoints=(("counter", ("python", "-m", "meshnode.workload.builtin", "counter")),),
         log_level="debug")
     write_config(tmp_path, config)
     assert load_config(tmp_path) == config

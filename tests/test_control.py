@@ -5,7 +5,9 @@ stall timeout is tested on a lockstep memory stream under MockClock, because aut
 would also fire while a real socket waits on the kernel.
 """
 
+import asyncio
 import os
+import socket
 import stat
 import struct
 
@@ -13,10 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from meshnode.control import SEND_STALL_S, ControlServer, EventHub
-from meshnode.control_client import AsyncControlClient, ControlClient, ControlError, FrameBuffer, encode_frame
+from keys.errors import ConfigError
+from meshnode.control.client import (NEED_DATA, AsyncControlClient, ClientProtocol, ControlClient, ControlError,
+                                     ControlUnavailable)
+from meshnode.control.server import SEND_STALL_S, ControlServer, EventHub
+from meshnode.control.wire import FrameBuffer, encode_frame
 from protocol import codec
-from protocol.errors import ConfigError, MeshError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, MeshError, RemoteProtocolError
 from protocol.ready import Event
 
 
@@ -156,7 +161,7 @@ async def test_sync_client_against_server(node_dir):
 
 
 def test_client_says_node_not_running(node_dir):
-    with pytest.raises(ConfigError, match="node not running at .*no control.sock"):
+    with pytest.raises(ControlUnavailable, match="node not running at .*no control.sock"):
         ControlClient(node_dir).call("status")
 
 
@@ -264,3 +269,123 @@ def test_frame_buffer_splits_and_caps():
     assert codec.unpack(frames.next_payload()) == {"a": 1}
     with pytest.raises(RemoteProtocolError, match="over the 8 cap"):
         frames.next_payload()
+
+
+# --- the one client: a sans-IO core and its two faces ------------------------------------------
+
+def _reply(request_id, **fields) -> bytes:
+    return encode_frame({"id": request_id, **fields})
+
+
+def test_client_protocol_turns_bytes_into_results_refusals_and_events():
+    protocol = ClientProtocol()
+    assert codec.unpack(protocol.request("status", {})[4:]) == {"id": 1, "op": "status", "args": {}}
+    with pytest.raises(LocalProtocolError, match="one request at a time"):
+        protocol.request("jobs", {})
+    reply = _reply(1, ok=True, result={"epoch": 3})
+    protocol.receive_data(reply[:5])
+    assert protocol.next_reply() is NEED_DATA
+    protocol.receive_data(reply[5:])
+    assert protocol.next_reply() == {"epoch": 3}
+    protocol.request("why", {"job_id": "ab"})
+    protocol.receive_data(_reply(2, ok=False, error="job not found: ab"))
+    with pytest.raises(ControlError, match="why: job not found: ab"):
+        protocol.next_reply()
+    protocol.request("subscribe", {})  # a refusal leaves the connection usable
+    protocol.receive_data(_reply(3, ok=True, result={"subscribed": True})
+                          + encode_frame({"event": {"kind": "decided", "at_ms": 1, "detail": {}}}))
+    assert protocol.next_reply() == {"subscribed": True}
+    assert protocol.next_event() == {"kind": "decided", "at_ms": 1, "detail": {}}
+    assert protocol.next_event() is NEED_DATA
+    with pytest.raises(LocalProtocolError):
+        protocol.request("status", {})  # the connection now belongs to the stream
+    protocol.receive_data(_reply(3, ok=False, error="subscriber too slow"))
+    with pytest.raises(ControlError, match="too slow"):
+        protocol.next_event()
+    protocol.receive_data(b"")
+    assert protocol.next_event() is None  # the node closed the stream
+
+
+def test_client_protocol_bad_replies_and_a_closed_connection():
+    protocol = ClientProtocol()
+    protocol.request("status", {})
+    protocol.receive_data(_reply(9, ok=True, result={}))
+    with pytest.raises(RemoteProtocolError, match="reply id 9 does not match request 1"):
+        protocol.next_reply()
+    protocol = ClientProtocol()
+    protocol.request("status", {})
+    protocol.receive_data(b"")
+    with pytest.raises(ControlUnavailable, match="closed the connection without replying"):
+        protocol.next_reply()
+    protocol = ClientProtocol()
+    protocol.request("status", {})
+    protocol.receive_data(_reply(1, ok=True, result={})[:6])
+    protocol.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="inside a frame"):
+        protocol.next_reply()
+
+
+async def test_async_client_keeps_one_connection_for_its_calls(node_dir):
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, node_dir)
+        async with AsyncControlClient(node_dir) as client:
+            for n in range(3):
+                assert await client.call("echo", n=n) == {"echo": {"n": n}}
+            assert server.connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_sync_client_subscription_ends_when_the_node_ends_it(node_dir):
+    hub = EventHub()
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir, hub)
+
+        def follow():
+            with ControlClient(node_dir).subscribe() as events:
+                return [event["kind"] for event in events]
+
+        async def publish_then_end():
+            while hub.subscriber_count == 0:
+                await trio.sleep(0)
+            hub.publish(Event("decided", 1))
+            for subscription in list(hub._subscribers):
+                subscription.drop("node stopping")
+
+        nursery.start_soon(publish_then_end)
+        with pytest.raises(ControlError, match="subscribe: node stopping"):
+            await trio.to_thread.run_sync(follow)
+        nursery.cancel_scope.cancel()
+
+
+async def test_async_client_runs_on_asyncio_too(node_dir):
+    """The TUI's loop is asyncio: the same client, driven by asyncio.run in a thread."""
+    hub = EventHub()
+
+    async def on_asyncio():
+        async with AsyncControlClient(node_dir) as client:
+            echoed = await client.call("echo", loop="asyncio")
+            async with client.subscribe() as events:
+                await client.call("publish")
+                return echoed, (await events.__anext__())["kind"]
+
+    async def publish(args):
+        hub.publish(Event("decided", 7))
+        return {}
+
+    async with trio.open_nursery() as nursery:
+        server = ControlServer(node_dir / "control.sock", dict(HANDLERS, publish=publish), hub)
+        await nursery.start(server.serve)
+        assert await trio.to_thread.run_sync(asyncio.run, on_asyncio()) == ({"echo": {"loop": "asyncio"}}, "decided")
+        nursery.cancel_scope.cancel()
+
+
+def test_sync_client_gives_up_on_a_silent_node(node_dir):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(node_dir / "control.sock"))
+    listener.listen(1)  # connects succeed; nothing ever answers
+    try:
+        with ControlClient(node_dir, timeout_s=0.05) as client:
+            with pytest.raises(ControlUnavailable, match="no reply from the node within"):
+                client.call("status")
+    finally:
+        listener.close()

@@ -15,8 +15,8 @@ from keys.attestation import issue_attestation
 from keys.genesis import DEFAULT_PARAMS
 from keys.identity import SigningIdentity
 from keys.keystore import load_identity
-from meshnode.node import Node
-from meshnode.transport_memory import MEMORY_ADDR_PREFIX, MemoryNetwork, MemoryTransport
+from meshnode.net.memory_transport import MEMORY_ADDR_PREFIX, MemoryNetwork, MemoryTransport
+from meshnode.node.driver import Node
 from protocol.errors import MeshError
 from protocol.messages import Constraints, JobManifest, Resources, encode_message
 from testnet import launcher
@@ -105,7 +105,7 @@ async def test_an_evicted_node_refuses_submissions_and_stays_quiet(testnet_dir, 
 
 
 async def cut_off_status(node) -> dict:
-    from meshnode.node_api import ControlApi
+    from meshnode.node.api import ControlApi
     return await ControlApi(node).status({})
 
 
@@ -113,7 +113,7 @@ async def test_checkpoint_stats_reports_write_and_replication_latency_apart(test
     """`checkpoint_stats` (read by `meshnode bench failover`): stored_ms - taken_ms of the
     checkpoints a node stored as the job's primary and, apart, as a backup."""
     import hashlib
-    from meshnode.node_api import ControlApi
+    from meshnode.node.api import ControlApi
     root, _ = testnet_dir
     node = Node(root / "node-0", run_workloads=False)
     try:

@@ -10,8 +10,9 @@ from keys.attestation import attested_attributes, issue_attestation, verify_atte
 from keys.identity import SigningIdentity, public_key_from_peer_id
 from keys.keystore import (KDF_PROFILES, PassphraseSource, create_keystore, load_identity, read_public_key,
                            write_file_atomic)
+from keys.errors import KeystoreError
 from protocol.envelope import ANY_MESH
-from protocol.errors import KeystoreError, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import decode_message
 
 FAST_KDF = KDF_PROFILES["insecure-test"]

@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from keys.identity import SigningIdentity
-from meshnode.manifest import load_manifest, parse_manifest, verify_signed_job
+from meshnode.workload.manifest import load_manifest, parse_manifest, verify_signed_job
 from protocol.envelope import ANY_MESH
 from protocol.errors import ManifestError, RemoteProtocolError
 from protocol.messages import JobManifest, encode_message, job_id

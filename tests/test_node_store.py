@@ -4,7 +4,7 @@ bounded events, and one transaction per Ready batch."""
 import pytest
 
 from keys.identity import SigningIdentity
-from meshnode.node_store import NodeStore
+from meshnode.node.store import NodeStore
 from protocol import codec
 from protocol.envelope import seal
 from protocol.errors import LocalProtocolError

@@ -348,7 +348,7 @@ def test_liveness_is_exempt_only_where_the_jobs_epoch_holds_a_third_byzantine_st
 
 
 def test_the_sweep_summary_counts_liveness_unpromised_runs_apart_from_violations():
-    from meshnode.cli_sim import summarize
+    from testnet.cli_sim import summarize
     ran = run_simulation(SimConfig(nodes=4, jobs=1, seed=4, faults=(), heartbeats=False))
     unpromised = replace(ran, counters=dict(ran.counters, liveness_unpromised_jobs=1))
     summary = summarize([ran, unpromised], 1.0)

@@ -6,9 +6,10 @@ import zlib
 
 import pytest
 
-from meshnode.state_slot import (FAILED_READS_LIMIT, HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader,
+from meshnode.workload.state_slot import (FAILED_READS_LIMIT, HEADER, REGION_BYTES, SLOT_BYTES, SLOT_HEADER, SlotReader,
                                  SlotWriter, create_region)
-from protocol.errors import ConfigError, RemoteProtocolError
+from keys.errors import ConfigError
+from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
 

@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from meshnode.config import GpuProfile
-from meshnode.telemetry import SIM_FULL_LOAD_TEMP_MILLI_C, SIM_IDLE_TEMP_MILLI_C, Telemetry, TelemetryError
-from protocol.errors import ConfigError
+from keys.errors import ConfigError
+from meshnode.node.config import GpuProfile
+from meshnode.node.telemetry import SIM_FULL_LOAD_TEMP_MILLI_C, SIM_IDLE_TEMP_MILLI_C, Telemetry, TelemetryError
 from protocol.messages import GpuState
 
 MIB = 1 << 20

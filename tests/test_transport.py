@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from keys.identity import SigningIdentity
-from meshnode.transport import (
+from meshnode.net.transport import (
     FRAME_KIND_DATA,
     FRAME_KIND_PING,
     FRAME_KIND_PONG,
@@ -25,8 +25,9 @@ from meshnode.transport import (
     encode_uvarint,
     redial_delay_ms,
 )
-from meshnode.transport_memory import MemoryNetwork
-from protocol.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from keys.errors import ConfigError
+from meshnode.net.memory_transport import MemoryNetwork
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 SEED_A = bytes([1]) * 32
 SEED_B = bytes([2]) * 32
@@ -55,7 +56,7 @@ class Libp2pHarness:
 
     @asynccontextmanager
     async def node(self, seed: bytes, listen_addr: str | None = None, **limits):
-        from meshnode.transport_libp2p import open_libp2p_transport
+        from meshnode.net.libp2p_transport import open_libp2p_transport
 
         async with open_libp2p_transport(seed, [listen_addr or "/ip4/127.0.0.1/tcp/0"], **limits) as transport:
             yield transport

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from keys.identity import SigningIdentity, peer_id_bytes
-from meshnode.transport_libp2p import open_libp2p_transport
+from meshnode.net.libp2p_transport import open_libp2p_transport
 
 SEED_NODE = bytes([5]) * 32
 SEED_PLAINTEXT = bytes([6]) * 32
@@ -55,7 +55,7 @@ async def test_plaintext_peer_is_refused_both_ways():
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
 
-    from meshnode.transport import PROTOCOL_ID
+    from meshnode.net.transport import PROTOCOL_ID
 
     intruder = plaintext_only_host()
     with trio.fail_after(TEST_TIMEOUT_S):
@@ -84,8 +84,8 @@ def test_sigint_leaves_without_a_traceback(tmp_path):
     script = textwrap.dedent(
         """
         import trio
-        from meshnode.transport import cancel_on_signals
-        from meshnode.transport_libp2p import open_libp2p_transport
+        from meshnode.net.libp2p_transport import open_libp2p_transport
+        from meshnode.net.transport import cancel_on_signals
 
         async def run_two_nodes():
             addr = "/ip4/127.0.0.1/tcp/0"
@@ -150,7 +150,7 @@ async def test_small_frames_return_window_credit_in_batches():
     """py-libp2p's yamux would send a WINDOW_UPDATE frame back for every read; ours goes
     back only after half the window was read, so 100 small frames use up exactly their
     bytes of the sender's window."""
-    from meshnode.transport import FRAME_KIND_DATA, encode_frame
+    from meshnode.net.transport import FRAME_KIND_DATA, encode_frame
 
     payload = b"x" * 300
 
@@ -176,7 +176,7 @@ async def test_small_frames_return_window_credit_in_batches():
 
 async def test_frames_larger_than_the_window_still_flow():
     """Credit comes back once half the window is read, so a sender never waits for ever."""
-    from meshnode.transport_libp2p import YAMUX_WINDOW_BYTES
+    from meshnode.net.libp2p_transport import YAMUX_WINDOW_BYTES
 
     frames = [bytes([i]) * 200_000 for i in range(5)]   # 1 MB in all, 4x the window
     assert sum(map(len, frames)) > 3 * YAMUX_WINDOW_BYTES

@@ -1,6 +1,6 @@
 """The owner's TUI, headless (Textual's run_test pilot) against a fake control server.
 
-The fake node speaks the real control framing (meshnode.control_client) on a Unix
+The fake node speaks the real control framing (meshnode.control.wire) on a Unix
 socket, verifies submitted jobs with the real manifest code, and changes job state
 only when the test tells it to, so every assertion waits for a state the test made.
 Textual runs on asyncio, so each UI test drives its own loop with asyncio.run.
@@ -12,6 +12,7 @@ import asyncio
 import io
 import json
 import os
+import struct
 import tempfile
 import threading
 
@@ -22,14 +23,13 @@ from textual.widgets import Input, Static
 from keys.identity import SigningIdentity, short_id
 from keys.keystore import KDF_PROFILES, encode_keystore
 from meshnode.cli import main as cli_main
-from meshnode.control_client import encode_frame
-from meshnode.manifest import parse_manifest, verify_signed_job
-from meshnode.tui import MAX_EVENT_LINES, OwnerTui
-from meshnode.tui_client import ControlUnavailable, read_frame
-from meshnode.tui_form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
-from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
-from meshnode.tui_tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
-from meshnode.tui_why import format_declines, group_declines, placeable_hint, suggest_changes
+from meshnode.control.wire import LENGTH_PREFIX_BYTES, decode_map, encode_frame
+from meshnode.tui.app import MAX_EVENT_LINES, OwnerTui
+from meshnode.tui.form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
+from meshnode.tui.screens import ComposeScreen, PassphraseScreen, WhyScreen
+from meshnode.tui.tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
+from meshnode.tui.why import format_declines, group_declines, placeable_hint, suggest_changes
+from meshnode.workload.manifest import parse_manifest, verify_signed_job
 from protocol.messages import Cancel, decode_message, job_id
 
 MESH_ID = bytes(range(32))
@@ -50,6 +50,12 @@ def node_row(short, zone, gpus=(), free=(), health="alive"):
     return {"key": short * 8, "short": short, "stake": 100, "zone": zone, "health": health, "rtt_us": 800,
             "capability": {"gpus": list(gpus), "gpus_free": list(free), "cpu_milli_free": 4000,
                            "mem_mib_free": 8192, "taken_ms": 1}}
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    """One request frame; IncompleteReadError when the client has gone."""
+    (length,) = struct.unpack(">I", await reader.readexactly(LENGTH_PREFIX_BYTES))
+    return decode_map(await reader.readexactly(length))
 
 
 class FakeNode:
@@ -136,7 +142,7 @@ class FakeNode:
                     reply = {"id": request["id"], "ok": False, "error": exc.args[0]}
                 writer.write(encode_frame(reply))
                 await writer.drain()
-        except (ControlUnavailable, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self.writers.discard(writer)

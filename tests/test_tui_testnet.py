@@ -22,12 +22,12 @@ from textual.widgets import Input
 
 from keys.genesis import load_genesis
 from keys.keystore import KDF_PROFILES, encode_keystore, load_identity
-from meshnode.config import node_paths
-from meshnode.control_client import ControlClient
-from meshnode.manifest import parse_manifest
-from meshnode.tui import OwnerTui
-from meshnode.tui_screens import ComposeScreen, PassphraseScreen, WhyScreen
-from meshnode.tui_tables import JOB_COLUMNS, MESH_COLUMNS
+from meshnode.control.client import ControlClient
+from meshnode.node.config import node_paths
+from meshnode.tui.app import OwnerTui
+from meshnode.tui.screens import ComposeScreen, PassphraseScreen, WhyScreen
+from meshnode.tui.tables import JOB_COLUMNS, MESH_COLUMNS
+from meshnode.workload.manifest import parse_manifest
 from protocol.messages import encode_message
 from testnet import launcher
 from test_tui import until as until_in_app

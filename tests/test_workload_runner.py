@@ -15,8 +15,8 @@ import pytest
 import trio
 import trio.testing
 
-from meshnode.builtin_workloads import COUNTER_STATE, TrainingRun, decode_counter_state
-from meshnode.runner import WORKLOAD_NICE, WorkloadRunner
+from meshnode.node.runner import WORKLOAD_NICE, WorkloadRunner
+from meshnode.workload.builtin import COUNTER_STATE, TrainingRun, decode_counter_state
 from protocol.errors import LocalProtocolError
 
 JOB = bytes(32)
@@ -252,7 +252,7 @@ async def test_stop_from_inside_on_checkpoint_returns(tmp_path):
 
 PARENT = textwrap.dedent("""
     import sys, trio
-    from meshnode.runner import WORKLOAD_NICE, WorkloadRunner
+    from meshnode.node.runner import WORKLOAD_NICE, WorkloadRunner
     async def ignore(*args):
         pass
     async def main():

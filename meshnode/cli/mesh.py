@@ -1,0 +1,134 @@
+"""`meshnode mesh`: write and inspect genesis documents (SPEC.md section 5)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.table import Table
+
+from keys.errors import ConfigError
+from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams, load_genesis
+from keys.identity import peer_id_from_public_key, short_id
+from keys.keystore import write_file_atomic
+from meshnode.cli.keys import parse_key_value, parse_public_key
+from meshnode.cli.output import add_json_flag, emit, key_value_table
+from protocol.messages import Member
+
+DEFAULT_ZONE = "zone-a"
+
+
+def register(subparsers) -> None:
+    mesh = subparsers.add_parser("mesh", help="create and inspect mesh genesis documents")
+    sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id")
+    init.add_argument("--name", required=True)
+    init.add_argument("--member", action="append", required=True, metavar="KEY:STAKE[:ZONE]",
+                      help="a member (repeatable): KEY is a keystore file, 64 hex digits or a peer ID")
+    init.add_argument("--member-label", action="append", default=[], metavar="N:KEY=VALUE",
+                      help="a label for the N-th --member, counting from 0 (repeatable)")
+    init.add_argument("--member-addr", action="append", default=[], metavar="N:MULTIADDR",
+                      help="a listen address for the N-th --member (repeatable)")
+    init.add_argument("--authority", action="append", default=[], metavar="PUBKEY",
+                      help="a trusted attestation authority key (repeatable)")
+    init.add_argument("--created-ms", type=int, default=None,
+                      help="creation time in Unix ms (default now; fix it for a reproducible mesh id)")
+    for name, ftype in ProtocolParams.SCHEMA.items():
+        init.add_argument("--" + name.replace("_", "-"), dest="param_" + name, type=int, default=None,
+                          help="protocol parameter, %s (default %d)" % (ftype.describe(), getattr(DEFAULT_PARAMS, name)))
+    init.add_argument("--out", required=True, metavar="FILE")
+    init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    add_json_flag(init)
+    init.set_defaults(func=cmd_init)
+
+    show = sub.add_parser("show", help="print a genesis document: mesh id, members, stake, parameters")
+    show.add_argument("genesis", metavar="FILE")
+    add_json_flag(show)
+    show.set_defaults(func=cmd_show)
+
+
+def parse_member_spec(spec: str) -> tuple[str, int, str]:
+    """Split KEY:STAKE[:ZONE]; KEY may itself contain ':' (a path), so STAKE is found from the right."""
+    parts = spec.split(":")
+    for index in range(max(1, len(parts) - 2), len(parts)):
+        if parts[index].isdigit() and len(parts) - index <= 2:
+            zone = parts[index + 1] if index + 1 < len(parts) else DEFAULT_ZONE
+            return ":".join(parts[:index]), int(parts[index]), zone
+    raise ConfigError("--member %r: expected KEY:STAKE[:ZONE] with an integer STAKE" % spec)
+
+
+def _indexed(values: list[str], count: int, flag: str) -> list[tuple[int, str]]:
+    out = []
+    for text in values:
+        index, sep, rest = text.partition(":")
+        if not sep or not index.isdigit() or int(index) >= count:
+            raise ConfigError("%s %r: expected N:VALUE with N the index of a --member (0..%d)"
+                              % (flag, text, count - 1))
+        out.append((int(index), rest))
+    return out
+
+
+def build_genesis(args: argparse.Namespace) -> Genesis:
+    specs = [parse_member_spec(s) for s in args.member]
+    labels: list[dict] = [{} for _ in specs]
+    addrs: list[list] = [[] for _ in specs]
+    for index, text in _indexed(args.member_label, len(specs), "--member-label"):
+        key, value = parse_key_value(text, "--member-label")
+        labels[index][key] = value
+    for index, addr in _indexed(args.member_addr, len(specs), "--member-addr"):
+        addrs[index].append(addr)
+    overrides = {name: getattr(args, "param_" + name) for name in ProtocolParams.SCHEMA
+                 if getattr(args, "param_" + name) is not None}
+    created_ms = args.created_ms if args.created_ms is not None else time.time_ns() // 1_000_000
+    try:
+        members = tuple(Member(public_key=parse_public_key(key), stake=stake, zone=zone,
+                               labels=tuple(sorted(labels[i].items())), addrs=tuple(addrs[i]))
+                        for i, (key, stake, zone) in enumerate(specs))
+        params = ProtocolParams(**{**DEFAULT_PARAMS.to_body(), **overrides})
+        return Genesis(name=args.name, created_ms=created_ms, members=members, params=params,
+                       authorities=tuple(parse_public_key(a) for a in args.authority))
+    except ValueError as exc:  # a record's SCHEMA or invariant check names the field
+        raise ConfigError("invalid genesis: %s" % exc) from None
+
+
+def genesis_view(genesis: Genesis) -> dict:
+    return {
+        "mesh_id": genesis.mesh_id.hex(), "name": genesis.name, "created_ms": genesis.created_ms,
+        "total_stake": genesis.total_stake,
+        "members": [{"public_key": m.public_key.hex(), "peer_id": peer_id_from_public_key(m.public_key),
+                     "short_id": short_id(m.public_key), "stake": m.stake, "zone": m.zone,
+                     "labels": dict(m.labels), "addrs": list(m.addrs)} for m in genesis.members],
+        "params": genesis.params.to_body(),
+        "authorities": [a.hex() for a in genesis.authorities],
+    }
+
+
+def render_genesis(console, view: dict) -> None:
+    console.print(key_value_table("mesh %s" % view["name"], [
+        ("mesh id", view["mesh_id"]), ("created_ms", view["created_ms"]),
+        ("members", len(view["members"])), ("total stake", view["total_stake"]),
+        ("authorities", ", ".join(view["authorities"]) or "(none)")]))
+    members = Table(title="members", title_justify="left")
+    for column in ("short id", "peer id", "stake", "zone", "labels", "addrs"):
+        members.add_column(column, overflow="fold")
+    for m in view["members"]:
+        members.add_row(m["short_id"], m["peer_id"], str(m["stake"]), m["zone"],
+                        ", ".join("%s=%s" % kv for kv in sorted(m["labels"].items())), " ".join(m["addrs"]))
+    console.print(members)
+    console.print(key_value_table("protocol parameters", sorted(view["params"].items())))
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    genesis = build_genesis(args)
+    write_file_atomic(args.out, genesis.encode(), mode=0o644, overwrite=args.force)
+    view = genesis_view(genesis)
+    emit(args, view, lambda console: render_genesis(console, view))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    view = genesis_view(load_genesis(args.genesis))
+    emit(args, view, lambda console: render_genesis(console, view))
+    return 0

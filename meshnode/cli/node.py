@@ -1,0 +1,210 @@
+"""`meshnode run` and the commands that talk to a running node over its control socket."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from rich.table import Table
+
+from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.control.client import ControlClient
+from meshnode.tui.tables import node_label
+from protocol.errors import MeshError
+
+COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
+WAIT_TIMEOUT_S = 30
+
+
+def _node_arg(parser) -> None:
+    parser.add_argument("--node", required=True, metavar="DIR", help="the node's data directory")
+
+
+def register(subparsers) -> None:
+    run = subparsers.add_parser("run", help="run a node until SIGINT/SIGTERM")
+    _node_arg(run)
+    run.add_argument("--no-workloads", action="store_true",
+                     help="decide placements but start no workload processes (consensus benchmarks)")
+    run.set_defaults(func=cmd_run)
+    for name, help_text in (("status", "the node's identity, mesh, epoch and connections"),
+                            ("nodes", "mesh members with stake, zone, health and capability"),
+                            ("jobs", "jobs with state, primary, backups, checkpoints"),
+                            ("consensus", "consensus instances, certificates and evidence")):
+        parser = subparsers.add_parser(name, help=help_text)
+        _node_arg(parser)
+        add_json_flag(parser)
+        parser.set_defaults(func=cmd_query, op=name)
+    events = subparsers.add_parser("events", help="follow the node's events (Ctrl-C to stop)")
+    _node_arg(events)
+    events.add_argument("--count", type=int, default=0, help="stop after this many events")
+    add_json_flag(events)
+    events.set_defaults(func=cmd_events)
+    submit = subparsers.add_parser("submit", help="sign a manifest with the owner key and submit it")
+    submit.add_argument("manifest", metavar="MANIFEST", help="TOML job manifest, or an already signed job")
+    submit.add_argument("--key", metavar="OWNER_KEY", help="the owner's keystore (not needed for a signed job)")
+    _node_arg(submit)
+    submit.add_argument("--wait", action="store_true", help="wait until the job is placed")
+    add_passphrase_args(submit)
+    add_json_flag(submit)
+    submit.set_defaults(func=cmd_submit)
+    why = subparsers.add_parser("why", help="why a job is pending: declines grouped by reason")
+    why.add_argument("job_id", metavar="JOB_ID")
+    _node_arg(why)
+    add_json_flag(why)
+    why.set_defaults(func=cmd_why)
+    join = subparsers.add_parser("join", help="ask a mesh to admit this node (membership consensus)")
+    _node_arg(join)
+    join.add_argument("--bootstrap", required=True, metavar="MULTIADDR",
+                      help="a member's address: /ip4/HOST/tcp/PORT/p2p/PEERID")
+    add_json_flag(join)
+    join.set_defaults(func=cmd_join)
+
+
+def cmd_run(args) -> int:
+    import trio
+    from meshnode.node.driver import run_node
+    trio.run(lambda: run_node(args.node, run_workloads=not args.no_workloads))
+    return 0
+
+
+def _short(hex_id) -> str:
+    """Job and instance ids; nodes are named by node_label, as in `meshnode nodes` and the TUI."""
+    return hex_id[:12] if isinstance(hex_id, str) else "-"
+
+
+def cmd_query(args) -> int:
+    with ControlClient(args.node) as client:
+        result = client.call(args.op)
+    emit(args, result, lambda console: console.print(RENDERERS[args.op](result)))
+    return 0
+
+
+def render_status(result) -> Table:
+    return key_value_table("node", sorted(result.items()))
+
+
+def render_nodes(result) -> Table:
+    table = Table(title="mesh nodes", title_justify="left")
+    for column in ("node", "stake", "zone", "health", "gpus", "free", "util %", "temp C", "rtt ms"):
+        table.add_column(column)
+    for node in result["nodes"]:
+        cap = node.get("capability") or {}
+        gpus = cap.get("gpus", [])
+        util = max((g["util_milli"] for g in gpus), default=0) / 1000
+        temp = max((g["temp_milli_c"] for g in gpus), default=0) / 1000
+        rtt = "-" if node.get("rtt_us") is None else "%.2f" % (node["rtt_us"] / 1000)
+        table.add_row(node["short"], str(node["stake"]), node["zone"], node["health"],
+                      "%d x %s" % (len(gpus), gpus[0]["model"]) if gpus else "0",
+                      str(len(cap.get("gpus_free", []))), "%.0f" % util, "%.0f" % temp, rtt)
+    return table
+
+
+def render_jobs(result) -> Table:
+    table = Table(title="jobs", title_justify="left")
+    for column in ("job", "name", "state", "primary", "backups", "ckpt age ms", "migrations", "why pending"):
+        table.add_column(column)
+    for job in result["jobs"]:
+        age = job.get("checkpoint_age_ms")
+        declines = "; ".join("%d: %s" % (n, r) for r, n in sorted(job.get("declines", {}).items()))
+        table.add_row(_short(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
+                      ", ".join(node_label(b) for b in job.get("backups", [])), "-" if age is None else str(age),
+                      str(job.get("migrations", 0)), declines if job["state"] == "pending" else "")
+    return table
+
+
+def render_consensus(result) -> Table:
+    table = Table(title="consensus (certificates: %d, evidence: %d)"
+                  % (result["certificates"], len(result["evidence"])), title_justify="left")
+    for column in ("instance", "kind", "round", "leader", "decided"):
+        table.add_column(column)
+    for inst in result["instances"]:
+        table.add_row(_short(inst["instance"]), inst["kind"], str(inst["round"]), node_label(inst["leader"]),
+                      "yes" if inst["decided"] else "no")
+    return table
+
+
+RENDERERS = {"status": render_status, "nodes": render_nodes, "jobs": render_jobs, "consensus": render_consensus}
+
+
+def cmd_events(args) -> int:
+    seen = 0
+    with ControlClient(args.node).subscribe() as events:
+        for event in events:
+            if args.json:
+                print(json.dumps(event, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)), flush=True)
+            else:
+                detail = " ".join("%s=%s" % (k, v.hex()[:12] if isinstance(v, bytes) else v)
+                                  for k, v in sorted(event.get("detail", {}).items()) if k != "mono_ns")
+                print("%10d %-18s %s" % (event["at_ms"], event["kind"], detail), flush=True)
+            seen += 1
+            if args.count and seen >= args.count:
+                break
+    return 0
+
+
+def _signed_job_bytes(args, epoch: int) -> bytes:
+    """The job to submit: a signed envelope as given, or a TOML manifest signed here for the
+    node's current ``epoch`` (SPEC.md P2: the members of that epoch place it)."""
+    with open(args.manifest, "rb") as fh:
+        data = fh.read(1 << 20)
+    if not data.lstrip()[:1].isalpha() and not data.lstrip().startswith(b"#") and not data.lstrip().startswith(b"["):
+        return data  # already a signed envelope (msgpack), e.g. from `meshnode job sign`
+    if not args.key:
+        raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
+    from keys.genesis import load_genesis
+    from keys.keystore import is_encrypted, load_identity
+    from meshnode.node.config import node_paths
+    from meshnode.workload.manifest import load_manifest
+    from protocol.messages import encode_message
+    source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
+    identity = load_identity(args.key, source)
+    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
+    genesis = load_genesis(node_paths(args.node).genesis)
+    return encode_message(identity, genesis.mesh_id, job)
+
+
+def cmd_submit(args) -> int:
+    with ControlClient(args.node) as client:
+        signed = _signed_job_bytes(args, client.call("status")["epoch"])
+        result = client.call("submit", job=signed)
+        if args.wait:
+            result = _wait_placed(client, result["job_id"])
+    emit(args, result, lambda console: console.print(key_value_table("submitted", sorted(result.items()))))
+    return 0 if result.get("state", "submitted") != "pending" else 1
+
+
+def _wait_placed(client, job_id_hex: str) -> dict:
+    """Until the job is placed, or every member declined it (then it stays pending)."""
+    members = client.call("status")["members"]
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for job in client.call("jobs")["jobs"]:
+            if job["job_id"] != job_id_hex:
+                continue
+            if job["state"] not in ("submitted", "pending"):
+                return {"job_id": job_id_hex, "state": job["state"], "primary": job["primary"],
+                        "backups": job["backups"]}
+            if sum(job.get("declines", {}).values()) >= members:
+                return {"job_id": job_id_hex, "state": "pending", "declines": job["declines"],
+                        "hint": job.get("hint")}
+        time.sleep(0.02)
+    raise MeshError("job %s was not placed within %d s" % (job_id_hex[:12], WAIT_TIMEOUT_S))
+
+
+def cmd_why(args) -> int:
+    with ControlClient(args.node) as client:
+        result = client.call("why", job_id=args.job_id)
+
+    def render(console):
+        console.print(key_value_table("why %s is pending" % args.job_id[:12],
+                                      [(reason, ", ".join(nodes)) for reason, nodes in result["declines"].items()]
+                                      + [("hint", result.get("hint") or "-")]))
+    emit(args, result, render)
+    return 0
+
+
+def cmd_join(args) -> int:
+    with ControlClient(args.node, timeout_s=WAIT_TIMEOUT_S) as client:
+        result = client.call("join", bootstrap=args.bootstrap)
+    emit(args, result, lambda console: console.print(key_value_table("join", sorted(result.items()))))
+    return 0

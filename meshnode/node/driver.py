@@ -1,0 +1,368 @@
+"""The node: a thin trio driver of the pure protocol core (STYLE.md "The driver is thin").
+
+One nursery per node. Frames from the transport feed ``MeshCore.step``, a 5 ms timer
+feeds ``MeshCore.tick``, telemetry feeds ``update_telemetry`` and the workload runner
+feeds ``local_checkpoint``. Every call returns a ``Ready`` batch that ``_handle`` drains
+in the contract's order (protocol/ready.py): persist, send, apply decisions, publish
+events. Core calls are synchronous and trio is single-threaded, so the core is never
+entered twice at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import signal
+import time
+from collections import deque
+from pathlib import Path
+
+import trio
+
+from keys.genesis import load_genesis
+from keys.keystore import PassphraseSource, load_identity
+from meshnode.control.server import ControlServer, EventHub
+from meshnode.node import config as node_config
+from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
+from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
+from meshnode.node.clock import now_ms, wall_ms
+from meshnode.node.runner import WorkloadRunner
+from meshnode.node.store import NodeStore
+from meshnode.node.telemetry import Telemetry
+from protocol.errors import LocalProtocolError, MeshError
+from protocol.mesh import MeshCore
+from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
+from protocol.ready import Decision, Event, Ready
+
+log = logging.getLogger("meshnode.node")
+
+LIVE_JOB_STATES = ("placed", "running", "migrating")
+TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
+TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
+CONNECT_RETRY_MS = 500
+
+
+class Node:
+    def __init__(self, data_dir, *, transport_factory=None, run_workloads: bool = True):
+        self.paths = node_config.node_paths(data_dir)
+        self.config = node_config.load_config(data_dir)
+        self.genesis = load_genesis(self.paths.genesis)
+        self.identity = load_identity(self.paths.keystore, _passphrase_source(self.config, data_dir))
+        self.policy = node_config.node_policy(self.config, data_dir)
+        self.telemetry = Telemetry.open(self.config.gpu)
+        self.store = NodeStore(self.paths.database)
+        self.checkpoints = CheckpointStore(self.paths.root / "checkpoints.sqlite",
+                                           keep=self.genesis.params.checkpoint_keep)
+        self.events = EventHub()
+        self.run_workloads = run_workloads
+        self._transport_factory = transport_factory
+        self.transport = None
+        self.runner: WorkloadRunner | None = None
+        self.core: MeshCore | None = None
+        self.started_ms = 0
+        self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
+        # stored_ms - taken_ms of the newest checkpoints stored here: as their primary (slot
+        # read to local store) and as a backup (+ replication). Wall clocks of one host or
+        # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
+        self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+        self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    def _make_core(self) -> MeshCore:
+        gpus = self.telemetry.sample(0)
+        capacity = node_config.local_capacity(self.config, tuple(g.mem_total_mib for g in gpus),
+                                              gpus[0].model if gpus else "")
+        return MeshCore(identity=self.identity, genesis=self.genesis, policy=self.policy,
+                        capacity=capacity, rng=random.Random(os.urandom(16)), now_ms=now_ms(),
+                        history=self.store.certificates_in_order(), safety_records=self.store.safety_records(),
+                        job_outcomes=self.store.job_outcomes())
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.started_ms = now_ms()
+        self.core = self._make_core()
+        factory = self._transport_factory or _libp2p_factory
+        async with factory(self.identity.seed, list(self.config.listen)) as transport:
+            self.transport = transport
+            async with trio.open_nursery() as nursery:
+                self.runner = WorkloadRunner(
+                    self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
+                    commands={name: list(argv) for name, argv in self.config.entrypoints},
+                    allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
+                await nursery.start(self.runner.serve)
+                api = ControlApi(self)
+                server = ControlServer(self.paths.control_socket, api.handlers(), self.events)
+                await nursery.start(server.serve)
+                nursery.start_soon(self._receive_loop)
+                nursery.start_soon(self._tick_loop)
+                nursery.start_soon(self._telemetry_loop)
+                nursery.start_soon(self._connect_peers)
+                log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
+                task_status.started(self)
+                _freeze_startup_heap()
+                # No workload starts here, not even after a restart. The replayed certificates
+                # may make this node the primary of jobs that an eviction decided while it
+                # was down moved, under a higher fence, to a survivor. So the core's first
+                # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
+                # member's heartbeat at our epoch yields "resume"; an eviction certificate
+                # yields our eviction, and nothing starts.
+                await trio.sleep_forever()
+
+    async def _connect_peers(self) -> None:
+        """Dial every member with an address, and the bootstrap peers; the transport redials."""
+        targets = {peer.public_key: peer.addr for peer in self.config.bootstrap}
+        for member in self.core.member_records():
+            if member.public_key != self.identity.public_key and member.addrs:
+                targets.setdefault(member.public_key, member.addrs[0])
+        for key, addr in targets.items():
+            await self.transport.connect(key, addr)
+
+    # --- the loops -----------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        async for sender, data in self.transport.incoming:
+            await self._handle(self.core.step(data, now_ms(), sender))
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await self._handle(self.core.tick(now_ms()))
+            await trio.sleep(TICK_MS / 1000)
+
+    async def _telemetry_loop(self) -> None:
+        while True:
+            gpus = self.telemetry.sample(now_ms())
+            rtts = [r for r in (self.transport.rtt_us(k) for k in self.transport.peers()) if r is not None]
+            rtt_us = sum(rtts) // len(rtts) if rtts else 0
+            await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms(),
+                                                          simulated=self.telemetry.simulated))
+            await trio.sleep(TELEMETRY_MS / 1000)
+
+    # --- the Ready contract --------------------------------------------------------------------
+
+    async def _handle(self, ready: Ready) -> None:
+        if not ready:
+            return
+        # 1. persist before sending: the messages may promise what the records say.
+        checkpoint_records = [r for r in ready.persist if r.table == "checkpoints"]
+        for record in checkpoint_records:
+            self._store_checkpoint(record.value)
+        other = [r for r in ready.persist if r.table != "checkpoints"]
+        certified = [d for d in ready.decisions if d.certificate]  # local halt/resume orders carry none
+        self.store.record_ready(Ready(persist=other, decisions=certified, events=ready.events))
+        # 2. send (best effort; the protocol tolerates loss).
+        for outbound in ready.messages:
+            if outbound.to is None:
+                for key in self.core.broadcast_targets():
+                    await self.transport.send(key, outbound.data)
+            elif outbound.to != self.identity.public_key:
+                await self.transport.send(outbound.to, outbound.data)
+        # 3. apply decisions in order.
+        for decision in ready.decisions:
+            await self._apply(decision)
+        # 4. publish events.
+        mono_ns = time.monotonic_ns()  # system-wide on Linux: benchmarks compare across processes
+        for event in ready.events:
+            detail = dict(event.detail, mono_ns=mono_ns)
+            log.info("%s %s", event.kind, _loggable(event.detail))
+            self.events.publish(Event(event.kind, event.at_ms, detail))
+
+    def _store_checkpoint(self, value: dict) -> None:
+        record = StoredCheckpoint(job_id=value["job_id"], fence=value["fence"], seq=value["seq"],
+                                  progress=value["progress"], taken_ms=value["taken_ms"], state=value["state"],
+                                  state_hash=value["state_hash"], origin=value["origin"], stored_ms=wall_ms())
+        latency = record.stored_ms - record.taken_ms
+        if record.origin == self.identity.public_key:
+            self.checkpoint_write_ms.append(latency)
+        else:
+            self.checkpoint_replication_ms.append(latency)
+        if not self.checkpoints.put(record):
+            log.info("checkpoint %s seq %d refused by the local store (stale fence or seq)",
+                     record.job_id.hex()[:12], record.seq)
+
+    async def _apply(self, decision: Decision) -> None:
+        me = self.identity.public_key
+        if decision.value_kind == "eviction" and decision.value.node == me:
+            await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
+        elif decision.value_kind in ("placement", "placement_slot", "eviction", "membership", "resume"):
+            # Run what the core's job table says, not what this one decision names: an
+            # eviction also moves jobs its plan left out (SPEC.md F5), and a decision may
+            # be applied after later ones in the same batch changed the job again.
+            await self._reconcile_workloads()
+        elif decision.value_kind == "halt":
+            # The core saw this node stall past the detection bound: its workloads may
+            # already run elsewhere, so stop them before anything else (SPEC.md F3).
+            await self._stop_all("stalled long enough to be suspected; checking for eviction")
+        elif decision.value_kind in ("stop", "cancel"):
+            for job_id in decision.value:
+                await self._stop_workload(job_id, decision.value_kind)
+
+    async def _reconcile_workloads(self) -> None:
+        """Make the running workloads match the core: stop every one this node no longer
+        runs under the same fence, and start every live job it is now the primary of.
+        Nothing starts while the core is halted (self-fencing or the restart sync) or
+        when this node is not a member."""
+        if not self.run_workloads:
+            return
+        me, core = self.identity.public_key, self.core
+        for job_id, fence in list(self.job_fences.items()):
+            job = core.job_view(job_id)
+            if (job is None or job["primary"] != me or job["fence"] != fence
+                    or job["state"] not in LIVE_JOB_STATES or not core.is_member()):
+                await self._stop_workload(job_id, "superseded (fence %d)" % fence)
+        if core.halted or not core.is_member():
+            return
+        for job in core.jobs():
+            if job["primary"] == me and job["state"] in LIVE_JOB_STATES and job["job_id"] not in self.job_fences:
+                # From its newest checkpoint (none yet for a new job), except a retry after a
+                # failed run: that one is placed afresh (SPEC.md P6).
+                retry = job["state"] == "placed" and job["attempt"] > 0
+                await self._start_workload(job["job_id"], resume=not retry)
+
+    # --- workloads -------------------------------------------------------------------------------
+
+    async def _start_workload(self, job_id: bytes, *, resume: bool) -> None:
+        if not self.run_workloads or job_id in self.runner.running():
+            return
+        job = self.core.job_view(job_id)
+        if job is None or job["primary"] != self.identity.public_key or self.core.halted:
+            log.info("not starting job %s: %s", job_id.hex()[:12],
+                     "unknown" if job is None else "halted" if self.core.halted else "not its primary")
+            return
+        manifest: JobManifest = job["manifest"]
+        fence = job["fence"]
+        restore = None
+        if resume:
+            latest = self.checkpoints.latest(job_id)
+            if latest is not None:
+                restore = (latest.state, latest.progress, latest.seq)
+        self.checkpoints.raise_fence(job_id, fence)
+        args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
+        try:
+            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(job["gpus"]), restore, fence)
+        except MeshError as exc:
+            log.warning("cannot start job %s: %s", job_id.hex()[:12], exc)
+            await self._handle(self.core.job_exited(job_id, 127, now_ms()))
+            return
+        self.job_fences[job_id] = fence
+        for gpu in job["gpus"]:
+            self.telemetry.set_load(gpu, 90_000, manifest.resources.gpu_mem_mib)
+        await self._handle(self.core.workload_started(job_id, fence, restore[2] if restore else 0, now_ms()))
+        log.info("started job %s pid %d fence %d from %s", job_id.hex()[:12], pid, fence,
+                 "checkpoint seq %d" % restore[2] if restore else "scratch")
+
+    async def _stop_workload(self, job_id: bytes, why: str) -> None:
+        if job_id in self.runner.running():
+            await self.runner.stop(job_id)
+            log.info("stopped job %s: %s", job_id.hex()[:12], why)
+        self.job_fences.pop(job_id, None)
+
+    async def _stop_all(self, why: str) -> None:
+        for job_id in list(self.runner.running()):
+            await self._stop_workload(job_id, why)
+
+    async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
+        if job_id not in self.job_fences:
+            return
+        # The core's Ready persists this checkpoint (the store's fencing rule applies there)
+        # before it is sent to the backups.
+        try:
+            ready = self.core.local_checkpoint(job_id, seq, progress, taken_ms, state, now_ms())
+        except LocalProtocolError as exc:
+            # The core no longer sees us as this job's primary: we were fenced.
+            log.warning("job %s fenced: %s", job_id.hex()[:12], exc)
+            await self._stop_workload(job_id, "fenced")
+            return
+        await self._handle(ready)
+
+    async def _on_exit(self, job_id: bytes, exit_code: int) -> None:
+        self.job_fences.pop(job_id, None)
+        await self._handle(self.core.job_exited(job_id, exit_code, now_ms()))
+
+    # --- control API entry points ---------------------------------------------------------
+
+    def _refuse_if_evicted(self) -> None:
+        core = self.core
+        if core.evicted_at_epoch is not None and not core.is_member():
+            raise MeshError("this node was evicted at epoch %d; it asks to rejoin by itself, or rejoin with "
+                            "`meshnode join`" % core.evicted_at_epoch)
+
+    async def submit(self, job_envelope: bytes) -> bytes:
+        self._refuse_if_evicted()
+        envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True)
+        await self._handle(self.core.submit(job_envelope, now_ms()))
+        return compute_job_id(job)
+
+    async def cancel(self, request: bytes) -> bytes:
+        self._refuse_if_evicted()
+        job_id, ready = self.core.cancel(request, now_ms())
+        await self._handle(ready)
+        return job_id
+
+    async def join(self, bootstrap_key: bytes, addr: str) -> dict:
+        """Ask the mesh, through ``bootstrap_key``, to admit this node (SPEC.md 7.2)."""
+        await self.transport.connect(bootstrap_key, addr)
+        await self._handle(self.core.request_join(bootstrap_key, now_ms()))
+        return {"requested": True, "bootstrap": bootstrap_key.hex(), "epoch": self.core.epoch}
+
+    def close(self) -> None:
+        self.telemetry.close()
+        self.store.close()
+        self.checkpoints.close()
+
+
+def _passphrase_source(config, data_dir) -> PassphraseSource:
+    if config.passphrase.kind == "insecure":
+        return None
+    return PassphraseSource.literal(node_config.read_passphrase(config, data_dir))
+
+
+def _libp2p_factory(seed: bytes, listen: list[str]):
+    from meshnode.net.libp2p_transport import open_libp2p_transport  # libp2p import costs 0.6 s
+    return open_libp2p_transport(seed, listen)
+
+
+def _loggable(detail: dict) -> str:
+    return " ".join("%s=%s" % (k, v.hex()[:12] if isinstance(v, bytes) else v) for k, v in detail.items())
+
+
+def _freeze_startup_heap() -> None:
+    """Move everything allocated so far (libp2p's 1300+ modules, the genesis, replayed
+    history) out of the garbage collector's view. Measured on a testnet node without
+    this: full collections took 60-146 ms, long enough to skip checkpoint pulls and to
+    make peers see a 150 ms pause as a 300 ms silence."""
+    gc.collect()
+    gc.freeze()
+
+
+def setup_logging(log_path: Path, level: str) -> None:
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+async def run_node(data_dir, *, run_workloads: bool = True) -> None:
+    """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted)."""
+    node = Node(data_dir, run_workloads=run_workloads)
+    setup_logging(node.paths.log, node.config.log_level)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+
+                async def stop_on_signal():
+                    async for signum in signals:
+                        log.info("signal %d: shutting down", signum)
+                        nursery.cancel_scope.cancel()
+                        return
+                nursery.start_soon(stop_on_signal)
+    finally:
+        node.close()
+        try:
+            os.unlink(node.paths.control_socket)
+        except FileNotFoundError:
+            pass
+

@@ -1,0 +1,333 @@
+"""The workload runner: starts workload subprocesses and takes their checkpoints (SPEC.md 9).
+
+One ``WorkloadRunner`` per node, served in the node's trio nursery::
+
+    runner = WorkloadRunner(data_dir, checkpoint_ms, on_checkpoint, on_exit,
+                            commands=config_commands, allowed_entrypoints=policy.allowed_entrypoints)
+    await nursery.start(runner.serve)
+    await runner.start(job_id, "counter", ["--progress-log", path], gpus=[0], restore=None, fence=1)
+
+Every ``checkpoint_ms`` the runner reads the workload's shared-memory state slot
+(``meshnode.workload.state_slot``) and, if the workload offered a new state since the last
+tick, awaits ``on_checkpoint(job_id, seq, progress, taken_ms, state)``. The read does
+not involve the workload's process, so a descheduled or stalled workload delays no
+checkpoint: the newest state it offered is taken on time.
+
+A workload never outlives its node (SPEC.md 9.3). Linux only: the child sets
+PR_SET_PDEATHSIG=SIGKILL in a preexec_fn and then checks getppid() against the node's
+pid, which closes the race where the node died between fork and prctl. The death signal
+fires when the *thread* that forked exits, so ``subprocess.Popen`` is called on the trio
+thread itself (which lives as long as the node), never through ``trio.to_thread`` --
+trio's own ``open_process`` forks in a cached worker thread that exits after an idle
+timeout, which would kill the workload. Fork + exec blocks the loop for a few ms per
+start; that is the price. The SDK's EOF check is the second guard.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import trio
+
+from keys.errors import ConfigError
+from meshnode.workload import sdk
+from meshnode.workload.builtin import BUILTIN_KINDS
+from meshnode.workload.state_slot import SlotReader, create_region
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.messages import MAX_STATE_BYTES
+
+PR_SET_PDEATHSIG = 1
+STATS_WINDOW = 1024       # checkpoint tick intervals kept per workload
+MAX_WORKLOADS = 256       # a node runs at most this many at once
+
+CheckpointCallback = Callable[[bytes, int, int, int, bytes], Awaitable[None]]
+ExitCallback = Callable[[bytes, int], Awaitable[None]]
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        raise ConfigError("the workload runner needs Linux (PR_SET_PDEATHSIG); this is %s" % sys.platform)
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# Workloads run at a lower CPU priority than their node. A CPU-hungry workload must not
+# starve the node's 50 ms heartbeats and 5 ms ticks: a node that misses the detection
+# bound is evicted and fences itself (SPEC.md F2, F7), which would cost the very work the
+# workload was doing. nice 10 gives the node about 9x a workload's CPU share under CFS.
+WORKLOAD_NICE = 10
+
+
+def _die_with_parent(prctl, parent_pid: int):
+    """preexec_fn: SIGKILL this child when the forking thread dies; close the fork race;
+    drop to WORKLOAD_NICE."""
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(127)
+        if os.getppid() != parent_pid:  # the node died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.nice(WORKLOAD_NICE)
+    return preexec
+
+
+def percentile(values, fraction: float) -> int | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+@dataclass
+class RunningWorkload:
+    job_id: bytes
+    entrypoint: str
+    argv: list[str]
+    pid: int
+    fence: int
+    gpus: tuple[int, ...]
+    started_ms: int
+    seq: int
+    progress: int
+    last_taken_ms: int | None = None
+    torn_reads: int = 0
+    interval_error_us: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+
+    def summary(self) -> dict:
+        return {
+            "entrypoint": self.entrypoint, "pid": self.pid, "fence": self.fence, "gpus": list(self.gpus),
+            "started_ms": self.started_ms, "seq": self.seq, "progress": self.progress,
+            "last_taken_ms": self.last_taken_ms, "torn_reads": self.torn_reads,
+            "interval_error_us_p50": percentile(self.interval_error_us, 0.5),
+            "interval_error_us_p99": percentile(self.interval_error_us, 0.99),
+        }
+
+
+class _Job:
+    """Runner-private bookkeeping for one workload process."""
+
+    def __init__(self, info: RunningWorkload, popen: subprocess.Popen, stream: trio.SocketStream,
+                 slot: SlotReader, restore_frame: bytes):
+        self.info = info
+        self.popen = popen
+        self.stream = stream
+        self.slot = slot
+        self.restore_frame = restore_frame
+        self.stopping = False
+        self.exited = trio.Event()         # set once the process is reaped and the job unlisted
+        self.tick_scope = trio.CancelScope()
+        self.process_gone = False          # set when the pidfd reports the exit
+        self.in_callback = False           # the tick is awaiting on_checkpoint
+
+
+class WorkloadRunner:
+    def __init__(self, data_dir, checkpoint_ms: int, on_checkpoint: CheckpointCallback,
+                 on_exit: ExitCallback, *, commands: dict[str, list[str]] | None = None,
+                 allowed_entrypoints: frozenset[str] | None = None):
+        self._prctl = _load_prctl()
+        if checkpoint_ms < 1:
+            raise ConfigError("checkpoint_ms must be at least 1, got %d" % checkpoint_ms)
+        # Absolute: a workload runs in its own working directory, so a path the node was
+        # given relative to its own (`meshnode run --node demo-mesh/node-0`) would not resolve.
+        self.data_dir = os.path.abspath(os.fspath(data_dir))
+        self.checkpoint_ms = checkpoint_ms
+        self._on_checkpoint = on_checkpoint
+        self._on_exit = on_exit
+        self._commands = {name: list(argv) for name, argv in (commands or {}).items()}
+        for name, argv in self._commands.items():
+            if not argv or not all(isinstance(part, str) for part in argv):
+                raise ConfigError("workload command %r must be a non-empty list of strings" % name)
+        self._allowed = allowed_entrypoints
+        self._jobs: dict[bytes, _Job] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; every workload is killed when this returns."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def resolve_argv(self, entrypoint: str, args: list[str]) -> list[str]:
+        """The argv for ``entrypoint`` (SPEC.md 9.1), or LocalProtocolError if not allowed here."""
+        if self._allowed is not None and entrypoint not in self._allowed:
+            raise LocalProtocolError("entrypoint %r is not allowed on this node (allowed: %s)"
+                                     % (entrypoint, ", ".join(sorted(self._allowed)) or "none"))
+        if entrypoint in self._commands:
+            return self._commands[entrypoint] + list(args)
+        if entrypoint in BUILTIN_KINDS:
+            return [sys.executable, "-m", "meshnode.workload.builtin", entrypoint, *args]
+        raise LocalProtocolError("entrypoint %r is neither a built-in kind (%s) nor a command in this "
+                                 "node's config" % (entrypoint, ", ".join(BUILTIN_KINDS)))
+
+    async def start(self, job_id: bytes, entrypoint: str, args: list[str], gpus: list[int],
+                    restore: tuple[bytes, int, int] | None, fence: int) -> int:
+        """Start a workload; ``restore`` is (state, progress, seq) of the checkpoint to resume."""
+        if self._nursery is None:
+            raise LocalProtocolError("WorkloadRunner.start before serve() is running")
+        if job_id in self._jobs:
+            raise LocalProtocolError("job %s is already running here" % job_id.hex())
+        if len(self._jobs) >= MAX_WORKLOADS:
+            raise LocalProtocolError("this node already runs %d workloads" % MAX_WORKLOADS)
+        argv = self.resolve_argv(entrypoint, args)
+        state, progress, seq = restore if restore is not None else (b"", 0, 0)
+        if len(state) > MAX_STATE_BYTES:
+            raise LocalProtocolError("restore state is %d bytes, over %d" % (len(state), MAX_STATE_BYTES))
+        workdir = self.workdir(job_id)
+        os.makedirs(workdir, exist_ok=True)
+        node_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        slot_fd = slot = popen = None
+        try:
+            slot_fd = create_region()
+            slot = SlotReader(slot_fd)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
+                       **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
+                          sdk.WORKDIR_ENV: workdir})
+            with open(os.path.join(workdir, "output.log"), "ab") as output:
+                popen = subprocess.Popen(
+                    argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                    stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,
+                    preexec_fn=_die_with_parent(self._prctl, os.getpid()))
+        except OSError as exc:
+            raise LocalProtocolError("cannot start %r: %s" % (argv[0], exc.strerror)) from None
+        finally:
+            child_end.close()
+            if slot_fd is not None:
+                os.close(slot_fd)  # the mapping (ours) and the child's copy keep the memory alive
+            if popen is None:  # not started (OSError, or e.g. a failing preexec_fn): nothing may leak
+                node_end.close()
+                if slot is not None:
+                    slot.close()
+        restore_fields = sdk.RESTORE_FIELDS.pack(int(restore is not None), fence, seq, progress, self.checkpoint_ms)
+        info = RunningWorkload(job_id=job_id, entrypoint=entrypoint, argv=argv, pid=popen.pid, fence=fence,
+                               gpus=tuple(gpus), started_ms=time.time_ns() // 1_000_000, seq=seq,
+                               progress=progress)
+        job = _Job(info, popen, trio.SocketStream(trio.socket.from_stdlib_socket(node_end)), slot,
+                   sdk.encode_frame(sdk.RESTORE, restore_fields, state))
+        self._jobs[job_id] = job
+        self._nursery.start_soon(self._supervise, job)
+        return popen.pid
+
+    async def stop(self, job_id: bytes) -> int | None:
+        """SIGKILL the workload's process group and wait for it; its exit code (None if unknown job).
+
+        A stopped workload gets no on_exit call (the caller asked for it) and no
+        on_checkpoint call after stop() returns. stop() may be awaited from inside this
+        job's own on_checkpoint (a node that finds itself fenced does that).
+        """
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        job.stopping = True
+        _kill_group(job.popen)
+        await job.exited.wait()
+        return job.popen.returncode
+
+    def workdir(self, job_id: bytes) -> str:
+        """The job's working directory (absolute; manifests name it as ``{workdir}``)."""
+        return os.path.join(self.data_dir, "workloads", job_id.hex())
+
+    def running(self) -> dict[bytes, dict]:
+        return {job_id: job.info.summary() for job_id, job in self._jobs.items()}
+
+    def jobs_info(self) -> list[RunningWorkload]:
+        return [job.info for job in self._jobs.values()]
+
+    async def _supervise(self, job: _Job) -> None:
+        try:
+            pidfd = os.pidfd_open(job.popen.pid)
+        except OSError:
+            pidfd = None  # out of descriptors: the workload cannot be watched, so it is killed
+        try:
+            if pidfd is not None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._tick, job)
+                    await trio.lowlevel.wait_readable(pidfd)
+                    job.process_gone = True
+                    # A tick inside on_checkpoint is not cancelled: the callback may itself be
+                    # in stop(), which the reap below lets return; the tick ends after it.
+                    if not job.in_callback:
+                        job.tick_scope.cancel()
+                    self._reap(job)
+                # What the workload offered after the last tick, e.g. just before it failed:
+                # a retry resumes from it.
+                await self._take_checkpoint(job)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+            self._reap(job)          # on runner shutdown: kills the workload here
+            job.stream.socket.close()
+            job.slot.close()
+        if not job.stopping:
+            await self._on_exit(job.info.job_id, job.popen.returncode)
+
+    def _reap(self, job: _Job) -> None:
+        _kill_group(job.popen)   # its children too
+        job.popen.wait()         # exited or SIGKILLed: returns at once
+        self._jobs.pop(job.info.job_id, None)
+        job.exited.set()
+
+    async def _tick(self, job: _Job) -> None:
+        with job.tick_scope:
+            await self._tick_until_gone(job)
+
+    async def _tick_until_gone(self, job: _Job) -> None:
+        """Read the state slot every checkpoint_ms on absolute deadlines (no drift)."""
+        try:
+            await job.stream.send_all(job.restore_frame)
+        except trio.BrokenResourceError:
+            return  # the workload died at once; _supervise sees the exit
+        job.restore_frame = b""
+        period_s = self.checkpoint_ms / 1000
+        next_tick = trio.current_time() + period_s
+        last_tick = None
+        while not job.process_gone:
+            await trio.sleep_until(next_tick)
+            now = trio.current_time()
+            if last_tick is not None:
+                job.info.interval_error_us.append(round((now - last_tick - period_s) * 1e6))
+            last_tick = now
+            next_tick += period_s
+            if next_tick < now:  # the loop was blocked past whole periods: resume the grid, don't burst
+                next_tick = now + period_s - (now - next_tick) % period_s
+            await self._take_checkpoint(job)
+
+    async def _take_checkpoint(self, job: _Job) -> None:
+        if job.stopping:
+            return  # after stop() no callback may report this job again
+        try:
+            offered = job.slot.read()
+        except RemoteProtocolError:
+            _kill_group(job.popen)  # a workload that breaks the slot's rules is killed; _supervise reports it
+            return
+        job.info.torn_reads = job.slot.torn_reads
+        if offered is None:
+            return
+        progress, taken_ms, state = offered
+        job.info.seq += 1
+        job.info.progress = progress
+        job.info.last_taken_ms = taken_ms
+        job.in_callback = True
+        try:
+            await self._on_checkpoint(job.info.job_id, job.info.seq, progress, taken_ms, state)
+        finally:
+            job.in_callback = False
+
+
+def _kill_group(popen: subprocess.Popen) -> None:
+    if popen.returncode is not None:
+        return
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is already gone

@@ -1,0 +1,168 @@
+"""Rows and rich tables for the owner's views (pure formatting of control-API results).
+
+The interactive TUI and the one-shot ``meshnode tui --snapshot`` print the same cells,
+so both take their rows from here. Columns are chosen to fit an 80-column terminal.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from keys.identity import short_id
+from meshnode.tui.why import format_declines
+
+# NVML clock-throttle reason bits (nvmlClocksThrottleReason*) worth an owner's attention;
+# idle (0x1) and user-set application clocks (0x2) are normal and not shown.
+THROTTLE_BITS = ((0x4, "pwr"), (0x8, "hw"), (0x20, "therm"), (0x40, "hwtherm"), (0x80, "brake"))
+HEALTH_STYLE = {"alive": "green", "self": "cyan", "suspected": "yellow", "evicted": "red"}
+STATE_STYLE = {"pending": "yellow", "placed": "cyan", "running": "green", "migrating": "magenta",
+               "completed": "blue", "failed": "red", "cancelled": "dim"}
+
+MESH_COLUMNS = ("node", "stake", "zone", "health", "rtt", "gpus", "util", "temp", "throttle")
+JOB_COLUMNS = ("job", "name", "state", "primary", "backups", "ckpt", "migr", "lost")
+CONSENSUS_COLUMNS = ("instance", "kind", "round", "leader", "decided")
+EVIDENCE_COLUMNS = ("offender", "kind", "at")
+# Event detail fields that hold a node's public key (the rest hold job, instance or hash ids).
+NODE_KEY_FIELDS = frozenset(("primary", "to_node", "suspect", "key", "leader", "offender"))
+
+
+def short_hex(value: str | None, width: int = 8) -> str:
+    return "-" if not value else value[:width]
+
+
+def node_label(key_hex: str | None) -> str:
+    """A node's short label, the same ``short`` the nodes op gives it (keys.identity.short_id).
+
+    A key's own hex prefix would be a different string from the one the mesh view shows,
+    so a job's primary could not be found among the nodes by eye.
+    """
+    if not key_hex:
+        return "-"
+    try:
+        return short_id(bytes.fromhex(key_hex))
+    except ValueError:
+        return short_hex(key_hex)
+
+
+def format_ms(value: int | None) -> str:
+    if value is None:
+        return "-"
+    if value < 10_000:
+        return "%d ms" % value
+    if value < 600_000:
+        return "%d s" % (value // 1000)
+    return "%d min" % (value // 60_000)
+
+
+def throttle_text(reasons: int) -> str:
+    names = [name for bit, name in THROTTLE_BITS if reasons & bit]
+    return ",".join(names) if names else "-"
+
+
+def mesh_row(node: dict) -> tuple[str, ...]:
+    cap = node.get("capability") or {}
+    gpus = cap.get("gpus", ())
+    rtt = node.get("rtt_us")
+    if gpus:
+        models = sorted({g["model"] for g in gpus})
+        gpu_cell = "%d/%d %s" % (len(cap.get("gpus_free", ())), len(gpus), "+".join(models)[:10])
+        util = "%d%%" % (sum(g["util_milli"] for g in gpus) // len(gpus) // 1000)
+        temp = "%dC" % (max(g["temp_milli_c"] for g in gpus) // 1000)
+        throttled = 0
+        for g in gpus:
+            throttled |= g["throttle_reasons"]
+        throttle = throttle_text(throttled)
+    else:
+        gpu_cell, util, temp, throttle = ("0" if cap else "?"), "-", "-", "-"
+    return (node.get("short") or short_hex(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
+            node.get("health", "?"), "-" if rtt is None else "%.1fms" % (rtt / 1000),
+            gpu_cell, util, temp, throttle)
+
+
+def job_row(job: dict) -> tuple[str, ...]:
+    ckpt = job.get("checkpoint_age_ms")
+    seq = job.get("checkpoint_seq")
+    ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
+    return (short_hex(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
+            node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
+            str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
+
+
+def consensus_row(instance: dict) -> tuple[str, ...]:
+    return (short_hex(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
+            node_label(instance.get("leader")), "yes" if instance.get("decided") else "no")
+
+
+def evidence_row(item: dict) -> tuple[str, ...]:
+    return (node_label(item.get("offender")), item.get("kind", "?"), str(item.get("at_ms", "-")))
+
+
+def event_line(event: dict) -> str:
+    detail = event.get("detail")
+    detail = detail if isinstance(detail, dict) else {}
+    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()))
+    return "%s %s %s" % (event.get("at_ms", "-"), event.get("kind", "?"), shown)
+
+
+def _detail_text(key: str, value) -> str:
+    if key in NODE_KEY_FIELDS and isinstance(value, str):
+        return node_label(value)
+    if isinstance(value, str) and len(value) == 64:
+        return short_hex(value, 12)
+    return str(value)
+
+
+def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None, style_col: int = 0) -> Table:
+    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+    for column in columns:
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        style = (styles or {}).get(row[style_col]) if styles else None
+        table.add_row(*row, style=style)
+    return table
+
+
+def mesh_table(nodes: list[dict]) -> Table:
+    return _table("mesh: %d nodes" % len(nodes), MESH_COLUMNS, [mesh_row(n) for n in nodes], HEALTH_STYLE, 3)
+
+
+def jobs_table(jobs: list[dict]) -> Table:
+    table = _table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
+    pending = [j for j in jobs if j.get("state") == "pending" and j.get("declines")]
+    if pending:
+        table.caption = "; ".join("%s %s" % (short_hex(j["job_id"]), format_declines(j["declines"]))
+                                  for j in pending[:3])
+    return table
+
+
+def consensus_table(consensus: dict) -> Table:
+    table = _table("consensus: %d certificates" % consensus.get("certificates", 0), CONSENSUS_COLUMNS,
+                   [consensus_row(i) for i in consensus.get("instances", ())])
+    return table
+
+
+def evidence_table(consensus: dict) -> Table:
+    return _table("evidence: %d" % len(consensus.get("evidence", ())), EVIDENCE_COLUMNS,
+                  [evidence_row(e) for e in consensus.get("evidence", ())])
+
+
+def status_line(status: dict | None) -> str:
+    if not status:
+        return "disconnected"
+    return "node %s  mesh %s  epoch %d  peers %d/%d  up %s" % (
+        node_label(status.get("node")), short_hex(status.get("mesh_id")), status.get("epoch", 0),
+        status.get("connected", 0), status.get("members", 0), format_ms(status.get("uptime_ms")))
+
+
+def render_snapshot(snapshot: dict, console) -> None:
+    """Print the status line and the mesh, job and consensus tables once (``--snapshot``).
+
+    ``snapshot`` maps each polled op (status, nodes, jobs, consensus) to its result.
+    """
+    console.print(status_line(snapshot.get("status")))
+    console.print(mesh_table(snapshot.get("nodes", {}).get("nodes", [])))
+    console.print(jobs_table(snapshot.get("jobs", {}).get("jobs", [])))
+    consensus = snapshot.get("consensus") or {}
+    console.print(consensus_table(consensus))
+    if consensus.get("evidence"):
+        console.print(evidence_table(consensus))

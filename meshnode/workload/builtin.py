@@ -1,0 +1,163 @@
+"""Built-in workload kinds, started as ``python -m meshnode.workload.builtin KIND ARGS``.
+
+``counter``: counts work units of ``--unit-ms`` milliseconds of busy arithmetic each.
+State is the unit count (and the arithmetic's accumulator); after a restore it goes on
+from the restored count. With ``--progress-log PATH`` it appends one line per unit,
+``<unit> <wall_us>``, written unbuffered with O_APPEND so the line survives a SIGKILL:
+the failover benchmark reads this file, independently of the checkpoint path, to
+measure lost work (units logged after the restored count were done twice).
+
+``train``: a deterministic CPU training loop, logistic regression by full-batch
+gradient descent over a seeded synthetic data set, in pure Python. State is the
+weights, the step and the loss history (bounded), so it grows as training goes on;
+a restored run reaches bit-identical weights to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import struct
+import sys
+import time
+from array import array
+
+from meshnode.workload.sdk import Workload
+from protocol.errors import RemoteProtocolError
+
+BUILTIN_KINDS = ("counter", "train")
+LOSS_HISTORY_MAX = 8192  # entries kept in the train state: 64 KiB, far under MAX_STATE_BYTES
+
+COUNTER_STATE = struct.Struct(">QQ")  # units done, accumulator
+TRAIN_HEADER = struct.Struct(">4sQII")  # magic, step, n_features, n_losses
+TRAIN_MAGIC = b"TRN1"
+
+
+class ProgressLog:
+    """Append-only ``<unit> <wall_us>`` lines; one write(2) per line so a kill never tears one."""
+
+    def __init__(self, path: str | None):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if path else None
+
+    def unit_done(self, unit: int) -> None:
+        if self._fd is not None:
+            os.write(self._fd, b"%d %d\n" % (unit, time.time_ns() // 1000))
+
+
+# --- counter ---------------------------------------------------------------------------------
+
+def decode_counter_state(state: bytes) -> tuple[int, int]:
+    if len(state) != COUNTER_STATE.size:
+        raise RemoteProtocolError("counter state is %d bytes, expected %d" % (len(state), COUNTER_STATE.size))
+    return COUNTER_STATE.unpack(state)
+
+
+def run_counter(workload: Workload, unit_ms: int, units: int | None, log: ProgressLog) -> None:
+    count, accumulator = (0, 1) if workload.restored_state is None else decode_counter_state(workload.restored_state)
+    unit_ns = unit_ms * 1_000_000
+    while units is None or count < units:
+        deadline = time.perf_counter_ns() + unit_ns
+        while time.perf_counter_ns() < deadline:  # the "work": an LCG, so the state is real
+            for _ in range(64):
+                accumulator = (accumulator * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+        count += 1
+        log.unit_done(count)
+        workload.set_state(COUNTER_STATE.pack(count, accumulator), count)
+
+
+# --- train -----------------------------------------------------------------------------------
+
+class TrainingRun:
+    """Logistic regression on a synthetic, seeded data set (features in [-1, 1])."""
+
+    def __init__(self, features: int, samples: int, seed: int, learning_rate: float):
+        rng = random.Random(seed)
+        true_weights = [rng.uniform(-2, 2) for _ in range(features)]
+        self.inputs = [[rng.uniform(-1, 1) for _ in range(features)] for _ in range(samples)]
+        self.labels = [1.0 if sum(w * x for w, x in zip(true_weights, row)) > 0 else 0.0 for row in self.inputs]
+        self.learning_rate = learning_rate
+        self.weights = array("d", [0.0] * features)
+        self.step = 0
+        self.losses = array("d")
+
+    def train_step(self) -> float:
+        gradient = [0.0] * len(self.weights)
+        loss = 0.0
+        for row, label in zip(self.inputs, self.labels):
+            z = sum(w * x for w, x in zip(self.weights, row))
+            p = 1.0 / (1.0 + math.exp(-z))
+            loss -= label * math.log(p + 1e-12) + (1 - label) * math.log(1 - p + 1e-12)
+            error = p - label
+            for i, x in enumerate(row):
+                gradient[i] += error * x
+        scale = self.learning_rate / len(self.inputs)
+        for i, g in enumerate(gradient):
+            self.weights[i] -= scale * g
+        self.step += 1
+        loss /= len(self.inputs)
+        self.losses.append(loss)
+        if len(self.losses) > LOSS_HISTORY_MAX:
+            del self.losses[0]
+        return loss
+
+    def encode_state(self) -> bytes:
+        return (TRAIN_HEADER.pack(TRAIN_MAGIC, self.step, len(self.weights), len(self.losses))
+                + self.weights.tobytes() + self.losses.tobytes())
+
+    def restore_state(self, state: bytes) -> None:
+        if len(state) < TRAIN_HEADER.size:
+            raise RemoteProtocolError("train state is too short")
+        magic, step, n_features, n_losses = TRAIN_HEADER.unpack_from(state)
+        expected = TRAIN_HEADER.size + 8 * (n_features + n_losses)
+        if magic != TRAIN_MAGIC or n_features != len(self.weights) or len(state) != expected:
+            raise RemoteProtocolError("train state does not match this run (magic, features or length)")
+        body = memoryview(state)[TRAIN_HEADER.size:]
+        self.weights = array("d", body[:8 * n_features].tobytes())
+        self.losses = array("d", body[8 * n_features:].tobytes())
+        self.step = step
+
+
+def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: ProgressLog) -> None:
+    if workload.restored_state is not None:
+        run.restore_state(workload.restored_state)
+    while steps is None or run.step < steps:
+        run.train_step()
+        log.unit_done(run.step)
+        workload.set_state(run.encode_state(), run.step)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m meshnode.workload.builtin")
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    counter = kinds.add_parser("counter", help="count units of busy work")
+    counter.add_argument("--unit-ms", type=int, default=1)
+    counter.add_argument("--units", type=int, default=None, help="stop after this many units (default: never)")
+    counter.add_argument("--progress-log", default=None)
+    train = kinds.add_parser("train", help="logistic regression in pure Python")
+    train.add_argument("--features", type=int, default=16)
+    train.add_argument("--samples", type=int, default=128)
+    train.add_argument("--seed", type=int, default=1)
+    train.add_argument("--learning-rate-milli", type=int, default=500)
+    train.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: never)")
+    train.add_argument("--progress-log", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    workload = Workload.connect()
+    log = ProgressLog(args.progress_log)
+    if args.kind == "counter":
+        run_counter(workload, max(1, args.unit_ms), args.units, log)
+    else:
+        run = TrainingRun(args.features, args.samples, args.seed, args.learning_rate_milli / 1000)
+        run_train(workload, run, args.steps, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The workload SDK: the process side of the node <-> workload channel (SPEC.md 9.4).
+
+A workload is a subprocess the node's runner (``meshnode.node.runner``) starts with two
+inherited file descriptors: one end of a Unix ``socketpair`` (``$MESHNODE_SDK_FD``),
+over which the node sends one RESTORE frame, and a shared-memory state slot
+(``$MESHNODE_SLOT_FD``, ``meshnode.workload.state_slot``). Usage::
+
+    from meshnode.workload import Workload
+    w = Workload.connect()              # blocks until the node sends RESTORE
+    count = decode(w.restored_state) if w.restored_state is not None else 0
+    while working:
+        ...
+        w.set_state(encode(count), progress=count)   # a copy into shared memory
+
+``set_state`` copies the state into the slot (a memcpy and a CRC-32: about a
+microsecond for a small state, well under a millisecond at the 900 KiB cap), and the
+node reads the newest one every ``checkpoint_ms`` without waiting for this process to
+run. A workload may call ``set_state`` as often as it likes; call it from one thread.
+A daemon thread watches the socket: when the node goes away it reaches EOF and ends the
+process, a second guard next to the runner's parent-death signal that a workload never
+outlives its node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+from keys.errors import ConfigError
+from meshnode.workload.state_slot import MAX_COUNT, SlotWriter
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.messages import MAX_STATE_BYTES
+
+SDK_FD_ENV = "MESHNODE_SDK_FD"
+SLOT_FD_ENV = "MESHNODE_SLOT_FD"
+WORKDIR_ENV = "MESHNODE_WORKDIR"
+
+# Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.
+FRAME_HEADER = struct.Struct(">IB")
+RESTORE = 1
+RESTORE_FIELDS = struct.Struct(">BQQQI")   # has_state, fence, seq, progress, checkpoint_ms
+MAX_FRAME_BODY_BYTES = 1 + RESTORE_FIELDS.size + MAX_STATE_BYTES
+EXIT_NODE_GONE = 70  # exit status when the node's end of the channel closes
+
+
+def encode_frame(frame_type: int, fields: bytes, state: bytes = b"") -> bytes:
+    return FRAME_HEADER.pack(1 + len(fields) + len(state), frame_type) + fields + state
+
+
+def split_frame(body: bytes, fields: struct.Struct) -> tuple[tuple, bytes]:
+    """Split a frame body (after the type byte) into its fixed fields and trailing state."""
+    if len(body) < fields.size:
+        raise RemoteProtocolError("frame body is %d bytes, needs at least %d" % (len(body), fields.size))
+    return fields.unpack_from(body), body[fields.size:]
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes | None:
+    chunks, remaining = [], count
+    while remaining:
+        chunk = sock.recv(min(remaining, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame_blocking(sock: socket.socket) -> tuple[int, bytes] | None:
+    """Read one frame; None at a clean EOF. Raises RemoteProtocolError on a bad frame."""
+    header = _recv_exactly(sock, FRAME_HEADER.size)
+    if header is None:
+        return None
+    length, frame_type = FRAME_HEADER.unpack(header)
+    if not 1 <= length <= MAX_FRAME_BODY_BYTES:
+        raise RemoteProtocolError("frame length %d out of range" % length)
+    body = _recv_exactly(sock, length - 1)
+    if body is None:
+        raise RemoteProtocolError("channel closed inside a frame")
+    return frame_type, body
+
+
+def _inherited_fd(name: str) -> int:
+    text = os.environ.get(name)
+    if not text or not text.isdigit():
+        raise ConfigError("%s is not set: this process was not started by a meshnode runner" % name)
+    return int(text)
+
+
+class Workload:
+    """The workload's handle on its node. Create it with ``Workload.connect()``."""
+
+    def __init__(self, sock: socket.socket, slot: SlotWriter, restored_state: bytes | None,
+                 restored_progress: int, fence: int, checkpoint_ms: int):
+        self._sock = sock
+        self._slot = slot
+        self.restored_state = restored_state
+        self.restored_progress = restored_progress
+        self.fence = fence
+        self.checkpoint_ms = checkpoint_ms
+        self._watchdog = threading.Thread(target=self._exit_when_node_goes, name="meshnode-sdk", daemon=True)
+        self._watchdog.start()
+
+    @classmethod
+    def connect(cls) -> "Workload":
+        """Attach to the node that started this process and read the restore point."""
+        sock = socket.socket(fileno=_inherited_fd(SDK_FD_ENV))
+        slot = SlotWriter(_inherited_fd(SLOT_FD_ENV))
+        frame = read_frame_blocking(sock)
+        if frame is None or frame[0] != RESTORE:
+            raise RemoteProtocolError("the node did not open the channel with a RESTORE frame")
+        (has_state, fence, _seq, progress, checkpoint_ms), state = split_frame(frame[1], RESTORE_FIELDS)
+        return cls(sock, slot, state if has_state else None, progress, fence, checkpoint_ms)
+
+    def set_state(self, state: bytes, progress: int) -> None:
+        """Offer ``state`` as the newest checkpoint; ``progress`` is a monotonic work count."""
+        if len(state) > MAX_STATE_BYTES:
+            raise LocalProtocolError("workload state is %d bytes, over the %d cap" % (len(state), MAX_STATE_BYTES))
+        if not 0 <= progress <= MAX_COUNT:
+            raise LocalProtocolError("progress must be an integer in [0, 2^63 - 1], got %r" % (progress,))
+        self._slot.write(state, progress, time.time_ns() // 1_000_000)
+
+    def _exit_when_node_goes(self) -> None:
+        try:
+            while self._sock.recv(4096):
+                pass  # the node sends nothing after RESTORE; stray bytes are ignored
+        except OSError:
+            pass  # a broken channel means the node is gone
+        # The node closed our channel: it died or stopped us. Never outlive it.
+        os._exit(EXIT_NODE_GONE)
