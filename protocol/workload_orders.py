@@ -23,6 +23,7 @@ class WorkloadRun:
     fence: int           # the workload writes checkpoints under this fence (SPEC P6)
     gpus: tuple          # GPU indices the ledger allocated to it here
     resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6)
+    manifest: object     # the owner-signed JobManifest: entrypoint, args, resources
 
 
 class WorkloadOrders:
@@ -43,7 +44,8 @@ class WorkloadOrders:
             wanted = {r.job_id: r for r in self.jobs.mine() if r.state in LIVE_JOB_STATES}
         stops = tuple(jid for jid, fence in self.ordered.items()
                       if jid not in wanted or wanted[jid].fence != fence)
-        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=not (r.state == "placed" and r.attempt > 0))
+        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=not (r.state == "placed" and r.attempt > 0),
+                                 manifest=r.manifest)
                      for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
         if not stops and not runs:
             return

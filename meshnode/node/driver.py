@@ -34,11 +34,12 @@ from meshnode.node.telemetry import Telemetry
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
+from protocol.drain import ReadyDrain
 from protocol.ready import Decision, Event, Ready
+from protocol.workload_orders import WorkloadRun
 
 log = logging.getLogger("meshnode.node")
 
-LIVE_JOB_STATES = ("placed", "running", "migrating")
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 CONNECT_RETRY_MS = 500
@@ -63,6 +64,7 @@ class Node:
         self.core: MeshCore | None = None
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
+        self.drain = ReadyDrain(persist=self._persist, send=self._send, apply=self._apply, publish=self._publish)
         # stored_ms - taken_ms of the newest checkpoints stored here: as their primary (slot
         # read to local store) and as a backup (+ replication). Wall clocks of one host or
         # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
@@ -142,28 +144,32 @@ class Node:
     # --- the Ready contract --------------------------------------------------------------------
 
     async def _handle(self, ready: Ready) -> None:
-        if not ready:
-            return
+        """Every Ready goes through the one drain (protocol/drain.py): a batch fed while
+        another is being drained (a started workload's report) waits its turn."""
+        await self.drain.drain_async(ready)
+
+    async def _persist(self, ready: Ready) -> None:
         # 1. persist before sending: the messages may promise what the records say.
-        checkpoint_records = [r for r in ready.persist if r.table == "checkpoints"]
-        for record in checkpoint_records:
-            self._store_checkpoint(record.value)
+        for record in ready.persist:
+            if record.table == "checkpoints":
+                self._store_checkpoint(record.value)
         other = [r for r in ready.persist if r.table != "checkpoints"]
-        certified = [d for d in ready.decisions if d.certificate]  # local halt/resume orders carry none
+        certified = [d for d in ready.decisions if d.certificate]  # local orders and notices carry none
         self.store.record_ready(Ready(persist=other, decisions=certified, events=ready.events))
+
+    async def _send(self, messages: list) -> None:
         # 2. send (best effort; the protocol tolerates loss).
-        for outbound in ready.messages:
+        for outbound in messages:
             if outbound.to is None:
                 for key in self.core.broadcast_targets():
                     await self.transport.send(key, outbound.data)
             elif outbound.to != self.identity.public_key:
                 await self.transport.send(outbound.to, outbound.data)
-        # 3. apply decisions in order.
-        for decision in ready.decisions:
-            await self._apply(decision)
-        # 4. publish events.
+
+    async def _publish(self, events: list) -> None:
+        # 4. log and publish events.
         mono_ns = time.monotonic_ns()  # system-wide on Linux: benchmarks compare across processes
-        for event in ready.events:
+        for event in events:
             detail = dict(event.detail, mono_ns=mono_ns)
             log.info("%s %s", event.kind, _loggable(event.detail))
             self.events.publish(Event(event.kind, event.at_ms, detail))
@@ -182,71 +188,44 @@ class Node:
                      record.job_id.hex()[:12], record.seq)
 
     async def _apply(self, decision: Decision) -> None:
-        me = self.identity.public_key
-        if decision.value_kind == "eviction" and decision.value.node == me:
-            await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
-        elif decision.value_kind in ("placement", "placement_slot", "eviction", "membership", "resume"):
-            # Run what the core's job table says, not what this one decision names: an
-            # eviction also moves jobs its plan left out (SPEC.md F5), and a decision may
-            # be applied after later ones in the same batch changed the job again.
-            await self._reconcile_workloads()
-        elif decision.value_kind == "halt":
-            # The core saw this node stall past the detection bound: its workloads may
-            # already run elsewhere, so stop them before anything else (SPEC.md F3).
-            await self._stop_all("stalled long enough to be suspected; checking for eviction")
-        elif decision.value_kind in ("stop", "cancel"):
+        """3. The core's workload orders ("stop", then "run": protocol/workload_orders.py),
+        executed as given. Certified decisions need nothing more here: whatever they change
+        about this node's workloads comes as orders in the same batch."""
+        kind = decision.value_kind
+        if kind == "stop":
             for job_id in decision.value:
-                await self._stop_workload(job_id, decision.value_kind)
-
-    async def _reconcile_workloads(self) -> None:
-        """Make the running workloads match the core: stop every one this node no longer
-        runs under the same fence, and start every live job it is now the primary of.
-        Nothing starts while the core is halted (self-fencing or the restart sync) or
-        when this node is not a member."""
-        if not self.run_workloads:
-            return
-        me, core = self.identity.public_key, self.core
-        for job_id, fence in list(self.job_fences.items()):
-            job = core.job_view(job_id)
-            if (job is None or job["primary"] != me or job["fence"] != fence
-                    or job["state"] not in LIVE_JOB_STATES or not core.is_member()):
-                await self._stop_workload(job_id, "superseded (fence %d)" % fence)
-        if core.halted or not core.is_member():
-            return
-        for job in core.jobs():
-            if job["primary"] == me and job["state"] in LIVE_JOB_STATES and job["job_id"] not in self.job_fences:
-                # From its newest checkpoint (none yet for a new job), except a retry after a
-                # failed run: that one is placed afresh (SPEC.md P6).
-                retry = job["state"] == "placed" and job["attempt"] > 0
-                await self._start_workload(job["job_id"], resume=not retry)
+                await self._stop_workload(job_id, "ordered by the core")
+        elif kind == "run":
+            for run in decision.value:
+                await self._start_workload(run)
+        elif kind == "halt" or (kind == "eviction" and decision.value.node == self.identity.public_key):
+            # The core saw this node stall past the detection bound (SPEC.md F3), or this
+            # node was evicted: its workloads may already run elsewhere. Its stop orders
+            # cover the jobs it ordered; anything else the runner still runs stops too.
+            await self._stop_all("halted (self-fencing check)" if kind == "halt" else
+                                 "this node was evicted (epoch %d)" % decision.value.epoch)
 
     # --- workloads -------------------------------------------------------------------------------
 
-    async def _start_workload(self, job_id: bytes, *, resume: bool) -> None:
+    async def _start_workload(self, run: WorkloadRun) -> None:
+        job_id, fence, manifest = run.job_id, run.fence, run.manifest
         if not self.run_workloads or job_id in self.runner.running():
             return
-        job = self.core.job_view(job_id)
-        if job is None or job["primary"] != self.identity.public_key or self.core.halted:
-            log.info("not starting job %s: %s", job_id.hex()[:12],
-                     "unknown" if job is None else "halted" if self.core.halted else "not its primary")
-            return
-        manifest: JobManifest = job["manifest"]
-        fence = job["fence"]
         restore = None
-        if resume:
+        if run.resume:
             latest = self.checkpoints.latest(job_id)
             if latest is not None:
                 restore = (latest.state, latest.progress, latest.seq)
         self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(job["gpus"]), restore, fence)
+            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence)
         except MeshError as exc:
             log.warning("cannot start job %s: %s", job_id.hex()[:12], exc)
             await self._handle(self.core.job_exited(job_id, 127, now_ms()))
             return
         self.job_fences[job_id] = fence
-        for gpu in job["gpus"]:
+        for gpu in run.gpus:
             self.telemetry.set_load(gpu, 90_000, manifest.resources.gpu_mem_mib)
         await self._handle(self.core.workload_started(job_id, fence, restore[2] if restore else 0, now_ms()))
         log.info("started job %s pid %d fence %d from %s", job_id.hex()[:12], pid, fence,
