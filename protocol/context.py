@@ -21,7 +21,7 @@ from protocol.ready import Event
 
 @dataclass
 class NodeContext:
-    identity: object                 # keys.identity.Identity: signs what this node sends
+    identity: object                 # a protocol.signing.SigningIdentity: signs what this node sends
     genesis: object                  # keys.genesis.Genesis: the mesh's founding document
     policy: NodePolicy
     capacity: LocalCapacity

@@ -102,7 +102,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         create_keystore(path, identity, None)
         owner_entries.append({"key_file": str(path), "public_key": identity.public_key.hex()})
     # The testnet's attestation authority vouches for node attributes and for the stake
-    # of nodes that join later (SPEC.md 7.2: a join cannot grant itself stake).
+    # of nodes that join later (SPEC.md F7: a join cannot grant itself stake).
     authority = generate_identity()
     create_keystore(root / "authority.key", authority, None)
     identities = [generate_identity() for _ in range(nodes)]

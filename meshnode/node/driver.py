@@ -280,7 +280,7 @@ class Node:
         return job_id
 
     async def join(self, bootstrap_key: bytes, addr: str) -> dict:
-        """Ask the mesh, through ``bootstrap_key``, to admit this node (SPEC.md 7.2)."""
+        """Ask the mesh, through ``bootstrap_key``, to admit this node (SPEC.md F7)."""
         await self.transport.connect(bootstrap_key, addr)
         await self._handle(self.core.request_join(bootstrap_key, now_ms()))
         return {"requested": True, "bootstrap": bootstrap_key.hex(), "epoch": self.core.epoch}

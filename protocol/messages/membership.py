@@ -48,7 +48,7 @@ class Attestation(Record):
 
 @record
 class Endorsement(Record):
-    """A member vouching stake for a joining key (SPEC.md 7.2)."""
+    """A member vouching stake for a joining key (SPEC.md F7)."""
     KIND: ClassVar = "endorsement"
     candidate: bytes
     stake: int

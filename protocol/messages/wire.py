@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from keys.identity import SigningIdentity
+from protocol.signing import SigningIdentity
 from protocol import codec
 from protocol.caches import CoreCaches
 from protocol.envelope import Envelope, open_envelope, seal
