@@ -153,7 +153,7 @@ def test_safety_records_restore_a_consensus_lock_after_reopen(tmp_path):
     fresh = Net(4).nodes[key]
     fresh.restore(records)
     assert (fresh.round, fresh.lock) == (node.round, node.lock)
-    assert kind_of(fresh._own[("precommit", 0)][1]) == "precommit"
+    assert kind_of(fresh._safety.signed("precommit", 0)[1]) == "precommit"
 
 
 def vote(instance: bytes, epoch: int, round: int = 0) -> PersistRecord:
