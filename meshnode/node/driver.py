@@ -28,6 +28,7 @@ from meshnode.node import config as node_config
 from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
 from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
 from meshnode.node.clock import now_ms, wall_ms
+from meshnode.node.dirlock import DirectoryLock
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry
@@ -325,6 +326,16 @@ def setup_logging(log_path: Path, level: str) -> None:
 
 async def run_node(data_dir, *, run_workloads: bool = True) -> None:
     """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted)."""
+    lock = DirectoryLock(data_dir)
+    if Path(data_dir).is_dir():   # a missing directory gets Node's own one-line error
+        lock.acquire()
+    try:
+        await _run_locked_node(data_dir, run_workloads)
+    finally:
+        lock.release()
+
+
+async def _run_locked_node(data_dir, run_workloads: bool) -> None:
     node = Node(data_dir, run_workloads=run_workloads)
     setup_logging(node.paths.log, node.config.log_level)
     try:
