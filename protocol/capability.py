@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, RunningJob
 from protocol.placement import attested_attributes
-from protocol.ready import Outbound, Ready
+from protocol.ready import Outbound, PersistRecord, Ready
 
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+# Peers keep a vector only if its seq is higher than the one they hold (P1), so a restarted
+# node must not count from 0 again: it persists a floor this far ahead of what it signs,
+# and a restart starts from the floor (one write per this many vectors, not one each).
+SEQ_BLOCK = 1024
 
 
 class CapabilityBook:
-    def __init__(self, ctx, epochs, jobs, ledger) -> None:
+    def __init__(self, ctx, epochs, jobs, ledger, seq_floor: int = 0) -> None:
         self.ctx = ctx
         self.epochs = epochs
         self.jobs = jobs
@@ -25,7 +29,8 @@ class CapabilityBook:
         self.vector: CapabilityVector | None = None
         self.facts: tuple | None = None              # what it was signed for
         self.broadcast_ms: int | None = None
-        self.seq = 0
+        self.seq = max(0, seq_floor)     # the last seq that may have been signed before a restart
+        self.seq_persisted = self.seq    # what a restart would start from
         self.telemetry_gpus: tuple = ()
         self.telemetry_simulated = False
         self.rtt_us = 0
@@ -75,6 +80,14 @@ class CapabilityBook:
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
         return self.envelope, cap, True
+
+    def seq_floor_record(self) -> PersistRecord | None:
+        """Once the vectors signed reach the persisted floor, a new floor SEQ_BLOCK ahead (to
+        persist with the batch that sends them: the drain persists before it sends)."""
+        if self.seq < self.seq_persisted:
+            return None
+        self.seq_persisted = self.seq + SEQ_BLOCK
+        return PersistRecord("capability", "seq_floor", {"seq_floor": self.seq_persisted})
 
     def _running_report(self, now_ms: int) -> tuple:
         """The jobs this node runs as primary, newest checkpoint's age included (SPEC P1)."""

@@ -62,7 +62,7 @@ class MeshCore:
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
                  now_ms: int, history: Iterable[bytes] = (), safety_records: Iterable[PersistRecord] = (),
                  job_outcomes: Iterable[bytes] = (), heartbeats: bool = True, bid_sample: int | None = None,
-                 min_silence_ms: int | None = None):
+                 min_silence_ms: int | None = None, capability_seq_floor: int = 0):
         """``history``: the commit certificates this node persisted; ``safety_records``: its
         persisted ``votes``, ``locks`` and ``evidence`` records (SPEC.md 6.9), restored into an
         instance whenever it is created again, so a restarted node never votes against itself;
@@ -72,7 +72,8 @@ class MeshCore:
         simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
         instance and key, so every node agrees) bid on each job instead of all of them.
         ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound
-        minus one heartbeat period, SPEC.md F2)."""
+        minus one heartbeat period, SPEC.md F2). ``capability_seq_floor``: the persisted
+        ``capability`` record's ``seq_floor``, so a restart never rewinds the seq peers compare (P1)."""
         ctx = self.ctx = NodeContext(identity=identity, genesis=genesis, policy=policy, capacity=capacity, rng=rng,
                                      heartbeats=heartbeats, bid_sample=bid_sample)
         self.identity, self.me, self.mesh_id, self.genesis = identity, ctx.me, ctx.mesh_id, genesis
@@ -84,7 +85,7 @@ class MeshCore:
         self.instance_table = instances = InstanceTable(ctx, epochs, self._apply_certified, self._deliver_held,
                                                         safety_records)
         # The parts, then the links between them that run both ways.
-        self.capability = capability = CapabilityBook(ctx, epochs, jobs, ledger)
+        self.capability = capability = CapabilityBook(ctx, epochs, jobs, ledger, capability_seq_floor)
         self.bidding = bidding = Bidding(ctx, epochs, jobs, ledger, capability, instances)
         self.liveness = liveness = Liveness(ctx, epochs, jobs, instances, now_ms, min_silence_ms)
         self.joins = joins = Joins(ctx, epochs)
@@ -232,8 +233,12 @@ class MeshCore:
         return self._with_orders(out)
 
     def _with_orders(self, out: Ready) -> Ready:
-        """Every input's Ready ends with the workload orders it implies (workload_orders.py)."""
+        """Every input's Ready ends with the workload orders it implies (workload_orders.py)
+        and, when the capability seq passed its persisted floor, the new floor."""
         self.orders.reconcile(out)
+        floor = self.capability.seq_floor_record()
+        if floor is not None:
+            out.persist.append(floor)
         return out
 
     def tick(self, now_ms: int) -> Ready:
@@ -255,7 +260,7 @@ class MeshCore:
         return jid, self._with_orders(out)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
-        return self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated)
+        return self._with_orders(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated))
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))

@@ -866,3 +866,35 @@ def test_an_epoch_change_certificate_for_another_instance_is_refused():
     assert "not the change of epoch" in certificate_binding_error("eviction", epoch_change_instance_id(1), value, 0,
                                                                   MESH, 0)
     assert "names epoch" in certificate_binding_error("eviction", epoch_change_instance_id(1), value, 1, MESH, 0)
+
+
+# --- a restart never rewinds the capability seq peers compare (SPEC P1) -----------------------------
+def test_a_restarted_node_capability_vector_replaces_its_pre_crash_one_at_its_peers():
+    from protocol.messages import GpuState
+
+    def gpu(temp_c):
+        return GpuState(index=0, model="H100", mem_total_mib=80_000, mem_used_mib=70_000, util_milli=90_000,
+                        temp_milli_c=temp_c * 1000, sm_clock_mhz=1400, throttle_reasons=0, ecc_errors=0,
+                        power_mw=400_000)
+
+    net = Net()
+    node, peer = net.cores[KEYS[0]], net.cores[KEYS[1]]
+    persisted = []
+    for second in range(5):   # a busy, hot GPU, re-signed every second
+        ready = node.update_telemetry((gpu(73 + second),), 100, 1000 * (second + 1), simulated=True)
+        persisted.extend(r for r in ready.persist if r.table == "capability")
+        for message in ready.messages:
+            peer.step(message.data, 1000 * (second + 1))
+    hot = peer.capability.peers[KEYS[0]]
+    assert hot.gpus[0].temp_milli_c == 77_000 and persisted
+    floor = persisted[-1].value["seq_floor"]
+    assert floor > hot.seq
+    # Restarted (same key, fresh process): from the persisted floor, not from 0.
+    restarted = MeshCore(identity=IDS[0], genesis=GENESIS, policy=NodePolicy(zone=ZONES[0]),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,)), rng=random.Random(9), now_ms=0,
+                         capability_seq_floor=floor)
+    ready = restarted.update_telemetry((gpu(40),), 100, 10)
+    for message in ready.messages:
+        peer.step(message.data, 6000)
+    cool = peer.capability.peers[KEYS[0]]
+    assert cool.seq > hot.seq and cool.gpus[0].temp_milli_c == 40_000   # the pre-crash vector is gone

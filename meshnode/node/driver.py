@@ -81,7 +81,8 @@ class Node:
         return MeshCore(identity=self.identity, genesis=self.genesis, policy=self.policy,
                         capacity=capacity, rng=random.Random(os.urandom(16)), now_ms=now_ms(),
                         history=self.store.certificates_in_order(), safety_records=self.store.safety_records(),
-                        job_outcomes=self.store.job_outcomes())
+                        job_outcomes=self.store.job_outcomes(),
+                        capability_seq_floor=self.store.capability_seq_floor())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.started_ms = now_ms()

@@ -34,7 +34,7 @@ from protocol.ready import Event, PersistRecord, Ready
 # Tables the core may write through PersistRecord. A name outside this list is a driver/core
 # contract violation (LocalProtocolError), never a new table made from arbitrary input.
 PERSIST_TABLES = frozenset({"votes", "locks", "instances", "jobs", "membership", "epochs", "evidence",
-                            "reservations", "suspicions", "checkpoints", "fences"})
+                            "reservations", "suspicions", "checkpoints", "fences", "capability"})
 MAX_EVENTS = 10_000      # the events table keeps only the newest this many rows
 MAX_COLUMNS = 64
 _COLUMN = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -220,6 +220,12 @@ class NodeStore:
         votes again (``MeshCore(safety_records=...)``, SPEC.md 6.9)."""
         return [PersistRecord(table, key, value) for table in ("votes", "locks", "evidence")
                 for key, value in self.load(table).items()]
+
+    def capability_seq_floor(self) -> int:
+        """Where a restarted core's capability seq starts (``MeshCore(capability_seq_floor=...)``)."""
+        row = self.load("capability").get("seq_floor") or {}
+        floor = row.get("seq_floor")
+        return floor if isinstance(floor, int) and floor >= 0 else 0
 
     def job_outcomes(self) -> list[bytes]:
         """The newest exit or cancel envelope the core persisted per job (``MeshCore(job_outcomes=...)``)."""
