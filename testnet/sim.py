@@ -93,6 +93,7 @@ class SimNode:
     persisted_records: int = 0
     behaviour: ByzantineBehaviour | None = None
     drain: ReadyDrain | None = None
+    capability_seq_floor: int = 0   # the persisted floor a restarted core's capability seq starts at (P1)
 
 
 @dataclass
@@ -211,7 +212,8 @@ class Simulation:
                         capacity=spec.capacity, rng=random.Random(self.rng.getrandbits(64)),
                         now_ms=self.now_ms, history=tuple(node.certificates),
                         safety_records=tuple(node.safety_records.values()),
-                        heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample)
+                        heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample,
+                        capability_seq_floor=node.capability_seq_floor)
 
     def _verify_certificate(self, data: bytes, views: dict) -> tuple:
         """Verify against the deciding node's view of the certificate's epoch; every node must
@@ -415,6 +417,8 @@ class Simulation:
             if table == "certificates":
                 node.certificates.append(record.value["certificate"])
                 self._forget_votes(node, record.value["instance"])
+            elif table == "capability":
+                node.capability_seq_floor = record.value["seq_floor"]
             elif table in SAFETY_TABLES:
                 key = (table, record.key)
                 node.safety_records[key] = record  # upserted by key, as on disk
