@@ -898,3 +898,55 @@ def test_a_restarted_node_capability_vector_replaces_its_pre_crash_one_at_its_pe
         peer.step(message.data, 6000)
     cool = peer.capability.peers[KEYS[0]]
     assert cool.seq > hot.seq and cool.gpus[0].temp_milli_c == 40_000   # the pre-crash vector is gone
+
+
+# --- parking (SPEC P3a) -------------------------------------------------------------------------------
+def _round_changes(net, since=0):
+    return sum(1 for key in KEYS for e in net.events[key][since:] if e.kind == "round_change")
+
+
+def test_p3a_a_job_no_member_can_host_waits_parked_instead_of_changing_rounds_forever():
+    net = Net(gpus=(1, 1, 1, 1))
+    job, envelope = make_job(gpus=2)          # no node has two GPUs
+    net.submit(KEYS[0], envelope)
+    net.run(30_000)                            # 30 s: today's timeouts would have burnt 9+ rounds
+    iid = job_id(job)
+    assert all(core.instances[iid].round == 0 for core in net.cores.values())
+    assert _round_changes(net) == 0
+    assert not any(e.kind == "job_gave_up" for key in KEYS for e in net.events[key])
+    assert "parked" in net.cores[KEYS[0]].job_view(iid)["hint"]
+    assert all(any(e.kind == "job_parked" for e in net.events[key]) for key in KEYS)
+
+
+def test_p3a_a_parked_job_is_placed_as_soon_as_capacity_frees():
+    net = Net(gpus=(1, 0, 0, 0))
+    first, first_envelope = make_job(nonce=1, gpus=1, backups=0)
+    second, second_envelope = make_job(nonce=2, gpus=1, backups=0)
+    net.submit(KEYS[1], first_envelope)
+    net.run(100)
+    assert net.cores[KEYS[1]].job_view(job_id(first))["primary"] == KEYS[0]
+    net.submit(KEYS[1], second_envelope)
+    net.run(10_000)
+    assert net.cores[KEYS[1]].job_view(job_id(second))["state"] == "pending"
+    assert "parked" in net.cores[KEYS[1]].job_view(job_id(second))["hint"]
+    # The first job ends on node 0: its GPU is free, and node 0 bids for the parked job at once.
+    net.emit(KEYS[0], net.cores[KEYS[0]].job_exited(job_id(first), 0, net.now))
+    net.run(100)
+    assert all(core.job_view(job_id(second))["primary"] == KEYS[0] for core in net.cores.values())
+    assert all(core.instances.get(job_id(second)) is None for core in net.cores.values())   # decided
+
+
+def test_p3a_news_from_a_member_wakes_a_parked_round():
+    """A member that could place the job (a bidder whose leader stays silent) must still be
+    able to gather the round changes it needs: another member's message wakes the round."""
+    net = Net(gpus=(1, 1, 1, 1))
+    job, envelope = make_job(gpus=2)
+    net.submit(KEYS[0], envelope)
+    net.run(5_000)
+    core, iid = net.cores[KEYS[2]], job_id(job)
+    assert iid in core.instance_table.parked
+    change = net.cores[KEYS[3]].instances[iid].round_change()   # a member announcing the round
+    net.emit(KEYS[2], core.step(change, net.now, KEYS[3]))
+    assert iid not in core.instance_table.parked
+    net.run(10_000)
+    assert core.instances[iid].round >= 1   # it timed out and announced the next round
