@@ -96,7 +96,7 @@ class MeshCore:
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
         self.orders = WorkloadOrders(epochs, jobs, liveness)
-        self._free_seen, self._ledger_version_seen = self._free_capacity(), ledger.version
+        self._free_seen = (len(ledger.free_gpus()), ledger.free_cpu_milli(), ledger.free_mem_mib())
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
         epoch_changes.placement = placement
@@ -237,20 +237,16 @@ class MeshCore:
         """Every input's Ready ends with what it implies beyond its own flow: parked jobs
         reconsidered when capacity freed here (P3a), the workload orders
         (workload_orders.py) and, when the capability seq passed its persisted floor, the new floor."""
-        if self.ledger.version != self._ledger_version_seen:   # most inputs change no capacity
-            free = self._free_capacity()
-            if self.instance_table.parked and any(now > then for now, then in zip(free, self._free_seen)):
-                self.placement.reconsider_parked(now_ms, out)
-                free = self._free_capacity()
-            self._free_seen, self._ledger_version_seen = free, self.ledger.version
+        free = (len(self.ledger.free_gpus()), self.ledger.free_cpu_milli(), self.ledger.free_mem_mib())
+        if self.instance_table.parked and any(now > then for now, then in zip(free, self._free_seen)):
+            self.placement.reconsider_parked(now_ms, out)
+            free = (len(self.ledger.free_gpus()), self.ledger.free_cpu_milli(), self.ledger.free_mem_mib())
+        self._free_seen = free
         self.orders.reconcile(out)
         floor = self.capability.seq_floor_record()
         if floor is not None:
             out.persist.append(floor)
         return out
-
-    def _free_capacity(self) -> tuple[int, int, int]:
-        return len(self.ledger.free_gpus()), self.ledger.free_cpu_milli(), self.ledger.free_mem_mib()
 
     def tick(self, now_ms: int) -> Ready:
         out = Ready()
