@@ -158,8 +158,6 @@ class Bidding:
             self.instances.hold(bid.instance, envelope, bid, data)
             return
         facts = self.parse_member_bid(data, bid.instance, inst.view)
-        if bid.instance in self.instances.parked:
-            self.instances.wake(bid.instance, by=envelope.signer)   # someone can host it (P3a)
         if self.hold(role.flow.bid_job(role.subject), facts, data, key=bid.instance):
             role.flow.on_answer(inst, now_ms, out)
 

@@ -59,10 +59,6 @@ class InstanceTable:
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self.evidence: list = []
         self.evidence_log: list[dict] = []
-        # Parking (SPEC.md P3a): instance -> the round whose timeout it let pass silently, and
-        # instance -> the round in which news from another member woke it (it then times out).
-        self.parked: dict[bytes, int] = {}
-        self.woken: dict[bytes, int] = {}
         self.safety_records = list(safety_records)
 
     def restore_safety_records(self) -> None:
@@ -100,16 +96,10 @@ class InstanceTable:
                 continue
             if what == "deadline":
                 deadline = inst.deadline_ms
-                if deadline is None or deadline > now_ms:
-                    self.schedule(inst)
-                elif self.woken.get(iid) != inst.round and self.roles[iid].flow.may_park(inst, now_ms):
-                    # Nobody here can place it and nobody else spoke: no round change, no
-                    # rounds burnt. News for it (wake) or capacity freed here ends this.
-                    if self.parked.get(iid) != inst.round:
-                        self.parked[iid] = inst.round
-                        self.roles[iid].flow.on_parked(inst, now_ms, out)
-                else:
+                if deadline is not None and deadline <= now_ms:
                     self.drive(inst, inst.tick(now_ms), now_ms, out)
+                else:
+                    self.schedule(inst)
             else:  # "bid_window"
                 self.roles[iid].flow.on_bid_window_closed(inst, now_ms, out)
 
@@ -179,26 +169,10 @@ class InstanceTable:
         flow = self.roles[iid].flow
         if inst.round != self.rounds.get(iid):
             self.rounds[iid] = inst.round
-            self.parked.pop(iid, None)
             flow.on_round_changed(inst, now_ms, out)
         if inst.awaiting_value:
             flow.on_awaiting_value(inst, now_ms, out)
         self.schedule(inst)
-
-    def wake(self, iid: bytes, by: bytes | None = None) -> None:
-        """News for the instance from another member of its view (a vote, a round change, a
-        proposal, a bid): its round times out as usual again, so a member that could place
-        the job (a bidder whose leader is silent) gathers the round changes it needs."""
-        inst = self.instances.get(iid)
-        if inst is None or (by is not None and (by == self.ctx.me or by not in inst.view.stakes)):
-            return
-        self.woken[iid] = inst.round
-        if self.parked.pop(iid, None) is not None:
-            self.schedule(inst)
-
-    def wake_all(self) -> None:
-        for iid in list(self.parked):
-            self.wake(iid)
 
     def _to_epoch_members(self, view: EpochView, messages: list) -> list:
         """An instance of an older epoch (a placement that names it, P2; an evicted node's kept
@@ -225,8 +199,6 @@ class InstanceTable:
             self._keep_safety_records(iid, records)
         self.roles.pop(iid, None)
         self.rounds.pop(iid, None)
-        self.parked.pop(iid, None)
-        self.woken.pop(iid, None)
 
     def _keep_safety_records(self, iid: bytes, records: list) -> None:
         """Add to what a re-created instance restores, upserted by (table, key) as on disk: a
@@ -241,8 +213,6 @@ class InstanceTable:
         if self.instances.pop(iid, None) is None:
             return
         self.rounds.pop(iid, None)
-        self.parked.pop(iid, None)
-        self.woken.pop(iid, None)
         role = self.roles.pop(iid)
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a

@@ -96,7 +96,6 @@ class MeshCore:
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
         self.orders = WorkloadOrders(epochs, jobs, liveness)
-        self._free_seen = (len(ledger.free_gpus()), ledger.free_cpu_milli(), ledger.free_mem_mib())
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
         epoch_changes.placement = placement
@@ -231,17 +230,11 @@ class MeshCore:
                 handler(envelope, message, data, now_ms, out)
         except RemoteProtocolError:
             self.counters["rejected_" + envelope.kind] += 1
-        return self._finish(out, now_ms)
+        return self._with_orders(out)
 
-    def _finish(self, out: Ready, now_ms: int) -> Ready:
-        """Every input's Ready ends with what it implies beyond its own flow: parked jobs
-        reconsidered when capacity freed here (P3a), the workload orders
-        (workload_orders.py) and, when the capability seq passed its persisted floor, the new floor."""
-        free = (len(self.ledger.free_gpus()), self.ledger.free_cpu_milli(), self.ledger.free_mem_mib())
-        if self.instance_table.parked and any(now > then for now, then in zip(free, self._free_seen)):
-            self.placement.reconsider_parked(now_ms, out)
-            free = (len(self.ledger.free_gpus()), self.ledger.free_cpu_milli(), self.ledger.free_mem_mib())
-        self._free_seen = free
+    def _with_orders(self, out: Ready) -> Ready:
+        """Every input's Ready ends with the workload orders it implies (workload_orders.py)
+        and, when the capability seq passed its persisted floor, the new floor."""
         self.orders.reconcile(out)
         floor = self.capability.seq_floor_record()
         if floor is not None:
@@ -255,33 +248,31 @@ class MeshCore:
         for key in self.ledger.expire(now_ms):
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         self.instance_table.prune_timers()
-        return self._finish(out, now_ms)
+        return self._with_orders(out)
 
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
         """A signed job from a local owner (SPEC P2)."""
-        return self._finish(self.placement.submit(job_envelope, now_ms), now_ms)
+        return self._with_orders(self.placement.submit(job_envelope, now_ms))
 
     def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
         """An owner-signed Cancel envelope: stop and forget the job everywhere."""
         jid, out = self.lifecycle.cancel(request, now_ms)
-        return jid, self._finish(out, now_ms)
+        return jid, self._with_orders(out)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
-        return self._finish(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated),
-                                 now_ms)
+        return self._with_orders(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated))
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
-        return self._finish(self.lifecycle.workload_started(jid, fence, from_seq, now_ms), now_ms)
+        return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))
 
     def local_checkpoint(self, jid: bytes, seq: int, progress: int, taken_ms: int, state: bytes,
                          now_ms: int) -> Ready:
-        return self._finish(self.lifecycle.local_checkpoint(jid, seq, progress, taken_ms, state, now_ms),
-                                 now_ms)
+        return self._with_orders(self.lifecycle.local_checkpoint(jid, seq, progress, taken_ms, state, now_ms))
 
     def job_exited(self, jid: bytes, exit_code: int, now_ms: int) -> Ready:
         """The workload ran out here (or could not start: the driver reports 127)."""
         self.orders.exited(jid)
-        return self._finish(self.lifecycle.job_exited(jid, exit_code, now_ms), now_ms)
+        return self._with_orders(self.lifecycle.job_exited(jid, exit_code, now_ms))
 
     def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
         return self.joins.request_join(bootstrap_key, now_ms)
@@ -307,8 +298,6 @@ class MeshCore:
             table.answer_applied(iid, envelope.signer, message.round, out)
             table.hold(iid, envelope, message, data)
             return
-        if iid in table.parked:
-            table.wake(iid, by=envelope.signer)
         table.drive(inst, inst.on_message(envelope, message, now_ms, data), now_ms, out)
 
     def _deliver_held(self, envelope, message, data, now_ms: int, out: Ready) -> None:

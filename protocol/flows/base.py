@@ -41,13 +41,6 @@ class ValueFlow:
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
         """A timer the flow scheduled with ``what="bid_window"`` is due."""
 
-    def may_park(self, inst, now_ms: int) -> bool:
-        """At the round's timeout: whether this node may let it pass silently (SPEC.md P3a)."""
-        return False
-
-    def on_parked(self, inst, now_ms: int, out: Ready) -> None:
-        """The round's timeout passed silently here (may_park)."""
-
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
         """The instance gave up undecided after its last round."""
 

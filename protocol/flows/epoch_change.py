@@ -315,7 +315,6 @@ class EpochChangeFlow(ValueFlow):
         change applied in the middle of another's would move jobs by a half-updated table):
         the jobs that named that epoch start, that epoch's own change applies if it arrived
         early, and joins still waiting are proposed again."""
-        self.instances.wake_all()   # a new member may host a parked job, or its leader left (P3a)
         self.placement.start_placements_of_epoch(entered, now_ms, out)
         for waiting in self.epochs.future_certificates.pop(entered, ()):
             # Held unverified (its epoch's view was unknown): the first that verifies applies.

@@ -284,45 +284,6 @@ class PlacementFlow(ValueFlow):
         self.jobs_shown.add(key)
         out.messages.append(Outbound(None, record.envelope))
 
-    # --- parking (SPEC P3a) -------------------------------------------------------------------------
-    def may_park(self, inst, now_ms: int) -> bool:
-        """A round in which every member was asked, this node declined (and still would:
-        capacity freed since it declined is looked at now), and (as its leader) it holds no
-        bid: as far as it can tell nobody can host the job now, and another round would only
-        ask the same members again. A bidder never parks."""
-        iid, bidding = inst.instance_id, self.bidding
-        record = self.jobs.get(self.instances.role(iid).subject)
-        if record is None or record.state != "pending":
-            return False
-        sample = self.ctx.bid_sample
-        if sample is not None and sample << min(inst.round, 64) < len(inst.view.members):
-            return False   # members not asked yet may host it (P3's doubling sample)
-        if self.ctx.me not in inst.view.stakes:
-            return True    # no say in it: it waits for those who have
-        mine = bidding.mine.get(iid)
-        if mine is None or mine[0] != "decline" or bidding.held.get(iid):
-            return False
-        return not bidding.refresh_decline(inst, record, now_ms, key=iid)   # still a decline
-
-    def on_parked(self, inst, now_ms: int, out: Ready) -> None:
-        record = self.jobs.get(self.instances.role(inst.instance_id).subject)
-        record.hint = ("parked: no member can host it now; it is placed when capacity frees or "
-                       "the membership changes")
-        out.events.append(self.ctx.event("job_parked", now_ms, job_id=record.job_id.hex(), round=inst.round))
-
-    def reconsider_parked(self, now_ms: int, out: Ready) -> None:
-        """Capacity freed here: each parked job this node declined is decided afresh, and a
-        bid now possible goes to the round's leader (who proposes at once: every member
-        has answered) and wakes the instance."""
-        for iid in sorted(self.instances.parked):
-            inst = self.instances.get(iid)
-            record = self.jobs.get(self.instances.role(iid).subject) if inst is not None else None
-            if record is None or not self.bidding.refresh_decline(inst, record, now_ms, key=iid):
-                continue
-            if self.bidding.mine.get(iid, ("",))[0] == "bid":
-                self.instances.wake(iid)
-                self.bidding.send_mine(iid, now_ms, out)
-
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
         self.on_dropped(iid)
         record = self.jobs.get(subject)
