@@ -84,8 +84,8 @@ class CapabilityBook:
     def seq_floor_record(self) -> PersistRecord | None:
         """Once the vectors signed reach the persisted floor, a new floor SEQ_BLOCK ahead (to
         persist with the batch that sends them: the drain persists before it sends)."""
-        if self.seq < self.seq_persisted:
-            return None
+        if self.seq <= self.seq_persisted:
+            return None   # nothing signed beyond what a restart starts from
         self.seq_persisted = self.seq + SEQ_BLOCK
         return PersistRecord("capability", "seq_floor", {"seq_floor": self.seq_persisted})
 
