@@ -34,6 +34,7 @@ import random
 from typing import Iterable
 
 from protocol.bidding import Bidding
+from protocol.caches import CoreCaches
 from protocol.capability import CapabilityBook
 from protocol.certificate import verify_commit_certificate
 from protocol.context import NodeContext
@@ -62,7 +63,8 @@ class MeshCore:
     def __init__(self, *, identity, genesis, policy: NodePolicy, capacity: LocalCapacity, rng: random.Random,
                  now_ms: int, history: Iterable[bytes] = (), safety_records: Iterable[PersistRecord] = (),
                  job_outcomes: Iterable[bytes] = (), heartbeats: bool = True, bid_sample: int | None = None,
-                 min_silence_ms: int | None = None, capability_seq_floor: int = 0):
+                 min_silence_ms: int | None = None, capability_seq_floor: int = 0,
+                 caches: CoreCaches | None = None):
         """``history``: the commit certificates this node persisted; ``safety_records``: its
         persisted ``votes``, ``locks`` and ``evidence`` records (SPEC.md 6.9), restored into an
         instance whenever it is created again, so a restarted node never votes against itself;
@@ -73,9 +75,13 @@ class MeshCore:
         instance and key, so every node agrees) bid on each job instead of all of them.
         ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound
         minus one heartbeat period, SPEC.md F2). ``capability_seq_floor``: the persisted
-        ``capability`` record's ``seq_floor``, so a restart never rewinds the seq peers compare (P1)."""
+        ``capability`` record's ``seq_floor``, so a restart never rewinds the seq peers compare (P1).
+        ``caches``: the memo tables (protocol/caches.py) this core uses; default: its own. A
+        driver running many cores may hand them one, deliberately (the simulator does, so a
+        signature one simulated node verified is not verified again by the next: every entry
+        is a pure function of bytes, so this changes the cost, never a decision)."""
         ctx = self.ctx = NodeContext(identity=identity, genesis=genesis, policy=policy, capacity=capacity, rng=rng,
-                                     heartbeats=heartbeats, bid_sample=bid_sample)
+                                     heartbeats=heartbeats, bid_sample=bid_sample, caches=caches or CoreCaches())
         self.identity, self.me, self.mesh_id, self.genesis = identity, ctx.me, ctx.mesh_id, genesis
         self.params, self.counters = ctx.params, ctx.counters
         # Shared state, each an explicit object handed to the parts that use it.

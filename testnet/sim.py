@@ -24,6 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+from protocol.caches import CoreCaches
 from protocol.certificate import verify_commit_certificate
 from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
@@ -57,6 +58,11 @@ class SimConfig:
     heartbeats: bool = True
     bid_sample: int | None = None     # MeshCore(bid_sample=K): about K members bid per job (scale runs)
     slot_ms: int = 0                  # genesis placement_slot_ms: batch first placements per slot (SPEC.md P7)
+    # One CoreCaches for every simulated core (MeshCore(caches=)): a signature, certificate
+    # or value one node checked is not checked again by the next. Entries are pure functions
+    # of bytes, so decisions are the same either way (tests/test_caches.py); per-core tables
+    # multiply the simulator's CPU by the mesh size (18x at 64 nodes), as real nodes pay it.
+    shared_caches: bool = True
     tick_ms: int = 10                 # every node's core.tick period
     safety_ms: int = 1000             # faults are active in [0, safety_ms) when any are on
     submit_window_ms: int = 400       # jobs are submitted at seeded times in [0, window]
@@ -134,6 +140,7 @@ class Simulation:
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms))
         self.mesh_id = self.world.mesh_id
+        self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
         self.honest = honest
@@ -213,7 +220,7 @@ class Simulation:
                         now_ms=self.now_ms, history=tuple(node.certificates),
                         safety_records=tuple(node.safety_records.values()),
                         heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample,
-                        capability_seq_floor=node.capability_seq_floor)
+                        capability_seq_floor=node.capability_seq_floor, caches=self.core_caches)
 
     def _verify_certificate(self, data: bytes, views: dict) -> tuple:
         """Verify against the deciding node's view of the certificate's epoch; every node must

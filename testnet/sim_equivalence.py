@@ -270,6 +270,8 @@ def fingerprint(case: Case, seed: int) -> dict:
     stats = sim.network.stats
     config_dict = asdict(config)
     config_dict["faults"] = list(config.faults)
+    if config_dict.get("shared_caches") is True:  # the default, a cost not a behaviour (SimConfig)
+        del config_dict["shared_caches"]
     return {
         "key": "%s#%d" % (case.key(), seed),
         "reproduce": config.reproduce(),

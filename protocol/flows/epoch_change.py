@@ -204,7 +204,7 @@ class EpochChangeFlow(ValueFlow):
 
     @staticmethod
     def value_binding_error(iid: bytes, value_kind: str, value, epoch: int, mesh_id: bytes,
-                            slot_ms: int) -> str | None:
+                            slot_ms: int, caches=None) -> str | None:
         """SPEC F4: an epoch's change is decided by that epoch's one instance, and the value
         names that epoch (an eviction) or the next (a join). Votes sign only the value's
         hash, so this is what binds a certificate's stated kind to what it decided."""

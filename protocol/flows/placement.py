@@ -298,13 +298,14 @@ class PlacementFlow(ValueFlow):
 
     # --- a placement is decided (SPEC P5) ------------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, placement, epoch: int) -> str | None:
-        return self.value_binding_error(iid, value_kind, placement, epoch, self.ctx.mesh_id, 0)
+        return self.value_binding_error(iid, value_kind, placement, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
 
     @staticmethod
     def value_binding_error(iid: bytes, value_kind: str, placement, epoch: int, mesh_id: bytes,
-                            slot_ms: int) -> str | None:
+                            slot_ms: int, caches=None) -> str | None:
         """SPEC P2: a placement's instance is its job's attempt, in the job's epoch."""
-        _envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True)
+        _envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                        caches=caches)
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,

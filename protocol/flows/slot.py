@@ -321,14 +321,15 @@ class SlotFlow(ValueFlow):
                 out.events.append(self.ctx.event("job_gave_up", now_ms, job_id=jid.hex()))
 
     def binding_error(self, sid: bytes, value_kind: str, value, epoch: int) -> str | None:
-        return self.value_binding_error(sid, value_kind, value, epoch, self.ctx.mesh_id, self.slot_ms)
+        return self.value_binding_error(sid, value_kind, value, epoch, self.ctx.mesh_id, self.slot_ms,
+                                        caches=self.ctx.caches)
 
     @staticmethod
     def value_binding_error(sid: bytes, value_kind: str, value, epoch: int, mesh_id: bytes,
-                            slot_ms: int) -> str | None:
+                            slot_ms: int, caches=None) -> str | None:
         """SPEC P7: a slot's instance is its (epoch, slot), and it places only that slot's jobs."""
         try:
-            return slot_binding_error(sid, value, slot_placements(value, mesh_id), epoch, slot_ms)
+            return slot_binding_error(sid, value, slot_placements(value, mesh_id, caches=caches), epoch, slot_ms)
         except RemoteProtocolError:
             return "a job that is not signed by its owner"
 
