@@ -76,6 +76,10 @@ class JobTable:
         if primary == self.me:
             self._ever_mine.add(record.job_id)
 
+    def may_have_mine(self) -> bool:
+        """False only when this node is certainly the primary of no job (the common case)."""
+        return bool(self._ever_mine)
+
     def mine(self) -> list[JobRecord]:
         """Records of the jobs this node is primary of now, in any state."""
         gone = [jid for jid in self._ever_mine if jid not in self.records or self.records[jid].primary != self.me]

@@ -38,6 +38,8 @@ class WorkloadOrders:
         self.ordered.pop(jid, None)
 
     def reconcile(self, out: Ready) -> None:
+        if not self.ordered and not self.jobs.may_have_mine():
+            return   # nothing ordered, nothing to order: most inputs of most nodes
         wanted: dict[bytes, object] = {}
         # Nothing before the first tick's restart check (F6) has had its say on our history.
         if self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due:

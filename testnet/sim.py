@@ -147,6 +147,8 @@ class Simulation:
         self.checker = DecisionChecker(self.mesh_id, [
             NodeFacts(s.identity.public_key, s.zone, s.labels, s.policy, s.capacity, s.index not in self.world.byzantine)
             for s in self.world.nodes], self._verify_certificate)
+        if self.core_caches is not None:   # pure verdicts: sharing them costs the checker no independence
+            self.checker.caches = self.core_caches
         self.nodes = [SimNode(s.index, s.identity.public_key) for s in self.world.nodes]
         for node in self.nodes:
             node.drain = self._new_drain(node)
