@@ -289,6 +289,10 @@ class NodeSimConfig:
     gap_ms: tuple = (100, 700)        # quiet time between two episodes
     liveness_bound_ms: int = 8000     # after heal_ms plus the longest job's work
     broken_runner: str | None = None  # "ignore_restore": a runner the checkers must catch
+    # Scripted faults instead of drawn ones (tests): (at_ms, kind, target, duration_ms), in
+    # time order; target is a node index, a tuple of them (partition), or "primary": the
+    # primary of the first job submitted, as the lowest-numbered live member sees it.
+    script: tuple = ()
 
     def reproduce(self) -> str:
         line = "meshnode sim --driver node --nodes %d --jobs %d --seed %d --faults %s" % (
@@ -404,7 +408,131 @@ class _WarningCounter(logging.Handler):
         self.counts[key] = self.counts.get(key, 0) + 1
 
 
-class NodeSimulation:
+class RunChecks:
+    """The checks on runs (module docstring): fed the runs a simulation recorded and its
+    fault episodes; they record Violations (and known limits), never raise."""
+
+    def __init__(self, episodes: list, checkpoint_ms: int, detection_bound_ms: int):
+        self.episodes = episodes
+        self.checkpoint_ms = checkpoint_ms
+        self.detection_bound_ms = detection_bound_ms
+        self.violations: list[Violation] = []
+        self.violation_count = 0
+        self.known_limits: list[Violation] = []
+        self.known_limits_count: dict[str, int] = {}
+        self.lost_work_ms: list[int] = []
+        self.fenced_overlap_ms: list[int] = []
+        self.failovers = self.resumes = 0
+
+    def check_runs(self, runs: list[RunRecord]) -> None:
+        """double_run and lost_work over every job's runs (each run ended or given an end)."""
+        by_job: dict[str, list[RunRecord]] = {}
+        for run in runs:
+            by_job.setdefault(run.job, []).append(run)
+        for job, job_runs in by_job.items():
+            self.check_double_runs(job, job_runs)
+            for run in job_runs:
+                self.check_lost_work(job, run, job_runs, self.checkpoint_ms + run.unit_ms)
+
+    def violate(self, check: str, node: int | None, job: str, detail: str) -> None:
+        self.violation_count += 1
+        if len(self.violations) < MAX_VIOLATIONS_KEPT:
+            self.violations.append(Violation(check, node, job, detail))
+
+    def known_limit(self, check: str, node: int | None, job: str, detail: str) -> None:
+        """A failure that SPEC.md 7 "Known limits" describes: counted and shown, not a violation."""
+        self.known_limits_count[check] = self.known_limits_count.get(check, 0) + 1
+        if len(self.known_limits) < MAX_VIOLATIONS_KEPT:
+            self.known_limits.append(Violation(check, node, job, detail))
+
+    def separated(self, a: int, b: int, at_ms: int) -> bool:
+        """Whether b could not hear a at ``at_ms`` (either was down, or a cut lay between them)."""
+        for ep in self.episodes:
+            if ep.start_ms <= at_ms < ep.end_ms:
+                if ep.kind == "crash" and (a in ep.nodes or b in ep.nodes):
+                    return True
+                if ep.kind == "partition" and (a in ep.nodes) != (b in ep.nodes):
+                    return True
+        return False
+
+    def first_heard_ms(self, a: int, b: int, from_ms: int) -> int:
+        """The first time from ``from_ms`` on at which a and b can exchange messages."""
+        at = from_ms
+        for ep in sorted(self.episodes, key=lambda e: e.start_ms):
+            if ep.start_ms <= at < ep.end_ms and self.separated(a, b, at):
+                at = ep.end_ms
+        return at
+
+    def first_unheard_ms(self, a: int, b: int, from_ms: int, until_ms: int) -> int:
+        """The first time in [from_ms, until_ms] at which a and b cannot exchange messages."""
+        for ep in sorted(self.episodes, key=lambda e: e.start_ms):
+            if ep.end_ms <= from_ms or ep.start_ms >= until_ms:
+                continue
+            at = max(from_ms, ep.start_ms)
+            if self.separated(a, b, at):
+                return at
+        return until_ms
+
+    def missed_exit(self, node: int, exits: list[RunRecord]) -> RunRecord | None:
+        """An exit of the job that ``node`` could not hear when it was broadcast (exits are
+        messages, sent once: SPEC.md 7 Known limits), or None."""
+        return next((r for r in exits if r.node != node and self.separated(r.node, node, r.end_ms)), None)
+
+    def check_double_runs(self, job: str, runs: list[RunRecord]) -> None:
+        """A run under an older fence never starts after a newer one started elsewhere, and
+        stops within detection_bound_ms of the first moment its node can hear the newer run's."""
+        grace = self.detection_bound_ms
+        for r1 in runs:
+            for r2 in runs:
+                if r1.node == r2.node or r1.fence > r2.fence or (r1.fence == r2.fence and r1.start_ms > r2.start_ms):
+                    continue
+                if r1.end_ms <= r2.start_ms or r2.end_ms <= r1.start_ms:
+                    continue   # no overlap
+                if r1.fence == r2.fence or r1.start_ms >= r2.start_ms:
+                    self.violate("double_run", r1.node, job,
+                                 "fence %d ran on node %d from %d ms while fence %d ran on node %d since %d ms"
+                                 % (r1.fence, r1.node, r1.start_ms, r2.fence, r2.node, r2.start_ms))
+                    continue
+                informed = self.first_heard_ms(r1.node, r2.node, r2.start_ms)
+                self.fenced_overlap_ms.append(r1.end_ms - r2.start_ms)
+                if informed < r2.end_ms and r1.end_ms > informed + grace:
+                    self.violate("double_run", r1.node, job,
+                                 "fence %d ran on node %d until %d ms; fence %d started on node %d at %d ms and "
+                                 "could reach it from %d ms (grace %d ms)"
+                                 % (r1.fence, r1.node, r1.end_ms, r2.fence, r2.node, r2.start_ms, informed, grace))
+
+    def check_lost_work(self, job: str, run: RunRecord, runs: list[RunRecord], bound: int) -> None:
+        """Work lost by this run's start: what the run it continues had done when this run's
+        node could last hear it, minus where this one starts (SPEC.md 11, node mode)."""
+        if run.restore_origin is not None:
+            origin_node, origin_fence = run.restore_origin
+            candidates = [r for r in runs if r.node == origin_node and r.fence == origin_fence
+                          and r.start_ms <= run.start_ms and r is not run]
+        else:
+            candidates = [r for r in runs if r.start_ms <= run.start_ms and r is not run]
+        if not candidates:
+            return
+        previous = max(candidates, key=lambda r: (r.start_ms, r.fence))
+        self.resumes += 1
+        if previous.node != run.node:
+            self.failovers += 1
+        # When the previous run had done what this one starts from (the restored checkpoint
+        # was taken then), and the first moment after it at which this node stopped hearing it.
+        restored_at = previous.start_ms + max(0, run.start_progress - previous.start_progress) * previous.unit_ms
+        heard_until = self.first_unheard_ms(previous.node, run.node, min(restored_at, run.start_ms), run.start_ms)
+        heard_until = min(heard_until, previous.end_ms)
+        reached = previous.progress_at(heard_until)
+        lost_ms = max(0, reached - run.start_progress) * run.unit_ms
+        self.lost_work_ms.append(lost_ms)
+        if lost_ms > bound:
+            self.violate("lost_work", run.node, job,
+                         "fence %d on node %d started at progress %d; the run it continues (node %d fence %d) "
+                         "had reached %d when last heard at %d ms: %d ms lost, bound %d ms"
+                         % (run.fence, run.node, run.start_progress, previous.node, previous.fence,
+                            reached, heard_until, lost_ms, bound))
+
+
+class NodeSimulation(RunChecks):
     def __init__(self, config: NodeSimConfig, root: Path):
         self.config = config
         self.root = Path(root)
@@ -425,27 +553,16 @@ class NodeSimulation:
         self.incarnations = [0] * config.nodes
         self.runs: list[RunRecord] = []
         self.episodes: list[Episode] = []
+        RunChecks.__init__(self, self.episodes, self.params.checkpoint_ms, self.params.detection_bound_ms)
         self.job_ids: list[bytes] = []
         self.job_units: dict[str, int] = {}
         self.completed_ms: dict[str, int] = {}
-        self.violations: list[Violation] = []
-        self.violation_count = 0
-        self.known_limits: list[Violation] = []
-        self.known_limits_count: dict[str, int] = {}
-        self.lost_work_ms: list[int] = []
-        self.fenced_overlap_ms: list[int] = []
-        self.failovers = self.resumes = 0
         self.counters = {"crashes": 0, "restarts": 0, "partitions": 0, "submit_refused": 0}
         self.decided: set[bytes] = set()
         self.end_ms = 0
         self.final_epoch = 0
 
     # --- violations -------------------------------------------------------------------------
-    def violate(self, check: str, node: int | None, job: str, detail: str) -> None:
-        self.violation_count += 1
-        if len(self.violations) < MAX_VIOLATIONS_KEPT:
-            self.violations.append(Violation(check, node, job, detail))
-
     # --- nodes ------------------------------------------------------------------------------
     def _new_node(self, index: int) -> Node:
         self.incarnations[index] += 1
@@ -543,6 +660,14 @@ class NodeSimulation:
             jobs.append((at, manifest))
         return sorted(jobs, key=lambda item: item[0])
 
+    def _scripted_episode(self, _at_ms: int, kind: str, target, duration_ms: int) -> Episode:
+        start = now_ms()
+        if target == "primary":
+            viewer = next(node for node in self.live if node is not None and node.core.is_member())
+            target = self._index(viewer.core.job_view(self.job_ids[0])["primary"])
+        nodes = tuple(target) if isinstance(target, (tuple, list)) else (target,)
+        return Episode(kind, nodes, start, min(self.config.heal_ms, start + duration_ms))
+
     def _draw_episode(self, start: int) -> Episode:
         cfg, rng = self.config, self.rng
         kind = rng.choice(cfg.faults)
@@ -595,24 +720,6 @@ class NodeSimulation:
                     return True
         return False
 
-    def _first_heard_ms(self, a: int, b: int, from_ms: int) -> int:
-        """The first time from ``from_ms`` on at which a and b can exchange messages."""
-        at = from_ms
-        for ep in sorted(self.episodes, key=lambda e: e.start_ms):
-            if ep.start_ms <= at < ep.end_ms and self._separated(a, b, at):
-                at = ep.end_ms
-        return at
-
-    def _first_unheard_ms(self, a: int, b: int, from_ms: int, until_ms: int) -> int:
-        """The first time in [from_ms, until_ms] at which a and b cannot exchange messages."""
-        for ep in sorted(self.episodes, key=lambda e: e.start_ms):
-            if ep.end_ms <= from_ms or ep.start_ms >= until_ms:
-                continue
-            at = max(from_ms, ep.start_ms)
-            if self._separated(a, b, at):
-                return at
-        return until_ms
-
     # --- main --------------------------------------------------------------------------------------
     async def main(self) -> None:
         cfg = self.config
@@ -622,12 +729,20 @@ class NodeSimulation:
                 await self._start(nursery, index)
             # One timeline: submissions at their drawn times, and fault episodes one after
             # another (each drawn when it starts: a crash mostly hits a current primary).
-            fault_at = cfg.fault_start_ms + self.rng.randint(0, 300) if cfg.faults else math.inf
+            script = list(cfg.script)
+            if script:
+                fault_at = script[0][0]
+            else:
+                fault_at = cfg.fault_start_ms + self.rng.randint(0, 300) if cfg.faults else math.inf
             while jobs or fault_at < cfg.heal_ms:
                 if fault_at < cfg.heal_ms and (not jobs or fault_at <= jobs[0][0]):
                     await trio.sleep_until(fault_at / 1000)
-                    await self._run_episode(nursery, self._draw_episode(fault_at))
-                    fault_at = now_ms() + self.rng.randint(*cfg.gap_ms)
+                    if script:
+                        await self._run_episode(nursery, self._scripted_episode(*script.pop(0)))
+                        fault_at = max(script[0][0], now_ms()) if script else math.inf
+                    else:
+                        await self._run_episode(nursery, self._draw_episode(fault_at))
+                        fault_at = now_ms() + self.rng.randint(*cfg.gap_ms)
                 else:
                     at, manifest = jobs.pop(0)
                     await trio.sleep_until(max(at, now_ms()) / 1000)
@@ -671,48 +786,20 @@ class NodeSimulation:
         return True
 
     # --- checks ---------------------------------------------------------------------------------------
-    def known_limit(self, check: str, node: int | None, job: str, detail: str) -> None:
-        """A failure that SPEC.md 7 "Known limits" describes: counted and shown, not a violation."""
-        self.known_limits_count[check] = self.known_limits_count.get(check, 0) + 1
-        if len(self.known_limits) < MAX_VIOLATIONS_KEPT:
-            self.known_limits.append(Violation(check, node, job, detail))
-
-    def _separated(self, a: int, b: int, at_ms: int) -> bool:
-        """Whether b could not hear a at ``at_ms`` (either was down, or a cut lay between them)."""
-        for ep in self.episodes:
-            if ep.start_ms <= at_ms < ep.end_ms:
-                if ep.kind == "crash" and (a in ep.nodes or b in ep.nodes):
-                    return True
-                if ep.kind == "partition" and (a in ep.nodes) != (b in ep.nodes):
-                    return True
-        return False
-
-    def _missed_exit(self, node: int, exits: list[RunRecord]) -> RunRecord | None:
-        """An exit of the job that ``node`` could not hear when it was broadcast (exits are
-        messages, sent once: SPEC.md 7 Known limits), or None."""
-        return next((r for r in exits if r.node != node and self._separated(r.node, node, r.end_ms)), None)
-
     def _final_checks(self, deadline: int) -> None:
         cfg = self.config
         for run in self.runs:
             if run.end == "running":
                 run.end_ms = self.end_ms
                 run.end_progress = run.progress_at(self.end_ms)
-        by_job: dict[str, list[RunRecord]] = {}
-        for run in self.runs:
-            by_job.setdefault(run.job, []).append(run)
-        bound = self.params.checkpoint_ms + cfg.unit_ms
-        for job, runs in by_job.items():
-            self._check_double_runs(job, runs)
-            for run in runs:
-                self._check_lost_work(job, run, runs, bound)
+        self.check_runs(self.runs)
         members = [(i, node) for i, node in enumerate(self.live) if node is not None and node.core.is_member()]
         self.final_epoch = max((node.core.epoch for _, node in members), default=0)
         if len(members) < cfg.nodes:
             self.violate("liveness", None, "", "only nodes %s are members at %d ms" % ([i for i, _ in members],
                                                                                      self.end_ms))
         for job_id in self.job_ids:
-            self._check_outcome(job_id, by_job.get(job_id.hex(), []), members, deadline)
+            self._check_outcome(job_id, [r for r in self.runs if r.job == job_id.hex()], members, deadline)
 
     def _check_outcome(self, job_id: bytes, runs: list[RunRecord], members: list, deadline: int) -> None:
         job = job_id.hex()
@@ -723,12 +810,10 @@ class NodeSimulation:
             return
         first = exits[0]
         # A run started after the job completed: allowed only on a node that missed the exit.
-        rerun_excused = False
         for run in runs:
             if run.start_ms < first.end_ms or run is first:
                 continue
-            if self._separated(first.node, run.node, first.end_ms):
-                rerun_excused = True
+            if self.separated(first.node, run.node, first.end_ms):
                 self.known_limit("rerun_after_exit", run.node, job,
                                  "ran again at fence %d from %d ms: it missed node %d's exit at %d ms"
                                  % (run.fence, run.start_ms, first.node, first.end_ms))
@@ -736,88 +821,32 @@ class NodeSimulation:
                 self.violate("rerun_after_exit", run.node, job,
                              "ran again at fence %d from %d ms though node %d's exit at %d ms could reach it"
                              % (run.fence, run.start_ms, first.node, first.end_ms))
-        # Every member ends with the job completed by one of its exits (primary and fence).
-        done = {(self.keys[r.node], r.fence) for r in exits}
-        finals = {}
+        # Every member ends with the job completed by its newest exit (highest fence), or by an
+        # older one that could not reach the newest run's node (a fenced primary cut off from
+        # the mesh ran to its end; or the newest run is a rerun on a node that missed it).
+        newest = max(exits, key=lambda r: (r.fence, r.end_ms))
+        older = {(self.keys[r.node], r.fence): r for r in exits if r is not newest}
         for index, node in members:
             view = node.core.job_view(job_id)
             final = None if view is None else (view["state"], view["primary"], view["fence"])
-            finals[index] = final
-            if final is not None and final[0] == "completed" and (final[1], final[2]) in done:
-                continue
-            missed = self._missed_exit(index, exits)
             shown = None if final is None else (final[0], self._index(final[1]), final[2])
-            if missed is not None and final is not None and final[0] in LIVE_JOB_STATES:
+            if final == ("completed", self.keys[newest.node], newest.fence):
+                continue
+            exit_run = older.get(final[1:]) if final is not None and final[0] == "completed" else None
+            missed = self.missed_exit(index, exits)
+            if exit_run is not None and self.separated(exit_run.node, newest.node, exit_run.end_ms):
+                self.known_limit("stale_exit", index, job, "holds %s: node %d's exit at %d ms could not reach "
+                                 "node %d, which completed it at fence %d" % (shown, exit_run.node, exit_run.end_ms,
+                                                                           newest.node, newest.fence))
+            elif missed is not None and final is not None and final[0] in LIVE_JOB_STATES:
                 self.known_limit("missed_exit", index, job, "holds %s: it missed node %d's exit at %d ms"
                                  % (shown, missed.node, missed.end_ms))
             else:
                 self.violate("agreement", index, job, "holds %s; the job completed on %s"
-                             % (shown, ["node %d fence %d" % (r.node, r.fence) for r in exits]))
-        completed = {f for f in finals.values() if f is not None and f[0] == "completed"}
-        if len(completed) > 1:
-            detail = "members completed it at different (primary, fence): %s" % {
-                i: (self._index(f[1]), f[2]) for i, f in finals.items() if f is not None}
-            if rerun_excused:
-                self.known_limit("exit_order", None, job, detail)
-            else:
-                self.violate("agreement", None, job, detail)
+                             % (shown, ", ".join("node %d fence %d" % (r.node, r.fence) for r in exits)))
 
     def _index(self, key) -> int | None:
         return self.keys.index(key) if key in self.keys else None
-
-    def _check_double_runs(self, job: str, runs: list[RunRecord]) -> None:
-        """A run under an older fence never starts after a newer one started elsewhere, and
-        stops within detection_bound_ms of the first moment its node can hear the newer run's."""
-        grace = self.params.detection_bound_ms
-        for r1 in runs:
-            for r2 in runs:
-                if r1.node == r2.node or r1.fence > r2.fence or (r1.fence == r2.fence and r1.start_ms > r2.start_ms):
-                    continue
-                if r1.end_ms <= r2.start_ms or r2.end_ms <= r1.start_ms:
-                    continue   # no overlap
-                if r1.fence == r2.fence or r1.start_ms >= r2.start_ms:
-                    self.violate("double_run", r1.node, job,
-                                 "fence %d ran on node %d from %d ms while fence %d ran on node %d since %d ms"
-                                 % (r1.fence, r1.node, r1.start_ms, r2.fence, r2.node, r2.start_ms))
-                    continue
-                informed = self._first_heard_ms(r1.node, r2.node, r2.start_ms)
-                self.fenced_overlap_ms.append(r1.end_ms - r2.start_ms)
-                if informed < r2.end_ms and r1.end_ms > informed + grace:
-                    self.violate("double_run", r1.node, job,
-                                 "fence %d ran on node %d until %d ms; fence %d started on node %d at %d ms and "
-                                 "could reach it from %d ms (grace %d ms)"
-                                 % (r1.fence, r1.node, r1.end_ms, r2.fence, r2.node, r2.start_ms, informed, grace))
-
-    def _check_lost_work(self, job: str, run: RunRecord, runs: list[RunRecord], bound: int) -> None:
-        """Work lost by this run's start: what the run it continues had done when this run's
-        node could last hear it, minus where this one starts (SPEC.md 11, node mode)."""
-        if run.restore_origin is not None:
-            origin_node, origin_fence = run.restore_origin
-            candidates = [r for r in runs if r.node == origin_node and r.fence == origin_fence
-                          and r.start_ms <= run.start_ms and r is not run]
-        else:
-            candidates = [r for r in runs if r.start_ms <= run.start_ms and r is not run]
-        if not candidates:
-            return
-        previous = max(candidates, key=lambda r: (r.start_ms, r.fence))
-        self.resumes += 1
-        if previous.node != run.node:
-            self.failovers += 1
-        # When the previous run had done what this one starts from (the restored checkpoint
-        # was taken then), and the first moment after it at which this node stopped hearing it.
-        restored_at = previous.start_ms + max(0, run.start_progress - previous.start_progress) * previous.unit_ms
-        heard_until = self._first_unheard_ms(previous.node, run.node, min(restored_at, run.start_ms), run.start_ms)
-        heard_until = min(heard_until, previous.end_ms)
-        reached = previous.progress_at(heard_until)
-        lost_ms = max(0, reached - run.start_progress) * run.unit_ms
-        self.lost_work_ms.append(lost_ms)
-        if lost_ms > bound:
-            self.violate("lost_work", run.node, job,
-                         "fence %d on node %d started at progress %d; the run it continues (node %d fence %d) "
-                         "had reached %d when last heard at %d ms: %d ms lost, bound %d ms"
-                         % (run.fence, run.node, run.start_progress, previous.node, previous.fence,
-                            reached, heard_until, lost_ms, bound))
-
 
 def _runs_line(runs: list[RunRecord]) -> str:
     return "; ".join("node %d fence %d %d-%s ms %s->%s %s" % (r.node, r.fence, r.start_ms, r.end_ms, r.start_progress,
