@@ -118,6 +118,7 @@ class RunRecord:
     end: str = "running"       # exit | stopped | killed | running
     checkpoints: int = 0
     last_checkpoint: tuple | None = None   # (seq, progress, taken_ms)
+    exit_reached: tuple = ()   # nodes its exit could reach: members its node broadcast to, not cut off
 
     def progress_at(self, at_ms: int) -> int:
         """The work this run had done at ``at_ms`` (its model: one unit per unit_ms)."""
@@ -258,6 +259,8 @@ class SimRunner:
                 self._jobs.pop(job.info.job_id, None)
                 job.stopping = True
                 record.end_ms, record.end_progress, record.end = deadline, progress, "exit"
+                if self.recorder is not None:
+                    self.recorder.exiting(self, record)
                 await self._on_exit(job.info.job_id, 0)
                 return
 
@@ -290,8 +293,9 @@ class NodeSimConfig:
     liveness_bound_ms: int = 8000     # after heal_ms plus the longest job's work
     broken_runner: str | None = None  # "ignore_restore": a runner the checkers must catch
     # Scripted faults instead of drawn ones (tests): (at_ms, kind, target, duration_ms), in
-    # time order; target is a node index, a tuple of them (partition), or "primary": the
-    # primary of the first job submitted, as the lowest-numbered live member sees it.
+    # time order; target is a node index, a tuple of them (partition), or "primary" or
+    # "backup": the primary or first backup of the first job submitted, as the
+    # lowest-numbered live member sees it then.
     script: tuple = ()
 
     def reproduce(self) -> str:
@@ -474,9 +478,9 @@ class RunChecks:
         return until_ms
 
     def missed_exit(self, node: int, exits: list[RunRecord]) -> RunRecord | None:
-        """An exit of the job that ``node`` could not hear when it was broadcast (exits are
-        messages, sent once: SPEC.md 7 Known limits), or None."""
-        return next((r for r in exits if r.node != node and self.separated(r.node, node, r.end_ms)), None)
+        """An exit of the job that could not reach ``node`` when it was broadcast (exits are
+        messages, sent once to the members of the moment: SPEC.md 7 Known limits), or None."""
+        return next((r for r in exits if r.node != node and node not in r.exit_reached), None)
 
     def check_double_runs(self, job: str, runs: list[RunRecord]) -> None:
         """A run under an older fence never starts after a newer one started elsewhere, and
@@ -643,6 +647,13 @@ class NodeSimulation(RunChecks):
                              "started at fence %d from progress %d (seq %s); it holds seq %d, progress %d"
                              % (record.fence, record.start_progress, record.restore_seq, held.seq, held.progress))
 
+    def exiting(self, runner: SimRunner, record: RunRecord) -> None:
+        """The run did its units: note whom its exit can reach (the core broadcasts it now)."""
+        node = self.live[runner.node]
+        targets = set(node.core.broadcast_targets()) if node is not None else set()
+        record.exit_reached = tuple(i for i, key in enumerate(self.keys) if key in targets and self.live[i] is not None
+                                    and not self.separated(runner.node, i, record.end_ms))
+
     # --- schedule ------------------------------------------------------------------------------
     def _draw_jobs(self) -> list[tuple[int, JobManifest]]:
         cfg, rng = self.config, self.rng
@@ -662,9 +673,10 @@ class NodeSimulation(RunChecks):
 
     def _scripted_episode(self, _at_ms: int, kind: str, target, duration_ms: int) -> Episode:
         start = now_ms()
-        if target == "primary":
+        if target in ("primary", "backup"):
             viewer = next(node for node in self.live if node is not None and node.core.is_member())
-            target = self._index(viewer.core.job_view(self.job_ids[0])["primary"])
+            view = viewer.core.job_view(self.job_ids[0])
+            target = self._index(view["primary"] if target == "primary" else view["backups"][0])
         nodes = tuple(target) if isinstance(target, (tuple, list)) else (target,)
         return Episode(kind, nodes, start, min(self.config.heal_ms, start + duration_ms))
 
@@ -813,14 +825,15 @@ class NodeSimulation(RunChecks):
         for run in runs:
             if run.start_ms < first.end_ms or run is first:
                 continue
-            if self.separated(first.node, run.node, first.end_ms):
+            if run.node not in first.exit_reached:
                 self.known_limit("rerun_after_exit", run.node, job,
                                  "ran again at fence %d from %d ms: it missed node %d's exit at %d ms"
                                  % (run.fence, run.start_ms, first.node, first.end_ms))
             else:
                 self.violate("rerun_after_exit", run.node, job,
-                             "ran again at fence %d from %d ms though node %d's exit at %d ms could reach it"
-                             % (run.fence, run.start_ms, first.node, first.end_ms))
+                             "ran again at fence %d from %d ms though node %d's exit at %d ms reached it%s"
+                             % (run.fence, run.start_ms, first.node, first.end_ms,
+                                self._restart_hint(run.node, [first])))
         # Every member ends with the job completed by its newest exit (highest fence), or by an
         # older one that could not reach the newest run's node (a fenced primary cut off from
         # the mesh ran to its end; or the newest run is a rerun on a node that missed it).
@@ -834,16 +847,35 @@ class NodeSimulation(RunChecks):
                 continue
             exit_run = older.get(final[1:]) if final is not None and final[0] == "completed" else None
             missed = self.missed_exit(index, exits)
-            if exit_run is not None and self.separated(exit_run.node, newest.node, exit_run.end_ms):
-                self.known_limit("stale_exit", index, job, "holds %s: node %d's exit at %d ms could not reach "
-                                 "node %d, which completed it at fence %d" % (shown, exit_run.node, exit_run.end_ms,
-                                                                           newest.node, newest.fence))
+            if exit_run is not None and self._stale_exit_allowed(exit_run, newest):
+                self.known_limit("stale_exit", index, job, "holds %s: node %d's exit at %d ms under fence %d, "
+                                 "not known to node %d, which completed it at fence %d"
+                                 % (shown, exit_run.node, exit_run.end_ms, exit_run.fence, newest.node, newest.fence))
             elif missed is not None and final is not None and final[0] in LIVE_JOB_STATES:
                 self.known_limit("missed_exit", index, job, "holds %s: it missed node %d's exit at %d ms"
                                  % (shown, missed.node, missed.end_ms))
             else:
-                self.violate("agreement", index, job, "holds %s; the job completed on %s"
-                             % (shown, ", ".join("node %d fence %d" % (r.node, r.fence) for r in exits)))
+                self.violate("agreement", index, job, "holds %s; the job completed on %s%s"
+                             % (shown, ", ".join("node %d fence %d" % (r.node, r.fence) for r in exits),
+                                self._restart_hint(index, exits)))
+
+    def _restart_hint(self, index: int, exits: list[RunRecord]) -> str:
+        """Whether ``index`` restarted after an exit that had reached it (its replay lost it?)."""
+        for ep in self.episodes:
+            if ep.kind == "crash" and index in ep.nodes and any(
+                    index in r.exit_reached and ep.start_ms >= r.end_ms for r in exits):
+                return " (the exit reached it; it crashed at %d ms and restarted at %d ms)" % (ep.start_ms,
+                                                                                                  ep.end_ms)
+        return ""
+
+    def _stale_exit_allowed(self, old: RunRecord, newest: RunRecord) -> bool:
+        """An exit under an older fence that members may keep: made by a fenced run the
+        double-run rule still let run (its node could not know yet), or one the newest run's
+        node never received (it ran the job again: rerun_after_exit)."""
+        if newest.node not in old.exit_reached and old.end_ms <= newest.start_ms:
+            return True
+        informed = self.first_heard_ms(old.node, newest.node, newest.start_ms)
+        return newest.start_ms <= old.end_ms <= informed + self.detection_bound_ms
 
     def _index(self, key) -> int | None:
         return self.keys.index(key) if key in self.keys else None
@@ -926,8 +958,17 @@ def summarize(results: list[NodeSimResult], wall_s: float) -> dict:
                          if first else None},
         "fenced_overlap_ms_max": max((ms for r in results for ms in r.fenced_overlap_ms), default=0),
         "decisions": sum(r.decisions for r in results),
+        "node_warnings": _sum_counts(r.counters["node_warnings"] for r in results),
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
         "deterministic_scheduling": all(r.deterministic_scheduling for r in results),
         "wall_s": round(wall_s, 3),
         "reproduce": ["reproduce with seed=%d: %s" % (r.config.seed, r.config.reproduce()) for r in failed][:10],
     }
+
+
+def _sum_counts(dicts) -> dict:
+    total: dict[str, int] = {}
+    for counts in dicts:
+        for key, count in counts.items():
+            total[key] = total.get(key, 0) + count
+    return total
