@@ -205,6 +205,8 @@ def run_node_driver(args: argparse.Namespace) -> int:
     else:
         results = [_run_node_seed(c) for c in configs]
     summary = summarize_nodes(results, time.perf_counter() - started)
+    if len(results) == 1:
+        summary["result"] = results[0].to_json()   # one seed: its runs, episodes and verdicts in full
     failed = [r for r in results if not r.ok]
     out = sys.stderr if args.json else sys.stdout
     for result in failed[:MAX_SHOWN_VIOLATIONS]:

@@ -9,34 +9,38 @@ subprocess one. So the whole path decision -> run order -> runner -> checkpoint 
 replication -> eviction -> resume runs as it does in ``meshnode run``.
 
 One ``random.Random(seed)`` draws the mesh (keys: ``launcher.create_testnet(rng=...)``),
-the jobs, the fault schedule and each core's rng, and seeds trio's scheduler, so a seed
-replays the same run in the same process (and across processes with the same
-PYTHONHASHSEED).
+the jobs, the fault schedule and each core's rng; trio's scheduler is seeded and made
+deterministic, and nodes start with the clock held still, so a seed replays the same run,
+in this process or another.
 
 Faults (a modest set, one episode at a time, in ``[fault_start_ms, heal_ms)``):
 ``crash`` cancels a node's task (its data directory survives) and starts a new ``Node``
 on the same directory later; ``partition`` cuts a group of nodes off from the rest
 (``MemoryNetwork.cut``) and heals it later. From ``heal_ms`` on, nothing fails.
 
-Checks (each failure is a ``Violation``, as in testnet/sim_checks.py):
+Checks (each failure is a ``Violation``, as in testnet/sim_checks.py; SPEC.md 11 "Node
+mode" states them in full):
 
-- ``double_run``: for two runs R1 (node A, fence f1) and R2 (node B != A, fence f2 > f1)
-  of one job that overlap in virtual time, R1 started before R2 (a run is never started
-  under a fence older than one already running elsewhere: F3, F6), and R1 stops at the
-  latest ``detection_bound_ms`` after A could first learn of f2: R2's start, or, if A was
-  cut off from a quorum then (a partition: it cannot know it is fenced, and its
-  checkpoints are refused by the fencing rule, P6 and 9.6), the end of that partition.
-  A crashed primary's run ends at the crash, before any R2.
-- ``resume``: a run started by a node resumes from the newest checkpoint that node holds
-  for the job (progress and seq), and the state it is given decodes to that progress.
-- ``lost_work``: per resume, the work lost, (progress of the run it resumes at the moment
-  the resuming node could last hear it) - (restored progress), is at most
-  ``checkpoint_ms + unit_ms`` (a checkpoint period, and one unit because progress counts
-  whole units).
-- ``liveness``: once faults heal, every job completes (a run reaches its declared units
-  and exits 0) within ``liveness_bound_ms``.
-- ``agreement``: at the end every live member holds every job completed, with the same
-  primary and fence.
+- ``double_run``: two runs R1 (node A, fence f1) and R2 (node B != A, fence f2 > f1) of
+  one job may overlap in virtual time only if R1 started first and A could not exchange
+  messages with B (cut off: it cannot know it is fenced, and its checkpoints are refused,
+  SPEC.md 9.6); R1 stops within ``detection_bound_ms`` of the first moment it can. Two
+  runs under one fence on two nodes never overlap. A crashed primary's run ends at the
+  crash.
+- ``resume``: a run resumes from the newest checkpoint its node holds for the job (seq
+  and progress), and the state it is given decodes to that progress.
+- ``lost_work``: per resume, (progress of the run it continues at the first moment,
+  after the restored checkpoint, at which the resuming node could no longer hear it) -
+  (restored progress) is at most ``checkpoint_ms + unit_ms`` (a checkpoint period, and
+  one unit because progress counts whole units).
+- ``liveness``: once faults heal, every job is completed by a run that did all its units
+  and every node is a member again, within the bound.
+- ``agreement``: at the end every member holds every job completed by its newest exit.
+- ``rerun_after_exit``: no run starts after the job's exit on a node the exit reached.
+
+Failures that SPEC.md 7 "Known limits" describes (exits are messages, sent once) are
+counted apart as known limits, not violations: ``missed_exit``, ``rerun_after_exit`` on
+a node the exit did not reach, ``stale_exit``.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from keys.identity import SigningIdentity
 from keys.genesis import DEFAULT_PARAMS
+from keys.identity import SigningIdentity
 from keys.keystore import load_identity
 from meshnode.net.memory_transport import MEMORY_ADDR_PREFIX, MemoryNetwork, MemoryTransport
 from meshnode.node.driver import Node
@@ -287,6 +291,7 @@ class NodeSimConfig:
     heal_ms: int = 4000               # every fault is healed and every node up from here
     submit_window_ms: tuple = (100, 600)
     unit_ms: int = 10
+    delay_ms: int = 1                 # one-way delay of every frame (virtual); see DelayedTransport
     units: tuple = (150, 400)         # a job's declared work, in units (1.5-4 s at 10 ms)
     episode_ms: tuple = (50, 1200)    # how long one crash or partition lasts
     gap_ms: tuple = (100, 700)        # quiet time between two episodes
@@ -371,15 +376,49 @@ def percentile(ordered: list, fraction: float):
     return ordered[rank - 1]
 
 
-def memory_transport_factory(network: MemoryNetwork):
-    """Node's transport factory: the genesis' TCP addresses are dialled on the memory network."""
-    def factory(seed: bytes, _listen):
+class DelayedTransport:
+    """A ``MemoryTransport`` whose frames arrive ``delay_s`` of virtual time after ``send``
+    (per-peer order kept: one queue, one constant delay). With no delay at all, a protocol
+    exchange that answers itself (a round rejected by every validator, then the next one
+    at once) would run forever at one virtual instant; the memory network has no delay."""
+
+    def __init__(self, inner: MemoryTransport, delay_s: float):
+        self.inner = inner
+        self.delay_s = delay_s
+        self._queue_send, self._queue = trio.open_memory_channel(math.inf)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)   # incoming, peers, rtt_us, connect, listen_addrs, counters
+
+    async def send(self, peer_key: bytes, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self._queue_send.send_nowait((trio.current_time() + self.delay_s, peer_key, data))
+
+    async def pump(self) -> None:
+        async for at, peer_key, data in self._queue:
+            await trio.sleep_until(at)
+            await self.inner.send(peer_key, data)   # a cut made meanwhile drops it, as on a wire
+
+
+def memory_transport_factory(network: MemoryNetwork, delay_ms: int = 0):
+    """Node's transport factory: the genesis' TCP addresses are dialled on the memory
+    network, and every frame takes ``delay_ms`` (virtual) to arrive."""
+    @contextlib.asynccontextmanager
+    async def factory(seed: bytes, _listen):
         transport = network.transport(SigningIdentity(seed).public_key)
 
         async def connect(peer_key: bytes, _addr: str) -> None:
             await MemoryTransport.connect(transport, peer_key, MEMORY_ADDR_PREFIX + peer_key.hex())
         transport.connect = connect
-        return transport
+        async with transport:
+            if not delay_ms:
+                yield transport
+                return
+            delayed = DelayedTransport(transport, delay_ms / 1000)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(delayed.pump)
+                yield delayed
+                nursery.cancel_scope.cancel()
     return factory
 
 
@@ -389,7 +428,7 @@ def deterministic_trio(seed: int):
     as trio's own Hypothesis plugin does (trio/_core/_run.py); without it the deadline
     heap breaks ties by id() and a run is not replayable. Yields whether it could."""
     run_module = getattr(getattr(trio, "_core", None), "_run", None)
-    if run_module is None or not hasattr(run_module, "_r") or not hasattr(run_module, "_ALLOW_DETERMINISTIC_SCHEDULING"):
+    if not all(hasattr(run_module, name) for name in ("_r", "_ALLOW_DETERMINISTIC_SCHEDULING")):
         yield False
         return
     saved = (run_module._ALLOW_DETERMINISTIC_SCHEDULING, run_module._r.getstate())
@@ -416,9 +455,10 @@ class RunChecks:
     """The checks on runs (module docstring): fed the runs a simulation recorded and its
     fault episodes; they record Violations (and known limits), never raise."""
 
-    def __init__(self, episodes: list, checkpoint_ms: int, detection_bound_ms: int):
+    def __init__(self, episodes: list, checkpoint_ms: int, detection_bound_ms: int, delay_ms: int = 0):
         self.episodes = episodes
         self.checkpoint_ms = checkpoint_ms
+        self.delay_ms = delay_ms
         self.detection_bound_ms = detection_bound_ms
         self.violations: list[Violation] = []
         self.violation_count = 0
@@ -436,7 +476,12 @@ class RunChecks:
         for job, job_runs in by_job.items():
             self.check_double_runs(job, job_runs)
             for run in job_runs:
-                self.check_lost_work(job, run, job_runs, self.checkpoint_ms + run.unit_ms)
+                self.check_lost_work(job, run, job_runs, self.lost_work_bound_ms(run.unit_ms))
+
+    def lost_work_bound_ms(self, unit_ms: int) -> int:
+        """A checkpoint period, one unit (progress counts whole units) and one delivery (the
+        newest checkpoint may die in flight with its sender)."""
+        return self.checkpoint_ms + unit_ms + self.delay_ms
 
     def violate(self, check: str, node: int | None, job: str, detail: str) -> None:
         self.violation_count += 1
@@ -557,7 +602,8 @@ class NodeSimulation(RunChecks):
         self.incarnations = [0] * config.nodes
         self.runs: list[RunRecord] = []
         self.episodes: list[Episode] = []
-        RunChecks.__init__(self, self.episodes, self.params.checkpoint_ms, self.params.detection_bound_ms)
+        RunChecks.__init__(self, self.episodes, self.params.checkpoint_ms, self.params.detection_bound_ms,
+                           config.delay_ms)
         self.job_ids: list[bytes] = []
         self.job_units: dict[str, int] = {}
         self.completed_ms: dict[str, int] = {}
@@ -573,8 +619,9 @@ class NodeSimulation(RunChecks):
         runner = functools.partial(SimRunner, node=index, incarnation=self.incarnations[index], recorder=self,
                                    ignore_restore=self.config.broken_runner == "ignore_restore")
         with contextlib.redirect_stderr(io.StringIO()):   # the testnet keystores' insecure warning
-            node = Node(self.dirs[index], transport_factory=memory_transport_factory(self.network),
-                        runner_factory=runner, rng=random.Random(self.rng.getrandbits(64)))
+            transport = memory_transport_factory(self.network, self.config.delay_ms)
+            node = Node(self.dirs[index], transport_factory=transport, runner_factory=runner,
+                        rng=random.Random(self.rng.getrandbits(64)))
         self._watch_decisions(node)
         return node
 
@@ -954,8 +1001,8 @@ def summarize(results: list[NodeSimResult], wall_s: float) -> dict:
         "resumes": sum(r.resumes for r in results),
         "failovers": sum(r.failovers for r in results),
         "lost_work_ms": {"max": lost[-1] if lost else None, "p50": percentile(lost, 0.5),
-                         "p99": percentile(lost, 0.99), "bound": DEFAULT_PARAMS.checkpoint_ms + first.unit_ms
-                         if first else None},
+                         "p99": percentile(lost, 0.99),
+                         "bound": DEFAULT_PARAMS.checkpoint_ms + first.unit_ms + first.delay_ms if first else None},
         "fenced_overlap_ms_max": max((ms for r in results for ms in r.fenced_overlap_ms), default=0),
         "decisions": sum(r.decisions for r in results),
         "node_warnings": _sum_counts(r.counters["node_warnings"] for r in results),

@@ -15,7 +15,7 @@ from keys.genesis import DEFAULT_PARAMS
 from testnet import cli_sim
 from testnet.sim_nodes import Episode, RunChecks, RunRecord, run_node_simulation
 
-BOUND_MS = DEFAULT_PARAMS.checkpoint_ms + 10    # lost-work bound: a checkpoint period and one 10 ms unit
+BOUND_MS = DEFAULT_PARAMS.checkpoint_ms + 10 + 1   # lost-work bound: a checkpoint period, a 10 ms unit, a delivery
 ONE_JOB = dict(jobs=1, units=(150, 150), heal_ms=2500, submit_window_ms=(100, 100))
 KILL_PRIMARY = ((900, "crash", "primary", 800),)   # past the detection bound: the mesh evicts it
 
@@ -133,11 +133,11 @@ def test_a_member_that_missed_an_exit_learns_it():
                                        "job it had seen complete (F5 moves the evicted node's non-terminal jobs), "
                                        "then refuses the exit (no longer from the current primary and fence)")
 def test_a_restarted_backup_does_not_run_a_completed_job_again():
-    # The job completes on its primary at 600 ms (every member hears the exit); the primary
+    # The job completes on its primary at about 600 ms (every member hears the exit); the primary
     # then crashes and is evicted; the job's backup restarts (150 ms, no eviction).
     result = run_node_simulation(seed=3, **dict(ONE_JOB, units=(50, 50), heal_ms=3000),
                                  script=((800, "crash", "primary", 800), (2000, "crash", "backup", 150)))
     first, *again = job_runs(result)
-    assert first.end == "exit" and first.end_ms == 600
+    assert first.end == "exit" and first.end_ms < 800   # before its primary crashes
     assert again == [], "node %d ran it again at fence %d" % (again[0].node, again[0].fence)
     assert result.ok, [v.line() for v in result.violations]
