@@ -1,7 +1,9 @@
 """`meshnode sim`: run the deterministic simulator over one or many seeds.
 
 Exit status 0 only when every seed passed every checker (SPEC.md section 11). Any
-failing seed prints the one command line that replays it exactly.
+failing seed prints the one command line that replays it exactly. ``--driver core``
+(the default) drives bare MeshCores (testnet/sim.py); ``--driver node`` runs the real
+node driver with its stores and a simulated runner (testnet/sim_nodes.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from testnet import launcher
 from testnet.sim import FAULTS, SimConfig, SimResult, run_simulation
+from testnet.sim_nodes import NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
+from testnet.sim_nodes import summarize as summarize_nodes
 
 MAX_SEEDS = 1_000_000
 MAX_SHOWN_VIOLATIONS = 10
@@ -24,6 +29,9 @@ MAX_SHOWN_VIOLATIONS = 10
 def register(subparsers) -> None:
     parser = subparsers.add_parser("sim", help="run the deterministic fault-injecting simulator",
                                    description=__doc__.splitlines()[0])
+    parser.add_argument("--driver", choices=("core", "node"), default="core",
+                        help="core: MeshCores on a simulated network (default); node: the real node driver "
+                             "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
     parser.add_argument("--jobs", type=int, default=4, help="jobs submitted per run (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
@@ -31,8 +39,9 @@ def register(subparsers) -> None:
     parser.add_argument("--byzantine", type=float, default=0.0, metavar="F",
                         help="Byzantine share of the stake, 0..1 (under 1/3: bound never reached; "
                              ">= 0.334: at least that much, expect stalls)")
-    parser.add_argument("--faults", default=",".join(FAULTS), metavar="LIST",
-                        help="comma-separated faults from %s, or 'none' (default: all)" % ",".join(FAULTS))
+    parser.add_argument("--faults", default=None, metavar="LIST",
+                        help="comma-separated faults from %s (node driver: %s), or 'none' (default: all)"
+                             % (",".join(FAULTS), ",".join(NODE_FAULTS)))
     parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
     parser.add_argument("--bid-sample", type=int, default=None, metavar="K",
                         help="only about K members bid per job (MeshCore bid_sample; for large meshes)")
@@ -44,14 +53,14 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def parse_faults(text: str) -> tuple[str, ...]:
+def parse_faults(text: str, known: tuple[str, ...] = FAULTS) -> tuple[str, ...]:
     if text.strip() in ("", "none"):
         return ()
     faults = tuple(f.strip() for f in text.split(",") if f.strip())
-    unknown = [f for f in faults if f not in FAULTS]
+    unknown = [f for f in faults if f not in known]
     if unknown:
-        raise argparse.ArgumentTypeError("unknown faults %s (known: %s)" % (unknown, ",".join(FAULTS)))
-    return tuple(f for f in FAULTS if f in faults)
+        raise argparse.ArgumentTypeError("unknown faults %s (known: %s)" % (unknown, ",".join(known)))
+    return tuple(f for f in known if f in faults)
 
 
 def percentile(values: list[int], fraction_milli: int) -> int | None:
@@ -108,10 +117,12 @@ def _run_seed(config: SimConfig) -> SimResult:
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
+    if args.driver == "node":
+        return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     try:
-        faults = parse_faults(args.faults)
+        faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
         raise SystemExit("meshnode sim: %s" % exc)
     configs = [SimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k,
@@ -162,3 +173,71 @@ def render(console: Console, summary: dict, results: list[SimResult]) -> None:
         console.print("%d seeds ended in an epoch with 1/3 or more Byzantine stake (honest members "
                       "evicted): liveness is not promised there, their undecided jobs are not violations"
                       % summary["liveness_unpromised_seeds"])
+
+
+# --- --driver node ------------------------------------------------------------------------------
+
+def _run_node_seed(config: NodeSimConfig) -> NodeSimResult:
+    return run_config(config)
+
+
+def run_node_driver(args: argparse.Namespace) -> int:
+    """``meshnode sim --driver node``: the real node driver, seed by seed (testnet/sim_nodes.py)."""
+    core_only = [flag for flag, given in (("--byzantine", args.byzantine), ("--no-heartbeats", args.no_heartbeats),
+                                          ("--bid-sample", args.bid_sample is not None), ("--slot-ms", args.slot_ms))
+                 if given]
+    if core_only:
+        raise SystemExit("meshnode sim: %s apply to --driver core only" % ", ".join(core_only))
+    if not 4 <= args.nodes <= launcher.MAX_NODES:
+        raise SystemExit("meshnode sim: --driver node runs 4..%d nodes" % launcher.MAX_NODES)
+    if not 1 <= args.jobs <= 64:
+        raise SystemExit("meshnode sim: --driver node runs 1..64 jobs")
+    try:
+        faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULTS)
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit("meshnode sim: %s" % exc)
+    configs = [NodeSimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k, faults=faults)
+               for k in range(args.seeds)]
+    started = time.perf_counter()
+    if args.workers > 1 and len(configs) > 1:
+        with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+            results = pool.map(_run_node_seed, configs, chunksize=1)
+    else:
+        results = [_run_node_seed(c) for c in configs]
+    summary = summarize_nodes(results, time.perf_counter() - started)
+    if len(results) == 1:
+        summary["result"] = results[0].to_json()   # one seed: its runs, episodes and verdicts in full
+    failed = [r for r in results if not r.ok]
+    out = sys.stderr if args.json else sys.stdout
+    for result in failed[:MAX_SHOWN_VIOLATIONS]:
+        for violation in result.violations[:3]:
+            print("seed %d: %s" % (result.config.seed, violation.line()), file=out)
+        print("reproduce with seed=%d: %s" % (result.config.seed, result.config.reproduce()), file=out)
+    if args.json:
+        json.dump(summary, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        render_nodes(Console(), summary, results)
+    return 1 if failed else 0
+
+
+def render_nodes(console: Console, summary: dict, results: list[NodeSimResult]) -> None:
+    table = Table(title="meshnode sim --driver node", title_justify="left")
+    for column in ("seed", "runs", "crash", "cut", "failover", "lost ms", "epoch", "virt ms", "known", "viol"):
+        table.add_column(column, justify="right")
+    shown = results if len(results) <= 20 else [r for r in results if not r.ok][:20]
+    for r in shown:
+        table.add_row(str(r.config.seed), str(len(r.runs)), str(r.counters["crashes"]), str(r.counters["partitions"]),
+                      str(r.failovers), str(max(r.lost_work_ms, default=0)), str(r.final_epoch), str(r.virtual_ms),
+                      str(sum(r.known_limits_count.values())),
+                      ("[red]%d[/red]" % r.violation_count) if r.violation_count else "0")
+    console.print(table)
+    lost = summary["lost_work_ms"]
+    console.print("%d seeds, %d violations (%s), %d runs, %d failovers, lost work p50 %s ms p99 %s ms max %s ms "
+                  "(bound %s ms), %.2f s wall"
+                  % (summary["seeds"], summary["violations"], summary["violations_by_check"] or "none",
+                     summary["runs"], summary["failovers"], lost["p50"], lost["p99"], lost["max"], lost["bound"],
+                     summary["wall_s"]))
+    if summary["known_limits_by_check"]:
+        console.print("known limits (SPEC.md 7: exits are messages, sent once) in %d seeds: %s"
+                      % (summary["seeds_with_known_limits"], summary["known_limits_by_check"]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 from keys.attestation import issue_attestation
 from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
-from keys.identity import generate_identity
+from keys.identity import SigningIdentity, generate_identity
 from keys.keystore import create_keystore, load_identity
 from meshnode.control.client import ControlClient
 from meshnode.node.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
@@ -85,9 +86,21 @@ def save_layout(root: Path, layout: dict) -> None:
 
 
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
-                   run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS) -> dict:
-    """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing."""
+                   run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
+                   rng: random.Random | None = None) -> dict:
+    """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
+
+    With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
+    ports are fixed and timestamps are 0, so one rng state writes one mesh byte for byte
+    (same mesh id, keys and attestations); its nodes are not meant for TCP then.
+    """
     root = Path(root)
+    if rng is None:
+        new_identity, now_ms = generate_identity, time.time_ns() // 1_000_000
+    else:
+        def new_identity():
+            return SigningIdentity(rng.randbytes(32))
+        now_ms = 0
     if not 1 <= nodes <= MAX_NODES:
         raise ConfigError("--nodes must be 1..%d" % MAX_NODES)
     if _layout_path(root).exists():
@@ -97,22 +110,22 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     owner_entries = []
     (root / "owners").mkdir(exist_ok=True)
     for k in range(owners):
-        identity = generate_identity()
+        identity = new_identity()
         path = root / "owners" / ("owner-%d.key" % k)
         create_keystore(path, identity, None)
         owner_entries.append({"key_file": str(path), "public_key": identity.public_key.hex()})
     # The testnet's attestation authority vouches for node attributes and for the stake
     # of nodes that join later (SPEC.md F7: a join cannot grant itself stake).
-    authority = generate_identity()
+    authority = new_identity()
     create_keystore(root / "authority.key", authority, None)
-    identities = [generate_identity() for _ in range(nodes)]
-    ports = [free_port() for _ in range(nodes)]
+    identities = [new_identity() for _ in range(nodes)]
+    ports = [free_port() if rng is None else 20000 + i for i in range(nodes)]
     members = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
                               labels={"testnet": name}, addrs=("/ip4/127.0.0.1/tcp/%d" % ports[i],)))
-    genesis = Genesis(name=name, created_ms=time.time_ns() // 1_000_000, members=tuple(members),
+    genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members),
                       params=params, authorities=(authority.public_key,))
     entries = []
     for i, identity in enumerate(identities):
@@ -126,7 +139,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         # The attestation vouches the node's genesis stake too: a genesis member that is
         # evicted (it crashed, or paused past the bound) rejoins through the ordinary join
         # path (SPEC.md F7), which admits only vouched stake.
-        _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake)
+        _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake,
+                          issued_ms=now_ms)
         entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
               "run_workloads": run_workloads}
@@ -135,10 +149,11 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
 
 
 def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
-                      owner_entries: list, name: str, stake: int, bootstrap=()) -> None:
+                      owner_entries: list, name: str, stake: int, bootstrap=(), issued_ms: int | None = None) -> None:
     """Config and attestation of one node; the attestation vouches ``stake`` for its (re)joins."""
     model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
-    issued_ms = time.time_ns() // 1_000_000
+    if issued_ms is None:
+        issued_ms = time.time_ns() // 1_000_000
     attestation = issue_attestation(authority, identity.public_key,
                                     {"jurisdiction": JURISDICTIONS[index % 2], "zone": zone}, stake,
                                     issued_ms, issued_ms + ATTESTATION_VALID_MS, genesis.mesh_id)

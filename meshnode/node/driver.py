@@ -47,7 +47,8 @@ CONNECT_RETRY_MS = 500
 
 
 class Node:
-    def __init__(self, data_dir, *, transport_factory=None, run_workloads: bool = True):
+    def __init__(self, data_dir, *, transport_factory=None, run_workloads: bool = True,
+                 runner_factory=None, rng: random.Random | None = None):
         self.paths = node_config.node_paths(data_dir)
         self.config = node_config.load_config(data_dir)
         self.genesis = load_genesis(self.paths.genesis)
@@ -60,6 +61,12 @@ class Node:
         self.events = EventHub()
         self.run_workloads = run_workloads
         self._transport_factory = transport_factory
+        # Injection points for the node-mode simulator (testnet/sim_nodes.py); the defaults
+        # are what `meshnode run` uses. runner_factory is called like WorkloadRunner and
+        # returns an object with its interface (serve, start, stop, running, jobs_info,
+        # workdir); rng seeds the core (default: 16 bytes from the OS).
+        self._runner_factory = runner_factory or WorkloadRunner
+        self._rng = rng
         self.transport = None
         self.runner: WorkloadRunner | None = None
         self.core: MeshCore | None = None
@@ -78,8 +85,9 @@ class Node:
         gpus = self.telemetry.sample(0)
         capacity = node_config.local_capacity(self.config, tuple(g.mem_total_mib for g in gpus),
                                               gpus[0].model if gpus else "")
+        rng = self._rng if self._rng is not None else random.Random(os.urandom(16))
         return MeshCore(identity=self.identity, genesis=self.genesis, policy=self.policy,
-                        capacity=capacity, rng=random.Random(os.urandom(16)), now_ms=now_ms(),
+                        capacity=capacity, rng=rng, now_ms=now_ms(),
                         history=self.store.certificates_in_order(), safety_records=self.store.safety_records(),
                         job_outcomes=self.store.job_outcomes(),
                         capability_seq_floor=self.store.capability_seq_floor())
@@ -91,7 +99,7 @@ class Node:
         async with factory(self.identity.seed, list(self.config.listen)) as transport:
             self.transport = transport
             async with trio.open_nursery() as nursery:
-                self.runner = WorkloadRunner(
+                self.runner = self._runner_factory(
                     self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
                     commands={name: list(argv) for name, argv in self.config.entrypoints},
                     allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
