@@ -30,7 +30,7 @@ from keys.identity import short_id
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
-                               decode_value, job_id, value_hash)
+                               decode_value, job_id, placement_attempt, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -84,7 +84,9 @@ class DecisionChecker:
         self.caches = CoreCaches()
         self.canonical: dict[bytes, tuple[str, bytes]] = {}   # instance -> (kind, value hash)
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
-        self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed it
+        self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
+        self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
+        self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
         self.job_backups: dict[bytes, tuple] = {}             # job id -> its backups (node indices) now
@@ -188,8 +190,18 @@ class DecisionChecker:
             return
         jid = job_id(job)
         if jid in self.placement_of and self.placement_of[jid] != instance:
-            self.fail("validity", node, instance, "job %s placed by two instances" % jid.hex()[:12])
-            return
+            # A failed job is placed afresh by its next attempt's instance (SPEC.md P6); two
+            # instances placing one attempt (a slot and the job's own) are a violation.
+            earlier = self.attempt_of.get(jid)
+            attempt = placement_attempt(instance, job)
+            if earlier is None or attempt is None or attempt <= earlier:
+                self.fail("validity", node, instance, "job %s placed by two instances" % jid.hex()[:12])
+                return
+            self._unload(jid)  # the attempt before it ended (its exit was not seen where it ran)
+            self.attempt_of[jid] = attempt
+        else:
+            self.first_placement_of.setdefault(jid, instance)
+            self.attempt_of.setdefault(jid, placement_attempt(instance, job) or 0)
         self.placement_of[jid] = instance
         primary = self.index_of.get(placement.primary)
         backups = [self.index_of.get(b) for b in placement.backups]
@@ -264,6 +276,28 @@ class DecisionChecker:
         if load.mem_mib > facts.capacity.mem_mib:
             self.fail("overcommit", node, instance, "node %d memory %d of %d MiB"
                       % (holder, load.mem_mib, facts.capacity.mem_mib))
+
+    def job_of(self, placement: Placement) -> bytes:
+        _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                caches=self.caches)
+        return job_id(job)
+
+    def job_ended(self, holder: int, jid: bytes) -> None:
+        """The node holding the job saw it end (its exit, or its owner's cancel): the load goes."""
+        if self.job_home.get(jid) == holder:
+            self._unload(jid)
+
+    def _unload(self, jid: bytes) -> None:
+        holder = self.job_home.pop(jid, None)
+        old = self.loads[holder].jobs.pop(jid, None) if holder is not None else None
+        if old is None:
+            return
+        resources, gpus = old
+        load = self.loads[holder]
+        load.cpu_milli -= resources.cpu_milli
+        load.mem_mib -= resources.mem_mib
+        for index in gpus:
+            load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
 
     def _apply_eviction(self, node: int, instance: bytes, eviction: Eviction) -> None:
         evicted = self.index_of.get(eviction.node)
@@ -351,7 +385,7 @@ class DecisionChecker:
             if jid in unplaceable:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
-            instance = self.placement_of.get(jid)
+            instance = self.first_placement_of.get(jid)
             seen = self.decided_at.get(instance, {}) if instance is not None else {}
             late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
@@ -386,7 +420,7 @@ class DecisionChecker:
         """Per decided job: submit -> commit certificate held by every node in ``deciders``."""
         out = []
         for jid, submitted_ms in jobs.items():
-            seen = self.decided_at.get(self.placement_of.get(jid), {})
+            seen = self.decided_at.get(self.first_placement_of.get(jid), {})
             if deciders and all(n in seen for n in deciders):
                 out.append(max(seen[n] for n in deciders) - submitted_ms)
         return out
