@@ -28,6 +28,7 @@ from protocol.certificate import verify_commit_certificate
 from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.instances import SAFETY_TABLES
+from protocol.job_table import LIVE_JOB_STATES
 from protocol.mesh import MeshCore
 from protocol.messages import Cancel, CommitCertificate, decode_message, encode_message, job_id
 from protocol.ready import Ready
@@ -446,6 +447,8 @@ class Simulation:
                 if cfg.job_ms:
                     duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
                     self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
+            if node.behaviour is None:
+                self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
 
     def _exit(self, index: int, payload) -> None:
         incarnation, jid, fence = payload
@@ -461,7 +464,7 @@ class Simulation:
     def _job_events(self, node: SimNode, events) -> None:
         """A job that ended at the node that holds it gives its load back in the checker."""
         for event in events:
-            if event.kind in ("job_exited", "job_cancelled"):
+            if event.kind in ("job_exited", "job_cancelled", "job_refused"):
                 self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
 
     def _restart(self, index: int) -> None:
@@ -490,13 +493,16 @@ class Simulation:
         decisions; events are only read for the liveness excuses."""
         if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
-        if self.workload_rng is not None and ready.events:
-            self._job_events(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
+            if ready.events:
+                self._job_events(node, ready.events)
             return  # most deliveries (a vote at its collector, a repeat) change nothing outside
+        events = ready.events
         if node.behaviour is not None:
             ready = Ready(ready.persist, node.behaviour.rewrite(ready, self._peers(node)), ready.decisions)
         node.drain.drain(ready)
+        if events:  # after its decisions: a job placed and refused in one batch ends placed elsewhere
+            self._job_events(node, events)
 
     def _new_drain(self, node: SimNode) -> ReadyDrain:
         def send(outbound) -> None:
@@ -506,7 +512,8 @@ class Simulation:
                           apply=lambda decision: self._check_decision(node, decision))
 
     def _persist(self, node: SimNode, ready) -> None:
-        """The simulated disk: what a restarted core is built from (certificates, votes, locks)."""
+        """The simulated disk: what a restarted core is built from (certificates, votes, locks,
+        the reservations of its bids, its exits and cancels)."""
         for record in ready.persist:
             node.persisted_records += 1
             table = record.table
@@ -515,8 +522,17 @@ class Simulation:
                 self._forget_votes(node, record.value["instance"])
             elif table == "capability":
                 node.capability_seq_floor = record.value["seq_floor"]
-            elif table in SAFETY_TABLES:
+            elif table in SAFETY_TABLES or table == "reservations":  # reservations: R1, restored like votes
                 key = (table, record.key)
+                if table == "reservations" and not record.value.get("held"):
+                    # Released or allocated: nothing for a restart to hold again, so off the disk.
+                    node.safety_records.pop(key, None)
+                    kept = node.records_of.get(record.value["instance"], [])
+                    if key in kept:
+                        kept.remove(key)
+                        if not kept:
+                            del node.records_of[record.value["instance"]]
+                    continue
                 node.safety_records[key] = record  # upserted by key, as on disk
                 if table == "evidence":
                     node.evidence_offenders.add(record.value["offender"])
@@ -529,8 +545,9 @@ class Simulation:
 
     def _check_decision(self, node: SimNode, decision) -> None:
         if not decision.certificate:
-            # A local workload order or notice (run, stop, halt ...): nothing to agree on.
-            if self.workload_rng is not None:
+            # A local workload order or notice (run, stop, halt ...): nothing to agree on, but
+            # what an honest node runs must fit it (R1).
+            if decision.value_kind in ("run", "stop"):
                 self._workload_orders(node, decision)
             return
         self.node_decisions += 1
@@ -642,6 +659,7 @@ class Simulation:
                                if self._liveness_unpromised(jid, late))
         missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
+        self._check_ledgers()
         log_digest = checker.log_digest()
         stats = self.network.stats
         return SimResult(
@@ -655,6 +673,33 @@ class Simulation:
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))
+
+    def _check_ledgers(self) -> None:
+        """SPEC.md R1, at the end of the run, on every honest node that is up: its ledger holds
+        an allocation for exactly the live jobs its table makes it the primary of (a job it has
+        no room for is refused, not kept), within its capacity, and no reservation of an
+        instance whose decision it applied (capacity lost for good)."""
+        for index in self.honest:
+            core = self.nodes[index].core
+            if core is None:
+                continue
+            ledger = core.ledger
+            mine = {r.job_id for r in core.job_table.mine() if r.state in LIVE_JOB_STATES}
+            allocated = set(ledger.allocations())
+            waiting = set(core._refuse_after_sync)   # refused once the restart's sync answers
+            for what, jids in (("holds the allocation of jobs it is not the primary of", allocated - mine),
+                               ("is the primary of jobs it holds no allocation for", mine - allocated - waiting)):
+                if jids:
+                    self.checker.fail("ledger", index, None, "node %d %s: %s"
+                                      % (index, what, sorted(j.hex()[:12] for j in jids)[:4]))
+            gpus, cpu, mem = ledger.held_totals()
+            if gpus > len(ledger.gpu_mem_total_mib) or cpu > ledger.cpu_milli or mem > ledger.mem_mib:
+                self.checker.fail("ledger", index, None, "node %d ledger holds %s" % (index, ledger.held_totals()))
+            stale = [key for key, claim in ledger.reservations().items()
+                     if claim.expires_ms is None and key in core.instance_table.applied]
+            if stale:
+                self.checker.fail("ledger", index, None, "node %d still reserves for decided instances %s"
+                                  % (index, sorted(k.hex()[:12] for k in stale)[:4]))
 
     def _latest_view(self):
         """The newest epoch's view any honest core reached: certificates name the epoch they
