@@ -9,11 +9,12 @@ import dataclasses
 import random
 
 from keys.genesis import DEFAULT_PARAMS, Genesis
+from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.messages import JobRefusal, encode_message, job_id, placement_instance_id
+from protocol.messages import JobRefusal, decode_message, encode_message, job_id, placement_instance_id
 from protocol.policy import LocalCapacity, NodePolicy
-from protocol.ready import NO_INSTANCE, Decision
-from test_mesh_core import GENESIS, IDS, KEYS, ZONES, Net, make_job
+from protocol.ready import NO_INSTANCE, Decision, Ready
+from test_mesh_core import GENESIS, IDS, KEYS, MESH, ZONES, Net, make_job
 
 
 class DiskNet(Net):
@@ -268,3 +269,34 @@ def test_a_refusal_counts_only_from_the_current_primary_at_the_current_fence():
     for data in (impostor, stale):
         core.step(data, net.now)
     assert core.counters["job_refusal_stale"] == 2 and core.job_view(jid)["state"] in ("placed", "running")
+
+
+def test_r1_a_later_attempt_placed_elsewhere_frees_what_an_earlier_one_held_here():
+    """A node that missed how an attempt it ran here ended (an exit or refusal it did not
+    hear) learns the next attempt from its placement certificate: the earlier attempt's
+    allocation goes with it, or its capacity would be held for nothing, for good."""
+    retried, envelope = make_job(nonce=1, backups=0, max_retries=1)
+    jid = job_id(retried)
+    elsewhere = Net(gpus=(1, 1, 0, 0))       # the same start: placed on the first node ...
+    elsewhere.submit(KEYS[2], envelope)
+    elsewhere.run(100)
+    first = elsewhere.cores[KEYS[2]].job_view(jid)["primary"]
+    second = KEYS[1] if first == KEYS[0] else KEYS[0]
+    exited = elsewhere.cores[first].job_exited(jid, 1, elsewhere.now)
+    exits = [m for m in exited.messages if codec.unpack(m.data)[2] == "job_exit"]
+    elsewhere.emit(first, Ready(messages=exits))   # its exit gets out, then it is gone ...
+    elsewhere.down.add(first)                # ... and the retry goes to the second node
+    elsewhere.run(300)
+    view = elsewhere.cores[KEYS[2]].job_view(jid)
+    assert (view["attempt"], view["primary"]) == (1, second)
+    (retry_certificate,) = [c for c in elsewhere.certificates[second]
+                            if decode_message(c, MESH)[1].instance == placement_instance_id(jid, 1)]
+    net = DiskNet(gpus=(1, 1, 0, 0))
+    net.submit(KEYS[2], envelope)
+    net.run(100)
+    node = net.cores[first]
+    assert node.ledger.allocated(jid) is not None
+    net.emit(first, node.step(retry_certificate, net.now, second))   # the exit never reached it
+    net.deliver()
+    assert node.job_view(jid)["primary"] == second and node.ledger.allocated(jid) is None
+    assert node.ledger.free_gpus() == (0,) and jid not in running(net, first)

@@ -335,6 +335,10 @@ class PlacementFlow(ValueFlow):
             return
         if attempt > record.attempt:
             record.outcome = None  # a node that missed an exit or refusal learns the attempt here
+            if record.primary == me:
+                # It ran an earlier attempt here and missed how it ended (a refusal it did not
+                # hear, then a migration here): that attempt's allocation goes (R1).
+                self.ledger.free(jid)
         record.attempt = attempt
         record.instance = instance or iid
         self.jobs.assign(record, placement.primary, placement.backups, placement.gpus)
