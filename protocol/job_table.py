@@ -46,9 +46,6 @@ class JobRecord:
     # P7c: the commit certificate of the job's slot, decided without it: its first placement
     # runs in its own instance then, and every proposal there carries this as proof.
     slot_certificate: bytes | None = None
-    # The exit or refusal envelope that ended the attempt before this one (P6): a leader
-    # shows it with the job, so nodes that missed it join the new attempt's instance.
-    outcome: bytes | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
