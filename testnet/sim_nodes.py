@@ -304,9 +304,11 @@ class NodeSimConfig:
     script: tuple = ()
 
     def reproduce(self) -> str:
-        line = "meshnode sim --driver node --nodes %d --jobs %d --seed %d --faults %s" % (
+        cli = NodeSimConfig(nodes=self.nodes, jobs=self.jobs, seed=self.seed, faults=self.faults)
+        if self != cli:   # options the command line does not offer
+            return 'python -c "from testnet.sim_nodes import *; run_config(%r)"' % (self,)
+        return "meshnode sim --driver node --nodes %d --jobs %d --seed %d --faults %s" % (
             self.nodes, self.jobs, self.seed, ",".join(self.faults) if self.faults else "none")
-        return line
 
 
 @dataclass
@@ -907,12 +909,12 @@ class NodeSimulation(RunChecks):
                                 self._restart_hint(index, exits)))
 
     def _restart_hint(self, index: int, exits: list[RunRecord]) -> str:
-        """Whether ``index`` restarted after an exit that had reached it (its replay lost it?)."""
+        """Whether ``index`` restarted after an exit that it made or that reached it (did its
+        replay lose it?)."""
         for ep in self.episodes:
             if ep.kind == "crash" and index in ep.nodes and any(
-                    index in r.exit_reached and ep.start_ms >= r.end_ms for r in exits):
-                return " (the exit reached it; it crashed at %d ms and restarted at %d ms)" % (ep.start_ms,
-                                                                                                  ep.end_ms)
+                    (index in r.exit_reached or index == r.node) and ep.start_ms >= r.end_ms for r in exits):
+                return " (it had the exit; it crashed at %d ms and restarted at %d ms)" % (ep.start_ms, ep.end_ms)
         return ""
 
     def _stale_exit_allowed(self, old: RunRecord, newest: RunRecord) -> bool:
