@@ -8,8 +8,12 @@ this order, and only then feeds the next input:
    the messages may promise what the records say (a vote, a lock, an ack).
 2. ``messages``: send each to its recipient (``to=None``: every other member of the
    current epoch). Sending is best effort; the protocol tolerates loss.
-3. ``decisions``: apply commit certificates in order (start, migrate, fence workloads).
+3. ``decisions``: in order. Certified ones need no more from the driver than storing; the
+   workload orders ("stop", then "run": protocol/workload_orders.py) are executed as given.
 4. ``events``: log them and publish them to control-API subscribers.
+
+protocol/drain.py is the one implementation of this order, used by every driver: an input
+fed to the core while a batch is drained (a started workload's report) is queued behind it.
 
 The core never blocks, never reads a clock and never raises on bad remote input
 (it counts it); a LocalProtocolError means the driver broke this contract.
