@@ -12,6 +12,7 @@ from collections import deque
 from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.consensus import ConsensusInstance
+from protocol.drain import ReadyDrain
 from protocol.quorum import EpochView
 from protocol.ready import Ready
 
@@ -40,6 +41,7 @@ class Net:
         self.block = lambda sender, to, kind: False
         self.delivered = 0
         self.readies: dict[bytes, list[Ready]] = {k: [] for k in self.keys}
+        self.drains: dict[bytes, ReadyDrain] = {}
         self.nodes = {
             ident.public_key: ConsensusInstance(
                 instance_id=instance_id, value_kind="placement", view=self.view, identity=ident, mesh_id=mesh_id,
@@ -51,8 +53,16 @@ class Net:
         return self.nodes[self.keys[index]]
 
     def absorb(self, sender: bytes, ready: Ready) -> None:
-        self.readies[sender].append(ready)
-        for out in ready.messages:
+        """Through the drain every driver uses (protocol/drain.py): the batch is kept whole
+        (the "disk" tests read back), then its messages are queued."""
+        drain = self.drains.get(sender)
+        if drain is None:
+            drain = self.drains[sender] = ReadyDrain(persist=self.readies[sender].append,
+                                                     send=lambda messages: self._send(sender, messages))
+        drain.drain(ready)
+
+    def _send(self, sender: bytes, messages: list) -> None:
+        for out in messages:
             targets = [k for k in self.keys if k != sender] if out.to is None else [out.to]
             for to in targets:
                 self.queue.append((sender, to, out.data))
