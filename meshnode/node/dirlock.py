@@ -25,7 +25,10 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         """Take the lock or raise ConfigError (one line); touches nothing else in the directory."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError("cannot open %s: %s" % (self.path, exc.strerror or exc)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
