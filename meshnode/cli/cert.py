@@ -15,8 +15,8 @@ from meshnode.node.config import node_paths
 from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (CommitCertificate, JobManifest, decode_message, decode_value, placement_binding_error,
-                               slot_binding_error, slot_placements, value_hash)
+from protocol.flows.binding import certificate_binding_error
+from protocol.messages import CommitCertificate, decode_message, value_hash
 from protocol.quorum import EpochView
 
 
@@ -84,19 +84,11 @@ def cmd_verify(args) -> int:
                                       "(pass its epoch changes with --history or --node)"
                                       % (claimed.epoch, max(views)))
         cert, value = verify_commit_certificate(data, genesis.mesh_id, view)
-        if cert.value_kind == "placement":  # SPEC.md P2: one instance id, one epoch
-            placement = decode_value("placement", value)
-            _job_envelope, job = decode_message(placement.job, genesis.mesh_id, expect=JobManifest,
-                                                allow_any_mesh=True)
-            problem = placement_binding_error(cert.instance, job, cert.epoch)
-            if problem is not None:
-                raise RemoteProtocolError("placement certificate: %s" % problem)
-        elif cert.value_kind == "placement_slot":  # SPEC.md P7: the slot's own jobs, of its epoch
-            slot = decode_value("placement_slot", value)
-            problem = slot_binding_error(cert.instance, slot, slot_placements(slot, genesis.mesh_id), cert.epoch,
-                                         genesis.params.placement_slot_ms)
-            if problem is not None:
-                raise RemoteProtocolError("placement slot certificate: %s" % problem)
+        # SPEC.md 6.7: the stated kind bound to its value and instance, as a node checks it.
+        problem = certificate_binding_error(cert.value_kind, cert.instance, value, cert.epoch, genesis.mesh_id,
+                                            genesis.params.placement_slot_ms)
+        if problem is not None:
+            raise RemoteProtocolError("%s certificate: %s" % (cert.value_kind, problem))
     except RemoteProtocolError as exc:
         if args.json:
             json.dump({"valid": False, "reason": str(exc)}, sys.stdout, sort_keys=True)
