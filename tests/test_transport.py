@@ -84,6 +84,10 @@ async def wait_until(predicate, poll_s: float = 0.005) -> None:
 @asynccontextmanager
 async def connected_pair(harness, a_limits=None, b_limits=None):
     async with harness.node(SEED_A, **(a_limits or {})) as a, harness.node(SEED_B, **(b_limits or {})) as b:
+        # Members of one mesh, as a node tells its transport (SPEC.md 8): b did not dial
+        # a, and would otherwise hold a's burst of frames back as a stranger's.
+        a.set_members(frozenset({KEY_A, KEY_B}))
+        b.set_members(frozenset({KEY_A, KEY_B}))
         await a.connect(KEY_B, harness.listen_addr(b))
         await wait_until(lambda: a.peers() == {KEY_B} and b.peers() == {KEY_A})
         yield a, b
