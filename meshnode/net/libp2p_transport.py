@@ -646,9 +646,12 @@ class Libp2pTransport:
 
     async def _ping_periodically(self, link: _PeerLink) -> None:
         while True:
-            token = self._rng.randbytes(PING_TOKEN_BYTES)
-            link.rtt.ping_queued(token)
-            self._enqueue(link, FRAME_KIND_PING, token)
+            # Members only: the RTT figures are about them, and a stranger's stream is
+            # one more negotiation for nothing (a hostile peer never answers it).
+            if self.is_member(link.key):
+                token = self._rng.randbytes(PING_TOKEN_BYTES)
+                link.rtt.ping_queued(token)
+                self._enqueue(link, FRAME_KIND_PING, token)
             await trio.sleep(self._ping_interval_s)
 
     # -- inbound direction ------------------------------------------------------------

@@ -43,7 +43,7 @@ class PeerLimits:
     nonmember_incoming_share_divisor: int = 8
     """Non-member frames are queued only while the incoming queue is under 1/divisor full."""
     streams_per_member_connection_max: int = 64
-    streams_per_nonmember_connection_max: int = 4
+    streams_per_nonmember_connection_max: int = 8
     member_held_bytes_max: int = 4 << 20
     nonmember_held_bytes_max: int = (1 << 20) + 64 * 1024
     nonmember_held_bytes_total_max: int = 8 << 20

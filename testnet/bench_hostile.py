@@ -1,0 +1,112 @@
+"""`meshnode bench hostile`: hostile peers against one node of a running testnet
+(SPEC.md 8 "Limits against hostile peers").
+
+Unlike the other benchmarks it starts no testnet: it attacks node ``--node`` of the
+one in ``--dir`` (started by `meshnode testnet up`) and reports, as one JSON object:
+
+1. churn: ``cycles`` inbound connections, each completed (Noise, yamux) and closed;
+2. stall: ``stalled`` peers that each send a maximum-length frame prefix and 1 MiB - 1
+   of body, then stall, held past the frame read timeout;
+3. before the attacks (the baseline) and after each, whether a member whose link drops
+   reconnects: another node is stopped and started again, and the time until the
+   target counts it connected again;
+4. the target's RSS before, during and after, and its transport counters' growth.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import trio
+
+from meshnode.control.client import ControlClient
+from protocol.errors import MeshError
+from testnet import launcher
+
+MEMBER_RECONNECT_TIMEOUT_S = 30
+STALL_HOLD_S = 7.0  # past the default 5 s frame read timeout
+
+
+def rss_kib(pid: int) -> int:
+    with open("/proc/%d/status" % pid) as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise MeshError("no VmRSS for pid %d" % pid)
+
+
+def _status(entry: dict) -> dict:
+    with ControlClient(entry["dir"], timeout_s=5.0) as client:
+        return client.call("status")
+
+
+def _member_reconnects(root, target: dict, member_index: int) -> dict:
+    """Stop and restart node ``member_index``; how long until ``target`` is connected to
+    every member again (its `connected` back to members - 1)."""
+    expected = _status(target)["members"] - 1
+    launcher.stop_node(root, member_index)
+    started = time.monotonic()
+    launcher.start_node(root, member_index)
+    deadline = started + MEMBER_RECONNECT_TIMEOUT_S
+    seen_drop = False
+    while time.monotonic() < deadline:
+        connected = _status(target)["connected"]
+        seen_drop = seen_drop or connected < expected
+        if seen_drop and connected >= expected:
+            return {"member": member_index, "reconnected": True,
+                    "reconnect_ms": round((time.monotonic() - started) * 1000)}
+        time.sleep(0.05)
+    return {"member": member_index, "reconnected": False, "reconnect_ms": None}
+
+
+def _grown(before: dict, after: dict) -> dict:
+    return {key: after[key] - before.get(key, 0) for key in sorted(after) if after[key] != before.get(key, 0)}
+
+
+def run_hostile_bench(root, target_index: int = 0, cycles: int = 1000, stalled: int = 30, clients: int = 4,
+                      seed: int | None = None) -> dict:
+    from meshnode.net.hostile_probe import connect_close_cycles, stalled_frame_peers
+
+    layout = launcher.load_layout(root)
+    if not 0 <= target_index < len(layout["nodes"]):
+        raise MeshError("no node %d in this testnet" % target_index)
+    target = layout["nodes"][target_index]
+    if launcher.process_state(target.get("pid")) != "running":
+        raise MeshError("node %d is not running; start the testnet with `meshnode testnet up`" % target_index)
+    if len(layout["nodes"]) < 2:
+        raise MeshError("the member check needs a testnet of at least 2 nodes")
+    member_index = (target_index + 1) % len(layout["nodes"])
+    address = launcher.bootstrap_multiaddr(target)
+    key = bytes.fromhex(target["public_key"])
+    rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+    pid = target["pid"]
+    result = {"target": target_index, "pid": pid, "rss_kib": {"before": rss_kib(pid)},
+              "loadavg_before": open("/proc/loadavg").read().split()[:3]}
+    counters_before = _status(target).get("transport", {})
+    result["member_before"] = _member_reconnects(root, target, member_index)  # the baseline
+
+    started = time.monotonic()
+    churn = trio.run(lambda: connect_close_cycles(address, key, cycles, clients=clients, rng=rng))
+    result["churn"] = dict(churn, cycles=cycles, clients=clients, seconds=round(time.monotonic() - started, 1))
+    result["rss_kib"]["after_churn"] = rss_kib(pid)
+    result["member_after_churn"] = _member_reconnects(root, target, member_index)
+
+    async def stall() -> dict:
+        async with stalled_frame_peers(address, key, stalled, rng=rng) as sent:
+            during = rss_kib(pid)
+            counters = _status(target).get("transport", {})
+            await trio.sleep(STALL_HOLD_S)
+            held = rss_kib(pid)
+        return {"peers": stalled, "half_frames_sent": sent, "rss_kib_during": during, "rss_kib_held": held,
+                "counters_during": _grown(counters_before, counters)}
+
+    result["stall"] = trio.run(stall)
+    time.sleep(2.0)
+    result["rss_kib"]["after_stall"] = rss_kib(pid)
+    result["member_after_stall"] = _member_reconnects(root, target, member_index)
+    result["node_alive"] = launcher.process_state(pid) == "running"
+    result["transport_counters_grown"] = _grown(counters_before, _status(target).get("transport", {}))
+    result["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    return result
