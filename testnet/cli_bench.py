@@ -111,5 +111,5 @@ def cmd_hostile(args) -> int:
             raise ConfigError("--%s must be %s" % (name, "at least 1" if name == "clients" else "0 or more"))
     result = run_hostile_bench(args.dir, args.node, args.cycles, args.stalled, args.clients, seed=args.seed)
     _print(result)
-    ok = result["node_alive"] and result["member_after_churn"]["reconnected"] and result["member_after_stall"]["reconnected"]
+    ok = result["node_alive"] and all(result[k]["dialled_in"] for k in ("member_after_churn", "member_after_stall"))
     return 0 if ok else 1
