@@ -122,3 +122,75 @@ async def test_a_strangers_burst_is_cut_to_its_share_and_members_pass():
             assert from_member == [b"vote %d" % index for index in range(200)]
             assert len(from_stranger) <= PeerLimits().nonmember_frame_burst + 10
             assert sum(node.counters[c] for c in held_back) >= 200 - len(from_stranger)
+
+
+class _FakeStream:
+    target_recv_window = 256 * 1024
+
+
+class _FakeMuxer:
+    """What _BoundedStreamBuffers and _BoundedBuffer ask of their yamux connection."""
+
+    def __init__(self, limits: PeerLimits, streams_max: int = 4):
+        from meshnode.net.limits import MemoryBudget
+
+        self.memory = MemoryBudget(limits)
+        self.streams: dict[int, _FakeStream] = {}
+        self.refused: list[str] = []
+        self._streams_max = streams_max
+
+    def streams_max(self) -> int:
+        return self._streams_max
+
+    def hold(self, holder, size: int) -> bool:
+        return self.memory.hold(holder, KEY_STRANGER, False, size)
+
+    def release(self, holder) -> None:
+        self.memory.release(holder)
+
+    def refuse(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
+def _open(muxer: _FakeMuxer, buffers, stream_id: int) -> None:
+    muxer.streams[stream_id] = _FakeStream()
+    buffers[stream_id] = bytearray()   # what yamux does for a new stream
+
+
+def test_yamux_buffers_are_accounted_however_yamux_drops_them():
+    """The bookkeeping under _BoundedYamux, deterministic: every way py-libp2p 0.8.1's
+    yamux takes bytes out of a stream buffer (reads, pop, clear, del) is released."""
+    from meshnode.net.libp2p_transport import _BoundedStreamBuffers
+
+    muxer = _FakeMuxer(PeerLimits(nonmember_held_bytes_max=600 * 1024, nonmember_held_bytes_total_max=1 << 20))
+    buffers = _BoundedStreamBuffers(muxer)
+    for stream_id in (1, 3, 5):
+        _open(muxer, buffers, stream_id)
+    buffers[1].extend(bytes(200 * 1024))
+    buffers[3].extend(bytes(200 * 1024))
+    assert muxer.memory.held_bytes == 400 * 1024 and not muxer.refused
+    buffers[5].extend(bytes(256 * 1024))              # within its window, over the peer's budget
+    assert muxer.refused == ["dropped_memory_budget"] and len(buffers[5]) == 0
+    del buffers[1][: 100 * 1024]                        # a read
+    assert muxer.memory.held_bytes == 300 * 1024
+    buffers[3].clear()
+    assert muxer.memory.held_bytes == 100 * 1024
+    buffers.pop(1)
+    assert muxer.memory.held_bytes == 0
+    buffers[5].extend(bytes(256 * 1024 + 1))          # past the window granted
+    assert muxer.refused[-1] == "dropped_window_exceeded" and len(buffers[5]) == 0
+    buffers[5].extend(bytes(10))
+    buffers.clear()                                     # the connection goes
+    assert muxer.memory.held_bytes == 0
+
+
+def test_yamux_streams_per_connection_are_capped():
+    from meshnode.net.libp2p_transport import _BoundedStreamBuffers
+
+    muxer = _FakeMuxer(PeerLimits(), streams_max=2)
+    buffers = _BoundedStreamBuffers(muxer)
+    _open(muxer, buffers, 1)
+    _open(muxer, buffers, 3)
+    assert not muxer.refused
+    _open(muxer, buffers, 5)
+    assert muxer.refused == ["dropped_stream_limit"]

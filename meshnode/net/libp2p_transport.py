@@ -446,9 +446,9 @@ class Libp2pTransport:
         """
         remote = read_write_closer.get_remote_address()
         address = remote[0] if remote else "?"
-        refused = self._gate.begin_handshake(address, trio.current_time())
-        if refused is not None or self._closing:
-            self.counters[refused or "dropped_closing"] += 1
+        refused = "dropped_closing" if self._closing else self._gate.begin_handshake(address, trio.current_time())
+        if refused is not None:
+            self.counters[refused] += 1
             with trio.CancelScope(shield=True):
                 await _close_quietly(read_write_closer)
             return
