@@ -7,9 +7,12 @@ one in ``--dir`` (started by `meshnode testnet up`) and reports, as one JSON obj
 1. churn: ``cycles`` inbound connections, each completed (Noise, yamux) and closed;
 2. stall: ``stalled`` peers that each send a maximum-length frame prefix and 1 MiB - 1
    of body, then stall, held past the frame read timeout;
-3. before the attacks (the baseline) and after each, whether a member can still open a
+3. hold: ``holders`` peers that keep a stream open and send a small frame every second,
+   for ``hold_s``: the target's CPU seconds then against as long a quiet period
+   before, and whether its epoch moved (a member evicted or readmitted);
+4. before the attacks (the baseline) and after each, whether a member can still open a
    connection to the target (``_member_dials_in``);
-4. the target's RSS before, during and after, and its transport counters' growth.
+5. the target's RSS before, during and after, and its transport counters' growth.
 """
 
 from __future__ import annotations
@@ -81,13 +84,19 @@ def _member_dials_in(root, target: dict, member_index: int) -> dict:
             "restarted_member_connected_ms": whole_ms}
 
 
+def cpu_s(pid: int) -> float:
+    with open("/proc/%d/stat" % pid) as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def _grown(before: dict, after: dict) -> dict:
     return {key: after[key] - before.get(key, 0) for key in sorted(after) if after[key] != before.get(key, 0)}
 
 
 def run_hostile_bench(root, target_index: int = 0, cycles: int = 1000, stalled: int = 30, clients: int = 4,
-                      seed: int | None = None) -> dict:
-    from meshnode.net.hostile_probe import connect_close_cycles, stalled_frame_peers
+                      holders: int = 200, hold_s: float = 30.0, seed: int | None = None) -> dict:
+    from meshnode.net.hostile_probe import connect_close_cycles, stalled_frame_peers, stream_holders
 
     layout = launcher.load_layout(root)
     if not 0 <= target_index < len(layout["nodes"]):
@@ -126,6 +135,22 @@ def run_hostile_bench(root, target_index: int = 0, cycles: int = 1000, stalled: 
     time.sleep(2.0)
     result["rss_kib"]["after_stall"] = rss_kib(pid)
     result["member_after_stall"] = _member_dials_in(root, target, member_index)
+
+    time.sleep(3.0)  # the restarted member settles
+    epoch_quiet, cpu_quiet = _status(target)["epoch"], cpu_s(pid)
+    time.sleep(hold_s)
+    quiet = {"cpu_s": round(cpu_s(pid) - cpu_quiet, 2), "epochs": _status(target)["epoch"] - epoch_quiet}
+
+    async def hold() -> dict:
+        async with stream_holders(address, key, holders, rng=rng) as state:
+            epoch, cpu = _status(target)["epoch"], cpu_s(pid)
+            await trio.sleep(hold_s)
+            return {"peers": holders, "connected": state["connected"], "still_holding": state["holding"],
+                    "cpu_s": round(cpu_s(pid) - cpu, 2), "epochs": _status(target)["epoch"] - epoch,
+                    "rss_kib": rss_kib(pid)}
+
+    result["hold"] = dict(trio.run(hold), seconds=hold_s, quiet_before=quiet)
+    result["member_after_hold"] = _member_dials_in(root, target, member_index)
     result["node_alive"] = launcher.process_state(pid) == "running"
     result["transport_counters_grown"] = _grown(counters_before, _status(target).get("transport", {}))
     result["loadavg_after"] = open("/proc/loadavg").read().split()[:3]

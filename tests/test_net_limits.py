@@ -60,6 +60,15 @@ def test_handshake_rate_per_address():
     assert gate.begin_handshake("10.0.0.1", 0.1) is None   # one token back after 100 ms
 
 
+def test_handshake_rate_of_all_addresses_together():
+    gate = InboundGate(PeerLimits(handshake_rate_per_s=10.0, handshake_burst=3))
+    outcomes = []
+    for index in range(4):                                # four addresses, one handshake each
+        outcomes.append(gate.begin_handshake("10.0.0.%d" % index, 0.0))
+    assert outcomes == [None, None, None, "refused_handshake_rate"]
+    assert gate.begin_handshake("10.0.0.9", 0.1) is None
+
+
 def test_members_pass_every_key_limit():
     gate = InboundGate(PeerLimits(nonmember_connections_max=1, nonmember_connect_burst_per_peer=1))
     full = {OTHER: 0.0}

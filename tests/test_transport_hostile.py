@@ -39,6 +39,7 @@ async def test_inbound_slots_come_back_after_1000_connections():
     """py-libp2p 0.8.1 kept a slot of its 250-slot inbound limiter for every connection
     ever accepted: the 251st was refused, and so was every later one, members too."""
     churn_friendly = PeerLimits(handshake_rate_per_address_per_s=10_000, handshake_burst_per_address=10_000,
+                                handshake_rate_per_s=10_000, handshake_burst=10_000,
                                 nonmember_connect_rate_per_peer_per_s=10_000, nonmember_connect_burst_per_peer=10_000)
     with trio.fail_after(240):
         async with open_libp2p_transport(SEED_NODE, LOOPBACK, limits=churn_friendly) as node:
@@ -56,7 +57,8 @@ async def test_stalled_half_frames_are_bounded_then_released():
     Non-members together hold at most their pool; every partial frame is dropped when
     the frame read timeout passes, and a member still gets through meanwhile."""
     limits = PeerLimits(nonmember_held_bytes_total_max=4 << 20, frame_read_timeout_ms=1500,
-                        handshake_rate_per_address_per_s=1000, handshake_burst_per_address=1000)
+                        handshake_rate_per_address_per_s=1000, handshake_burst_per_address=1000,
+                        handshake_rate_per_s=1000, handshake_burst=1000)
     with trio.fail_after(120):
         async with open_libp2p_transport(SEED_NODE, LOOPBACK, limits=limits) as node:
             node.set_members(frozenset({KEY_MEMBER}))

@@ -143,3 +143,43 @@ async def overfill_yamux_window(node_addr: str, node_key: bytes, *, rng: random.
             while host.get_network().get_connections(peer_id):
                 await trio.sleep(0.01)
         return True
+
+
+@asynccontextmanager
+async def stream_holders(node_addr: str, node_key: bytes, peers: int, *, rng: random.Random,
+                         frame_interval_s: float = 1.0):
+    """``peers`` peers that each keep our protocol's stream open and send a small junk
+    DATA frame every ``frame_interval_s``: slow peers that never go away. Yields a dict
+    whose "holding" is the number whose stream is still open (it changes as the node
+    closes them); the peers go when the context ends."""
+    from meshnode.net.transport import FRAME_KIND_DATA, encode_frame
+
+    refusals = _refusal_errors()
+    peer_id, info = _target(node_addr, node_key)
+    state = {"holding": 0, "connected": 0}
+
+    async def trickle(stream) -> None:
+        state["holding"] += 1
+        try:
+            while True:
+                await stream.write(encode_frame(FRAME_KIND_DATA, rng.randbytes(32)))
+                await trio.sleep(frame_interval_s)
+        except refusals:
+            pass
+        finally:
+            state["holding"] -= 1
+
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
+        for _ in range(peers):
+            host = await stack.enter_async_context(hostile_host(rng.randbytes(32)))
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT_S):
+                    await host.connect(info)
+                    stream = await host.new_stream(peer_id, [PROTOCOL_ID])
+                state["connected"] += 1
+                nursery.start_soon(trickle, stream)
+            except refusals:
+                continue
+        yield state

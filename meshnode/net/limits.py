@@ -31,6 +31,9 @@ class PeerLimits:
     handshakes_per_address_max: int = 8
     handshake_rate_per_address_per_s: float = 20.0
     handshake_burst_per_address: int = 40
+    handshake_rate_per_s: float = 50.0
+    """All addresses together: what the handshakes' cryptography may cost the node."""
+    handshake_burst: int = 100
     addresses_tracked_max: int = 4096
     handshake_timeout_ms: int = 3000
     nonmember_connections_max: int = 32
@@ -117,6 +120,7 @@ class InboundGate:
         self._handshakes: collections.Counter[str] = collections.Counter()
         self._handshake_rate = KeyedRateLimiter(limits.handshake_rate_per_address_per_s,
                                                 limits.handshake_burst_per_address, limits.addresses_tracked_max)
+        self._all_handshakes_rate: TokenBucket | None = None
         self._connect_rate = KeyedRateLimiter(limits.nonmember_connect_rate_per_peer_per_s,
                                               limits.nonmember_connect_burst_per_peer, limits.addresses_tracked_max)
 
@@ -133,6 +137,10 @@ class InboundGate:
             return "refused_address_handshakes"
         if not self._handshake_rate.allow(address, now_s):
             return "refused_address_rate"
+        if self._all_handshakes_rate is None:
+            self._all_handshakes_rate = TokenBucket(self.limits.handshake_rate_per_s, self.limits.handshake_burst, now_s)
+        if not self._all_handshakes_rate.take(now_s):
+            return "refused_handshake_rate"
         self._handshakes[address] += 1
         return None
 
@@ -218,7 +226,8 @@ class MemoryBudget:
 # Counters (transport's and core's) that mean traffic from a peer was refused or
 # dropped as invalid; what a node under attack sees grow.
 REFUSAL_COUNTERS = (
-    "refused_handshakes_busy", "refused_address_handshakes", "refused_address_rate", "handshake_failed",
+    "refused_handshakes_busy", "refused_address_handshakes", "refused_address_rate", "refused_handshake_rate",
+    "handshake_failed",
     "refused_peer_rate", "refused_nonmembers_full", "evicted_idle_nonmember", "peer_rejected",
     "dropped_oversize", "bad_frame", "dropped_frame_timeout", "dropped_memory_budget",
     "dropped_stream_limit", "dropped_window_exceeded", "dropped_nonmember_rate", "dropped_nonmember_share",
