@@ -72,7 +72,7 @@ class Liveness:
         else:
             out.decisions.append(local_decision("resume", mine))
 
-    def _sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
+    def sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
         not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
@@ -94,9 +94,9 @@ class Liveness:
         self.last_tick_ms = now_ms
         if self.startup_sync_due:
             self._hold_restarted_jobs(now_ms, out)
-            self._sync(now_ms, out, STARTUP_SYNC_PEERS)
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
-            self._sync(now_ms, out, 1)
+            self.sync(now_ms, out, 1)
         if self.joins.evicted_at_epoch is not None and not epochs.is_member():
             self.joins.maybe_rejoin(now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
@@ -211,6 +211,10 @@ class Liveness:
             sent = set(certificates)
             recent = list(self.instances.recent_certificates.values())[-MAX_SYNC_DECISIONS:]
             certificates.extend(c for c in recent if c not in sent)
+        if peer in self.epochs.member_info:
+            # ...and to any node that was ever a member (an evicted one is about to rejoin), the
+            # exits and cancels it accepted last, which are messages sent once (P6).
+            certificates.extend(self.jobs.recent_outcomes)
         if not certificates:
             return
         if len(self.sync_answered_ms) > 4096:

@@ -898,3 +898,41 @@ def test_a_restarted_node_capability_vector_replaces_its_pre_crash_one_at_its_pe
         peer.step(message.data, 6000)
     cool = peer.capability.peers[KEYS[0]]
     assert cool.seq > hot.seq and cool.gpus[0].temp_milli_c == 40_000   # the pre-crash vector is gone
+
+
+def test_p6_an_exit_and_the_eviction_that_moved_its_job_in_any_order_leave_one_job_state():
+    # The primary (node 3) completes the job, then is evicted; members that apply the
+    # eviction first still take the exit (its signer was primary at its fence), and two
+    # completions (a fenced primary cut off that ran to its end, and the run it moved to)
+    # end on the newest one whatever their order. A failure after the move changes nothing.
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    from protocol.messages import Eviction, Migration
+    job, envelope = make_job(backups=2)
+    iid = job_id(job)
+
+    def certificate(instance, epoch, kind, value):
+        votes = tuple(encode_message(i, MESH, Precommit(instance, 0, epoch, value_hash(value))) for i in IDS[:3])
+        return encode_message(IDS[0], MESH, CommitCertificate(instance, 0, epoch, kind, value, votes))
+
+    placed = certificate(iid, 0, "placement", codec.pack(Placement(
+        job=envelope, primary=KEYS[3], backups=(KEYS[2], KEYS[1]), gpus=(0,)).to_body()))
+    evict_3 = certificate(epoch_change_instance_id(0), 0, "eviction", codec.pack(Eviction(
+        node=KEYS[3], epoch=0, migrations=(Migration(job_id=iid, to_node=KEYS[2], backups=(KEYS[1],)),)).to_body()))
+    exit_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=0))
+    failed_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=1))
+    exit_2 = encode_message(IDS[2], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+    forged_2 = encode_message(IDS[1], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+
+    def final(*messages):
+        core = Net().cores[KEYS[0]]
+        for data in messages:
+            core.step(data, 0)
+        view = core.job_view(iid)
+        return view["state"], view["primary"], view["fence"]
+
+    assert final(placed, exit_1, evict_3) == final(placed, evict_3, exit_1) == ("completed", KEYS[3], 1)
+    assert final(placed, evict_3, failed_1) == ("migrating", KEYS[2], 2)
+    assert final(placed, evict_3, forged_2) == ("migrating", KEYS[2], 2)
+    newest = ("completed", KEYS[2], 2)
+    assert final(placed, evict_3, exit_1, exit_2) == final(placed, evict_3, exit_2, exit_1) == newest
+    assert final(placed, exit_1, evict_3, exit_2) == newest

@@ -329,10 +329,10 @@ class PlacementFlow(ValueFlow):
             return
         record.attempt = attempt  # a node that missed an exit learns the attempt here
         record.instance = instance or iid
-        self.jobs.assign(record, placement.primary, placement.backups, placement.gpus)
-        # From the certificate alone, not by counting what this node happened to apply: a
-        # node that missed an attempt (or learns it late) gets the fence the others have.
-        record.fence = attempt * FENCE_PER_ATTEMPT + 1
+        # The fence from the certificate alone, not by counting what this node happened to
+        # apply: a node that missed an attempt (or learns it late) gets the fence the others have.
+        self.jobs.assign(record, placement.primary, placement.backups, placement.gpus,
+                         fence=attempt * FENCE_PER_ATTEMPT + 1)
         record.state = "placed"
         record.hint = None
         if placement.primary == me:
