@@ -42,7 +42,8 @@ def parse_vector_blocks(text: str) -> list[dict[str, str]]:
 
 HEADER, *VECTORS = parse_vector_blocks(SPEC)
 BY_KIND = {v["kind"]: v for v in VECTORS}
-DERIVED = dict(line.split(": ", 1) for line in spec_tables.generated_block(SPEC, "derived ids").strip("`\n").splitlines())
+DERIVED = dict(line.split(": ", 1)
+               for line in spec_tables.generated_block(SPEC, "derived ids").strip("`\n").splitlines())
 MESH_ID = bytes.fromhex(HEADER["mesh_id"])
 GENESIS = Genesis.decode(bytes.fromhex(DERIVED["genesis"]))
 
