@@ -57,17 +57,22 @@ NESTED_ENVELOPES = {
                                   "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
                                   "and in a slot mesh's late attempt-0 placement the slot's `commit` last (P4b, "
                                   "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
-                                  "`suspicion`s of the evicted node (at most 32, F5); `membership`: empty "
-                                  "(ignored). One that fails makes the proposal invalid"),
-    (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash (6.3)"),
-    (PrevoteCertificate, "prevotes"): (("prevote",), "6.7"),
-    (CommitCertificate, "precommits"): (("precommit",), "6.7"),
-    (RoundChange, "lock_certificate"): (("prevote_cert",), "of `locked_round` and the locked value (6.5)"),
-    (RoundChange, "lock_proposal"): (("proposal",), "the locked round's proposal, signed by its leader (6.5)"),
-    (RoundSync, "changes"): (("round_change",), "for the same (instance, round, epoch), distinct members (6.5)"),
+                                  "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
+                                  "validator ignores any). For the other kinds one that fails makes the "
+                                  "proposal invalid"),
+    (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
+                                                       "else the proposal is invalid (6.3)"),
+    (PrevoteCertificate, "prevotes"): (("prevote",), "one bad entry invalidates the certificate (6.1, 6.7)"),
+    (CommitCertificate, "precommits"): (("precommit",), "one bad entry invalidates the certificate (6.1, 6.7)"),
+    (RoundChange, "lock_certificate"): (("prevote_cert",), "of `locked_round` and the locked value; else the "
+                                                           "round change is dropped (6.5)"),
+    (RoundChange, "lock_proposal"): (("proposal",), "the locked round's proposal, signed by its leader; else the "
+                                                    "round change is dropped (6.5)"),
+    (RoundSync, "changes"): (("round_change",), "for the same (instance, round, epoch), distinct members; one "
+                                                "bad entry drops the RoundSync (6.1, 6.5)"),
     (Evidence, "first"): (("proposal", "prevote", "precommit"),
                           "two envelopes of one of these kinds signed by `offender` for one (instance, round) "
-                          "(6.10)"),
+                          "(6.10); evidence is kept locally, never accepted from a peer (4.1)"),
     (Evidence, "second"): (("proposal", "prevote", "precommit"), "as `first`"),
     (Join, "vouchers"): (("attestation", "endorsement"),
                          "an `attestation` by a genesis authority (this mesh or ANY_MESH) or `endorsement`s "
@@ -245,7 +250,10 @@ def _field_type(cls, name: str, ftype) -> str:
     nested = NESTED_ENVELOPES.get((cls, name))
     if nested is None:
         return ftype.describe()
-    return "%s, each holding a %s envelope (3.1)" % (ftype.describe(), " or ".join("`%s`" % k for k in nested[0]))
+    kinds = " or ".join("`%s`" % k for k in nested[0])
+    if isinstance(ftype, List):
+        return "%s, each an envelope of kind %s (3.1)" % (ftype.describe(), kinds)
+    return "%s: an envelope of kind %s (3.1)" % (ftype.describe(), kinds)
 
 
 def render_field_tables() -> str:
