@@ -84,9 +84,11 @@ def exported(tmp_path_factory):
                 results["first"] = await api.certificates({"job_id": jid_of(first).hex()[:10]})
                 results["second"] = await api.certificates({"job_id": jid_of(second).hex()})
                 results["eviction"] = await api.certificates({"instance": epoch_change_instance_id(0).hex()})
-                for bad in ({}, {"instance": "zz"}, {"job_id": "ab", "instance": "00" * 32},
-                            {"instance": "00" * 32}, {"job_id": "not hex"}):
-                    with pytest.raises(MeshError, match="certificates: "):
+                for bad, why in (({}, "args must be"), ({"instance": "zz"}, "64 hex digits"),
+                                 ({"job_id": "ab", "instance": "00" * 32}, "args must be"),
+                                 ({"instance": "00" * 32}, "no certificate of instance"),
+                                 ({"job_id": "not hex"}, "must be hex"), ({"job_id": "00" * 32}, "matches 0 jobs")):
+                    with pytest.raises(MeshError, match=why):
                         await api.certificates(bad)
                 # The CLI, through the node's control socket (a thread: the client blocks).
                 results["cli_rc"] = await trio.to_thread.run_sync(cli_main, [

@@ -142,21 +142,21 @@ class ControlApi:
         one instance, and the epoch changes that lead to their epochs, so `meshnode cert
         export` can write files `meshnode cert verify` checks anywhere, with only the genesis."""
         if set(args) not in ({"job_id"}, {"instance"}):
-            raise MeshError("certificates: args must be {job_id: hex prefix} or {instance: 64 hex digits}")
+            raise MeshError("args must be {job_id: hex prefix} or {instance: 64 hex digits}")
         if "instance" in args:
             instance = args["instance"]
             if not isinstance(instance, str) or len(instance) != 64 or not _is_hex(instance):
-                raise MeshError("certificates: instance must be 64 hex digits")
+                raise MeshError("instance must be 64 hex digits")
             rows = self._certificate_rows("instance IN (?)", [instance.lower()])
             if not rows:
-                raise MeshError("certificates: this node applied no certificate of instance %s" % instance)
+                raise MeshError("this node applied no certificate of instance %s" % instance)
         else:
-            rows = self._job_certificate_rows(self._one_job(args["job_id"], "certificates"))
+            rows = self._job_certificate_rows(self._one_job(args["job_id"]))
         newest_epoch = max(row["epoch"] for row in rows) if rows else 0
         changes = self._certificate_rows("value_kind IN ('eviction', 'membership') AND epoch < ?", [newest_epoch])
         size = sum(len(row["certificate"]) for row in rows + changes)
         if size > CERTIFICATE_REPLY_BYTES:
-            raise MeshError("certificates: %d bytes of certificates do not fit one control frame; export one "
+            raise MeshError("%d bytes of certificates do not fit one control frame; export one "
                             "instance at a time, or verify on this host with `meshnode cert verify --node DIR`"
                             % size)
         return {"certificates": rows, "epoch_changes": changes}
@@ -191,15 +191,16 @@ class ControlApi:
     def _placed_job_id(self, job_envelope: bytes) -> bytes:
         return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])
 
-    def _one_job(self, prefix, op: str) -> dict:
-        """The one job this node knows whose id starts with the hex ``prefix``."""
+    def _one_job(self, prefix) -> dict:
+        """The one job this node knows whose id starts with the hex ``prefix``. (Errors carry
+        no op name: the client puts it in front.)"""
         try:
             wanted = bytes.fromhex(prefix) if isinstance(prefix, str) else b""
         except ValueError:
-            raise MeshError("%s: job_id must be hex" % op) from None
+            raise MeshError("job_id must be hex (an even number of digits)") from None
         matches = [j for j in self.node.core.jobs() if j["job_id"].startswith(wanted)] if wanted else []
         if len(matches) != 1:
-            raise MeshError("%s: %s matches %d jobs" % (op, prefix, len(matches)))
+            raise MeshError("job %s matches %d jobs this node knows" % (prefix, len(matches)))
         return matches[0]
 
     async def checkpoint_stats(self, args) -> dict:
