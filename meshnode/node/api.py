@@ -33,6 +33,10 @@ def _hex_list(values):
     return [_hex(v) for v in values]
 
 
+def _without_seq(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key != "seq"}
+
+
 def _is_hex(text: str) -> bool:
     try:
         bytes.fromhex(text)
@@ -147,7 +151,7 @@ class ControlApi:
             instance = args["instance"]
             if not isinstance(instance, str) or len(instance) != 64 or not _is_hex(instance):
                 raise MeshError("instance must be 64 hex digits")
-            rows = self._certificate_rows("instance IN (?)", [instance.lower()])
+            rows = self._certificate_rows("instance = ?", [instance.lower()])
             if not rows:
                 raise MeshError("this node applied no certificate of instance %s" % instance)
         else:
@@ -159,13 +163,15 @@ class ControlApi:
             raise MeshError("%d bytes of certificates do not fit one control frame; export one "
                             "instance at a time, or verify on this host with `meshnode cert verify --node DIR`"
                             % size)
-        return {"certificates": rows, "epoch_changes": changes}
+        return {"certificates": [_without_seq(row) for row in rows],
+                "epoch_changes": [_without_seq(row) for row in changes]}
 
     def _certificate_rows(self, where: str, params: list) -> list[dict]:
         cursor = self.node.store.db.execute(
-            "SELECT instance, value_kind, epoch, certificate FROM certificates WHERE %s ORDER BY seq" % where, params)
-        return [{"instance": instance, "value_kind": kind, "epoch": epoch, "certificate": certificate}
-                for instance, kind, epoch, certificate in cursor]
+            "SELECT seq, instance, value_kind, epoch, certificate FROM certificates WHERE %s ORDER BY seq" % where,
+            params)
+        return [{"seq": seq, "instance": instance, "value_kind": kind, "epoch": epoch, "certificate": certificate}
+                for seq, instance, kind, epoch, certificate in cursor]
 
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt, P2), its slot's
@@ -181,7 +187,7 @@ class ControlApi:
                      if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
         rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
-        return rows
+        return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):
         """The value a stored (so already verified) certificate decided."""
