@@ -936,3 +936,20 @@ def test_p6_an_exit_and_the_eviction_that_moved_its_job_in_any_order_leave_one_j
     newest = ("completed", KEYS[2], 2)
     assert final(placed, evict_3, exit_1, exit_2) == final(placed, evict_3, exit_2, exit_1) == newest
     assert final(placed, exit_1, evict_3, exit_2) == newest
+
+
+def test_6_7_a_placement_certificate_of_a_job_not_signed_by_its_owner_places_nothing():
+    # Honest validators refuse such a proposal (P4b); only a quorum with more than 1/3
+    # Byzantine stake could certify it, and a node (and cert verify) still refuses it.
+    from protocol.flows.binding import certificate_binding_error
+    job, _envelope = make_job()
+    forged_job = encode_message(IDS[3], MESH, job)   # signed by a member, not by the job's owner
+    iid = job_id(job)
+    value = codec.pack(Placement(job=forged_job, primary=KEYS[0], backups=(KEYS[1],), gpus=(0,)).to_body())
+    votes = tuple(encode_message(i, MESH, Precommit(iid, 0, 0, value_hash(value))) for i in IDS[:3])
+    certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 0, "placement", value, votes))
+    assert "not signed by its owner" in certificate_binding_error("placement", iid, value, 0, MESH, 0)
+    core = Net().cores[KEYS[2]]
+    ready = core.step(certificate, 0)
+    assert not ready.decisions and not ready.persist and core.job_view(iid) is None
+    assert core.counters["placement_certificate_wrong_epoch"] == 1

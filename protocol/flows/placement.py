@@ -304,8 +304,10 @@ class PlacementFlow(ValueFlow):
     def value_binding_error(iid: bytes, value_kind: str, placement, epoch: int, mesh_id: bytes,
                             slot_ms: int, caches=None) -> str | None:
         """SPEC P2: a placement's instance is its job's attempt, in the job's epoch."""
-        _envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                        caches=caches)
+        envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=caches)
+        if envelope.signer != job.owner:   # honest validators checked it (P4b); a forged quorum may not have
+            return "a job that is not signed by its owner"
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,
