@@ -20,7 +20,7 @@ from keys.identity import SigningIdentity
 from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
-from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member, RunningJob,
+from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member, OutputFile, RunningJob,
                                MembershipChange, Migration, Placement, PlacementSlot, Resources,
                                placement_instance_id, placement_slot_id)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
@@ -29,7 +29,7 @@ VECTOR_SEED = bytes(range(32))
 VECTOR_MESH_ID = hashlib.sha256(b"meshnode/v1/test-vector-mesh").digest()
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis)
+                  MembershipChange, ProtocolParams, Genesis, OutputFile)
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"
 END = "<!-- END GENERATED: %s -->"
