@@ -92,17 +92,17 @@ class ControlApi:
             "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
             "submitted_ms": job.get("submitted_ms", 0),
             "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
-            "hint": job.get("hint"),
+            "hint": job.get("hint"), "exit_code": job.get("exit_code"),
         }
 
-    def _find_job(self, args, op: str) -> dict:
+    def _find_job(self, args) -> dict:
         """The one job ``args.job_id`` names: its full id, or a prefix of one (hex)."""
         text = args.get("job_id")
         if not isinstance(text, str) or not text:
-            raise MeshError("%s: job_id must be the job's id in hex (or a prefix of it)" % op)
+            raise MeshError("job_id must be the job's id in hex (or a prefix of it)")
         text = text.lower()
         if len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
-            raise MeshError("%s: job_id %r is not a hex job id" % (op, text[:80]))
+            raise MeshError("job_id %r is not a hex job id" % text[:80])
         matches = [j for j in self.node.core.jobs() if j["job_id"].hex().startswith(text)]
         if not matches:
             raise MeshError("no job %s on this node (`meshnode job list` shows the jobs it knows)" % text[:64])
@@ -113,7 +113,7 @@ class ControlApi:
     async def job_status(self, args) -> dict:
         """One job in full (`meshnode job status`): the `jobs` row, its exit code and
         attempt, and whether its workload runs on this node."""
-        job = self._find_job(args, "job_status")
+        job = self._find_job(args)
         row = self._job_row(job)
         manifest = job["manifest"]
         row.update({"attempt": job["attempt"], "max_retries": manifest.max_retries, "exit_code": job["exit_code"],
@@ -125,14 +125,14 @@ class ControlApi:
     async def job_output(self, args) -> dict:
         """Part of a job's output (SPEC.md 9.8): ``target`` "log" | "files" | "file", read here
         if this node runs the job, else from its primary with ``request`` (owner-signed)."""
-        job = self._find_job(args, "job_output")
+        job = self._find_job(args)
         request = args.get("request")
         if request is not None and not isinstance(request, bytes):
-            raise MeshError("job_output: args.request must be a signed output_read envelope (bytes)")
+            raise MeshError("args.request must be a signed output_read envelope (bytes)")
         target, path = args.get("target", "log"), args.get("path", "")
         offset, max_bytes = args.get("offset", 0), args.get("max_bytes", 65536)
         if not isinstance(target, str) or not isinstance(path, str) or not _is_int(offset) or not _is_int(max_bytes):
-            raise MeshError("job_output: target and path are text, offset and max_bytes integers")
+            raise MeshError("target and path are text, offset and max_bytes integers")
         return await self.node.output.read(job, target, path, offset, max_bytes, request)
 
     async def consensus(self, args) -> dict:

@@ -91,17 +91,17 @@ class OutputService:
         node, me = self.node, self.node.identity.public_key
         jid, primary = job["job_id"], job["primary"]
         if primary is None:
-            raise MeshError("job %s has not run anywhere yet (%s): it has no output" % (jid.hex()[:12], job["state"]))
+            raise MeshError("job %s was never placed (%s): it has no output" % (jid.hex()[:12], job["state"]))
         if request is not None:
             try:
                 _, read = decode_message(request, node.genesis.mesh_id, expect=OutputRead)
             except RemoteProtocolError as exc:
-                raise MeshError("job output: the signed read does not verify: %s" % exc) from None
+                raise MeshError("the signed read does not verify: %s" % exc) from None
             if read.job_id != jid or read.via != me:
-                raise MeshError("job output: the signed read names another job or another node to carry it")
+                raise MeshError("the signed read names another job or another node to carry it")
             target, path, offset, max_bytes = read.target, read.path, read.offset, read.max_bytes
         if target not in OUTPUT_TARGETS or not 1 <= max_bytes <= MAX_OUTPUT_CHUNK_BYTES or offset < 0:
-            raise MeshError("job output: target must be one of %s, max_bytes 1..%d, offset >= 0"
+            raise MeshError("target must be one of %s, max_bytes 1..%d, offset >= 0"
                             % (", ".join(OUTPUT_TARGETS), MAX_OUTPUT_CHUNK_BYTES))
         if primary == me:
             try:
