@@ -299,3 +299,31 @@ def test_train_state_grows_and_a_restored_run_matches_an_uninterrupted_one():
         resumed.train_step()
     assert resumed.encode_state() == straight.encode_state()
     assert len(straight.encode_state()) > len(halfway_state)
+
+
+LOUD = textwrap.dedent("""
+    import sys
+    for i in range(60_000):
+        print("line %05d" % i)
+    print("to stderr too", file=sys.stderr)
+    sys.exit(5)
+""")
+
+
+async def test_all_output_is_in_the_ring_before_the_exit_is_reported(tmp_path, monkeypatch):
+    """`meshnode job logs --follow` stops once the job ended and its log is read to the end:
+    the runner drains the workload's pipe into the ring (SPEC.md 9.8) before on_exit."""
+    from meshnode.node import output_log
+    from meshnode.node.output_log import OutputLog
+    monkeypatch.setattr(output_log, "SEGMENT_BYTES", 256 * 1024)   # 660 kB of output rotates twice
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"loud": [sys.executable, "-c", LOUD]})
+        await runner.start(JOB, "loud", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 5)
+        nursery.cancel_scope.cancel()
+    expected = "".join("line %05d\n" % i for i in range(60_000)) + "to stderr too\n"
+    log = OutputLog(runner.workdir(JOB))
+    start, end = log.bounds()
+    assert end == len(expected) and 0 < start and end - start <= 2 * 256 * 1024
+    assert log.read(start, end)[2] == expected[start:].encode()

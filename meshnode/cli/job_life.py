@@ -16,7 +16,7 @@ import time
 from rich.table import Table
 
 from keys.identity import short_id
-from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, passphrase_source_from_args
 from meshnode.control.client import ControlClient, ControlError, ControlUnavailable
 from meshnode.tui.tables import format_ms, node_label
 from protocol.errors import MeshError
@@ -135,7 +135,14 @@ def render_job_status(job: dict) -> Table:
             ("runs here", "yes" if job.get("running_here") else "no")]
     if job["state"] == "pending":
         rows += [("declines", declines), ("hint", job.get("hint") or "-")]
-    return key_value_table("job %s" % _short_job(job["job_id"]), rows)
+    # No box: the 64-digit job id fits on its line at 80 columns, whole, to be copied.
+    table = Table(title="job %s" % _short_job(job["job_id"]), title_justify="left", box=None, show_header=False,
+                  padding=(0, 2, 0, 0))
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table
 
 
 def cmd_status(args) -> int:

@@ -39,11 +39,11 @@ class OutputLog:
     """The ring in ``workdir``. One writer (the runner) appends; readers may be other
     instances over the same directory (the node serving ``job logs``)."""
 
-    def __init__(self, workdir: str, segment_bytes: int = SEGMENT_BYTES):
-        if segment_bytes < 1:
+    def __init__(self, workdir: str, segment_bytes: int | None = None):
+        self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
+        if self.segment_bytes < 1:
             raise ValueError("segment_bytes must be positive")
         self.workdir = workdir
-        self.segment_bytes = segment_bytes
         self._writer = None
 
     def _path(self, name: str) -> str:
