@@ -327,3 +327,22 @@ async def test_all_output_is_in_the_ring_before_the_exit_is_reported(tmp_path, m
     start, end = log.bounds()
     assert end == len(expected) and 0 < start and end - start <= 2 * 256 * 1024
     assert log.read(start, end)[2] == expected[start:].encode()
+
+
+async def test_output_still_in_the_pipe_at_the_exit_is_drained_into_the_ring(tmp_path, monkeypatch):
+    """The exit can be seen before the pump read the last bytes (both wake at once): what
+    is left in the pipe is read before on_exit. Here the pump never runs at all."""
+    from meshnode.node.output_log import OutputLog
+
+    async def idle_pump(self, job):
+        with job.pump_scope:   # cancelled at the exit, like the real pump
+            await trio.sleep_forever()
+    monkeypatch.setattr(WorkloadRunner, "_pump_output", idle_pump)
+    last_words = [sys.executable, "-c", "print('x' * 2999)"]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"last-words": last_words})
+        await runner.start(JOB, "last-words", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 0)
+            assert OutputLog(runner.workdir(JOB)).read(0, 10_000)[2] == b"x" * 2999 + b"\n"
+        nursery.cancel_scope.cancel()
