@@ -346,3 +346,16 @@ async def test_output_still_in_the_pipe_at_the_exit_is_drained_into_the_ring(tmp
             assert await recorder.exits.receive() == (JOB, 0)
             assert OutputLog(runner.workdir(JOB)).read(0, 10_000)[2] == b"x" * 2999 + b"\n"
         nursery.cancel_scope.cancel()
+
+
+async def test_train_prints_its_loss_to_the_log_when_asked(tmp_path):
+    from meshnode.node.output_log import OutputLog
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        await runner.start(JOB, "train", ["--steps", "4", "--log-every", "2", "--samples", "8"], gpus=[],
+                           restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 0)
+        nursery.cancel_scope.cancel()
+    lines = OutputLog(runner.workdir(JOB)).read(0, 1000)[2].decode().splitlines()
+    assert [line.split()[:2] for line in lines] == [["step", "2"], ["step", "4"]]
