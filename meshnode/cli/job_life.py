@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from rich import box
 from rich.table import Table
 
 from keys.identity import short_id
@@ -106,9 +107,13 @@ def _exit_text(job: dict) -> str:
 
 
 def render_job_list(result: dict) -> Table:
-    table = Table(title="jobs (%d)" % len(result["jobs"]), title_justify="left")
+    # No vertical rules and one space of padding: the row fits 80 columns with a 15-character
+    # name; a longer name is cut (the ids never are, and no cell wraps).
+    table = Table(title="jobs (%d)" % len(result["jobs"]), title_justify="left", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False, collapse_padding=True)
     for column in ("job", "name", "state", "primary", "bk", "checkpoint", "migr", "exit"):
-        table.add_column(column, no_wrap=column != "name", overflow="fold")
+        table.add_column(column, no_wrap=True, overflow="ellipsis" if column == "name" else "fold",
+                         min_width=4 if column == "name" else None)
     for job in sorted(result["jobs"], key=lambda j: (j.get("submitted_ms", 0), j["job_id"])):
         table.add_row(_short_job(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
                       str(len(job.get("backups", []))), _checkpoint_text(job), str(job.get("migrations", 0)),
@@ -282,8 +287,8 @@ def cmd_output(args) -> int:
               "truncated_list": len(files) >= MAX_OUTPUT_FILES}
 
     def render(console):
-        table = Table(title="job %s: %d files, %d bytes -> %s" % (_short_job(job["job_id"]), len(files), copied,
-                                                                  args.out), title_justify="left")
+        console.print("job %s: %d files, %d bytes -> %s" % (_short_job(job["job_id"]), len(files), copied, args.out))
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         table.add_column("file", overflow="fold")
         table.add_column("bytes", justify="right", no_wrap=True)
         for entry in files:
