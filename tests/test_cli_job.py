@@ -6,6 +6,7 @@ control sockets. No workload processes: the primary's output ring and the worklo
 are produced the way the runner produces them.
 """
 
+import itertools
 import json
 import os
 
@@ -157,3 +158,65 @@ async def test_cancel_is_signed_by_the_owner_only_and_only_once(mesh_dir, mock_c
         one_line_error(code, err, "already ended (cancelled)")
 
     await with_placed_job(root, layout, test)
+
+
+def test_follow_resumes_at_its_offset_and_starts_over_on_the_node_a_job_moved_to():
+    """follow_log against a scripted node: a failed read after a good one is waited out (a
+    failover), and a new primary's log is read from its start."""
+    from meshnode.cli.job_life import follow_log
+    from meshnode.control.client import ControlUnavailable
+
+    logs = {"a": b"one\ntwo\n", "b": b"resumed\nthree\n"}
+    script = itertools.chain([("a", "running", True), ("a", "running", True), None, ("b", "running", True),
+                              ("b", "running", True)], itertools.repeat(("b", "completed", False)))
+    asked, notes = [], []
+
+    class Reader:
+        job_id_hex = "00" * 32
+
+        def read(self, target, offset=0):
+            step = next(script)
+            if step is None:
+                raise ControlUnavailable("job_output: peer a did not answer")
+            primary, state, running = step
+            asked.append((primary, offset))
+            data = logs[primary][offset:offset + 4]
+            return {"primary": primary, "state": state, "running": running, "offset": offset, "data": data,
+                    "end": len(logs[primary])}
+
+    class Node:
+        def call(self, op, **args):
+            assert op == "job_status"
+            return {"primary": "a", "state": "running"}
+
+    class Out:
+        written = b""
+
+        def write(self, data):
+            Out.written += data
+
+        def flush(self):
+            pass
+
+    follow_log(Reader(), Node(), 0, True, Out(), notes.append, sleep=lambda s: None, clock=lambda: 0.0)
+    assert Out.written == b"one\ntwo\nresumed\nthree\n"
+    assert asked == [("a", 0), ("a", 4), ("b", 8), ("b", 0), ("b", 4), ("b", 8), ("b", 12)]
+    assert notes == ["job moved to node b; its output there follows"]
+
+
+def test_job_tables_fit_80_columns_without_wrapping_ids():
+    from rich.console import Console
+    from meshnode.cli.job_life import render_job_list, render_job_status
+    job = {"job_id": "ab" * 32, "name": "a-very-long-job-name-that-goes-on" * 2, "owner": "01" * 32,
+           "state": "cancelled", "primary": "02" * 32, "backups": ["03" * 32, "04" * 32], "fence": 65537,
+           "checkpoint_seq": 123456, "checkpoint_age_ms": 987_654, "migrations": 12, "lost_work_ms": None,
+           "exit_code": 255, "submitted_ms": 1, "declines": {}, "hint": None, "attempt": 3, "max_retries": 16,
+           "running_here": False}
+    for table, shown_id in ((render_job_list({"jobs": [job, dict(job, job_id="cd" * 32)]}), "ab" * 6),
+                            (render_job_status(job), "ab" * 32)):
+        console = Console(width=80, record=True, force_terminal=False)
+        console.print(table)
+        lines = console.export_text().splitlines()
+        assert max(len(line) for line in lines) <= 80
+        # The id whole on one line, as a word of its own: copied, it names the job.
+        assert sum(shown_id in line.split() for line in lines) == 1

@@ -28,6 +28,8 @@ CALL_TIMEOUT_S = 20.0            # a read from another node may take the transpo
 FOLLOW_POLL_S = 0.25
 FOLLOW_RETRY_S = 15.0            # a followed log survives this long without an answer (a failover)
 OUTPUT_MAX_BYTES_DEFAULT = 1 << 30
+NAME_COLUMN_MAX = 16
+LIST_COLUMN_WIDTHS = {"job": 12, "state": 9, "primary": 8, "checkpoint": 10}
 
 
 def register(sub) -> None:
@@ -107,13 +109,15 @@ def _exit_text(job: dict) -> str:
 
 
 def render_job_list(result: dict) -> Table:
-    # No vertical rules and one space of padding: the row fits 80 columns with a 15-character
+    # No rules and one space between columns: the row fits 80 columns with a 16-character
     # name; a longer name is cut (the ids never are, and no cell wraps).
-    table = Table(title="jobs (%d)" % len(result["jobs"]), title_justify="left", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), pad_edge=False, collapse_padding=True)
+    table = Table(title="jobs (%d)" % len(result["jobs"]), title_justify="left", box=None,
+                  padding=(0, 1, 0, 0), pad_edge=False)
     for column in ("job", "name", "state", "primary", "bk", "checkpoint", "migr", "exit"):
-        table.add_column(column, no_wrap=True, overflow="ellipsis" if column == "name" else "fold",
-                         min_width=4 if column == "name" else None)
+        if column == "name":
+            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=NAME_COLUMN_MAX)
+        else:   # never squeezed: the name gives way
+            table.add_column(column, no_wrap=True, min_width=LIST_COLUMN_WIDTHS.get(column))
     for job in sorted(result["jobs"], key=lambda j: (j.get("submitted_ms", 0), j["job_id"])):
         table.add_row(_short_job(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
                       str(len(job.get("backups", []))), _checkpoint_text(job), str(job.get("migrations", 0)),

@@ -79,9 +79,9 @@ class OutputService:
                 refusal = str(exc)
         if refusal is not None:
             node.core.counters["output_read_refused"] += 1
-            data = OutputData(job_id=read.job_id, read=bytes(32), error=refusal[:256],
-                              state=job["state"] if job else "", running=False, start=0, offset=0, end=0,
-                              data=b"", files=())
+            # A refusal says why and nothing about the job (its reader may not see it).
+            data = OutputData(job_id=read.job_id, read=bytes(32), error=refusal[:256], state="", running=False,
+                              start=0, offset=0, end=0, data=b"", files=())
         answer = dataclasses.replace(data, read=hashlib.sha256(request).digest())
         return encode_message(node.identity, node.genesis.mesh_id, answer)
 
