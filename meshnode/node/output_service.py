@@ -77,6 +77,8 @@ class OutputService:
                 data = self.local(job, read.target, read.path, read.offset, read.max_bytes)
             except RemoteProtocolError as exc:
                 refusal = str(exc)
+            except OSError as exc:   # e.g. a ring file the operator made unreadable
+                refusal = "cannot read the job's output here: %s" % (exc.strerror or exc)
         if refusal is not None:
             node.core.counters["output_read_refused"] += 1
             # A refusal says why and nothing about the job (its reader may not see it).
@@ -108,6 +110,8 @@ class OutputService:
                 return output_view(self.local(job, target, path, offset, max_bytes), me)
             except RemoteProtocolError as exc:
                 raise MeshError(str(exc)) from None
+            except OSError as exc:
+                raise MeshError("cannot read the job's output: %s" % (exc.strerror or exc)) from None
         if request is None:
             raise MeshError("job %s runs on node %s, not here: reading its output from this node needs the "
                             "owner's key (--key OWNER_KEYSTORE), or ask node %s itself"
