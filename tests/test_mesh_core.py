@@ -355,6 +355,17 @@ def test_only_the_owner_can_cancel():
     assert net.cores[primary].ledger.held_totals() == (0, 0, 0)
 
 
+def test_p6_a_cancel_after_the_job_ended_is_refused_and_keeps_its_exit():
+    """A completed job's exit is its persisted outcome; a late cancel must not replace it
+    (a restart would replay the job as cancelled)."""
+    net, jid, primary = placed_job()
+    net.emit(primary, net.cores[primary].job_exited(jid, 0, net.now))
+    net.deliver()
+    with pytest.raises(RemoteProtocolError, match="already ended \\(completed\\)"):
+        net.cores[primary].cancel(encode_message(OWNER, MESH, Cancel(job_id=jid, requested_ms=net.now)), net.now)
+    assert net.cores[primary].job_view(jid)["state"] == "completed"
+
+
 def test_restart_replays_certificates_into_the_same_job_table():
     net = Net()
     job, envelope = make_job()
