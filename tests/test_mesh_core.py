@@ -1037,3 +1037,24 @@ def test_p3a_a_job_no_member_can_hold_waits_quietly_and_is_placed_when_capacity_
     net.emit(KEYS[2], net.cores[KEYS[2]].job_exited(done, 0, net.now))
     net.run(3000)
     assert [net.cores[k].job_view(waiting)["primary"] for k in KEYS] == [KEYS[2]] * 4
+
+
+def test_p6_the_node_a_job_moves_to_measures_its_lost_work_and_every_member_learns_it():
+    net, jid = placed_on_the_big_node()
+    primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.emit(primary, net.cores[primary].local_checkpoint(jid, 1, 10, net.now, b"state-1", net.now))
+    checkpoint_at = net.now
+    net.run(40)   # it runs 40 ms more after its checkpoint arrived, then dies
+    net.down.add(primary)
+    heard = net.cores[backup].liveness.detector.last_heard_ms(primary)
+    net.run(600)
+    moved = net.cores[backup].job_view(jid)
+    assert moved["primary"] == backup and moved["migrations"] == 1
+    # An upper bound: it may have worked one heartbeat period after it was last heard.
+    assert moved["lost_work_ms"] == heard + DEFAULT_PARAMS.heartbeat_ms - checkpoint_at >= 40
+    others = [k for k in KEYS if k not in (primary, backup)]
+    assert all(net.cores[k].job_view(jid)["lost_work_ms"] is None for k in others)
+    net.emit(backup, net.cores[backup].local_checkpoint(jid, 2, 20, net.now, b"state-2", net.now))
+    net.emit(backup, net.cores[backup].update_telemetry((), 0, net.now, simulated=True))
+    net.deliver()
+    assert [net.cores[k].job_view(jid)["lost_work_ms"] for k in others] == [moved["lost_work_ms"]] * len(others)

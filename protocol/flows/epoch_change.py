@@ -51,6 +51,7 @@ class EpochChangeFlow(ValueFlow):
         self.joins = joins
         self.apply_certificate_bytes = apply_certificate_bytes   # the core's: a held future certificate
         self.placement = None   # the PlacementFlow, set by the core: jobs of an epoch entered start
+        self.evicted_last_heard_ms: int | None = None   # while an eviction's jobs move: see _apply_eviction
 
     def bid_job(self, subject) -> None:
         return None
@@ -253,8 +254,12 @@ class EpochChangeFlow(ValueFlow):
             return
         evicted_jobs = [r for r in self.jobs if r.primary == eviction.node and r.state not in TERMINAL]
         completed = [r for r in self.jobs if r.primary == eviction.node and r.state == "completed"]
+        # Before entering the new epoch forgets it: when this node last heard the evicted one
+        # (the end of the work a job moved here may have lost, P6).
+        self.evicted_last_heard_ms = self.liveness.detector.last_heard_ms(eviction.node)
         self._enter(following, certificate, now_ms, out)
         self.move_jobs_of_evicted(evicted_jobs + completed, eviction, following, now_ms, out)
+        self.evicted_last_heard_ms = None
         if eviction.node == self.ctx.me:
             for record in evicted_jobs:
                 self.ledger.free(record.job_id)
@@ -296,6 +301,10 @@ class EpochChangeFlow(ValueFlow):
         record.migrations += 1
         record.state = "migrating"
         if to_node == self.ctx.me:
+            heard, checkpoint = self.evicted_last_heard_ms, record.known_checkpoint
+            # At most: it may have worked up to one heartbeat period after it was last heard.
+            record.lost_work_ms = (max(0, heard + self.ctx.params.heartbeat_ms - checkpoint[1])
+                                   if heard is not None and checkpoint is not None else None)
             claim = self.ledger.allocate_now(record.job_id, record.manifest.resources)
             record.gpus = claim.gpus if claim is not None else ()
             if claim is None:
