@@ -29,6 +29,7 @@ from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
 from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
 from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.dirlock import DirectoryLock
+from meshnode.node.metrics import NodeMetrics, serve_metrics, stop_metrics
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry
@@ -78,6 +79,8 @@ class Node:
         # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
         self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
         self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+        self.metrics = NodeMetrics(self)   # this node's own registry (README "Metrics")
+        self.metrics_server = None         # the HTTP endpoint, when node.toml sets metrics_listen
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -98,29 +101,43 @@ class Node:
         factory = self._transport_factory or _libp2p_factory
         async with factory(self.identity.seed, list(self.config.listen)) as transport:
             self.transport = transport
-            async with trio.open_nursery() as nursery:
-                self.runner = self._runner_factory(
-                    self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
-                    commands={name: list(argv) for name, argv in self.config.entrypoints},
-                    allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
-                await nursery.start(self.runner.serve)
-                api = ControlApi(self)
-                server = ControlServer(self.paths.control_socket, api.handlers(), self.events)
-                await nursery.start(server.serve)
-                nursery.start_soon(self._receive_loop)
-                nursery.start_soon(self._tick_loop)
-                nursery.start_soon(self._telemetry_loop)
-                nursery.start_soon(self._connect_peers)
-                log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
-                task_status.started(self)
-                _freeze_startup_heap()
-                # No workload starts here, not even after a restart. The replayed certificates
-                # may make this node the primary of jobs that an eviction decided while it
-                # was down moved, under a higher fence, to a survivor. So the core's first
-                # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
-                # member's heartbeat at our epoch yields "resume"; an eviction certificate
-                # yields our eviction, and nothing starts.
-                await trio.sleep_forever()
+            try:
+                if self.config.metrics_port is not None:  # before the nursery: a busy port is one line
+                    self.metrics_server = serve_metrics(self.metrics, self.config.metrics_port)
+                    log.info("metrics on %s", self.metrics_url)
+                async with trio.open_nursery() as nursery:
+                    self.runner = self._runner_factory(
+                        self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
+                        commands={name: list(argv) for name, argv in self.config.entrypoints},
+                        allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
+                    await nursery.start(self.runner.serve)
+                    api = ControlApi(self)
+                    server = ControlServer(self.paths.control_socket, api.handlers(), self.events)
+                    await nursery.start(server.serve)
+                    nursery.start_soon(self._receive_loop)
+                    nursery.start_soon(self._tick_loop)
+                    nursery.start_soon(self._telemetry_loop)
+                    nursery.start_soon(self._connect_peers)
+                    log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
+                    task_status.started(self)
+                    _freeze_startup_heap()
+                    # No workload starts here, not even after a restart. The replayed certificates
+                    # may make this node the primary of jobs that an eviction decided while it
+                    # was down moved, under a higher fence, to a survivor. So the core's first
+                    # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
+                    # member's heartbeat at our epoch yields "resume"; an eviction certificate
+                    # yields our eviction, and nothing starts.
+                    await trio.sleep_forever()
+            finally:
+                if self.metrics_server is not None:
+                    stop_metrics(self.metrics_server)
+                    self.metrics_server = None
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_server is None:
+            return None
+        return "http://%s:%d/metrics" % (node_config.METRICS_HOST, self.metrics_server.server_port)
 
     async def _connect_peers(self) -> None:
         """Dial every member with an address, and the bootstrap peers; the transport redials."""
@@ -178,6 +195,7 @@ class Node:
 
     async def _publish(self, events: list) -> None:
         # 4. log and publish events.
+        self.metrics.observe_events(events)
         mono_ns = time.monotonic_ns()  # system-wide on Linux: benchmarks compare across processes
         for event in events:
             detail = dict(event.detail, mono_ns=mono_ns)
@@ -201,6 +219,7 @@ class Node:
         """3. The core's workload orders ("stop", then "run": protocol/workload_orders.py),
         executed as given. Certified decisions need nothing more here: whatever they change
         about this node's workloads comes as orders in the same batch."""
+        self.metrics.observe_decision(decision)
         kind = decision.value_kind
         if kind == "stop":
             for job_id in decision.value:
