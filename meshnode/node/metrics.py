@@ -34,6 +34,7 @@ from meshnode.node.api import newest_checkpoint
 from meshnode.node.config import METRICS_HOST
 from meshnode.node.runner import percentile
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
+from protocol.messages import VALUE_KINDS
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
@@ -65,6 +66,9 @@ class NodeMetrics:
                                       registry=self.registry)
         self.evictions = PromCounter("meshnode_evictions", "Eviction decisions applied (SPEC.md F5)",
                                      registry=self.registry)
+        for kind in VALUE_KINDS:   # every kind shows from the start, at 0: a scrape sees a count move
+            self.decisions.labels(kind)
+            self.decision_latency.labels(kind)
         self.collector = NodeStateCollector(node)
         self.registry.register(self.collector)
         self._first_event_ms: OrderedDict[str, int] = OrderedDict()   # instance hex -> at_ms
