@@ -352,24 +352,27 @@ def setup_logging(log_path: Path, level: str) -> None:
     root.setLevel(level.upper())
 
 
-async def run_node(data_dir, *, run_workloads: bool = True) -> None:
-    """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted)."""
+async def run_node(data_dir, *, run_workloads: bool = True, on_started=None) -> None:
+    """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted).
+    ``on_started(node)`` runs once the node is up (`meshnode dev` prints how to use it)."""
     lock = DirectoryLock(data_dir)
     if Path(data_dir).is_dir():   # a missing directory gets Node's own one-line error
         lock.acquire()
     try:
-        await _run_locked_node(data_dir, run_workloads)
+        await _run_locked_node(data_dir, run_workloads, on_started)
     finally:
         lock.release()
 
 
-async def _run_locked_node(data_dir, run_workloads: bool) -> None:
+async def _run_locked_node(data_dir, run_workloads: bool, on_started) -> None:
     node = Node(data_dir, run_workloads=run_workloads)
     setup_logging(node.paths.log, node.config.log_level)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
+                if on_started is not None:
+                    on_started(node)
 
                 async def stop_on_signal():
                     async for signum in signals:
