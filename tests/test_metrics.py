@@ -5,6 +5,7 @@ registries read with prometheus_client's own text exposition and parser. One tes
 the endpoint over HTTP, on 127.0.0.1 only.
 """
 
+import socket
 import urllib.request
 
 import pytest
@@ -13,6 +14,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from keys.errors import ConfigError
+from meshnode.cli import main
 from meshnode.net.memory_transport import MemoryNetwork
 from meshnode.node import config as node_config
 from meshnode.node.driver import Node
@@ -113,3 +115,21 @@ def test_metrics_listen_refuses_anything_but_localhost(tmp_path, value):
         node_config.load_config(tmp_path)
     message = str(error.value)
     assert "\n" not in message and "node.metrics_listen: expected \"127.0.0.1:PORT\"" in message
+
+
+def test_a_busy_metrics_port_stops_run_with_one_line(tmp_path, capsys):
+    root = tmp_path / "net"
+    launcher.create_testnet(root, 1, run_workloads=False)
+    node_dir = root / "node-0"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = node_config.load_config(node_dir)
+        node_config.write_config(node_dir, config.__class__(
+            **{**config.__dict__, "metrics_listen": "127.0.0.1:%d" % port}))
+        code = main(["run", "--node", str(node_dir)])
+    _out, err = capsys.readouterr()
+    # (The line before it warns that a testnet keystore is not encrypted.)
+    assert code == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("meshnode: error: "), err
+    assert "node.metrics_listen: cannot listen on 127.0.0.1:%d" % port in err

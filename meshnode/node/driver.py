@@ -99,12 +99,12 @@ class Node:
         self.started_ms = now_ms()
         self.core = self._make_core()
         factory = self._transport_factory or _libp2p_factory
-        async with factory(self.identity.seed, list(self.config.listen)) as transport:
-            self.transport = transport
-            try:
-                if self.config.metrics_port is not None:  # before the nursery: a busy port is one line
-                    self.metrics_server = serve_metrics(self.metrics, self.config.metrics_port)
-                    log.info("metrics on %s", self.metrics_url)
+        if self.config.metrics_port is not None:  # first: a busy port fails before any peer hears of us
+            self.metrics_server = serve_metrics(self.metrics, self.config.metrics_port)
+            log.info("metrics on %s", self.metrics_url)
+        try:
+            async with factory(self.identity.seed, list(self.config.listen)) as transport:
+                self.transport = transport
                 async with trio.open_nursery() as nursery:
                     self.runner = self._runner_factory(
                         self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
@@ -128,10 +128,10 @@ class Node:
                     # member's heartbeat at our epoch yields "resume"; an eviction certificate
                     # yields our eviction, and nothing starts.
                     await trio.sleep_forever()
-            finally:
-                if self.metrics_server is not None:
-                    stop_metrics(self.metrics_server)
-                    self.metrics_server = None
+        finally:
+            if self.metrics_server is not None:
+                stop_metrics(self.metrics_server)
+                self.metrics_server = None
 
     @property
     def metrics_url(self) -> str | None:
@@ -360,8 +360,27 @@ async def run_node(data_dir, *, run_workloads: bool = True, on_started=None) -> 
         lock.acquire()
     try:
         await _run_locked_node(data_dir, run_workloads, on_started)
+    except BaseExceptionGroup as group:
+        # A start-up error we raise on purpose (a busy metrics port, say) reaches us wrapped
+        # in the nurseries' groups; alone, it is the one line the CLI prints (exit 2).
+        error = _only_mesh_error(group)
+        if error is None:
+            raise
+        raise error from None
     finally:
         lock.release()
+
+
+def _only_mesh_error(group: BaseExceptionGroup) -> MeshError | None:
+    leaves = []
+    stack = [group]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, BaseExceptionGroup):
+            stack.extend(item.exceptions)
+        else:
+            leaves.append(item)
+    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], MeshError) else None
 
 
 async def _run_locked_node(data_dir, run_workloads: bool, on_started) -> None:
