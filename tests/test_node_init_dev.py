@@ -3,6 +3,7 @@ and `meshnode dev` (a one-member mesh that runs jobs: one real process on 127.0.
 
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import generate_identity, peer_id_from_public_key
 from keys.keystore import KDF_ENV, create_keystore
-from meshnode.cli import main
+from meshnode.cli import build_parser, main
 from meshnode.node import config as node_config
 from meshnode.node.config import BootstrapPeer, NodeConfig, PassphraseSource
 from meshnode.node.driver import Node
@@ -81,6 +82,18 @@ def test_node_init_writes_what_the_node_loads(tmp_path, capsys, mesh):
         node.close()
 
 
+def test_node_init_takes_several_peers_after_one_flag_and_run_takes_dir(tmp_path, capsys, mesh):
+    _identity, key, genesis_path = mesh
+    other = generate_identity()
+    node_dir = tmp_path / "node-a"
+    argv = init_argv(node_dir, key, genesis_path) + ["%s@/ip4/10.0.0.7/tcp/4001" % other.public_key.hex()]
+    assert argv[-3] == "--bootstrap"   # --bootstrap A B
+    assert run(capsys, *argv)[0] == 0
+    assert [p.public_key for p in node_config.load_config(node_dir).bootstrap] == [BOOTSTRAP.public_key,
+                                                                                  other.public_key]
+    assert build_parser("run").parse_args(["run", "--dir", str(node_dir)]).node == str(node_dir)
+
+
 def test_node_init_refuses_to_overwrite_a_config_without_force(tmp_path, capsys, mesh):
     _identity, key, genesis_path = mesh
     node_dir = tmp_path / "node-a"
@@ -143,7 +156,8 @@ def test_dev_runs_a_job_on_one_node_and_removes_its_files_on_ctrl_c(tmp_path):
         lines = []
         deadline = time.monotonic() + DEADLINE_S
         while not lines or not lines[-1].startswith("Ctrl-C"):
-            assert time.monotonic() < deadline and dev.poll() is None, "dev did not start: %s" % lines
+            ready, _, _ = select.select([dev.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready and dev.poll() is None, "dev did not start: %s" % lines
             lines.append(dev.stdout.readline().strip())
         submit = next(line for line in lines if line.startswith("submit:")).split(":", 1)[1].split()
         assert submit[:2] == ["meshnode", "submit"]

@@ -42,10 +42,10 @@ def register(subparsers) -> None:
                     "--bootstrap /ip4/10.0.0.5/tcp/4001/p2p/12D3KooW...")
     init.add_argument("--dir", required=True, metavar="DIR", help="the node's data directory (created if missing)")
     init.add_argument("--genesis", required=True, metavar="FILE", help="the mesh's genesis document (mesh init)")
-    init.add_argument("--listen", required=True, action="append", metavar="MULTIADDR",
-                      help="address to listen on, /ip4/HOST/tcp/PORT (repeat for several)")
-    init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                      help="a peer to dial first, /ip4/HOST/tcp/PORT/p2p/PEERID (repeatable)")
+    init.add_argument("--listen", required=True, action="extend", nargs="+", metavar="MULTIADDR",
+                      help="address(es) to listen on, /ip4/HOST/tcp/PORT")
+    init.add_argument("--bootstrap", action="extend", nargs="+", default=[], metavar="MULTIADDR",
+                      help="peer(s) to dial first, /ip4/HOST/tcp/PORT/p2p/PEERID or PUBKEYHEX@/ip4/HOST/tcp/PORT")
     init.add_argument("--key", metavar="KEYSTORE",
                       help="the node's keystore (keys new), copied to DIR/keystore.json; "
                            "default: the one already in DIR")

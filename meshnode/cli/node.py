@@ -22,7 +22,8 @@ def _node_arg(parser) -> None:
 
 def register(subparsers) -> None:
     run = subparsers.add_parser("run", help="run a node until SIGINT/SIGTERM")
-    _node_arg(run)
+    run.add_argument("--node", "--dir", dest="node", required=True, metavar="DIR",
+                     help="the node's data directory (`meshnode node init` writes one)")
     run.add_argument("--no-workloads", action="store_true",
                      help="decide placements but start no workload processes (consensus benchmarks)")
     run.set_defaults(func=cmd_run)
