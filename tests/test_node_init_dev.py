@@ -3,11 +3,12 @@ and `meshnode dev` (a one-member mesh that runs jobs: one real process on 127.0.
 
 import json
 import os
-import select
+import queue
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -153,12 +154,17 @@ def test_dev_runs_a_job_on_one_node_and_removes_its_files_on_ctrl_c(tmp_path):
     dev = subprocess.Popen([sys.executable, "-m", "meshnode.cli", "dev", "--dir", str(dev_dir)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
+        # A reader thread, so a node that never prints cannot block the test past its deadline.
+        printed = queue.Queue()
+        threading.Thread(target=lambda: [printed.put(line.strip()) for line in iter(dev.stdout.readline, "")],
+                         daemon=True).start()
         lines = []
         deadline = time.monotonic() + DEADLINE_S
         while not lines or not lines[-1].startswith("Ctrl-C"):
-            ready, _, _ = select.select([dev.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready and dev.poll() is None, "dev did not start: %s" % lines
-            lines.append(dev.stdout.readline().strip())
+            try:
+                lines.append(printed.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError("dev did not start: %s" % lines) from None
         submit = next(line for line in lines if line.startswith("submit:")).split(":", 1)[1].split()
         assert submit[:2] == ["meshnode", "submit"]
         # The printed command, as a user runs it: the job is placed on the one node and runs.
@@ -167,7 +173,8 @@ def test_dev_runs_a_job_on_one_node_and_removes_its_files_on_ctrl_c(tmp_path):
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["state"] == "running"
         dev.send_signal(signal.SIGINT)
-        _out, err = dev.communicate(timeout=DEADLINE_S)
+        dev.wait(timeout=DEADLINE_S)
+        err = dev.stderr.read()
     finally:
         if dev.poll() is None:
             dev.kill()
