@@ -21,6 +21,7 @@ MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per
 SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is not sent it again sooner
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
+SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 
 
 class Liveness:
@@ -42,6 +43,11 @@ class Liveness:
         self.heartbeat_seq = 0
         self.heartbeat_sent_ms: int | None = None
         self.suspicions: dict[bytes, dict[bytes, bytes]] = {}   # suspect -> signer -> Suspicion envelope
+        # suspect -> signer -> when its newest suspicion arrived. A suspecter re-sends every
+        # detection_bound_ms while it still suspects, so one not renewed for
+        # SUSPICION_FRESH_BOUNDS bounds has heard the suspect again: it counts no more (F4),
+        # and an epoch change started on it has nothing left to decide.
+        self.suspicion_heard_ms: dict[bytes, dict[bytes, int]] = {}
         self.suspicion_sent_ms: dict[bytes, int] = {}
         self.halted = False
         self.sync_answered_ms: dict[bytes, int] = {}
@@ -147,6 +153,7 @@ class Liveness:
             # it need not halt for: the heartbeats that waited in its sockets are not read yet.
             return
         view = epochs.view
+        self._forget_stale_suspicions(now_ms)
         for peer, silent_ms in self.detector.suspects(now_ms):
             sent = self.suspicion_sent_ms.get(peer)
             if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
@@ -197,7 +204,8 @@ class Liveness:
         if not unresponsive and epochs.epoch == 0:
             return
         skip = [i for i in self.instances.instances.values()
-                if i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes)]
+                if (i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes))
+                and not self.instances.roles[i.instance_id].flow.round_on_hold(i, now_ms)]
         for inst in skip:
             self.instances.skip_round(inst, now_ms, out)
 
@@ -280,10 +288,21 @@ class Liveness:
         if suspect not in view.stakes:
             return
         by = self.suspicions.setdefault(suspect, {})
-        by.setdefault(signer, data)
+        by[signer] = data
+        self.suspicion_heard_ms.setdefault(suspect, {})[signer] = now_ms
         # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
         if view.exceeds_one_third(by):
             self.epoch_changes.start(view, now_ms, out)
+
+    def _forget_stale_suspicions(self, now_ms: int) -> None:
+        oldest = now_ms - SUSPICION_FRESH_BOUNDS * self.ctx.params.detection_bound_ms
+        for suspect, heard in list(self.suspicion_heard_ms.items()):
+            for signer in [s for s, at in heard.items() if at < oldest]:
+                del heard[signer]
+                self.suspicions.get(suspect, {}).pop(signer, None)
+            if not heard:
+                del self.suspicion_heard_ms[suspect]
+                self.suspicions.pop(suspect, None)
 
     def suspicion_justification(self, suspect: bytes) -> tuple:
         by = self.suspicions.get(suspect, {})
@@ -316,6 +335,7 @@ class Liveness:
                 self.detector.forget(key)
                 self.peer_beat_sent_ms.pop(key, None)
         self.suspicions.clear()
+        self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
 
     def on_evicted(self) -> None:

@@ -255,6 +255,7 @@ class MeshCore:
         out = Ready()
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
+        self.placement.reconsider_held(now_ms, out)
         for key in self.ledger.expire(now_ms):
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         self.instance_table.prune_timers()

@@ -30,6 +30,7 @@ from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
 from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.dirlock import DirectoryLock
 from meshnode.node.metrics import NodeMetrics, serve_metrics, stop_metrics
+from meshnode.node.output_service import OutputService
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry
@@ -71,6 +72,7 @@ class Node:
         self.transport = None
         self.runner: WorkloadRunner | None = None
         self.core: MeshCore | None = None
+        self.output = OutputService(self)   # job logs and files, for the control socket and for peers (SPEC 9.8)
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
         self.drain = ReadyDrain(persist=self._persist, send=self._send, apply=self._apply, publish=self._publish)
@@ -105,6 +107,7 @@ class Node:
         try:
             async with factory(self.identity.seed, list(self.config.listen)) as transport:
                 self.transport = transport
+                transport.serve_requests(self.output.answer)
                 async with trio.open_nursery() as nursery:
                     self.runner = self._runner_factory(
                         self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,

@@ -78,6 +78,18 @@ class EpochChangeFlow(ValueFlow):
             raise RemoteProtocolError("%s proposal under a foreign instance id" % proposal.value_kind)
         return self.start(view, now_ms, out)
 
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """SPEC F4: the current epoch's change, unlocked here, with no member suspected by more
+        than 1/3 of the stake (suspicions lapse once not renewed) and no join waiting: there
+        is nothing to decide, so its rounds stop changing until there is (before, a suspect
+        heard again kept the instance changing rounds for the rest of the epoch)."""
+        view = inst.view
+        if view.epoch != self.epochs.epoch or inst.locked_round is not None:
+            return False
+        if any(s in view.stakes and view.exceeds_one_third(by) for s, by in self.liveness.suspicions.items()):
+            return False
+        return not self.joins.waiting(view)
+
     # --- the leader's value (SPEC F5, F7) ------------------------------------------------------------
     def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
         self._propose(inst, now_ms, out)
