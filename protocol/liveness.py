@@ -72,6 +72,15 @@ class Liveness:
     def _my_live_jobs(self) -> tuple:
         return self.jobs.live_jobs_of(self.ctx.me)
 
+    def others_can_evict_me(self) -> bool:
+        """SPEC F3: whether the other members of our epoch hold a quorum of its stake without us.
+        Only then can an eviction (or any epoch change) have been certified while we were
+        paused or down. A member that alone holds a third of the stake or more (one member
+        holding it all, as in `meshnode dev`) cannot have been evicted behind its back: it
+        has no reason to halt, and no peer whose heartbeat could ever end the halt."""
+        view = self.epochs.view
+        return view.is_quorum_stake(view.total_stake - view.stake_of((self.ctx.me,)))
+
     def _hold_restarted_jobs(self, now_ms: int, out: Ready) -> None:
         """SPEC F3/F6: a (re)started node whose history makes it the primary of live jobs may
         have been evicted while it was down, and its jobs may run elsewhere under a higher
@@ -80,7 +89,7 @@ class Liveness:
         mine = self._my_live_jobs()
         if not mine or not self.epochs.is_member():
             return
-        if self.ctx.heartbeats and self.epochs.broadcast_targets():
+        if self.ctx.heartbeats and self.others_can_evict_me():
             self.halted = True
             out.events.append(self.ctx.event("restart_sync", now_ms, epoch=self.epochs.epoch, jobs=len(mine)))
         else:
@@ -119,7 +128,8 @@ class Liveness:
                 self.answer_sync(peer, since_epoch, now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
             return
-        if gap >= self.detector.min_silence_ms - params.heartbeat_ms and not self.halted:
+        paused = gap >= self.detector.min_silence_ms - params.heartbeat_ms
+        if paused and not self.halted and self.others_can_evict_me():
             # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
             # may be a period older than the pause), so we may have been evicted and our
             # workloads may run elsewhere already. Halt them and ask for the epochs we missed.
@@ -138,8 +148,10 @@ class Liveness:
             self.heartbeat_seq += 1
             beat = Heartbeat(epoch=epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(None, ctx.sign(beat)))
-        if self.halted:
-            return  # a node that may be stale suspects nobody
+        if self.halted or paused:
+            # A node that may be stale suspects nobody; nor does one just back from a pause
+            # it need not halt for: the heartbeats that waited in its sockets are not read yet.
+            return
         view = epochs.view
         self._forget_stale_suspicions(now_ms)
         for peer, silent_ms in self.detector.suspects(now_ms):

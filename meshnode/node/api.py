@@ -49,6 +49,17 @@ def _is_hex(text: str) -> bool:
     return True
 
 
+def newest_checkpoint(node: "Node", job: dict) -> tuple[int | None, int | None]:
+    """(seq, age in ms) of the newest checkpoint of ``job`` known here, or (None, None)."""
+    latest = node.checkpoints.latest(job["job_id"])
+    if latest is not None:  # this node holds it: the stored record is the truth
+        return latest.seq, max(0, wall_ms() - latest.taken_ms)
+    if job.get("known_checkpoint"):  # reported by the primary's capability vector
+        seq, at_ms = job["known_checkpoint"]
+        return seq, max(0, now_ms() - at_ms)
+    return None, None
+
+
 class ControlApi:
     def __init__(self, node: "Node"):
         self.node = node
@@ -67,7 +78,8 @@ class ControlApi:
                 "evicted_at_epoch": core.evicted_at_epoch, "halted": core.halted,
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
-                "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source()}
+                "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source(),
+                "metrics": node.metrics_url}
 
     async def nodes(self, args) -> dict:
         node = self.node
@@ -94,14 +106,7 @@ class ControlApi:
         return {"jobs": [self._job_row(job) for job in self.node.core.jobs()]}
 
     def _job_row(self, job: dict) -> dict:
-        latest = self.node.checkpoints.latest(job["job_id"])
-        if latest is not None:  # this node holds it: the stored record is the truth
-            checkpoint_seq, checkpoint_age_ms = latest.seq, max(0, wall_ms() - latest.taken_ms)
-        elif job.get("known_checkpoint"):  # reported by the primary's capability vector
-            checkpoint_seq, at_ms = job["known_checkpoint"]
-            checkpoint_age_ms = max(0, now_ms() - at_ms)
-        else:
-            checkpoint_seq = checkpoint_age_ms = None
+        checkpoint_seq, checkpoint_age_ms = newest_checkpoint(self.node, job)
         return {
             "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
             "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
