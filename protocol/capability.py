@@ -95,7 +95,8 @@ class CapabilityBook:
         for record in self.jobs.running_on(self.ctx.me)[:MAX_RUNNING_LISTED]:
             seq, at_ms = record.known_checkpoint or (0, now_ms)
             running.append(RunningJob(job_id=record.job_id, fence=record.fence, checkpoint_seq=seq,
-                                      checkpoint_age_ms=max(0, now_ms - at_ms)))
+                                      checkpoint_age_ms=max(0, now_ms - at_ms),
+                                      lost_work_ms=record.lost_work_ms or 0))
         return tuple(running)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
@@ -133,6 +134,8 @@ class CapabilityBook:
                 continue  # a report from a fenced primary, or about a job we do not know
             if record.state == "placed":
                 record.state = "running"
+            if record.migrations and report.lost_work_ms:
+                record.lost_work_ms = report.lost_work_ms
             if report.checkpoint_seq and (record.known_checkpoint is None
                                           or report.checkpoint_seq > record.known_checkpoint[0]):
                 record.known_checkpoint = (report.checkpoint_seq, now_ms - report.checkpoint_age_ms)

@@ -17,9 +17,11 @@ from protocol.ready import Outbound, Ready, local_decision
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
 MAX_SUSPICION_JUSTIFICATION = 32
 MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
-MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
+MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per answer
+SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is not sent it again sooner
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
+SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 
 
 class Liveness:
@@ -41,9 +43,21 @@ class Liveness:
         self.heartbeat_seq = 0
         self.heartbeat_sent_ms: int | None = None
         self.suspicions: dict[bytes, dict[bytes, bytes]] = {}   # suspect -> signer -> Suspicion envelope
+        # suspect -> signer -> when its newest suspicion arrived. A suspecter re-sends every
+        # detection_bound_ms while it still suspects, so one not renewed for
+        # SUSPICION_FRESH_BOUNDS bounds has heard the suspect again: it counts no more (F4),
+        # and an epoch change started on it has nothing left to decide.
+        self.suspicion_heard_ms: dict[bytes, dict[bytes, int]] = {}
         self.suspicion_sent_ms: dict[bytes, int] = {}
         self.halted = False
         self.sync_answered_ms: dict[bytes, int] = {}
+        # peer -> instance -> when a sync answer last sent it that decision: the next answer
+        # sends the next ones, so a member that missed more than one answer holds catches up
+        # over a few anti-entropy rounds instead of getting the same newest ones each time.
+        self.sync_decisions_sent: dict[bytes, dict[bytes, int]] = {}
+        # peer -> the epoch it synced from, while its last answer was full (it may lack more):
+        # answered again SYNC_ANSWER_GAP_MS later, unasked, until an answer is not full.
+        self.sync_continuations: dict[bytes, int] = {}
         self.startup_sync_due = True
         self.sync_sent_ms = now_ms
         self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
@@ -58,6 +72,15 @@ class Liveness:
     def _my_live_jobs(self) -> tuple:
         return self.jobs.live_jobs_of(self.ctx.me)
 
+    def others_can_evict_me(self) -> bool:
+        """SPEC F3: whether the other members of our epoch hold a quorum of its stake without us.
+        Only then can an eviction (or any epoch change) have been certified while we were
+        paused or down. A member that alone holds a third of the stake or more (one member
+        holding it all, as in `meshnode dev`) cannot have been evicted behind its back: it
+        has no reason to halt, and no peer whose heartbeat could ever end the halt."""
+        view = self.epochs.view
+        return view.is_quorum_stake(view.total_stake - view.stake_of((self.ctx.me,)))
+
     def _hold_restarted_jobs(self, now_ms: int, out: Ready) -> None:
         """SPEC F3/F6: a (re)started node whose history makes it the primary of live jobs may
         have been evicted while it was down, and its jobs may run elsewhere under a higher
@@ -66,13 +89,13 @@ class Liveness:
         mine = self._my_live_jobs()
         if not mine or not self.epochs.is_member():
             return
-        if self.ctx.heartbeats and self.epochs.broadcast_targets():
+        if self.ctx.heartbeats and self.others_can_evict_me():
             self.halted = True
             out.events.append(self.ctx.event("restart_sync", now_ms, epoch=self.epochs.epoch, jobs=len(mine)))
         else:
             out.decisions.append(local_decision("resume", mine))
 
-    def _sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
+    def sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
         not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
@@ -94,14 +117,19 @@ class Liveness:
         self.last_tick_ms = now_ms
         if self.startup_sync_due:
             self._hold_restarted_jobs(now_ms, out)
-            self._sync(now_ms, out, STARTUP_SYNC_PEERS)
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
-            self._sync(now_ms, out, 1)
+            self.sync(now_ms, out, 1)
         if self.joins.evicted_at_epoch is not None and not epochs.is_member():
             self.joins.maybe_rejoin(now_ms, out)
+        for peer, since_epoch in list(self.sync_continuations.items()):
+            if now_ms - self.sync_answered_ms.get(peer, now_ms) >= SYNC_ANSWER_GAP_MS:
+                self.sync_continuations.pop(peer)
+                self.answer_sync(peer, since_epoch, now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
             return
-        if gap >= self.detector.min_silence_ms - params.heartbeat_ms and not self.halted:
+        paused = gap >= self.detector.min_silence_ms - params.heartbeat_ms
+        if paused and not self.halted and self.others_can_evict_me():
             # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
             # may be a period older than the pause), so we may have been evicted and our
             # workloads may run elsewhere already. Halt them and ask for the epochs we missed.
@@ -120,9 +148,12 @@ class Liveness:
             self.heartbeat_seq += 1
             beat = Heartbeat(epoch=epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(None, ctx.sign(beat)))
-        if self.halted:
-            return  # a node that may be stale suspects nobody
+        if self.halted or paused:
+            # A node that may be stale suspects nobody; nor does one just back from a pause
+            # it need not halt for: the heartbeats that waited in its sockets are not read yet.
+            return
         view = epochs.view
+        self._forget_stale_suspicions(now_ms)
         for peer, silent_ms in self.detector.suspects(now_ms):
             sent = self.suspicion_sent_ms.get(peer)
             if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
@@ -173,7 +204,8 @@ class Liveness:
         if not unresponsive and epochs.epoch == 0:
             return
         skip = [i for i in self.instances.instances.values()
-                if i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes)]
+                if (i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes))
+                and not self.instances.roles[i.instance_id].flow.round_on_hold(i, now_ms)]
         for inst in skip:
             self.instances.skip_round(inst, now_ms, out)
 
@@ -208,15 +240,41 @@ class Liveness:
         if peer in self.epochs.view.stakes:
             # A member that was down may have missed placements too: the newest certificates we
             # applied, however they reached us (our own instance, a broadcast or a catch-up).
-            sent = set(certificates)
-            recent = list(self.instances.recent_certificates.values())[-MAX_SYNC_DECISIONS:]
-            certificates.extend(c for c in recent if c not in sent)
+            decisions = self._decisions_to_resend(peer, set(certificates), now_ms)
+            certificates.extend(decisions)
+            if len(decisions) == MAX_SYNC_DECISIONS:
+                self.sync_continuations[peer] = since_epoch
+            else:
+                self.sync_continuations.pop(peer, None)
+        if peer in self.epochs.member_info:
+            # ...and to any node that was ever a member (an evicted one is about to rejoin), the
+            # exits and cancels it accepted last, which are messages sent once (P6).
+            certificates.extend(self.jobs.recent_outcomes)
         if not certificates:
             return
         if len(self.sync_answered_ms) > 4096:
             self.sync_answered_ms.clear()
         self.sync_answered_ms[peer] = now_ms
         out.messages.extend(Outbound(peer, c) for c in certificates)
+
+    def _decisions_to_resend(self, peer: bytes, sending: set, now_ms: int) -> list[bytes]:
+        """The newest MAX_SYNC_DECISIONS applied decisions not sent to ``peer`` by a sync
+        answer in the last SYNC_RESEND_MS (those in ``sending`` excluded)."""
+        if peer not in self.sync_decisions_sent and len(self.sync_decisions_sent) >= 4096:
+            self.sync_decisions_sent.clear()
+        sent = self.sync_decisions_sent.setdefault(peer, {})
+        recent = self.instances.recent_certificates
+        for iid in [i for i, at in sent.items() if now_ms - at >= SYNC_RESEND_MS or i not in recent]:
+            del sent[iid]
+        chosen = []
+        for iid in reversed(recent):
+            if len(chosen) == MAX_SYNC_DECISIONS:
+                break
+            certificate = recent[iid]
+            if iid not in sent and certificate not in sending:
+                sent[iid] = now_ms
+                chosen.append(certificate)
+        return chosen[::-1]
 
     # --- suspicion (SPEC F4) ---------------------------------------------------------------------
     def on_suspicion(self, envelope, suspicion: Suspicion, data, now_ms: int, out: Ready) -> None:
@@ -230,10 +288,21 @@ class Liveness:
         if suspect not in view.stakes:
             return
         by = self.suspicions.setdefault(suspect, {})
-        by.setdefault(signer, data)
+        by[signer] = data
+        self.suspicion_heard_ms.setdefault(suspect, {})[signer] = now_ms
         # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
         if view.exceeds_one_third(by):
             self.epoch_changes.start(view, now_ms, out)
+
+    def _forget_stale_suspicions(self, now_ms: int) -> None:
+        oldest = now_ms - SUSPICION_FRESH_BOUNDS * self.ctx.params.detection_bound_ms
+        for suspect, heard in list(self.suspicion_heard_ms.items()):
+            for signer in [s for s, at in heard.items() if at < oldest]:
+                del heard[signer]
+                self.suspicions.get(suspect, {}).pop(signer, None)
+            if not heard:
+                del self.suspicion_heard_ms[suspect]
+                self.suspicions.pop(suspect, None)
 
     def suspicion_justification(self, suspect: bytes) -> tuple:
         by = self.suspicions.get(suspect, {})
@@ -266,6 +335,7 @@ class Liveness:
                 self.detector.forget(key)
                 self.peer_beat_sent_ms.pop(key, None)
         self.suspicions.clear()
+        self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
 
     def on_evicted(self) -> None:

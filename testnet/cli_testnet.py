@@ -61,14 +61,22 @@ def cmd_up(args) -> int:
     layout = launcher.load_layout(args.dir)
     emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]},
          lambda console: (console.print(render_rows(rows)),
-                          console.print("owner keys: " + ", ".join(o["key_file"] for o in layout["owners"]))))
+                          console.print("owner keys: " + ", ".join(o["key_file"] for o in layout["owners"])),
+                          print_metrics_urls(console, rows)))
     return 0
 
 
 def cmd_status(args) -> int:
     rows = [launcher.node_status(n) for n in launcher.load_layout(args.dir)["nodes"]]
-    emit(args, {"nodes": rows}, lambda console: console.print(render_rows(rows)))
+    emit(args, {"nodes": rows}, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows)))
     return 0
+
+
+def print_metrics_urls(console, rows) -> None:
+    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics."""
+    for row in rows:
+        if row.get("metrics"):
+            console.print("node %d metrics: %s" % (row["index"], row["metrics"]), soft_wrap=True)
 
 
 def cmd_fault(args) -> int:

@@ -144,14 +144,18 @@ def test_no_eligible_node_leaves_the_job_pending_with_declines_by_reason():
 
 
 def test_declines_go_to_the_round_leader_and_the_entry_node_only():
-    """SPEC P3: a broadcast decline per member would make every job cost n^2 messages."""
+    """SPEC P3: a broadcast decline per member would make every job cost n^2 messages. Only
+    once every member declined does the round's leader forward them all, once (P3a)."""
     net = Net()
     job, envelope = make_job(gpus=3)  # nobody fits: every member declines
-    declines_sent = []
+    declines_sent, forwarded = [], []
     deliver = net.emit
 
     def emit(src, ready):
-        declines_sent.extend((src, m.to) for m in ready.messages if codec.unpack(m.data)[2] == "decline")
+        for m in ready.messages:
+            if codec.unpack(m.data)[2] == "decline":
+                signer = decode_message(m.data, MESH)[0].signer
+                (declines_sent if m.to is not None else forwarded).append((src, m.to, signer))
         deliver(src, ready)
 
     net.emit = emit
@@ -160,8 +164,10 @@ def test_declines_go_to_the_round_leader_and_the_entry_node_only():
     net.submit(entry, envelope)
     net.run(60)
     assert net.cores[KEYS[0]].instances[job_id(job)].leader == leader
-    assert {src for src, _ in declines_sent} == set(KEYS)
-    assert all(to in {leader, entry} - {src} for src, to in declines_sent)
+    assert {src for src, _, _ in declines_sent} == set(KEYS)
+    assert all(to in {leader, entry} - {src} for src, to, _ in declines_sent)
+    assert sorted(signer for _, _, signer in forwarded) == sorted(KEYS)
+    assert {(src, to) for src, to, _ in forwarded} == {(leader, None)}
     assert sorted(net.cores[leader].job_view(job_id(job))["declines"]["not_enough_gpus"]) == sorted(KEYS)
 
 
@@ -347,6 +353,17 @@ def test_only_the_owner_can_cancel():
     assert all(c.job_view(jid)["state"] == "cancelled" for c in net.cores.values())
     assert [d.value for d in net.decisions[primary] if d.value_kind == "cancel"] == [(jid,)]
     assert net.cores[primary].ledger.held_totals() == (0, 0, 0)
+
+
+def test_p6_a_cancel_after_the_job_ended_is_refused_and_keeps_its_exit():
+    """A completed job's exit is its persisted outcome; a late cancel must not replace it
+    (a restart would replay the job as cancelled)."""
+    net, jid, primary = placed_job()
+    net.emit(primary, net.cores[primary].job_exited(jid, 0, net.now))
+    net.deliver()
+    with pytest.raises(RemoteProtocolError, match="already ended \\(completed\\)"):
+        net.cores[primary].cancel(encode_message(OWNER, MESH, Cancel(job_id=jid, requested_ms=net.now)), net.now)
+    assert net.cores[primary].job_view(jid)["state"] == "completed"
 
 
 def test_restart_replays_certificates_into_the_same_job_table():
@@ -898,3 +915,146 @@ def test_a_restarted_node_capability_vector_replaces_its_pre_crash_one_at_its_pe
         peer.step(message.data, 6000)
     cool = peer.capability.peers[KEYS[0]]
     assert cool.seq > hot.seq and cool.gpus[0].temp_milli_c == 40_000   # the pre-crash vector is gone
+
+
+def test_p6_an_exit_and_the_eviction_that_moved_its_job_in_any_order_leave_one_job_state():
+    # The primary (node 3) completes the job, then is evicted; members that apply the
+    # eviction first still take the exit (its signer was primary at its fence), and two
+    # completions (a fenced primary cut off that ran to its end, and the run it moved to)
+    # end on the newest one whatever their order. A failure after the move changes nothing.
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    from protocol.messages import Eviction, Migration
+    job, envelope = make_job(backups=2)
+    iid = job_id(job)
+
+    def certificate(instance, epoch, kind, value):
+        votes = tuple(encode_message(i, MESH, Precommit(instance, 0, epoch, value_hash(value))) for i in IDS[:3])
+        return encode_message(IDS[0], MESH, CommitCertificate(instance, 0, epoch, kind, value, votes))
+
+    placed = certificate(iid, 0, "placement", codec.pack(Placement(
+        job=envelope, primary=KEYS[3], backups=(KEYS[2], KEYS[1]), gpus=(0,)).to_body()))
+    evict_3 = certificate(epoch_change_instance_id(0), 0, "eviction", codec.pack(Eviction(
+        node=KEYS[3], epoch=0, migrations=(Migration(job_id=iid, to_node=KEYS[2], backups=(KEYS[1],)),)).to_body()))
+    exit_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=0))
+    failed_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=1))
+    exit_2 = encode_message(IDS[2], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+    forged_2 = encode_message(IDS[1], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+
+    def final(*messages):
+        core = Net().cores[KEYS[0]]
+        for data in messages:
+            core.step(data, 0)
+        view = core.job_view(iid)
+        return view["state"], view["primary"], view["fence"]
+
+    assert final(placed, exit_1, evict_3) == final(placed, evict_3, exit_1) == ("completed", KEYS[3], 1)
+    assert final(placed, evict_3, failed_1) == ("migrating", KEYS[2], 2)
+    assert final(placed, evict_3, forged_2) == ("migrating", KEYS[2], 2)
+    newest = ("completed", KEYS[2], 2)
+    assert final(placed, evict_3, exit_1, exit_2) == final(placed, evict_3, exit_2, exit_1) == newest
+    assert final(placed, exit_1, evict_3, exit_2) == newest
+
+
+def test_6_7_a_placement_certificate_of_a_job_not_signed_by_its_owner_places_nothing():
+    # Honest validators refuse such a proposal (P4b); only a quorum with more than 1/3
+    # Byzantine stake could certify it, and a node (and cert verify) still refuses it.
+    from protocol.flows.binding import certificate_binding_error
+    job, _envelope = make_job()
+    forged_job = encode_message(IDS[3], MESH, job)   # signed by a member, not by the job's owner
+    iid = job_id(job)
+    value = codec.pack(Placement(job=forged_job, primary=KEYS[0], backups=(KEYS[1],), gpus=(0,)).to_body())
+    votes = tuple(encode_message(i, MESH, Precommit(iid, 0, 0, value_hash(value))) for i in IDS[:3])
+    certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 0, "placement", value, votes))
+    assert "not signed by its owner" in certificate_binding_error("placement", iid, value, 0, MESH, 0)
+    core = Net().cores[KEYS[2]]
+    ready = core.step(certificate, 0)
+    assert not ready.decisions and not ready.persist and core.job_view(iid) is None
+    assert core.counters["placement_certificate_wrong_epoch"] == 1
+
+
+def test_the_consensus_view_shows_the_kind_an_epoch_change_decided():
+    # Review: a join was listed as "eviction" (the epoch-change flow's default kind).
+    net, _jid = placed_on_the_big_node()
+    primary = KEYS[0]
+    net.down.add(primary)
+    net.run(600)
+    rows = {r["instance"]: r for r in net.cores[KEYS[1]].consensus_view()["instances"]}
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    change = rows[epoch_change_instance_id(0)]
+    assert change["decided"] and change["applied"] and change["kind"] == "eviction"
+    placement = next(r for r in rows.values() if r["kind"] == "placement")
+    assert placement["decided"] and placement["applied"]
+
+
+def test_f4_an_epoch_change_with_nothing_left_to_decide_goes_quiet():
+    # Node 3 is silent long enough to be suspected by everyone, then heard again before any
+    # leader may propose its eviction. The suspicions lapse, and the epoch-change instance
+    # stops changing rounds (before: a round every round_timeout_max_ms, forever: rounds 5 -> 11 here).
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    net = Net()
+    net.run(200)
+    net.down.add(KEYS[3])
+    net.run(DEFAULT_PARAMS.detection_bound_ms - 50)   # suspected (250 ms), not yet evictable
+    net.down.discard(KEYS[3])
+    net.run(400)
+    iid = epoch_change_instance_id(0)
+    started = [k for k in KEYS if iid in net.cores[k].instance_table.instances]
+    assert started, "the suspicions started the epoch change"
+    net.run(10_000)
+    rounds = {k: net.cores[k].instance_table.instances[iid].round for k in started
+              if iid in net.cores[k].instance_table.instances}
+    net.run(30_000, step_ms=20)
+    assert all(core.epoch == 0 for core in net.cores.values())
+    later = {k: net.cores[k].instance_table.instances[iid].round for k in rounds
+             if iid in net.cores[k].instance_table.instances}
+    assert later == {k: r for k, r in rounds.items() if k in later}, (rounds, later)
+    # ...and it still decides when there is news: node 3 dies for good.
+    net.down.add(KEYS[3])
+    net.run(3000)
+    assert all(net.cores[k].epoch == 1 for k in KEYS[:3])
+
+
+def test_p3a_a_job_no_member_can_hold_waits_quietly_and_is_placed_when_capacity_frees():
+    # Four 2-GPU nodes, four 2-GPU jobs placed, a fifth waits: before, its instance changed
+    # rounds every round_timeout_max_ms until it gave up (64 rounds); now it holds its round
+    # until an exit frees a node, and is placed then.
+    net = Net()
+    jobs = [make_job(nonce=n, gpus=2, backups=0) for n in range(1, 6)]
+    for job, envelope in jobs[:4]:
+        net.submit(KEYS[0], envelope)
+        net.run(100)
+    placed = {job_id(j): net.cores[KEYS[0]].job_view(job_id(j))["primary"] for j, _ in jobs[:4]}
+    assert sorted(placed.values()) == sorted(KEYS)
+    waiting = job_id(jobs[4][0])
+    net.submit(KEYS[1], jobs[4][1])
+    net.run(3000)
+    rounds = [net.cores[k].instance_table.instances[waiting].round for k in KEYS]
+    net.run(30_000, step_ms=20)
+    assert [net.cores[k].instance_table.instances[waiting].round for k in KEYS] == rounds
+    assert all(net.cores[k].job_view(waiting)["state"] == "pending" for k in KEYS)
+    # The job on node 2 ends: node 2 has room again, and the waiting job goes there.
+    done = next(j for j, p in placed.items() if p == KEYS[2])
+    net.emit(KEYS[2], net.cores[KEYS[2]].job_exited(done, 0, net.now))
+    net.run(3000)
+    assert [net.cores[k].job_view(waiting)["primary"] for k in KEYS] == [KEYS[2]] * 4
+
+
+def test_p6_the_node_a_job_moves_to_measures_its_lost_work_and_every_member_learns_it():
+    net, jid = placed_on_the_big_node()
+    primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.emit(primary, net.cores[primary].local_checkpoint(jid, 1, 10, net.now, b"state-1", net.now))
+    checkpoint_at = net.now
+    net.run(40)   # it runs 40 ms more after its checkpoint arrived, then dies
+    net.down.add(primary)
+    heard = net.cores[backup].liveness.detector.last_heard_ms(primary)
+    net.run(600)
+    moved = net.cores[backup].job_view(jid)
+    assert moved["primary"] == backup and moved["migrations"] == 1
+    # An upper bound: it may have worked one heartbeat period after it was last heard.
+    assert moved["lost_work_ms"] == heard + DEFAULT_PARAMS.heartbeat_ms - checkpoint_at >= 40
+    others = [k for k in KEYS if k not in (primary, backup)]
+    assert all(net.cores[k].job_view(jid)["lost_work_ms"] is None for k in others)
+    net.emit(backup, net.cores[backup].local_checkpoint(jid, 2, 20, net.now, b"state-2", net.now))
+    net.emit(backup, net.cores[backup].update_telemetry((), 0, net.now, simulated=True))
+    net.deliver()
+    assert [net.cores[k].job_view(jid)["lost_work_ms"] for k in others] == [moved["lost_work_ms"]] * len(others)

@@ -11,12 +11,18 @@ from typing import TYPE_CHECKING
 
 from keys.identity import public_key_from_peer_id, short_id
 from meshnode.node.clock import now_ms, wall_ms
+from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
+from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
+                               placement_instance_id, placement_slot, placement_slot_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
 
 CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op (the driver's windows too)
+# The certificates op answers in one control frame (1 MiB): what it returns stays under
+# this, the rest of the frame being the keys and ids around the certificate bytes.
+CERTIFICATE_REPLY_BYTES = codec.MAX_FRAME_BYTES - 64 * 1024
 
 
 def _hex(value):
@@ -27,6 +33,33 @@ def _hex_list(values):
     return [_hex(v) for v in values]
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _without_seq(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key != "seq"}
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def newest_checkpoint(node: "Node", job: dict) -> tuple[int | None, int | None]:
+    """(seq, age in ms) of the newest checkpoint of ``job`` known here, or (None, None)."""
+    latest = node.checkpoints.latest(job["job_id"])
+    if latest is not None:  # this node holds it: the stored record is the truth
+        return latest.seq, max(0, wall_ms() - latest.taken_ms)
+    if job.get("known_checkpoint"):  # reported by the primary's capability vector
+        seq, at_ms = job["known_checkpoint"]
+        return seq, max(0, now_ms() - at_ms)
+    return None, None
+
+
 class ControlApi:
     def __init__(self, node: "Node"):
         self.node = node
@@ -34,7 +67,8 @@ class ControlApi:
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
-                "checkpoint_stats": self.checkpoint_stats}
+                "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
+                "job_status": self.job_status, "job_output": self.job_output}
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
@@ -45,7 +79,7 @@ class ControlApi:
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
                 "dropped": dict(core.counters), "transport": dict(node.transport.counters),
-                "telemetry": node.telemetry.describe_source()}
+                "telemetry": node.telemetry.describe_source(), "metrics": node.metrics_url}
 
     async def nodes(self, args) -> dict:
         node = self.node
@@ -69,32 +103,66 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        rows = []
-        for job in self.node.core.jobs():
-            latest = self.node.checkpoints.latest(job["job_id"])
-            if latest is not None:  # this node holds it: the stored record is the truth
-                checkpoint_seq, checkpoint_age_ms = latest.seq, max(0, wall_ms() - latest.taken_ms)
-            elif job.get("known_checkpoint"):  # reported by the primary's capability vector
-                checkpoint_seq, at_ms = job["known_checkpoint"]
-                checkpoint_age_ms = max(0, now_ms() - at_ms)
-            else:
-                checkpoint_seq = checkpoint_age_ms = None
-            rows.append({
-                "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
-                "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
-                "fence": job.get("fence", 0),
-                "checkpoint_seq": checkpoint_seq, "checkpoint_age_ms": checkpoint_age_ms,
-                "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
-                "submitted_ms": job.get("submitted_ms", 0),
-                "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint"),
-            })
-        return {"jobs": rows}
+        return {"jobs": [self._job_row(job) for job in self.node.core.jobs()]}
+
+    def _job_row(self, job: dict) -> dict:
+        checkpoint_seq, checkpoint_age_ms = newest_checkpoint(self.node, job)
+        return {
+            "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
+            "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
+            "fence": job.get("fence", 0),
+            "checkpoint_seq": checkpoint_seq, "checkpoint_age_ms": checkpoint_age_ms,
+            "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
+            "submitted_ms": job.get("submitted_ms", 0),
+            "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
+            "hint": job.get("hint"), "exit_code": job.get("exit_code"),
+        }
+
+    def _find_job(self, args) -> dict:
+        """The one job ``args.job_id`` names: its full id, or a prefix of one (hex)."""
+        text = args.get("job_id")
+        if not isinstance(text, str) or not text:
+            raise MeshError("job_id must be the job's id in hex (or a prefix of it)")
+        text = text.lower()
+        if len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+            raise MeshError("job_id %r is not a hex job id" % text[:80])
+        matches = [j for j in self.node.core.jobs() if j["job_id"].hex().startswith(text)]
+        if not matches:
+            raise MeshError("no job %s on this node (`meshnode job list` shows the jobs it knows)" % text[:64])
+        if len(matches) > 1:
+            raise MeshError("job id %s is ambiguous: it starts %d jobs; give more digits" % (text, len(matches)))
+        return matches[0]
+
+    async def job_status(self, args) -> dict:
+        """One job in full (`meshnode job status`): the `jobs` row, its exit code and
+        attempt, and whether its workload runs on this node."""
+        job = self._find_job(args)
+        row = self._job_row(job)
+        manifest = job["manifest"]
+        row.update({"attempt": job["attempt"], "max_retries": manifest.max_retries, "exit_code": job["exit_code"],
+                    "entrypoint": manifest.entrypoint, "gpus": list(job.get("gpus", ())),
+                    "running_here": bool(self.node.runner and job["job_id"] in self.node.runner.running()),
+                    "this_node": self.node.identity.public_key.hex()})
+        return row
+
+    async def job_output(self, args) -> dict:
+        """Part of a job's output (SPEC.md 9.8): ``target`` "log" | "files" | "file", read here
+        if this node runs the job, else from its primary with ``request`` (owner-signed)."""
+        job = self._find_job(args)
+        request = args.get("request")
+        if request is not None and not isinstance(request, bytes):
+            raise MeshError("args.request must be a signed output_read envelope (bytes)")
+        target, path = args.get("target", "log"), args.get("path", "")
+        offset, max_bytes = args.get("offset", 0), args.get("max_bytes", 65536)
+        if not isinstance(target, str) or not isinstance(path, str) or not _is_int(offset) or not _is_int(max_bytes):
+            raise MeshError("target and path are text, offset and max_bytes integers")
+        return await self.node.output.read(job, target, path, offset, max_bytes, request)
 
     async def consensus(self, args) -> dict:
         view = self.node.core.consensus_view()
         return {"instances": [{"instance": i["instance"].hex(), "kind": i["kind"], "round": i["round"],
-                               "leader": _hex(i["leader"]), "decided": i["decided"]} for i in view["instances"]],
+                               "leader": _hex(i["leader"]), "decided": i["decided"], "applied": i["applied"]}
+                              for i in view["instances"]],
                 "certificates": view["certificates"],
                 "evidence": [{"offender": e["offender"].hex(), "kind": e["kind"], "at_ms": e["at_ms"]}
                              for e in view["evidence"]]}
@@ -123,6 +191,74 @@ class ControlApi:
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
                 "hint": job.get("hint")}
+
+    async def certificates(self, args) -> dict:
+        """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or
+        one instance, and the epoch changes that lead to their epochs, so `meshnode cert
+        export` can write files `meshnode cert verify` checks anywhere, with only the genesis."""
+        if set(args) not in ({"job_id"}, {"instance"}):
+            raise MeshError("args must be {job_id: hex prefix} or {instance: 64 hex digits}")
+        if "instance" in args:
+            instance = args["instance"]
+            if not isinstance(instance, str) or len(instance) != 64 or not _is_hex(instance):
+                raise MeshError("instance must be 64 hex digits")
+            rows = self._certificate_rows("instance = ?", [instance.lower()])
+            if not rows:
+                raise MeshError("this node applied no certificate of instance %s" % instance)
+        else:
+            rows = self._job_certificate_rows(self._one_job(args["job_id"]))
+        newest_epoch = max(row["epoch"] for row in rows) if rows else 0
+        changes = self._certificate_rows("value_kind IN ('eviction', 'membership') AND epoch < ?", [newest_epoch])
+        size = sum(len(row["certificate"]) for row in rows + changes)
+        if size > CERTIFICATE_REPLY_BYTES:
+            raise MeshError("%d bytes of certificates do not fit one control frame; export one "
+                            "instance at a time, or verify on this host with `meshnode cert verify --node DIR`"
+                            % size)
+        return {"certificates": [_without_seq(row) for row in rows],
+                "epoch_changes": [_without_seq(row) for row in changes]}
+
+    def _certificate_rows(self, where: str, params: list) -> list[dict]:
+        cursor = self.node.store.db.execute(
+            "SELECT seq, instance, value_kind, epoch, certificate FROM certificates WHERE %s ORDER BY seq" % where,
+            params)
+        return [{"seq": seq, "instance": instance, "value_kind": kind, "epoch": epoch, "certificate": certificate}
+                for seq, instance, kind, epoch, certificate in cursor]
+
+    def _job_certificate_rows(self, job: dict) -> list[dict]:
+        """A job's certificates: those of its placement instances (every attempt, P2), its slot's
+        if that lists it (P7), and the evictions whose migrations name it (F5)."""
+        manifest, jid = job["manifest"], job["job_id"]
+        instances = [placement_instance_id(jid, attempt).hex() for attempt in range(manifest.max_retries + 1)]
+        placeholders = ",".join("?" * len(instances))
+        rows = self._certificate_rows("instance IN (%s) AND value_kind = 'placement'" % placeholders, instances)
+        slot_ms = self.node.genesis.params.placement_slot_ms
+        if slot_ms > 0:
+            slot_id = placement_slot_id(manifest.epoch, placement_slot(manifest, slot_ms)).hex()
+            rows += [row for row in self._certificate_rows("instance = ? AND value_kind = 'placement_slot'", [slot_id])
+                     if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
+        rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
+                 if any(m.job_id == jid for m in self._decided(row).migrations)]
+        return sorted(rows, key=lambda row: row["seq"])   # decision order
+
+    def _decided(self, row: dict):
+        """The value a stored (so already verified) certificate decided."""
+        _envelope, cert = decode_message(row["certificate"], self.node.genesis.mesh_id, expect=CommitCertificate)
+        return decode_value(cert.value_kind, cert.value)
+
+    def _placed_job_id(self, job_envelope: bytes) -> bytes:
+        return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])
+
+    def _one_job(self, prefix) -> dict:
+        """The one job this node knows whose id starts with the hex ``prefix``. (Errors carry
+        no op name: the client puts it in front.)"""
+        try:
+            wanted = bytes.fromhex(prefix) if isinstance(prefix, str) else b""
+        except ValueError:
+            raise MeshError("job_id must be hex (an even number of digits)") from None
+        matches = [j for j in self.node.core.jobs() if j["job_id"].startswith(wanted)] if wanted else []
+        if len(matches) != 1:
+            raise MeshError("job %s matches %d jobs this node knows" % (prefix, len(matches)))
+        return matches[0]
 
     async def checkpoint_stats(self, args) -> dict:
         """Raw recent samples (bounded windows): how late checkpoints are stored here after the
