@@ -32,19 +32,40 @@ from protocol.gpu_shares import MILLI_PER_GPU, Allocation, NodeShares, ShareErro
 
 MAX_CACHED_STATES = 500_000  # distinct node states remembered; beyond it the caches restart
 MAX_TASK_SHAPES = 100_000
+WEIGHTINGS = ("tasks", "gpu_milli")
 
 
 class WorkloadDistribution:
     """The target workload: task types and their counts (integers)."""
 
-    def __init__(self, demands):
-        counts = Counter((d.cpu_milli, d.gpu_count, d.gpu_milli_each, d.gpu_models) for d in demands)
-        if not counts:
+    def __init__(self, demands, weighting: str = "tasks"):
+        tasks = Counter((d.cpu_milli, d.gpu_count, d.gpu_milli_each, d.gpu_models) for d in demands)
+        if not tasks:
             raise ShareError("a target workload needs at least one task")
+        self._weigh(tasks, weighting)
+
+    def _weigh(self, tasks: Counter, weighting: str) -> None:
+        if weighting not in WEIGHTINGS:
+            raise ShareError("unknown workload weighting %r (known: %s)" % (weighting, ", ".join(WEIGHTINGS)))
+        self.task_counts = tasks
+        self.weighting = weighting
+        # "tasks": each task counts 1 (the paper). "gpu_milli": each counts its GPU milli, so the
+        # measure is the fragment a unit of future GPU demand sees; CPU-only types weigh 0 (their
+        # fragment is all free GPU milli wherever they go, so they never sway a choice anyway).
+        counts = {key: n * (1 if weighting == "tasks" else key[1] * key[2]) for key, n in tasks.items()}
+        counts = {key: w for key, w in counts.items() if w}
         self.type_counts = dict(sorted(counts.items(), key=lambda kv: (kv[0][:3], sorted(kv[0][3]))))
         self.total_count = sum(counts.values())
         self._tables: dict[str, list[tuple[int, int, list[int], list[int]]]] = {}
         self._fragment_cache: dict[tuple, int] = {}
+
+    def reweighted(self, weighting: str) -> "WorkloadDistribution":
+        """The same task types under another weighting."""
+        if weighting == self.weighting:
+            return self
+        other = WorkloadDistribution.__new__(WorkloadDistribution)
+        other._weigh(self.task_counts, weighting)
+        return other
 
     def _table(self, model: str):
         """Per GPU shape (count, milli each) usable on ``model``: the task types' CPU asks,
@@ -97,6 +118,8 @@ class WorkloadDistribution:
         return weighted
 
     def node_fragment_milli(self, node: NodeShares) -> float:
+        if not self.total_count:
+            return 0.0
         return self.fragment_weighted(node.model, node.cpu_milli_free,
                                       tuple(sorted(node.gpu_milli_free))) / self.total_count
 
@@ -215,14 +238,23 @@ class FragmentationGradient(PackingPolicy):
 
 
 class FragmentationGradientPacked(FragmentationGradient):
-    """Ours (``pack``): FGD's growth first, then, among placements that grow it equally,
-    the one that keeps whole GPUs and whole nodes free: the node left with the fewest
-    free GPU milli (fill a started node before opening a fresh one), then the fewest
-    free CPU milli; remaining ties go to the lowest node index (no randomness, so a
-    validator recomputes the same choice)."""
+    """Ours (``pack``), FGD with two changes (SPEC.md 7, "GPU shares and packing"):
+
+    1. the target workload weighs each task type by the GPU milli it asks for, not 1
+       per task: an 8-GPU task is 8000 units of future demand, a 0.1-GPU share 100, so
+       keeping room for the large tasks (the ones a fragmented cluster fails first)
+       counts in proportion to the GPUs they would use;
+    2. among placements that grow that fragmentation equally, the one that keeps whole
+       GPUs and whole nodes free: the node left with the fewest free GPU milli (fill a
+       started node before opening a fresh one), then the fewest free CPU milli;
+       remaining ties go to the lowest node index (no randomness: a validator
+       recomputes the same choice)."""
 
     name = "pack"
     random_ties = False
+
+    def __init__(self, workload: WorkloadDistribution):
+        super().__init__(workload.reweighted("gpu_milli"))
 
     def score(self, node, demand):
         growth, option = self.growth(node, demand)
