@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 from protocol.packing import POLICY_NAMES, WorkloadDistribution
-from testnet.replay import DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks
+from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
+                            sample_nodes, timed)
+
+DEFAULT_TIMED_NODES = 6
 
 
 def register(subparsers) -> None:
@@ -24,6 +27,11 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for the policies that draw (default 0)")
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD,
                         help="stop once the GPU demand offered reaches LOAD x capacity (default 1.3)")
+    parser.add_argument("--timed", action="store_true",
+                        help="replay with the trace's arrival times and durations on --nodes nodes: queueing "
+                             "delay p50/p99 per QoS class (no preemption yet)")
+    parser.add_argument("--nodes", type=int, default=DEFAULT_TIMED_NODES, metavar="N",
+                        help="with --timed: nodes drawn (seeded) from the cluster (default %d)" % DEFAULT_TIMED_NODES)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -45,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     tasks = load_tasks(args.pods)
     workload = WorkloadDistribution(t.demand for t in tasks)
     results = {}
+    if args.timed:
+        return run_timed(args, names, sample_nodes(nodes, args.nodes, args.seed), tasks, workload)
     for name in names:
         results[name] = fill(nodes, tasks, name, seed=args.seed, load=args.load, workload=workload)
         if not args.json:
@@ -56,6 +66,25 @@ def run(args: argparse.Namespace) -> int:
         summary = {"cluster": str(args.cluster), "pods": str(args.pods), "nodes": len(nodes),
                    "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "load": args.load,
                    "seed": args.seed, "policies": results}
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    return 0
+
+
+def run_timed(args, names, nodes, tasks, workload) -> int:
+    results = {}
+    for name in names:
+        results[name] = r = timed(nodes, tasks, name, seed=args.seed, workload=workload)
+        if not args.json:
+            by_class = "  ".join("%s p50 %s s p99 %s s (%d waiting)" % (q, c["delay_p50_s"], c["delay_p99_s"],
+                                                                       c["never_started"])
+                                 for q, c in r["qos"].items())
+            print("%-12s started %5d  %s  %6.1f s" % (name, r["started"], by_class, r["wall_s"]), flush=True)
+    if args.json:
+        summary = {"cluster": str(args.cluster), "pods": str(args.pods), "timed": True, "nodes": len(nodes),
+                   "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "seed": args.seed,
+                   "preemption": "not implemented: a waiting task waits for capacity to be freed",
+                   "policies": results}
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     return 0

@@ -150,3 +150,33 @@ def test_unknown_policy_is_a_one_line_error(real_slice):
     nodes, pods = real_slice
     with pytest.raises(TraceError, match="unknown policy worst-fit"):
         run_cli(["--cluster", str(nodes), "--pods", str(pods), "--policy", "worst-fit"])
+
+
+def test_timed_replay_queues_in_arrival_order_and_reports_delay_per_qos(tmp_path):
+    # One node, one GPU. a (LS): whole GPU, arrives 0, runs 100 s. b (BE): whole GPU,
+    # arrives 10, runs 50: waits for a -> starts 100 (delay 90). c (BE): a 500-share,
+    # arrives 20: the GPU is held whole until b ends at 150 -> delay 130. d has no times
+    # (not replayed); e asks for 2 GPUs (fits on no node: counted apart, never queued).
+    pods = write(tmp_path, "pods.csv", PODS_HEADER +
+                 "a,1000,1024,1,1000,,LS,Running,0,100,0\n"
+                 "b,1000,1024,1,1000,,BE,Running,10,1050,1000\n"
+                 "c,1000,1024,1,500,,BE,Running,20,2010,2000\n"
+                 "d,1000,1024,1,500,,BE,Pending,30,40,\n"
+                 "e,1000,1024,2,1000,,LS,Running,0,100,0\n")
+    nodes = [NodeSpec("n", "T4", 1, 8000, 8192)]
+    from testnet.replay import timed
+    result = timed(nodes, load_tasks(pods), "pack")
+    assert result["qos"] == {"BE": {"started": 2, "never_started": 0, "delay_p50_s": 90, "delay_p99_s": 130},
+                             "LS": {"started": 1, "never_started": 0, "delay_p50_s": 0, "delay_p99_s": 0}}
+    assert (result["untimed"], result["unplaceable"], result["preemptions"]) == (1, 1, 0)
+
+
+def test_timed_cli_draws_the_nodes_with_the_seed(real_slice, capsys):
+    nodes, pods = real_slice
+    assert run_cli(["--cluster", str(nodes), "--pods", str(pods), "--timed", "--nodes", "2", "--policy", "fgd",
+                    "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nodes"] == 2 and out["timed"] and set(out["policies"]["fgd"]["qos"]) <= {"LS", "BE", "Burstable",
+                                                                                         "Guaranteed", "none"}
+    with pytest.raises(TraceError, match="--nodes must be in 1..60"):
+        run_cli(["--cluster", str(nodes), "--pods", str(pods), "--timed", "--nodes", "61"])
