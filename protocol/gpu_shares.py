@@ -1,4 +1,4 @@
-"""Per-GPU accounting with fractional shares (SPEC.md 7, "GPU shares and packing").
+"""Per-GPU accounting with fractional shares (SPEC.md 7, G1).
 
 No IO. A node has G GPUs of one model, each worth ``MILLI_PER_GPU`` (1000) milli; a task
 asks for CPU milli, memory MiB and one of three GPU shapes:

@@ -1,10 +1,11 @@
 """Placement policies for GPU-sharing workloads, and the fragmentation they fight
-(SPEC.md 7, "GPU shares and packing"). No IO; deterministic given a seed.
+(SPEC.md 7, G1 "GPU shares and packing"). No IO; deterministic given a seed.
 
 Fragmentation follows Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
 Workloads with Fragmentation Gradient Descent" (USENIX ATC 2023). The *target workload*
 is a distribution over task types (CPU milli, GPU count, GPU milli each, allowed models),
-each with its count in a reference task list. For a node n and a task type m, the
+each with an integer weight (its count in a reference task list, or that times its
+GPU milli: ``WorkloadDistribution`` weightings). For a node n and a task type m, the
 fragment F_n(m) is the node's free GPU milli that m cannot use:
 
 * all of it, when m asks for no GPU, may not use n's model, or does not fit on n

@@ -175,3 +175,38 @@ def test_cached_scores_follow_node_changes():
     assert cluster.nodes[1].gpu_milli_free == [0, 500]
     assert cluster.place("s4", share)[1].gpus == (1,)
     assert cluster.nodes[0].gpu_milli_free == [1000, 1000]
+
+
+def _fragment_by_definition(workload: WorkloadDistribution, node: NodeShares) -> int:
+    """SPEC.md 7 G1, type by type, without the prefix sums the fast path uses."""
+    free = sum(node.gpu_milli_free)
+    total = 0
+    for (cpu, count, milli, models), weight in workload.type_counts.items():
+        usable = sum(1 for f in node.gpu_milli_free if f >= milli)
+        if count == 0 or (models and node.model not in models) or node.cpu_milli_free < cpu or usable < count:
+            total += weight * free
+        else:
+            total += weight * sum(f for f in node.gpu_milli_free if f < milli)
+    return total
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fast_fragment_equals_the_definition(seed):
+    import random
+    rng = random.Random(seed)
+    demands = []
+    for _ in range(rng.randrange(1, 25)):
+        cpu = rng.choice([0, 2000, 4000, 8000, 16000])
+        models = frozenset(rng.sample(["T4", "A10"], rng.randrange(0, 2)))
+        kind = rng.randrange(3)
+        demands.append(TaskDemand(cpu, 0) if kind == 0 else
+                       TaskDemand.fractional(cpu, 0, rng.choice([100, 250, 500, 800]), models) if kind == 1 else
+                       TaskDemand.whole(cpu, 0, rng.choice([1, 2, 4]), models))
+    for weighting in ("tasks", "gpu_milli"):
+        workload = WorkloadDistribution(demands).reweighted(weighting)
+        for _ in range(20):
+            gpus = rng.choice([1, 2, 4, 8])
+            node = node_with("n", [rng.choice([0, 100, 300, 500, 750, 1000]) for _ in range(gpus)],
+                             cpu_free=rng.choice([0, 1000, 4000, 8000]), model=rng.choice(["T4", "A10"]))
+            fast = workload.fragment_weighted(node.model, node.cpu_milli_free, tuple(sorted(node.gpu_milli_free)))
+            assert fast == _fragment_by_definition(workload, node), "seed=%d" % seed
