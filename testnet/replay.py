@@ -59,7 +59,7 @@ class TraceTask:
 def _rows(path: Path, required: tuple[str, ...]):
     """(line number, row dict) for each data row; checks the header names ``required``."""
     try:
-        handle = open(path, newline="", encoding="utf-8")
+        handle = open(path, newline="", encoding="utf-8-sig")  # a spreadsheet may write a BOM
     except OSError as exc:
         raise TraceError("%s: cannot read: %s" % (path, exc.strerror or exc))
     with handle:

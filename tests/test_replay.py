@@ -180,3 +180,16 @@ def test_timed_cli_draws_the_nodes_with_the_seed(real_slice, capsys):
                                                                                          "Guaranteed", "none"}
     with pytest.raises(TraceError, match="--nodes must be in 1..60"):
         run_cli(["--cluster", str(nodes), "--pods", str(pods), "--timed", "--nodes", "61"])
+
+
+def test_a_byte_order_mark_before_the_header_is_not_part_of_the_first_column(tmp_path):
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_bytes(b"\xef\xbb\xbf" + (NODES_HEADER + "n0,8000,8192,2,T4\n").encode())
+    assert load_cluster(nodes) == [NodeSpec("n0", "T4", 2, 8000, 8192)]
+
+
+def test_a_file_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_bytes(NODES_HEADER.encode() + b"n\xff0,8000,8192,2,T4\n")
+    with pytest.raises(TraceError, match="not UTF-8"):
+        load_cluster(nodes)
