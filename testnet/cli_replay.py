@@ -10,7 +10,7 @@ from pathlib import Path
 
 from protocol.packing import POLICY_NAMES, WorkloadDistribution
 from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
-                            sample_nodes, timed)
+                            sample_nodes, shuffled, timed)
 
 DEFAULT_TIMED_NODES = 6
 
@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for the policies that draw (default 0)")
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD,
                         help="stop once the GPU demand offered reaches LOAD x capacity (default 1.3)")
+    parser.add_argument("--shuffle", type=int, default=None, metavar="S",
+                        help="offer the tasks in the order a seeded shuffle (seed S) gives, not file order")
     parser.add_argument("--timed", action="store_true",
                         help="replay with the trace's arrival times and durations on --nodes nodes: queueing "
                              "delay p50/p99 per QoS class (no preemption yet)")
@@ -53,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     tasks = load_tasks(args.pods)
     workload = WorkloadDistribution(t.demand for t in tasks)
     results = {}
+    if args.shuffle is not None:
+        if args.timed:
+            raise TraceError("--shuffle reorders the fill experiment; --timed follows the trace's times")
+        tasks = shuffled(tasks, args.shuffle)
     if args.timed:
         return run_timed(args, names, sample_nodes(nodes, args.nodes, args.seed), tasks, workload)
     for name in names:
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         summary = {"cluster": str(args.cluster), "pods": str(args.pods), "nodes": len(nodes),
                    "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "load": args.load,
-                   "seed": args.seed, "policies": results}
+                   "seed": args.seed, "shuffle": args.shuffle, "policies": results}
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     return 0

@@ -163,6 +163,14 @@ def load_tasks(path: Path) -> list[TraceTask]:
     return tasks
 
 
+def shuffled(tasks: list[TraceTask], seed: int) -> list[TraceTask]:
+    """The tasks in a seeded random order: the same workload, another arrival order
+    (how much of a policy's result is the trace's particular order)."""
+    order = list(tasks)
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def fill(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed: int = 0,
          load: float = DEFAULT_LOAD, workload: WorkloadDistribution | None = None) -> dict:
     """One fill run (module docstring); returns the per-policy figures."""

@@ -193,3 +193,16 @@ def test_a_file_that_is_not_utf8_is_a_one_line_error(tmp_path):
     nodes.write_bytes(NODES_HEADER.encode() + b"n\xff0,8000,8192,2,T4\n")
     with pytest.raises(TraceError, match="not UTF-8"):
         load_cluster(nodes)
+
+
+def test_shuffle_reorders_the_offered_tasks_by_its_seed(real_slice, capsys):
+    nodes, pods = real_slice
+    outputs = []
+    for shuffle in ("1", "1", "2"):
+        run_cli(["--cluster", str(nodes), "--pods", str(pods), "--policy", "pack", "--shuffle", shuffle, "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert out["shuffle"] == int(shuffle)
+        outputs.append({k: v for k, v in out["policies"]["pack"].items() if k != "wall_s"})
+    assert outputs[0] == outputs[1] != outputs[2]
+    with pytest.raises(TraceError, match="--shuffle reorders the fill experiment"):
+        run_cli(["--cluster", str(nodes), "--pods", str(pods), "--timed", "--shuffle", "1"])
