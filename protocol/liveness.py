@@ -215,7 +215,13 @@ class Liveness:
             self.ctx.counters["heartbeat_stale"] += 1
             self.answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
             return
+        was_silent = self.ctx.heartbeats and self.detector.is_suspected(signer, now_ms)
         self.detector.heartbeat(signer, now_ms)
+        if was_silent and epochs.is_member() and not self.halted:
+            # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
+            # either side missed meanwhile (decisions, exits) is asked for now, not at the
+            # next anti-entropy round.
+            out.messages.append(Outbound(signer, self.ctx.sign(SyncRequest(epoch=epochs.epoch))))
         fresh = beat.sent_ms >= self.fresh_beat_after_ms.get(signer, beat.sent_ms)
         # The latest, not the greatest: a restarted peer's clock may start anywhere.
         self.peer_beat_sent_ms[signer] = beat.sent_ms

@@ -810,13 +810,15 @@ def test_every_member_learns_a_running_job_and_its_checkpoint_age_from_the_prima
     net.emit(primary, net.cores[primary].local_checkpoint(jid, 7, 70, net.now, b"state", net.now))
     checkpointed_at = net.now
     net.deliver()
-    assert net.cores[bystander].job_view(jid)["state"] == "placed"  # checkpoints went to the backup only
-    net.now += 40
+    # Checkpoints went to the backup only, but the start itself sent the primary's vector.
+    assert net.cores[bystander].job_view(jid)["state"] == "running"
+    assert net.cores[bystander].job_view(jid)["known_checkpoint"] is None
+    net.now += 1000   # the next periodic vector carries the checkpoint
     net.emit(primary, net.cores[primary].update_telemetry((), 100, net.now))
     net.deliver()
     seen = net.cores[bystander].job_view(jid)
     assert seen["state"] == "running"
-    assert seen["known_checkpoint"] == (7, checkpointed_at)  # 40 ms old when the vector was signed
+    assert seen["known_checkpoint"] == (7, checkpointed_at)  # 1000 ms old when the vector was signed
 
 
 def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
@@ -1058,3 +1060,18 @@ def test_p6_the_node_a_job_moves_to_measures_its_lost_work_and_every_member_lear
     net.emit(backup, net.cores[backup].update_telemetry((), 0, net.now, simulated=True))
     net.deliver()
     assert [net.cores[k].job_view(jid)["lost_work_ms"] for k in others] == [moved["lost_work_ms"]] * len(others)
+
+
+def test_p1_after_a_migration_every_member_shows_the_job_running_once_its_new_primary_runs_it():
+    # Review (issue 15): members that are not replicas kept showing a migrated job as
+    # `migrating` for minutes: a vector's report turned only `placed` into `running`, and the
+    # vector went out only with the next telemetry reading.
+    net, jid = placed_on_the_big_node()
+    primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.down.add(primary)
+    net.run(600)
+    others = [k for k in KEYS if k not in (primary, backup)]
+    assert [net.cores[k].job_view(jid)["state"] for k in others] == ["migrating"] * len(others)
+    net.emit(backup, net.cores[backup].workload_started(jid, 2, 0, net.now))
+    net.run(20)   # no telemetry reading: the change itself sends the vector
+    assert [net.cores[k].job_view(jid)["state"] for k in [backup] + others] == ["running"] * (1 + len(others))
