@@ -134,3 +134,12 @@ def test_a_restarted_backup_does_not_run_a_completed_job_again():
     assert first.end == "exit" and first.end_ms < 800   # before its primary crashes
     assert again == [], "node %d ran it again at fence %d" % (again[0].node, again[0].fence)
     assert result.ok, [v.line() for v in result.violations]
+
+
+@pytest.mark.parametrize("seed", [55, 58])
+def test_a_restart_whose_history_ends_in_its_readmission_still_holds_its_jobs(seed):
+    # Found by the 100-seed sweep: replaying its own readmission sent the rejoin sync, which
+    # cleared the "startup sync due" flag, so the first tick skipped the restart hold (F3)
+    # and the node ran a job under a fence the mesh had moved on from (double_run).
+    result = run_node_simulation(seed=seed, nodes=4, jobs=4)
+    assert result.ok, [v.line() for v in result.violations]
