@@ -35,6 +35,7 @@ from protocol.messages import Member
 LAYOUT_FILE = "testnet.json"
 READY_TIMEOUT_S = 60
 STOP_GRACE_S = 5
+STARTUP_LOG_TAIL_BYTES = 4096  # read from the end of a dead node's log to say why it died
 MAX_NODES = 64
 ATTESTATION_FILE = "attestation.bin"
 ATTESTATION_VALID_MS = 30 * 24 * 3600 * 1000
@@ -204,12 +205,35 @@ def wait_control(root, index: int, timeout_s: float = READY_TIMEOUT_S) -> dict:
     while True:
         row = node_status(entry)
         if row["process"] == "dead":
-            raise MeshError("node %d exited during start-up; see %s/node.log" % (index, entry["dir"]))
+            raise startup_failure(index, entry["dir"])
         if row["connected"] is not None:
             return row
         if time.monotonic() > deadline:
             raise MeshError("node %d has no control socket after %d s" % (index, timeout_s))
         time.sleep(0.1)
+
+
+def _last_line(path: Path) -> str | None:
+    """The last non-blank line of a log, read from its end only (logs grow without bound)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - STARTUP_LOG_TAIL_BYTES))
+            tail = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def startup_failure(index: int, node_dir) -> MeshError:
+    """Why node ``index`` died starting: the last line its process printed (stdout.log holds
+    the one-line error or traceback of a node that never got as far as opening node.log),
+    else node.log's, naming the file it came from."""
+    for name in ("stdout.log", "node.log"):
+        line = _last_line(Path(node_dir) / name)
+        if line is not None:
+            return MeshError("node %d exited during start-up: %s (see %s)" % (index, line, Path(node_dir) / name))
+    return MeshError("node %d exited during start-up and logged nothing (%s)" % (index, node_dir))
 
 
 def bootstrap_multiaddr(entry: dict) -> str:
@@ -292,8 +316,7 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
         rows = [node_status(n) for n in nodes]
         for row in rows:
             if row["process"] == "dead":
-                raise MeshError("node %d exited during start-up; see %s/node.log"
-                                % (row["index"], _entry(layout, row["index"])["dir"]))
+                raise startup_failure(row["index"], _entry(layout, row["index"])["dir"])
         if all(r["connected"] is not None and r["connected"] >= len(alive) - 1 for r in rows):
             return rows
         if time.monotonic() > deadline:

@@ -80,6 +80,8 @@ def parse_key_value(text: str, what: str) -> tuple[str, str]:
 
 
 def cmd_new(args: argparse.Namespace) -> int:
+    if not args.force and os.path.lexists(args.out):  # before asking for a passphrase twice in vain
+        raise KeystoreError("%s already exists; pass --force to overwrite it" % args.out)
     source = None if args.insecure_no_passphrase else passphrase_source_from_args(args)
     identity = generate_identity()
     create_keystore(args.out, identity, source, overwrite=args.force)

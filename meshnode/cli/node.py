@@ -9,7 +9,8 @@ from rich.table import Table
 
 from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
 from meshnode.control.client import ControlClient
-from meshnode.tui.tables import node_label
+from meshnode.tui.tables import node_label, short_job_id
+from meshnode.tui.why import group_declines
 from protocol.errors import MeshError
 
 COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
@@ -67,11 +68,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _short(hex_id) -> str:
-    """Job and instance ids; nodes are named by node_label, as in `meshnode nodes` and the TUI."""
-    return hex_id[:12] if isinstance(hex_id, str) else "-"
-
-
 def cmd_query(args) -> int:
     with ControlClient(args.node) as client:
         result = client.call(args.op)
@@ -106,7 +102,7 @@ def render_jobs(result) -> Table:
     for job in result["jobs"]:
         age = job.get("checkpoint_age_ms")
         declines = "; ".join("%d: %s" % (n, r) for r, n in sorted(job.get("declines", {}).items()))
-        table.add_row(_short(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
+        table.add_row(short_job_id(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
                       ", ".join(node_label(b) for b in job.get("backups", [])), "-" if age is None else str(age),
                       str(job.get("migrations", 0)), declines if job["state"] == "pending" else "")
     return table
@@ -118,7 +114,7 @@ def render_consensus(result) -> Table:
     for column in ("instance", "kind", "round", "leader", "decided"):
         table.add_column(column)
     for inst in result["instances"]:
-        table.add_row(_short(inst["instance"]), inst["kind"], str(inst["round"]), node_label(inst["leader"]),
+        table.add_row(short_job_id(inst["instance"]), inst["kind"], str(inst["round"]), node_label(inst["leader"]),
                       "yes" if inst["decided"] else "no")
     return table
 
@@ -142,30 +138,56 @@ def cmd_events(args) -> int:
     return 0
 
 
-def _signed_job_bytes(args, epoch: int) -> bytes:
+def read_job_file(path: str) -> tuple[str | None, bytes]:
+    """The file ``meshnode submit`` was given: ``(text, data)`` for a TOML manifest, or
+    ``(None, data)`` for a job already signed (``meshnode job sign``), checked here.
+
+    A signed job is a msgpack array, whose first byte is never valid UTF-8, so UTF-8 text
+    is a manifest and anything else must verify as a signed job: a binary file named
+    ``.toml`` is reported as what it is, not as a node's "not valid msgpack"."""
+    from meshnode.workload.manifest import MAX_MANIFEST_BYTES, verify_signed_job
+    from protocol import codec
+    from protocol.errors import ManifestError, RemoteProtocolError
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max(MAX_MANIFEST_BYTES, codec.MAX_FRAME_BYTES) + 1)
+    except OSError as exc:
+        raise ManifestError("cannot read %s: %s" % (path, exc.strerror)) from None
+    try:
+        return data.decode("utf-8"), data
+    except UnicodeDecodeError:
+        pass
+    try:
+        verify_signed_job(data)
+    except RemoteProtocolError as exc:
+        raise ManifestError("%s is neither a TOML manifest (it is not UTF-8 text) nor a signed job (%s)"
+                            % (path, exc)) from None
+    return None, data
+
+
+def _signed_job_bytes(args, text: str | None, data: bytes, epoch: int) -> bytes:
     """The job to submit: a signed envelope as given, or a TOML manifest signed here for the
     node's current ``epoch`` (SPEC.md P2: the members of that epoch place it)."""
-    with open(args.manifest, "rb") as fh:
-        data = fh.read(1 << 20)
-    if not data.lstrip()[:1].isalpha() and not data.lstrip().startswith(b"#") and not data.lstrip().startswith(b"["):
-        return data  # already a signed envelope (msgpack), e.g. from `meshnode job sign`
-    if not args.key:
-        raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
+    if text is None:
+        return data
     from keys.genesis import load_genesis
     from keys.keystore import is_encrypted, load_identity
     from meshnode.node.config import node_paths
-    from meshnode.workload.manifest import load_manifest
+    from meshnode.workload.manifest import parse_manifest
     from protocol.messages import encode_message
     source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
     identity = load_identity(args.key, source)
-    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
+    job = parse_manifest(text, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
     genesis = load_genesis(node_paths(args.node).genesis)
     return encode_message(identity, genesis.mesh_id, job)
 
 
 def cmd_submit(args) -> int:
+    text, data = read_job_file(args.manifest)  # a bad file is the user's to fix, node or no node
+    if text is not None and not args.key:
+        raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
     with ControlClient(args.node) as client:
-        signed = _signed_job_bytes(args, client.call("status")["epoch"])
+        signed = _signed_job_bytes(args, text, data, client.call("status")["epoch"])
         result = client.call("submit", job=signed)
         if args.wait:
             result = _wait_placed(client, result["job_id"])
@@ -188,19 +210,26 @@ def _wait_placed(client, job_id_hex: str) -> dict:
                 return {"job_id": job_id_hex, "state": "pending", "declines": job["declines"],
                         "hint": job.get("hint")}
         time.sleep(0.02)
-    raise MeshError("job %s was not placed within %d s" % (job_id_hex[:12], WAIT_TIMEOUT_S))
+    raise MeshError("job %s was not placed within %d s" % (short_job_id(job_id_hex), WAIT_TIMEOUT_S))
 
 
 def cmd_why(args) -> int:
     with ControlClient(args.node) as client:
         result = client.call("why", job_id=args.job_id)
-
-    def render(console):
-        console.print(key_value_table("why %s is pending" % args.job_id[:12],
-                                      [(reason, ", ".join(nodes)) for reason, nodes in result["declines"].items()]
-                                      + [("hint", result.get("hint") or "-")]))
-    emit(args, result, render)
+    emit(args, result, lambda console: render_why(console, result))
     return 0
+
+
+def render_why(console, result: dict) -> None:
+    """Declines grouped by reason for a pending job; for any other state, that state."""
+    job = short_job_id(result["job_id"])
+    if result.get("state") != "pending":
+        console.print("job %s is %s, not pending: nothing to explain (`meshnode jobs --node DIR` shows where it runs)"
+                      % (job, result.get("state", "?")))
+        return
+    groups = group_declines(result.get("declines", {}))
+    console.print(key_value_table("why job %s is pending" % job, [
+        (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]))
 
 
 def cmd_join(args) -> int:

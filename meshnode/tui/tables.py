@@ -26,8 +26,16 @@ EVIDENCE_COLUMNS = ("offender", "kind", "at")
 NODE_KEY_FIELDS = frozenset(("primary", "to_node", "suspect", "key", "leader", "offender"))
 
 
+JOB_ID_CHARS = 8  # a job id's prefix in tables; every command that takes a job id accepts a unique prefix
+
+
 def short_hex(value: str | None, width: int = 8) -> str:
     return "-" if not value else value[:width]
+
+
+def short_job_id(job_id_hex: str | None) -> str:
+    """A job (or consensus instance) id as tables show it: a prefix `why` and the TUI accept."""
+    return short_hex(job_id_hex, JOB_ID_CHARS)
 
 
 def node_label(key_hex: str | None) -> str:
