@@ -20,6 +20,7 @@ from meshnode.node.config import node_paths
 from meshnode.workload.manifest import load_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message
+from meshnode.tui.tables import short_job_id
 from testnet import launcher
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
@@ -50,7 +51,7 @@ def submit_examples(root) -> list[str]:
         for manifest_path in sorted(JOBS_DIR.glob("*.toml")):
             job = load_manifest(manifest_path, owner.public_key, time.time_ns() // 1_000_000, epoch=epoch)
             job_ids.append(client.call("submit", job=encode_message(owner, mesh_id, job))["job_id"])
-            print("submitted %-22s %s" % (manifest_path.name, job_ids[-1][:12]))
+            print("submitted %-22s %s" % (manifest_path.name, short_job_id(job_ids[-1])))
     return job_ids
 
 

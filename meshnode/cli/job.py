@@ -9,6 +9,7 @@ from keys.genesis import load_genesis
 from keys.identity import peer_id_from_public_key, short_id
 from keys.keystore import load_identity, write_file_atomic
 from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.tui.tables import short_job_id
 from meshnode.workload.manifest import load_manifest, verify_signed_job
 from protocol import codec
 from protocol.envelope import ANY_MESH
@@ -68,7 +69,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
     write_file_atomic(args.out, envelope.encode(), mode=0o644, overwrite=args.force)
     view = job_view(envelope, job)
     emit(args, view, lambda console: render_job(
-        console, "job %s signed by %s -> %s" % (view["job_id"][:16], short_id(job.owner), args.out), view))
+        console, "job %s signed by %s -> %s" % (short_job_id(view["job_id"]), short_id(job.owner), args.out), view))
     return 0
 
 

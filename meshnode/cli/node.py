@@ -9,7 +9,7 @@ from rich.table import Table
 
 from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
 from meshnode.control.client import ControlClient
-from meshnode.tui.tables import node_label, short_job_id
+from meshnode.tui.tables import event_line, node_label, short_job_id
 from meshnode.tui.why import group_declines
 from protocol.errors import MeshError
 
@@ -128,10 +128,8 @@ def cmd_events(args) -> int:
         for event in events:
             if args.json:
                 print(json.dumps(event, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)), flush=True)
-            else:
-                detail = " ".join("%s=%s" % (k, v.hex()[:12] if isinstance(v, bytes) else v)
-                                  for k, v in sorted(event.get("detail", {}).items()) if k != "mono_ns")
-                print("%10d %-18s %s" % (event["at_ms"], event["kind"], detail), flush=True)
+            else:  # the TUI's events view, line for line
+                print(event_line(event, time.time_ns() // 1_000_000), flush=True)
             seen += 1
             if args.count and seen >= args.count:
                 break

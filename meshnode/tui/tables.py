@@ -6,6 +6,8 @@ so both take their rows from here. Columns are chosen to fit an 80-column termin
 
 from __future__ import annotations
 
+import time
+
 from rich.table import Table
 
 from keys.identity import short_id
@@ -24,6 +26,7 @@ CONSENSUS_COLUMNS = ("instance", "kind", "round", "leader", "decided")
 EVIDENCE_COLUMNS = ("offender", "kind", "at")
 # Event detail fields that hold a node's public key (the rest hold job, instance or hash ids).
 NODE_KEY_FIELDS = frozenset(("primary", "to_node", "suspect", "key", "leader", "offender"))
+HIDDEN_DETAIL = frozenset(("mono_ns",))  # a host's monotonic clock, for benchmarks: not a time of day
 
 
 JOB_ID_CHARS = 8  # a job id's prefix in tables; every command that takes a job id accepts a unique prefix
@@ -82,7 +85,7 @@ def mesh_row(node: dict) -> tuple[str, ...]:
         throttle = throttle_text(throttled)
     else:
         gpu_cell, util, temp, throttle = ("0" if cap else "?"), "-", "-", "-"
-    return (node.get("short") or short_hex(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
+    return (node.get("short") or node_label(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
             node.get("health", "?"), "-" if rtt is None else "%.1fms" % (rtt / 1000),
             gpu_cell, util, temp, throttle)
 
@@ -91,13 +94,13 @@ def job_row(job: dict) -> tuple[str, ...]:
     ckpt = job.get("checkpoint_age_ms")
     seq = job.get("checkpoint_seq")
     ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
-    return (short_hex(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
+    return (short_job_id(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
             node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
             str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
 
 
 def consensus_row(instance: dict) -> tuple[str, ...]:
-    return (short_hex(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
+    return (short_job_id(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
             node_label(instance.get("leader")), "yes" if instance.get("decided") else "no")
 
 
@@ -105,18 +108,45 @@ def evidence_row(item: dict) -> tuple[str, ...]:
     return (node_label(item.get("offender")), item.get("kind", "?"), str(item.get("at_ms", "-")))
 
 
-def event_line(event: dict) -> str:
+def clock_text(wall_ms: int) -> str:
+    """Local wall-clock time of day to the millisecond: ``18:07:03.412``."""
+    return time.strftime("%H:%M:%S", time.localtime(wall_ms // 1000)) + ".%03d" % (wall_ms % 1000)
+
+
+def event_line(event: dict, received_ms: int) -> str:
+    """One event as a person reads it: when it arrived (wall clock), its kind, its details
+    with nodes by label and ids by prefix.
+
+    An event's own ``at_ms`` is the node's monotonic clock and ``detail.mono_ns`` the
+    host's, for benchmarks: neither is a time of day, so neither is shown (``--json``
+    keeps them)."""
     detail = event.get("detail")
     detail = detail if isinstance(detail, dict) else {}
-    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()))
-    return "%s %s %s" % (event.get("at_ms", "-"), event.get("kind", "?"), shown)
+    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()) if k not in HIDDEN_DETAIL)
+    return ("%s %-16s %s" % (clock_text(received_ms), event.get("kind", "?"), shown)).rstrip()
 
 
 def _detail_text(key: str, value) -> str:
     if key in NODE_KEY_FIELDS and isinstance(value, str):
         return node_label(value)
     if isinstance(value, str) and len(value) == 64:
-        return short_hex(value, 12)
+        return short_job_id(value)
+    return plain_text(value)
+
+
+def plain_text(value) -> str:
+    """A value as a table cell: never a Python repr (``None``, ``{'a': 1}``, ``[...]``)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, dict):
+        return ", ".join("%s=%s" % (k, plain_text(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) \
+            or "-"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(plain_text(v) for v in value) or "-"
     return str(value)
 
 
@@ -138,7 +168,7 @@ def jobs_table(jobs: list[dict]) -> Table:
     table = _table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
     pending = [j for j in jobs if j.get("state") == "pending" and j.get("declines")]
     if pending:
-        table.caption = "; ".join("%s %s" % (short_hex(j["job_id"]), format_declines(j["declines"]))
+        table.caption = "; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
                                   for j in pending[:3])
     return table
 
