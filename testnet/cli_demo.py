@@ -20,6 +20,7 @@ from meshnode.node.config import node_paths
 from meshnode.workload.manifest import load_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message
+from meshnode.cli.output import examples
 from meshnode.tui.tables import short_job_id
 from testnet import launcher
 
@@ -30,9 +31,11 @@ CAPTURE_SETTLE_S = 0.5    # long enough for a view switch and a poll to be drawn
 
 
 def register(subparsers) -> None:
-    demo = subparsers.add_parser("demo", help="a local mesh with example workloads, shown live")
-    demo.add_argument("--dir", default="demo-mesh", metavar="DIR")
-    demo.add_argument("--nodes", type=int, default=4)
+    demo = subparsers.add_parser("demo", help="a local mesh with example workloads, shown live", epilog=examples(
+        "meshnode demo", "meshnode demo --capture shots     # write every TUI screen to shots/ instead"))
+    demo.add_argument("--dir", default="demo-mesh", metavar="DIR",
+                      help="the demo testnet's directory (default demo-mesh)")
+    demo.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
     demo.add_argument("--keep", action="store_true", help="leave the testnet running afterwards")
     demo.add_argument("--capture", metavar="OUT_DIR",
                       help="write the TUI's screens (text and SVG, %dx%d) to OUT_DIR instead of opening it"

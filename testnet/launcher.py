@@ -11,6 +11,7 @@ is how ``down`` proves that nothing is left.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,7 +26,7 @@ from pathlib import Path
 from keys.attestation import issue_attestation
 from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
-from keys.identity import SigningIdentity, generate_identity
+from keys.identity import SigningIdentity, generate_identity, short_id
 from keys.keystore import create_keystore, load_identity
 from meshnode.control.client import ControlClient
 from meshnode.node.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
@@ -294,8 +295,10 @@ def process_state(pid: int | None) -> str:
 
 def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
     state = process_state(entry.get("pid"))
-    row = {"index": entry["index"], "pid": entry.get("pid"), "process": state, "port": entry["port"],
-           "zone": entry["zone"], "key": entry["public_key"][:16], "connected": None, "epoch": None}
+    public_key = bytes.fromhex(entry["public_key"])
+    row = {"index": entry["index"], "node": short_id(public_key), "public_key": entry["public_key"],
+           "pid": entry.get("pid"), "process": state, "port": entry["port"], "zone": entry["zone"],
+           "connected": None, "epoch": None}
     if state == "running":
         try:
             with ControlClient(entry["dir"], timeout_s=timeout_s) as client:
@@ -324,11 +327,27 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
         time.sleep(0.1)
 
 
+def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEFAULT_PARAMS) -> ProtocolParams:
+    """``params`` with a heartbeat period of ``heartbeat_ms`` and a detection bound the same
+    multiple of it as the defaults' (6x). Every member heartbeats every other, so a mesh's
+    idle cost grows with n^2: a larger testnet on few cores needs a longer period."""
+    if heartbeat_ms is None:
+        return params
+    if not 10 <= heartbeat_ms <= 10_000:
+        raise ConfigError("--heartbeat-ms must be 10..10000")
+    scale = DEFAULT_PARAMS.detection_bound_ms // DEFAULT_PARAMS.heartbeat_ms
+    return dataclasses.replace(params, heartbeat_ms=heartbeat_ms, detection_bound_ms=scale * heartbeat_ms)
+
+
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
-       params: ProtocolParams = DEFAULT_PARAMS) -> list[dict]:
+       params: ProtocolParams = DEFAULT_PARAMS, on_step=lambda text: None) -> list[dict]:
+    """Create and start a testnet; ``on_step(text)`` hears of each step (a CLI's progress line)."""
+    on_step("writing keys, genesis and configs for %d nodes" % nodes)
     create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params)
     for i in range(nodes):
+        on_step("starting node %d of %d" % (i + 1, nodes))
         start_node(root, i)
+    on_step("waiting for the %d nodes to connect to each other" % nodes)
     try:
         return wait_ready(root)
     except MeshError:

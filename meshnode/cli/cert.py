@@ -7,10 +7,12 @@ import json
 import sqlite3
 import sys
 
+from rich.table import Table
+
 from keys.errors import ConfigError
 from keys.genesis import load_genesis
 from keys.identity import short_id
-from meshnode.cli.output import add_json_flag, emit, key_value_table
+from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
 from meshnode.node.config import node_paths
 from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
@@ -21,10 +23,13 @@ from protocol.quorum import EpochView
 
 
 def register(subparsers) -> None:
-    cert = subparsers.add_parser("cert", help="verify commit certificates offline")
+    cert = subparsers.add_parser("cert", help="verify commit certificates offline",
+                                 epilog=examples("meshnode cert verify placement.cert --genesis genesis.bin"))
     sub = cert.add_subparsers(dest="cert_command", metavar="SUBCOMMAND")
     sub.required = True
-    verify = sub.add_parser("verify", help="check a CommitCertificate envelope file against a genesis")
+    verify = sub.add_parser("verify", help="check a CommitCertificate envelope file against a genesis", epilog=examples(
+        "meshnode cert verify placement.cert --genesis genesis.bin",
+        "meshnode cert verify placement.cert --genesis genesis.bin --node net/node-0   # epoch changes from a node"))
     verify.add_argument("certificate", metavar="FILE", help="encoded CommitCertificate envelope bytes")
     verify.add_argument("--genesis", required=True, metavar="FILE", help="the mesh's genesis document")
     verify.add_argument("--history", nargs="+", default=[], metavar="CERT",
@@ -103,9 +108,13 @@ def cmd_verify(args) -> int:
         "value_kind": cert.value_kind, "value_hash": value_hash(value).hex(), "signers": len(signers),
         "stake": stake, "total_stake": view.total_stake,
     }
-    emit(args, result, lambda console: console.print(key_value_table("valid commit certificate", [
-        ("instance", result["instance"]), ("round", cert.round), ("epoch", cert.epoch),
-        ("value kind", cert.value_kind), ("value hash", result["value_hash"]),
-        ("signers", ", ".join(short_id(s) for s in signers)),
-        ("stake", "%d of %d" % (stake, view.total_stake))])))
+    signer_labels = [short_id(s) for s in signers]
+    emit(args, result, lambda console: console.print(render_valid_certificate(result, signer_labels)))
     return 0
+
+
+def render_valid_certificate(result: dict, signer_labels: list[str]) -> Table:
+    return key_value_table("valid commit certificate", [
+        ("instance", result["instance"]), ("round", result["round"]), ("epoch", result["epoch"]),
+        ("value kind", result["value_kind"]), ("value hash", result["value_hash"]),
+        ("signers", " ".join(signer_labels)), ("stake", "%d of %d" % (result["stake"], result["total_stake"]))])

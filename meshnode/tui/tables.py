@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from rich import box
 from rich.table import Table
 
 from keys.identity import short_id
@@ -30,6 +31,7 @@ HIDDEN_DETAIL = frozenset(("mono_ns",))  # a host's monotonic clock, for benchma
 
 
 JOB_ID_CHARS = 8  # a job id's prefix in tables; every command that takes a job id accepts a unique prefix
+JOB_NAME_CHARS = 14  # a job's name in the jobs view, so that the view fits 80 columns
 
 
 def short_hex(value: str | None, width: int = 8) -> str:
@@ -65,6 +67,20 @@ def format_ms(value: int | None) -> str:
     return "%d min" % (value // 60_000)
 
 
+def rtt_text(rtt_us: int) -> str:
+    """A round trip in at most 5 characters: ``0.8ms``, ``84ms``, ``1.2s``."""
+    if rtt_us < 10_000:
+        return "%.1fms" % (rtt_us / 1000)
+    if rtt_us < 1_000_000:
+        return "%dms" % (rtt_us // 1000)
+    return "%.1fs" % (rtt_us / 1_000_000)
+
+
+def cut(text: str, chars: int) -> str:
+    """A name shortened to ``chars`` with a visible "…" (never used on an id)."""
+    return text if len(text) <= chars else text[:chars - 1] + "…"
+
+
 def throttle_text(reasons: int) -> str:
     names = [name for bit, name in THROTTLE_BITS if reasons & bit]
     return ",".join(names) if names else "-"
@@ -86,7 +102,7 @@ def mesh_row(node: dict) -> tuple[str, ...]:
     else:
         gpu_cell, util, temp, throttle = ("0" if cap else "?"), "-", "-", "-"
     return (node.get("short") or node_label(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
-            node.get("health", "?"), "-" if rtt is None else "%.1fms" % (rtt / 1000),
+            node.get("health", "?"), "-" if rtt is None else rtt_text(rtt),
             gpu_cell, util, temp, throttle)
 
 
@@ -94,7 +110,7 @@ def job_row(job: dict) -> tuple[str, ...]:
     ckpt = job.get("checkpoint_age_ms")
     seq = job.get("checkpoint_seq")
     ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
-    return (short_job_id(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
+    return (short_job_id(job.get("job_id")), cut(job.get("name", "?"), JOB_NAME_CHARS), job.get("state", "?"),
             node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
             str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
 
@@ -145,13 +161,20 @@ def plain_text(value) -> str:
     if isinstance(value, dict):
         return ", ".join("%s=%s" % (k, plain_text(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) \
             or "-"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) and len(v) == 2
+                                                          for v in value):
+        return ", ".join("%s=%s" % (plain_text(k), plain_text(v)) for k, v in value)  # pairs, e.g. labels
     if isinstance(value, (list, tuple, set, frozenset)):
         return ", ".join(plain_text(v) for v in value) or "-"
     return str(value)
 
 
-def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None, style_col: int = 0) -> Table:
-    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+def compact_table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None,
+                  style_col: int = 0) -> Table:
+    # No borders, two spaces between columns: every view fits 80 columns with its ids
+    # whole (tests/test_cli_ux.py renders each at 80). Only a job's name may be cut (…).
+    table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 1, 0, 0))
     for column in columns:
         table.add_column(column, no_wrap=True, overflow="ellipsis")
     for row in rows:
@@ -161,11 +184,11 @@ def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = Non
 
 
 def mesh_table(nodes: list[dict]) -> Table:
-    return _table("mesh: %d nodes" % len(nodes), MESH_COLUMNS, [mesh_row(n) for n in nodes], HEALTH_STYLE, 3)
+    return compact_table("mesh: %d nodes" % len(nodes), MESH_COLUMNS, [mesh_row(n) for n in nodes], HEALTH_STYLE, 3)
 
 
 def jobs_table(jobs: list[dict]) -> Table:
-    table = _table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
+    table = compact_table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
     pending = [j for j in jobs if j.get("state") == "pending" and j.get("declines")]
     if pending:
         table.caption = "; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
@@ -174,13 +197,13 @@ def jobs_table(jobs: list[dict]) -> Table:
 
 
 def consensus_table(consensus: dict) -> Table:
-    table = _table("consensus: %d certificates" % consensus.get("certificates", 0), CONSENSUS_COLUMNS,
+    table = compact_table("consensus: %d certificates" % consensus.get("certificates", 0), CONSENSUS_COLUMNS,
                    [consensus_row(i) for i in consensus.get("instances", ())])
     return table
 
 
 def evidence_table(consensus: dict) -> Table:
-    return _table("evidence: %d" % len(consensus.get("evidence", ())), EVIDENCE_COLUMNS,
+    return compact_table("evidence: %d" % len(consensus.get("evidence", ())), EVIDENCE_COLUMNS,
                   [evidence_row(e) for e in consensus.get("evidence", ())])
 
 
