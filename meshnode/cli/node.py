@@ -235,8 +235,7 @@ def render_why(console, result: dict) -> None:
     """Declines grouped by reason for a pending job; for any other state, that state."""
     job = short_job_id(result["job_id"])
     if result.get("state") != "pending":
-        console.print("job %s is %s, not pending: nothing to explain (`meshnode jobs --node DIR` shows where it runs)"
-                      % (job, result.get("state", "?")))
+        console.print("job %s is %s, not pending: no decline holds it back" % (job, result.get("state", "?")))
         return
     groups = group_declines(result.get("declines", {}))
     console.print(key_value_table("why job %s is pending" % job, [

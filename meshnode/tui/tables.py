@@ -152,7 +152,7 @@ def _detail_text(key: str, value) -> str:
 
 def plain_text(value) -> str:
     """A value as a table cell: never a Python repr (``None``, ``{'a': 1}``, ``[...]``)."""
-    if value is None:
+    if value is None or value == "":
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
