@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.job_table import TERMINAL
+from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import Cancel, Checkpoint, CheckpointAck, JobExit, decode_message
 from protocol.ready import Outbound, PersistRecord, Ready, local_decision
 
@@ -113,12 +113,35 @@ class JobLifecycle:
 
     def on_job_exit(self, envelope, message: JobExit, data, now_ms: int, out: Ready) -> None:
         record = self.jobs.get(message.job_id)
-        if record is None or envelope.signer != record.primary or message.fence != record.fence:
+        if record is None or not self._exit_acceptable(record, envelope.signer, message):
             self.ctx.counters["job_exit_stale"] += 1
             return
-        if record.state not in TERMINAL:
-            self._persist_outcome(record.job_id, "exit", data, out)
-            self._finish_job(record, message.exit_code, now_ms, out)
+        self._persist_outcome(record.job_id, "exit", data, out)
+        if message.fence != record.fence or record.state in TERMINAL:
+            # The run that completed the job, though this node had moved it on (it applied an
+            # eviction before the exit) or had it completed by an older fence's run: every
+            # member ends with the same primary and fence, those of the newest completion.
+            self.ctx.counters["job_exit_after_move"] += 1
+            self.jobs.assign(record, envelope.signer, record.backups, fence=message.fence)
+            if record.state in TERMINAL:
+                return
+        self._finish_job(record, message.exit_code, now_ms, out)
+
+    @staticmethod
+    def _exit_acceptable(record, signer: bytes, message: JobExit) -> bool:
+        """SPEC P6: the exit's signer was the job's primary at the exit's fence. From the
+        current run, any exit code; from a run the job has moved on from since (within the
+        same attempt), only a completion (its work is done; a failure there changes nothing,
+        the work goes on elsewhere); for a completed job, only a completion by a newer fence."""
+        if record.primaries.get(message.fence) != signer:   # fences this node has seen assigned only
+            return False
+        if message.fence // FENCE_PER_ATTEMPT != record.attempt:
+            return False
+        if record.state in TERMINAL:
+            return record.state == "completed" and message.exit_code == 0 and message.fence > record.fence
+        if message.fence == record.fence:
+            return record.primary == signer
+        return message.exit_code == 0
 
     def _finish_job(self, record, code: int, now_ms: int, out: Ready) -> None:
         self.ledger.free(record.job_id)
@@ -173,10 +196,11 @@ class JobLifecycle:
         out.events.append(self.ctx.event("job_cancelled", now_ms, job_id=record.job_id.hex()))
 
     # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
-    @staticmethod
-    def _persist_outcome(jid: bytes, kind: str, data: bytes, out: Ready) -> None:
+    def _persist_outcome(self, jid: bytes, kind: str, data: bytes, out: Ready) -> None:
         """Exits and cancels are no certificates, so a restart would forget them (a completed
-        job would be resumed); the newest per job is kept and replayed."""
+        job would be resumed); the newest per job is kept and replayed, and the newest few
+        are re-sent in sync answers (F6)."""
+        self.jobs.note_outcome(data)
         out.persist.append(PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data}))
 
     def replay_outcomes(self, envelopes, now_ms: int) -> None:

@@ -8,6 +8,7 @@ member derives the same primary, backups and fence from the same certificates.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.messages import JobManifest
@@ -16,6 +17,8 @@ TERMINAL = ("completed", "failed", "cancelled")
 LIVE_JOB_STATES = ("placed", "running", "migrating")
 MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
 FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1; each migration adds 1
+MAX_FENCES_REMEMBERED = 32       # per job: which node was primary at each of its newest fences (P6)
+MAX_RECENT_OUTCOMES = 64         # exits and cancels re-sent by sync answers (F6)
 
 
 @dataclass
@@ -46,6 +49,10 @@ class JobRecord:
     # P7c: the commit certificate of the job's slot, decided without it: its first placement
     # runs in its own instance then, and every proposal there carries this as proof.
     slot_certificate: bytes | None = None
+    # fence -> the node that was primary at that fence (the newest MAX_FENCES_REMEMBERED):
+    # an exit that arrives after the job moved on is checked against the primary it had
+    # then (P6), so a member that applied an eviction before the exit still takes it.
+    primaries: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -67,14 +74,34 @@ class JobTable:
         self.me = me
         self.records: dict[bytes, JobRecord] = {}
         self._ever_mine: set[bytes] = set()   # jobs this node was ever made primary of
+        # The envelopes of the newest exits and cancels this node accepted, oldest first: a
+        # sync answer re-sends them (F6), so a member that was down or cut off when one was
+        # broadcast learns it.
+        self.recent_outcomes: deque = deque(maxlen=MAX_RECENT_OUTCOMES)
 
-    def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None) -> None:
-        """Set the job's primary and backups (and GPUs, when given): the only way they change."""
+    def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,
+               fence: int | None = None) -> None:
+        """Set the job's primary and backups (and GPUs and fence, when given): the only way
+        they change."""
         record.primary, record.backups = primary, tuple(backups)
         if gpus is not None:
             record.gpus = gpus
+        if fence is not None:
+            record.fence = fence
+            if primary is not None:
+                self.remember_primary(record, fence, primary)
         if primary == self.me:
             self._ever_mine.add(record.job_id)
+
+    @staticmethod
+    def remember_primary(record: JobRecord, fence: int, primary: bytes) -> None:
+        record.primaries[fence] = primary
+        while len(record.primaries) > MAX_FENCES_REMEMBERED:
+            del record.primaries[min(record.primaries)]
+
+    def note_outcome(self, data: bytes) -> None:
+        if data not in self.recent_outcomes:
+            self.recent_outcomes.append(data)
 
     def may_have_mine(self) -> bool:
         """False only when this node is certainly the primary of no job (the common case)."""

@@ -17,7 +17,8 @@ from protocol.ready import Outbound, Ready, local_decision
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
 MAX_SUSPICION_JUSTIFICATION = 32
 MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
-MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer
+MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per answer
+SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is not sent it again sooner
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 
@@ -44,6 +45,13 @@ class Liveness:
         self.suspicion_sent_ms: dict[bytes, int] = {}
         self.halted = False
         self.sync_answered_ms: dict[bytes, int] = {}
+        # peer -> instance -> when a sync answer last sent it that decision: the next answer
+        # sends the next ones, so a member that missed more than one answer holds catches up
+        # over a few anti-entropy rounds instead of getting the same newest ones each time.
+        self.sync_decisions_sent: dict[bytes, dict[bytes, int]] = {}
+        # peer -> the epoch it synced from, while its last answer was full (it may lack more):
+        # answered again SYNC_ANSWER_GAP_MS later, unasked, until an answer is not full.
+        self.sync_continuations: dict[bytes, int] = {}
         self.startup_sync_due = True
         self.sync_sent_ms = now_ms
         self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
@@ -72,7 +80,7 @@ class Liveness:
         else:
             out.decisions.append(local_decision("resume", mine))
 
-    def _sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
+    def sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
         not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
@@ -94,11 +102,15 @@ class Liveness:
         self.last_tick_ms = now_ms
         if self.startup_sync_due:
             self._hold_restarted_jobs(now_ms, out)
-            self._sync(now_ms, out, STARTUP_SYNC_PEERS)
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
-            self._sync(now_ms, out, 1)
+            self.sync(now_ms, out, 1)
         if self.joins.evicted_at_epoch is not None and not epochs.is_member():
             self.joins.maybe_rejoin(now_ms, out)
+        for peer, since_epoch in list(self.sync_continuations.items()):
+            if now_ms - self.sync_answered_ms.get(peer, now_ms) >= SYNC_ANSWER_GAP_MS:
+                self.sync_continuations.pop(peer)
+                self.answer_sync(peer, since_epoch, now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
             return
         if gap >= self.detector.min_silence_ms - params.heartbeat_ms and not self.halted:
@@ -208,15 +220,41 @@ class Liveness:
         if peer in self.epochs.view.stakes:
             # A member that was down may have missed placements too: the newest certificates we
             # applied, however they reached us (our own instance, a broadcast or a catch-up).
-            sent = set(certificates)
-            recent = list(self.instances.recent_certificates.values())[-MAX_SYNC_DECISIONS:]
-            certificates.extend(c for c in recent if c not in sent)
+            decisions = self._decisions_to_resend(peer, set(certificates), now_ms)
+            certificates.extend(decisions)
+            if len(decisions) == MAX_SYNC_DECISIONS:
+                self.sync_continuations[peer] = since_epoch
+            else:
+                self.sync_continuations.pop(peer, None)
+        if peer in self.epochs.member_info:
+            # ...and to any node that was ever a member (an evicted one is about to rejoin), the
+            # exits and cancels it accepted last, which are messages sent once (P6).
+            certificates.extend(self.jobs.recent_outcomes)
         if not certificates:
             return
         if len(self.sync_answered_ms) > 4096:
             self.sync_answered_ms.clear()
         self.sync_answered_ms[peer] = now_ms
         out.messages.extend(Outbound(peer, c) for c in certificates)
+
+    def _decisions_to_resend(self, peer: bytes, sending: set, now_ms: int) -> list[bytes]:
+        """The newest MAX_SYNC_DECISIONS applied decisions not sent to ``peer`` by a sync
+        answer in the last SYNC_RESEND_MS (those in ``sending`` excluded)."""
+        if peer not in self.sync_decisions_sent and len(self.sync_decisions_sent) >= 4096:
+            self.sync_decisions_sent.clear()
+        sent = self.sync_decisions_sent.setdefault(peer, {})
+        recent = self.instances.recent_certificates
+        for iid in [i for i, at in sent.items() if now_ms - at >= SYNC_RESEND_MS or i not in recent]:
+            del sent[iid]
+        chosen = []
+        for iid in reversed(recent):
+            if len(chosen) == MAX_SYNC_DECISIONS:
+                break
+            certificate = recent[iid]
+            if iid not in sent and certificate not in sending:
+                sent[iid] = now_ms
+                chosen.append(certificate)
+        return chosen[::-1]
 
     # --- suspicion (SPEC F4) ---------------------------------------------------------------------
     def on_suspicion(self, envelope, suspicion: Suspicion, data, now_ms: int, out: Ready) -> None:

@@ -5,6 +5,12 @@ deterministic sample of every message kind with a fixed seed, so SPEC.md can be
 regenerated instead of hand-edited, and tests/test_spec_vectors.py fails when the
 two drift apart.
 
+The samples hang together: the vector key is the only member (and the attestation
+authority) of the sample genesis, whose mesh id every vector is signed for; the job is
+owner-signed, every nested envelope is of the kind its field holds (NESTED_ENVELOPES),
+and the consensus samples are one placement of that job in epoch 0, so the `commit`
+vector verifies (`meshnode cert verify`) against the sample genesis.
+
     python -m testnet.spec_tables --write SPEC.md   # regenerate the generated blocks
     python -m testnet.spec_tables --check SPEC.md   # exit 1 if they are stale
 """
@@ -14,22 +20,66 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from functools import lru_cache
 
-from keys.genesis import Genesis, ProtocolParams
-from keys.identity import SigningIdentity
+from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
+from keys.identity import SigningIdentity, peer_id_bytes
 from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
-from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Checkpoint, Constraints, GpuState, Member, RunningJob,
-                               MembershipChange, Migration, Placement, PlacementSlot, Resources,
-                               placement_instance_id, placement_slot_id)
+from protocol.flows.epoch_change import epoch_change_instance_id
+from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
+                               Constraints, Evidence, GpuState, Join, Member, MembershipChange, Migration,
+                               Placement, PlacementSlot, Proposal, PrevoteCertificate, Resources, RoundChange,
+                               RoundSync, RunningJob, job_id, placement_instance_id, placement_slot_id,
+                               value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
-VECTOR_MESH_ID = hashlib.sha256(b"meshnode/v1/test-vector-mesh").digest()
+VECTOR_EPOCH = 0          # every sample's epoch: the sample genesis' first epoch
+VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carry is of round 0
+VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis)
+
+# Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
+# the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
+# SPEC.md 3.1 are rendered from this; tests/test_spec_vectors.py checks that it names every
+# ENVELOPE field of every schema and that every sample's nested envelopes are of these kinds.
+NESTED_ENVELOPES = {
+    (Bid, "capability"): (("cap",), "the bidder's own vector: signed by the bid's signer, `node` = that "
+                                    "signer, this mesh; else the bid is invalid (P3, P4b)"),
+    (Bid, "attestations"): (("attestation",), "this mesh or ANY_MESH; one that fails to verify, is not by a "
+                                              "genesis authority, not about the bidder or not valid at the "
+                                              "vector's `taken_ms` is ignored (P4, 5.3)"),
+    (Proposal, "justification"): (("bid", "suspicion", "commit"),
+                                  "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
+                                  "and in a slot mesh's late attempt-0 placement the slot's `commit` last (P4b, "
+                                  "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
+                                  "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
+                                  "validator ignores any). For the other kinds one that fails makes the "
+                                  "proposal invalid"),
+    (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
+                                                       "else the proposal is invalid (6.3)"),
+    (PrevoteCertificate, "prevotes"): (("prevote",), "one bad entry invalidates the certificate (6.1, 6.7)"),
+    (CommitCertificate, "precommits"): (("precommit",), "one bad entry invalidates the certificate (6.1, 6.7)"),
+    (RoundChange, "lock_certificate"): (("prevote_cert",), "of `locked_round` and the locked value; else the "
+                                                           "round change is dropped (6.5)"),
+    (RoundChange, "lock_proposal"): (("proposal",), "the locked round's proposal, signed by its leader; else the "
+                                                    "round change is dropped (6.5)"),
+    (RoundSync, "changes"): (("round_change",), "for the same (instance, round, epoch), distinct members; one "
+                                                "bad entry drops the RoundSync (6.1, 6.5)"),
+    (Evidence, "first"): (("proposal", "prevote", "precommit"),
+                          "two envelopes of one of these kinds signed by `offender` for one (instance, round) "
+                          "(6.10); evidence is kept locally, never accepted from a peer (4.1)"),
+    (Evidence, "second"): (("proposal", "prevote", "precommit"), "as `first`"),
+    (Join, "vouchers"): (("attestation", "endorsement"),
+                         "an `attestation` by a genesis authority (this mesh or ANY_MESH) or `endorsement`s "
+                         "by members (this mesh); others are ignored (F7)"),
+    (Placement, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P2, P4b); in a certificate, 6.7"),
+    (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
+}
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"
 END = "<!-- END GENERATED: %s -->"
@@ -39,25 +89,42 @@ def vector_identity() -> SigningIdentity:
     return SigningIdentity(VECTOR_SEED)
 
 
+def vector_key() -> bytes:
+    return vector_identity().public_key
+
+
+@lru_cache(maxsize=None)
+def vector_genesis() -> Genesis:
+    """One member (the vector key, which is also the attestation authority), default params."""
+    return Genesis.from_body({
+        "name": "test-vector-mesh", "created_ms": VECTOR_TIME_MS,
+        "members": [{"public_key": vector_key(), "stake": 1, "zone": "zone-a", "labels": {"jurisdiction": "eu"},
+                     "addrs": []}],
+        "params": DEFAULT_PARAMS.to_body(), "authorities": [vector_key()]})
+
+
+def vector_mesh_id() -> bytes:
+    return vector_genesis().mesh_id
+
+
 # --- deterministic sample values -------------------------------------------------------------
 
-def _sample_envelope() -> bytes:
-    """The nested envelope every ENVELOPE field of a sample carries: a signed heartbeat."""
-    return seal(vector_identity(), VECTOR_MESH_ID, "heartbeat",
-                {"epoch": 1, "seq": 1, "sent_ms": 1_700_000_000_000}).encode()
+def _seal(kind: str, body: dict) -> bytes:
+    return seal(vector_identity(), vector_mesh_id(), kind, body).encode()
 
 
 def sample_value(ftype, field: str):
-    """A small, valid, readable value of ``ftype`` (wire form, ready for from_body)."""
+    """A small, valid, readable value of ``ftype`` (wire form, ready for from_body). An
+    ENVELOPE field gets a placeholder here; sample_body puts the right kind in (below)."""
     if isinstance(ftype, Optional):
         return sample_value(ftype.inner, field)
     if isinstance(ftype, Int):
-        wanted = 1_700_000_000_000 if field.endswith("_ms") else 1
+        wanted = VECTOR_TIME_MS if field.endswith("_ms") else VECTOR_EPOCH if field == "epoch" else 1
         return min(ftype.high, max(ftype.low, wanted))
     if isinstance(ftype, Bool):
         return False
-    if ftype == ENVELOPE:
-        return _sample_envelope()
+    if ftype is ENVELOPE:  # (a proposal's `value` has an equal type, but holds no envelope)
+        return b""
     if isinstance(ftype, Bytes):
         if ftype.min_len == ftype.max_len:
             return hashlib.sha256(field.encode("ascii")).digest()[:ftype.min_len]
@@ -73,12 +140,102 @@ def sample_value(ftype, field: str):
     raise TypeError("no sample for %r" % (ftype,))
 
 
+def _generic_body(cls) -> dict:
+    return {name: sample_value(ftype, name) for name, ftype in cls.SCHEMA.items()}
+
+
+@lru_cache(maxsize=None)
+def _job_envelope() -> bytes:
+    return _seal("job", sample_body(MESSAGE_TYPES["job"]))
+
+
+def sample_job_id() -> bytes:
+    return job_id(MESSAGE_TYPES["job"].from_body(sample_body(MESSAGE_TYPES["job"])))
+
+
+@lru_cache(maxsize=None)
+def sample_decided_value() -> bytes:
+    """The value of the proposal and commit samples: a Placement of the sample job."""
+    return codec.pack(sample_body(Placement))
+
+
+def _vote(kind: str, round: int, hash_: bytes | None) -> bytes:
+    return _seal(kind, {"instance": sample_job_id(), "round": round, "epoch": VECTOR_EPOCH, "value_hash": hash_})
+
+
+def _prevote_certificate(round: int) -> bytes:
+    hash_ = value_hash(sample_decided_value())
+    return _seal("prevote_cert", {"instance": sample_job_id(), "round": round, "epoch": VECTOR_EPOCH,
+                                  "value_hash": hash_, "prevotes": [_vote("prevote", round, hash_)]})
+
+
+def _proposal_body(round: int) -> dict:
+    """A proposal of the sample placement; from round 1 on with its proof of lock from round 0."""
+    locked = round > 0
+    return {"instance": sample_job_id(), "round": round, "epoch": VECTOR_EPOCH, "value_kind": "placement",
+            "value": sample_decided_value(), "justification": [_seal("bid", sample_body(Bid))],
+            "pol_round": round - 1 if locked else None,
+            "pol_certificate": _prevote_certificate(round - 1) if locked else None}
+
+
+def _round_change_body(round: int) -> dict:
+    return {"instance": sample_job_id(), "round": round, "epoch": VECTOR_EPOCH, "locked_round": round - 1,
+            "lock_certificate": _prevote_certificate(round - 1),
+            "lock_proposal": _seal("proposal", _proposal_body(round - 1))}
+
+
+def _coherent(cls, body: dict) -> dict:
+    """Make a generic sample body hang together with the others (see the module docstring)."""
+    me, hash_ = vector_key(), None
+    if "job_id" in body:
+        body["job_id"] = sample_job_id()
+    if cls is MESSAGE_TYPES["job"]:
+        body.update(owner=me, name="vector-job", entrypoint="counter")  # 4.1: signed by its owner
+    elif cls is CapabilityVector:
+        body["node"] = me
+    elif cls is Bid:
+        body.update(instance=sample_job_id(), capability=_seal("cap", sample_body(CapabilityVector)),
+                    attestations=[_seal("attestation", {"subject": me, "attributes": {"jurisdiction": "eu"},
+                                                        "stake": 1, "issued_ms": VECTOR_TIME_MS - 1,
+                                                        "expires_ms": VECTOR_TIME_MS + 86_400_000})])
+    elif cls is Placement:
+        body.update(job=_job_envelope(), primary=me, backups=[])
+    elif cls is Proposal:
+        body = _proposal_body(VECTOR_ROUND)
+    elif cls in (MESSAGE_TYPES["prevote"], MESSAGE_TYPES["precommit"]):
+        hash_ = value_hash(sample_decided_value())
+        body.update(instance=sample_job_id(), round=VECTOR_ROUND, value_hash=hash_)
+    elif cls is PrevoteCertificate:
+        body = codec.unpack(_prevote_certificate(VECTOR_ROUND))[3]
+    elif cls is CommitCertificate:
+        hash_ = value_hash(sample_decided_value())
+        body = {"instance": sample_job_id(), "round": VECTOR_ROUND, "epoch": VECTOR_EPOCH, "value_kind": "placement",
+                "value": sample_decided_value(), "precommits": [_vote("precommit", VECTOR_ROUND, hash_)]}
+    elif cls is RoundChange:
+        body = _round_change_body(VECTOR_ROUND)
+    elif cls is RoundSync:
+        body.update(instance=sample_job_id(), round=VECTOR_ROUND,
+                    changes=[_seal("round_change", _round_change_body(VECTOR_ROUND))])
+    elif cls is Evidence:   # one prevote for the value, another for nil: equivocation
+        body.update(offender=me, first=_vote("prevote", VECTOR_ROUND, value_hash(sample_decided_value())),
+                    second=_vote("prevote", VECTOR_ROUND, None))
+    elif cls is Join:
+        member = sample_body(Member)
+        member["public_key"] = me               # F7: a join is signed by the joining key
+        body.update(member=member, vouchers=[_seal("endorsement", {"candidate": me, "stake": member["stake"],
+                                                                   "epoch": VECTOR_EPOCH})])
+    elif cls is MembershipChange:
+        body["evidence"] = [_seal("endorsement", {"candidate": body["member"]["public_key"],
+                                                  "stake": body["member"]["stake"], "epoch": VECTOR_EPOCH})]
+    elif cls is Member:
+        body["public_key"] = me
+    return body
+
+
 def sample_body(cls) -> dict:
-    body = {name: sample_value(ftype, name) for name, ftype in cls.SCHEMA.items()}
+    body = _coherent(cls, _generic_body(cls))
     if cls is Checkpoint:
         body["state_hash"] = hashlib.sha256(body["state"]).digest()
-    if "value" in body and "value_kind" in body:  # a proposal/commit carries a real Placement
-        body["value"] = codec.pack(sample_body(Placement))
     return body
 
 
@@ -89,25 +246,46 @@ def sample_message(kind: str) -> Record:
 
 # --- rendering -------------------------------------------------------------------------------
 
+def _field_type(cls, name: str, ftype) -> str:
+    nested = NESTED_ENVELOPES.get((cls, name))
+    if nested is None:
+        return ftype.describe()
+    kinds = " or ".join("`%s`" % k for k in nested[0])
+    if isinstance(ftype, List):
+        return "%s, each an envelope of kind %s (3.1)" % (ftype.describe(), kinds)
+    return "%s: an envelope of kind %s (3.1)" % (ftype.describe(), kinds)
+
+
 def render_field_tables() -> str:
     out = []
     for title, cls in [*((k, c) for k, c in MESSAGE_TYPES.items()),
                        *((None, c) for c in NESTED_RECORDS)]:
         heading = "kind `%s`: %s" % (title, cls.__name__) if title else "record %s" % cls.__name__
         out.append("#### %s\n\n| field | type and limits |\n| --- | --- |" % heading)
-        out.extend("| `%s` | %s |" % (name, ftype.describe()) for name, ftype in cls.SCHEMA.items())
+        out.extend("| `%s` | %s |" % (name, _field_type(cls, name, ftype)) for name, ftype in cls.SCHEMA.items())
         out.append("")
     return "\n".join(out).rstrip("\n")
+
+
+def _record_name(cls) -> str:
+    return "`%s`" % cls.KIND if getattr(cls, "KIND", None) else cls.__name__
+
+
+def render_nested_envelopes() -> str:
+    lines = ["| field | holds | checked |", "| --- | --- | --- |"]
+    for (cls, name), (kinds, rule) in NESTED_ENVELOPES.items():
+        lines.append("| %s `%s` | %s | %s |" % (_record_name(cls), name, ", ".join("`%s`" % k for k in kinds), rule))
+    return "\n".join(lines)
 
 
 def vector_for(kind: str) -> dict[str, str]:
     identity = vector_identity()
     body = sample_message(kind).to_body()
-    envelope = seal(identity, VECTOR_MESH_ID, kind, body)
+    envelope = seal(identity, vector_mesh_id(), kind, body)
     return {
         "kind": kind,
         "body": codec.pack(body).hex(),
-        "signing_input": signing_input(PROTOCOL_VERSION, VECTOR_MESH_ID, kind, body).hex(),
+        "signing_input": signing_input(PROTOCOL_VERSION, vector_mesh_id(), kind, body).hex(),
         "signature": envelope.signature.hex(),
         "envelope": envelope.encode().hex(),
     }
@@ -116,12 +294,35 @@ def vector_for(kind: str) -> dict[str, str]:
 def render_vectors() -> str:
     identity = vector_identity()
     lines = ["```", "seed: %s" % VECTOR_SEED.hex(), "public_key: %s" % identity.public_key.hex(),
-             "mesh_id: %s" % VECTOR_MESH_ID.hex(), "```", ""]
+             "mesh_id: %s" % vector_mesh_id().hex(), "```", ""]
     for kind in MESSAGE_TYPES:
         lines.append("```")
         lines.extend("%s: %s" % item for item in vector_for(kind).items())
         lines.extend(["```", ""])
     return "\n".join(lines).rstrip("\n")
+
+
+VECTOR_EPOCH_CHANGES = (0, 1, 300)
+
+
+def render_derived_ids() -> str:
+    """The ids a client computes itself: mesh id (5.2), job id (4.2), value hash (6.4),
+    peer id (1.2), epoch-change instance id (F4)."""
+    key = vector_key()
+    lines = ["```",
+             "genesis: %s" % vector_genesis().encode().hex(),
+             "mesh_id: %s" % vector_mesh_id().hex(),
+             "job_body: %s" % codec.pack(sample_body(MESSAGE_TYPES["job"])).hex(),
+             "job_id: %s" % sample_job_id().hex(),
+             "value: %s" % sample_decided_value().hex(),
+             "value_hash: %s" % value_hash(sample_decided_value()).hex(),
+             "public_key: %s" % key.hex(),
+             "peer_id_bytes: %s" % peer_id_bytes(key).hex(),
+             "peer_id: %s" % vector_identity().peer_id]
+    lines.extend("epoch_change_instance epoch=%d: %s" % (epoch, epoch_change_instance_id(epoch).hex())
+                 for epoch in VECTOR_EPOCH_CHANGES)
+    lines.append("```")
+    return "\n".join(lines)
 
 
 VECTOR_JOB_ID = bytes(range(32))
@@ -152,7 +353,8 @@ def render_keystore_vector() -> str:
     return "passphrase (UTF-8): `%s`\n\n```json\n%s```" % (VECTOR_PASSPHRASE.decode(), document.decode())
 
 
-GENERATED = {"field tables": render_field_tables, "test vectors": render_vectors,
+GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
+             "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector}
 
 

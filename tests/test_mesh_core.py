@@ -898,3 +898,72 @@ def test_a_restarted_node_capability_vector_replaces_its_pre_crash_one_at_its_pe
         peer.step(message.data, 6000)
     cool = peer.capability.peers[KEYS[0]]
     assert cool.seq > hot.seq and cool.gpus[0].temp_milli_c == 40_000   # the pre-crash vector is gone
+
+
+def test_p6_an_exit_and_the_eviction_that_moved_its_job_in_any_order_leave_one_job_state():
+    # The primary (node 3) completes the job, then is evicted; members that apply the
+    # eviction first still take the exit (its signer was primary at its fence), and two
+    # completions (a fenced primary cut off that ran to its end, and the run it moved to)
+    # end on the newest one whatever their order. A failure after the move changes nothing.
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    from protocol.messages import Eviction, Migration
+    job, envelope = make_job(backups=2)
+    iid = job_id(job)
+
+    def certificate(instance, epoch, kind, value):
+        votes = tuple(encode_message(i, MESH, Precommit(instance, 0, epoch, value_hash(value))) for i in IDS[:3])
+        return encode_message(IDS[0], MESH, CommitCertificate(instance, 0, epoch, kind, value, votes))
+
+    placed = certificate(iid, 0, "placement", codec.pack(Placement(
+        job=envelope, primary=KEYS[3], backups=(KEYS[2], KEYS[1]), gpus=(0,)).to_body()))
+    evict_3 = certificate(epoch_change_instance_id(0), 0, "eviction", codec.pack(Eviction(
+        node=KEYS[3], epoch=0, migrations=(Migration(job_id=iid, to_node=KEYS[2], backups=(KEYS[1],)),)).to_body()))
+    exit_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=0))
+    failed_1 = encode_message(IDS[3], MESH, JobExit(job_id=iid, fence=1, exit_code=1))
+    exit_2 = encode_message(IDS[2], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+    forged_2 = encode_message(IDS[1], MESH, JobExit(job_id=iid, fence=2, exit_code=0))
+
+    def final(*messages):
+        core = Net().cores[KEYS[0]]
+        for data in messages:
+            core.step(data, 0)
+        view = core.job_view(iid)
+        return view["state"], view["primary"], view["fence"]
+
+    assert final(placed, exit_1, evict_3) == final(placed, evict_3, exit_1) == ("completed", KEYS[3], 1)
+    assert final(placed, evict_3, failed_1) == ("migrating", KEYS[2], 2)
+    assert final(placed, evict_3, forged_2) == ("migrating", KEYS[2], 2)
+    newest = ("completed", KEYS[2], 2)
+    assert final(placed, evict_3, exit_1, exit_2) == final(placed, evict_3, exit_2, exit_1) == newest
+    assert final(placed, exit_1, evict_3, exit_2) == newest
+
+
+def test_6_7_a_placement_certificate_of_a_job_not_signed_by_its_owner_places_nothing():
+    # Honest validators refuse such a proposal (P4b); only a quorum with more than 1/3
+    # Byzantine stake could certify it, and a node (and cert verify) still refuses it.
+    from protocol.flows.binding import certificate_binding_error
+    job, _envelope = make_job()
+    forged_job = encode_message(IDS[3], MESH, job)   # signed by a member, not by the job's owner
+    iid = job_id(job)
+    value = codec.pack(Placement(job=forged_job, primary=KEYS[0], backups=(KEYS[1],), gpus=(0,)).to_body())
+    votes = tuple(encode_message(i, MESH, Precommit(iid, 0, 0, value_hash(value))) for i in IDS[:3])
+    certificate = encode_message(IDS[0], MESH, CommitCertificate(iid, 0, 0, "placement", value, votes))
+    assert "not signed by its owner" in certificate_binding_error("placement", iid, value, 0, MESH, 0)
+    core = Net().cores[KEYS[2]]
+    ready = core.step(certificate, 0)
+    assert not ready.decisions and not ready.persist and core.job_view(iid) is None
+    assert core.counters["placement_certificate_wrong_epoch"] == 1
+
+
+def test_the_consensus_view_shows_the_kind_an_epoch_change_decided():
+    # Review: a join was listed as "eviction" (the epoch-change flow's default kind).
+    net, _jid = placed_on_the_big_node()
+    primary = KEYS[0]
+    net.down.add(primary)
+    net.run(600)
+    rows = {r["instance"]: r for r in net.cores[KEYS[1]].consensus_view()["instances"]}
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    change = rows[epoch_change_instance_id(0)]
+    assert change["decided"] and change["applied"] and change["kind"] == "eviction"
+    placement = next(r for r in rows.values() if r["kind"] == "placement")
+    assert placement["decided"] and placement["applied"]

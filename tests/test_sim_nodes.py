@@ -118,9 +118,6 @@ def test_cli_driver_node_prints_one_json_summary(capsys):
         cli_sim.run(parser.parse_args(["sim", "--driver", "node", "--faults", "loss"]))
 
 
-@pytest.mark.xfail(strict=True, reason="SPEC.md 7 Known limits: exits are messages sent once, not re-sent by "
-                                       "sync, so a member cut off when the primary broadcast one keeps the job "
-                                       "live forever")
 def test_a_member_that_missed_an_exit_learns_it():
     # Node 3 is cut off for 250 ms (under the detection bound) while the job's primary exits.
     result = run_node_simulation(seed=3, script=((850, "partition", 3, 250),), **dict(ONE_JOB, units=(80, 80)))
@@ -128,10 +125,6 @@ def test_a_member_that_missed_an_exit_learns_it():
     assert result.known_limits_count == {}, [v.line() for v in result.known_limits]
 
 
-@pytest.mark.xfail(strict=True, reason="found by this simulator: MeshCore replays persisted certificates before "
-                                       "persisted exits, so a restarted node applies a later eviction's move of a "
-                                       "job it had seen complete (F5 moves the evicted node's non-terminal jobs), "
-                                       "then refuses the exit (no longer from the current primary and fence)")
 def test_a_restarted_backup_does_not_run_a_completed_job_again():
     # The job completes on its primary at about 600 ms (every member hears the exit); the primary
     # then crashes and is evicted; the job's backup restarts (150 ms, no eviction).

@@ -1,9 +1,12 @@
 """`meshnode cert`: check a commit certificate offline against a genesis and the membership
-history (the epoch changes' own certificates) that leads to its epoch (SPEC.md 6.7)."""
+history (the epoch changes' own certificates) that leads to its epoch (SPEC.md 6.7), and
+export a running node's certificates of a job or an instance as files that check does
+read (SPEC.md 10.5, op `certificates`)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 import sqlite3
 import sys
 
@@ -13,6 +16,7 @@ from keys.errors import ConfigError
 from keys.genesis import load_genesis
 from keys.identity import short_id
 from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
+from meshnode.control.client import ControlClient
 from meshnode.node.config import node_paths
 from protocol import codec
 from protocol.certificate import epoch_views_from_history, verify_commit_certificate
@@ -38,6 +42,15 @@ def register(subparsers) -> None:
                         help="read the epoch-change certificates from a node's store (read-only)")
     add_json_flag(verify)
     verify.set_defaults(func=cmd_verify)
+    export = sub.add_parser("export", help="write a running node's certificates of a job or an instance to files",
+                            epilog=examples("meshnode cert export --node net/node-0 --job 8c322d0f --out certs"))
+    which = export.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", metavar="JOB_ID", help="a job id, or a prefix of one the node knows")
+    which.add_argument("--instance", metavar="ID", help="a consensus instance id (64 hex digits)")
+    export.add_argument("--node", required=True, metavar="DIR", help="the node's data directory")
+    export.add_argument("--out", required=True, metavar="DIR", help="directory to write the files to")
+    add_json_flag(export)
+    export.set_defaults(func=cmd_export)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -118,3 +131,39 @@ def render_valid_certificate(result: dict, signer_labels: list[str]) -> Table:
         ("instance", result["instance"]), ("round", result["round"]), ("epoch", result["epoch"]),
         ("value kind", result["value_kind"]), ("value hash", result["value_hash"]),
         ("signers", " ".join(signer_labels)), ("stake", "%d of %d" % (result["stake"], result["total_stake"]))])
+
+def cmd_export(args) -> int:
+    genesis = load_genesis(node_paths(args.node).genesis)
+    selector = {"job_id": args.job} if args.job is not None else {"instance": args.instance}
+    with ControlClient(args.node) as client:
+        result = client.call("certificates", **selector)
+    written = write_export(result, genesis.encode(), args.out)
+    hint = "meshnode cert verify FILE --genesis %s" % written["genesis"]
+    if written["history"]:
+        hint += " --history %s" % (pathlib.Path(args.out) / "history" / "*.cert")
+    emit(args, written, lambda console: console.print(key_value_table("exported to %s" % args.out, [
+        ("certificates", "\n".join(written["certificates"])), ("epoch changes", len(written["history"])),
+        ("verify with", hint)])))
+    return 0
+
+
+def write_export(result: dict, genesis_bytes: bytes, out_dir) -> dict:
+    """Write what the `certificates` op returned, as `cert verify` reads it: OUT/genesis.bin,
+    one OUT/NN-KIND-INSTANCE.cert per certificate (decision order), and the epoch changes
+    leading to their epochs as OUT/history/epoch-E-KIND.cert (pass them with --history)."""
+    out = pathlib.Path(out_dir)
+    written = {"genesis": str(out / "genesis.bin"), "certificates": [], "history": []}
+    try:
+        (out / "history").mkdir(parents=True, exist_ok=True)
+        (out / "genesis.bin").write_bytes(genesis_bytes)
+        for index, row in enumerate(result["certificates"]):
+            path = out / ("%02d-%s-%s.cert" % (index, row["value_kind"], row["instance"]))
+            path.write_bytes(row["certificate"])
+            written["certificates"].append(str(path))
+        for row in result["epoch_changes"]:
+            path = out / "history" / ("epoch-%d-%s.cert" % (row["epoch"], row["value_kind"]))
+            path.write_bytes(row["certificate"])
+            written["history"].append(str(path))
+    except OSError as exc:
+        raise ConfigError("cannot write the export to %s: %s" % (out, exc.strerror or exc)) from None
+    return written

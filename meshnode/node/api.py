@@ -11,12 +11,18 @@ from typing import TYPE_CHECKING
 
 from keys.identity import public_key_from_peer_id, short_id
 from meshnode.node.clock import now_ms, wall_ms
+from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
+from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
+                               placement_instance_id, placement_slot, placement_slot_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
 
 CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op (the driver's windows too)
+# The certificates op answers in one control frame (1 MiB): what it returns stays under
+# this, the rest of the frame being the keys and ids around the certificate bytes.
+CERTIFICATE_REPLY_BYTES = codec.MAX_FRAME_BYTES - 64 * 1024
 
 
 def _hex(value):
@@ -37,6 +43,18 @@ def _text_arg(args: dict, name: str) -> str:
     return value
 
 
+def _without_seq(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key != "seq"}
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
 class ControlApi:
     def __init__(self, node: "Node"):
         self.node = node
@@ -44,7 +62,7 @@ class ControlApi:
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
-                "checkpoint_stats": self.checkpoint_stats}
+                "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates}
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
@@ -103,7 +121,8 @@ class ControlApi:
     async def consensus(self, args) -> dict:
         view = self.node.core.consensus_view()
         return {"instances": [{"instance": i["instance"].hex(), "kind": i["kind"], "round": i["round"],
-                               "leader": _hex(i["leader"]), "decided": i["decided"]} for i in view["instances"]],
+                               "leader": _hex(i["leader"]), "decided": i["decided"], "applied": i["applied"]}
+                              for i in view["instances"]],
                 "certificates": view["certificates"],
                 "evidence": [{"offender": e["offender"].hex(), "kind": e["kind"], "at_ms": e["at_ms"]}
                              for e in view["evidence"]]}
@@ -121,18 +140,78 @@ class ControlApi:
         return {"job_id": (await self.node.cancel(request)).hex()}
 
     async def why(self, args) -> dict:
-        text = _text_arg(args, "job_id")
-        try:
-            job_id = bytes.fromhex(text)
-        except ValueError:
-            raise MeshError("job_id %r is not hex" % text) from None
-        matches = [j for j in self.node.core.jobs() if j["job_id"].startswith(job_id)] if job_id else []
-        if len(matches) != 1:
-            raise MeshError("job id %s matches %d jobs" % (text, len(matches)))
-        job = matches[0]
+        job = self._one_job(_text_arg(args, "job_id"))
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
                 "hint": job.get("hint")}
+
+    async def certificates(self, args) -> dict:
+        """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or
+        one instance, and the epoch changes that lead to their epochs, so `meshnode cert
+        export` can write files `meshnode cert verify` checks anywhere, with only the genesis."""
+        if set(args) not in ({"job_id"}, {"instance"}):
+            raise MeshError("args must be {job_id: hex prefix} or {instance: 64 hex digits}")
+        if "instance" in args:
+            instance = args["instance"]
+            if not isinstance(instance, str) or len(instance) != 64 or not _is_hex(instance):
+                raise MeshError("instance must be 64 hex digits")
+            rows = self._certificate_rows("instance = ?", [instance.lower()])
+            if not rows:
+                raise MeshError("this node applied no certificate of instance %s" % instance)
+        else:
+            rows = self._job_certificate_rows(self._one_job(args["job_id"]))
+        newest_epoch = max(row["epoch"] for row in rows) if rows else 0
+        changes = self._certificate_rows("value_kind IN ('eviction', 'membership') AND epoch < ?", [newest_epoch])
+        size = sum(len(row["certificate"]) for row in rows + changes)
+        if size > CERTIFICATE_REPLY_BYTES:
+            raise MeshError("%d bytes of certificates do not fit one control frame; export one "
+                            "instance at a time, or verify on this host with `meshnode cert verify --node DIR`"
+                            % size)
+        return {"certificates": [_without_seq(row) for row in rows],
+                "epoch_changes": [_without_seq(row) for row in changes]}
+
+    def _certificate_rows(self, where: str, params: list) -> list[dict]:
+        cursor = self.node.store.db.execute(
+            "SELECT seq, instance, value_kind, epoch, certificate FROM certificates WHERE %s ORDER BY seq" % where,
+            params)
+        return [{"seq": seq, "instance": instance, "value_kind": kind, "epoch": epoch, "certificate": certificate}
+                for seq, instance, kind, epoch, certificate in cursor]
+
+    def _job_certificate_rows(self, job: dict) -> list[dict]:
+        """A job's certificates: those of its placement instances (every attempt, P2), its slot's
+        if that lists it (P7), and the evictions whose migrations name it (F5)."""
+        manifest, jid = job["manifest"], job["job_id"]
+        instances = [placement_instance_id(jid, attempt).hex() for attempt in range(manifest.max_retries + 1)]
+        placeholders = ",".join("?" * len(instances))
+        rows = self._certificate_rows("instance IN (%s) AND value_kind = 'placement'" % placeholders, instances)
+        slot_ms = self.node.genesis.params.placement_slot_ms
+        if slot_ms > 0:
+            slot_id = placement_slot_id(manifest.epoch, placement_slot(manifest, slot_ms)).hex()
+            rows += [row for row in self._certificate_rows("instance = ? AND value_kind = 'placement_slot'", [slot_id])
+                     if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
+        rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
+                 if any(m.job_id == jid for m in self._decided(row).migrations)]
+        return sorted(rows, key=lambda row: row["seq"])   # decision order
+
+    def _decided(self, row: dict):
+        """The value a stored (so already verified) certificate decided."""
+        _envelope, cert = decode_message(row["certificate"], self.node.genesis.mesh_id, expect=CommitCertificate)
+        return decode_value(cert.value_kind, cert.value)
+
+    def _placed_job_id(self, job_envelope: bytes) -> bytes:
+        return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])
+
+    def _one_job(self, prefix) -> dict:
+        """The one job this node knows whose id starts with the hex ``prefix``. (Errors carry
+        no op name: the client puts it in front.)"""
+        try:
+            wanted = bytes.fromhex(prefix) if isinstance(prefix, str) else b""
+        except ValueError:
+            raise MeshError("job_id must be hex (an even number of digits)") from None
+        matches = [j for j in self.node.core.jobs() if j["job_id"].startswith(wanted)] if wanted else []
+        if len(matches) != 1:
+            raise MeshError("job %s matches %d jobs this node knows" % (prefix, len(matches)))
+        return matches[0]
 
     async def checkpoint_stats(self, args) -> dict:
         """Raw recent samples (bounded windows): how late checkpoints are stored here after the

@@ -17,6 +17,7 @@ from protocol.certificate import next_epoch_view
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
 from protocol.job_table import TERMINAL
+from protocol.liveness import STARTUP_SYNC_PEERS
 from protocol.messages import Eviction, Member, MembershipChange, Migration, Suspicion, decode_message
 from protocol.placement import tie_break
 from protocol.quorum import EpochView
@@ -239,8 +240,9 @@ class EpochChangeFlow(ValueFlow):
             self.ctx.counters["eviction_of_non_member"] += 1
             return
         evicted_jobs = [r for r in self.jobs if r.primary == eviction.node and r.state not in TERMINAL]
+        completed = [r for r in self.jobs if r.primary == eviction.node and r.state == "completed"]
         self._enter(following, certificate, now_ms, out)
-        self.move_jobs_of_evicted(evicted_jobs, eviction, following, now_ms, out)
+        self.move_jobs_of_evicted(evicted_jobs + completed, eviction, following, now_ms, out)
         if eviction.node == self.ctx.me:
             for record in evicted_jobs:
                 self.ledger.free(record.job_id)
@@ -261,17 +263,24 @@ class EpochChangeFlow(ValueFlow):
         for record in records:
             if record.primary != eviction.node:
                 continue
-            planned = plan.get(record.job_id)
-            if planned is not None and planned.to_node in record.backups and planned.to_node in view.stakes:
-                self._migrate(record, planned.to_node, planned.backups, now_ms, out)
+            target = self._migration_target(record, plan.get(record.job_id), eviction.node, view)
+            if target is None:
                 continue
-            live = [b for b in record.backups if b in view.stakes]
-            if live:
-                self._migrate(record, live[0], self._new_backups(record, live[0], eviction.node, view), now_ms, out)
+            if record.state in TERMINAL:
+                # A job this node saw complete, that members which missed its exit move: the
+                # fence it would get, so the moved run's own exit is recognised (P6).
+                self.jobs.remember_primary(record, record.fence + 1, target[0])
+            else:
+                self._migrate(record, *target, now_ms, out)
+
+    def _migration_target(self, record, planned, evicted: bytes, view: EpochView) -> tuple | None:
+        if planned is not None and planned.to_node in record.backups and planned.to_node in view.stakes:
+            return planned.to_node, planned.backups
+        live = [b for b in record.backups if b in view.stakes]
+        return (live[0], self._new_backups(record, live[0], evicted, view)) if live else None
 
     def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
-        self.jobs.assign(record, to_node, backups)
-        record.fence += 1
+        self.jobs.assign(record, to_node, backups, fence=record.fence + 1)
         record.migrations += 1
         record.state = "migrating"
         if to_node == self.ctx.me:
@@ -303,6 +312,8 @@ class EpochChangeFlow(ValueFlow):
             out.events.append(self.ctx.event("rejoined", now_ms, epoch=epochs.epoch,
                                              evicted_at_epoch=joins.evicted_at_epoch))
             joins.evicted_at_epoch = None
+            # What it missed while out (exits above all, F6) it asks for at once, as on a restart.
+            self.liveness.sync(now_ms, out, STARTUP_SYNC_PEERS)
         if pending is not None:  # we heard the request: bring the new member up to date
             join, _data = pending
             certificates = epochs.certificates_since(min(join.epoch, since))

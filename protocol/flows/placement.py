@@ -304,8 +304,10 @@ class PlacementFlow(ValueFlow):
     def value_binding_error(iid: bytes, value_kind: str, placement, epoch: int, mesh_id: bytes,
                             slot_ms: int, caches=None) -> str | None:
         """SPEC P2: a placement's instance is its job's attempt, in the job's epoch."""
-        _envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                        caches=caches)
+        envelope, job = decode_message(placement.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                       caches=caches)
+        if envelope.signer != job.owner:   # honest validators checked it (P4b); a forged quorum may not have
+            return "a job that is not signed by its owner"
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,
@@ -329,10 +331,10 @@ class PlacementFlow(ValueFlow):
             return
         record.attempt = attempt  # a node that missed an exit learns the attempt here
         record.instance = instance or iid
-        self.jobs.assign(record, placement.primary, placement.backups, placement.gpus)
-        # From the certificate alone, not by counting what this node happened to apply: a
-        # node that missed an attempt (or learns it late) gets the fence the others have.
-        record.fence = attempt * FENCE_PER_ATTEMPT + 1
+        # The fence from the certificate alone, not by counting what this node happened to
+        # apply: a node that missed an attempt (or learns it late) gets the fence the others have.
+        self.jobs.assign(record, placement.primary, placement.backups, placement.gpus,
+                         fence=attempt * FENCE_PER_ATTEMPT + 1)
         record.state = "placed"
         record.hint = None
         if placement.primary == me:
