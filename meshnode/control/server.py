@@ -26,6 +26,7 @@ reuse it, and reconnect.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -154,7 +155,7 @@ def _error_frame(request_id: int, message: str) -> bytes:
 class _Connection:
     """One client's slot: what eviction needs to know about it."""
     scope: trio.CancelScope
-    last_active: float          # trio time of its last request or reply
+    last_active: int            # when it last connected, asked or was answered, in server-wide order
     busy: bool = False          # a request is being answered: never evicted
     subscriber: bool = False    # an event stream: capped by EventHub, never evicted as idle
 
@@ -170,6 +171,9 @@ class ControlServer:
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
         self._open: set[_Connection] = set()
+        # Activity is ordered by a counter, not the clock: two clients active within one
+        # clock tick still have a definite order, so "the longest idle" is always one client.
+        self._activity = itertools.count()
         self.bad_frames = 0
         self.evicted_connections = 0   # idle connections closed to make room for a new client
         self.idle_closed_connections = 0
@@ -253,7 +257,7 @@ class ControlServer:
                 await self._send_or_give_up(stream, _error_frame(
                     0, "too many control connections (%d, all answering requests)" % self.max_connections))
                 return
-            connection = _Connection(trio.CancelScope(), trio.current_time())
+            connection = _Connection(trio.CancelScope(), next(self._activity))
             self._open.add(connection)
             try:
                 with connection.scope:
@@ -307,7 +311,7 @@ class ControlServer:
                     return
                 frames.feed(data)
                 continue
-            connection.busy, connection.last_active = True, trio.current_time()
+            connection.busy, connection.last_active = True, next(self._activity)
             value = None
             try:
                 value = decode_map(payload)
@@ -323,7 +327,7 @@ class ControlServer:
                 return
             if not await self._send_or_give_up(stream, await self._reply(request_id, op, args)):
                 return
-            connection.last_active = trio.current_time()
+            connection.last_active = next(self._activity)
 
     async def _reply(self, request_id: int, op: str, args: dict) -> bytes:
         handler = self.handlers.get(op)
