@@ -118,7 +118,7 @@ def test_submit_of_a_binary_toml_says_what_it_is(node_dir, capsys, tmp_path):
     path.write_bytes(bytes(range(128, 256)))
     code, _out, err = run(capsys, "submit", path, "--node", node_dir)
     line = one_line_error(code, err)
-    assert "neither a TOML manifest (it is not UTF-8 text) nor a signed job" in line and "msgpack" not in line.split("(")[0]
+    assert "neither a TOML manifest (it is not UTF-8 text) nor a signed job" in line
 
 
 # --- why --------------------------------------------------------------------------------------
@@ -361,7 +361,8 @@ def sample_results() -> dict:
              "declines": {}, "hint": None}]
     consensus = {"instances": [{"instance": JOB_IDS[0], "kind": "placement", "round": 2, "leader": NODE_KEYS[1].hex(),
                                 "decided": True},
-                               {"instance": "99" * 32, "kind": "eviction", "round": 0, "leader": None, "decided": False}],
+                               {"instance": "99" * 32, "kind": "eviction", "round": 0, "leader": None,
+                                "decided": False}],
                  "certificates": 1234, "evidence": [{"offender": NODE_KEYS[3].hex(), "kind": "equivocation",
                                                      "at_ms": 123456}]}
     status = {"node": NODE_KEYS[0].hex(), "peer_id": peer_id_from_public_key(NODE_KEYS[0]), "mesh_id": MESH_ID_HEX,

@@ -79,8 +79,9 @@ def build_parser(only: str | None = None, plugins: dict[str, metadata.EntryPoint
                  ) -> argparse.ArgumentParser:
     """The parser with ``only``'s module registered (every module when None); each other
     command gets a placeholder, so `meshnode --help` lists them all."""
-    parser = CommandParser(prog="meshnode", usage="meshnode [-h] COMMAND [ARGS...]", description="meshnode: a mesh of GPU nodes that places workloads by a "
-                           "signed, stake-weighted vote and moves them when a node fails.")
+    parser = CommandParser(prog="meshnode", usage="meshnode [-h] COMMAND [ARGS...]",
+                           description="meshnode: a mesh of GPU nodes that places workloads by a signed, "
+                                       "stake-weighted vote and moves them when a node fails.")
     # The flat list argparse would print is replaced by the grouped one in the epilog.
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
     subparsers.required = True

@@ -20,9 +20,8 @@ DEFAULT_ZONE = "zone-a"
 
 
 def register(subparsers) -> None:
-    mesh = subparsers.add_parser("mesh", help="create and inspect mesh genesis documents",
-                                 epilog=examples("meshnode mesh init --name lab --member node-a.key:100 --out genesis.bin",
-                                                 "meshnode mesh show genesis.bin"))
+    mesh = subparsers.add_parser("mesh", help="create and inspect mesh genesis documents", epilog=examples(
+        "meshnode mesh init --name lab --member node-a.key:100 --out genesis.bin", "meshnode mesh show genesis.bin"))
     sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -112,10 +111,10 @@ def genesis_view(genesis: Genesis) -> dict:
 
 
 def render_genesis(console, view: dict) -> None:
+    authorities = [("authority", key) for key in view["authorities"]] or [("authorities", "-")]
     console.print(key_value_table("mesh %s" % view["name"], [
         ("mesh id", view["mesh_id"]), ("created_ms", view["created_ms"]),
-        ("members", len(view["members"])), ("total stake", view["total_stake"])]
-        + [("authority", key) for key in view["authorities"]] + ([] if view["authorities"] else [("authorities", "-")])))
+        ("members", len(view["members"])), ("total stake", view["total_stake"])] + authorities))
     members = Table(title="members", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                     padding=(0, 1, 0, 0))  # the layout of every other table (meshnode/tui/tables.py)
     for column in ("node", "stake", "zone", "labels", "addrs"):

@@ -311,7 +311,8 @@ class OwnerTui(App):
             lines.append(self.followed.text())
         selected = self.selected_job()
         if selected is not None and selected.get("state") == "pending":
-            lines.append("%s pending: %s (w: why)" % (short_job_id(selected["job_id"]), format_declines(selected.get("declines", {}))))
+            lines.append("%s pending: %s (w: why)"
+                         % (short_job_id(selected["job_id"]), format_declines(selected.get("declines", {}))))
         self._show(self.jobs_note, "\n".join(lines))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
