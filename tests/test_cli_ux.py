@@ -225,6 +225,8 @@ def test_every_command_says_what_each_flag_does_and_gives_an_example():
                 continue
             if not action.help:
                 missing.append("%s %s: no help" % (" ".join(path), "/".join(action.option_strings) or action.dest))
+        if not parser.format_usage().startswith("usage: %s " % " ".join(path)):
+            missing.append("%s: usage reads %r" % (" ".join(path), parser.format_usage()[:60]))
         if is_leaf(parser) and path != ("meshnode",):
             epilog = parser.epilog or ""
             if "example" not in epilog or " ".join(path) not in epilog:

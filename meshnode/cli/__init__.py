@@ -83,7 +83,8 @@ def build_parser(only: str | None = None, plugins: dict[str, metadata.EntryPoint
                            description="meshnode: a mesh of GPU nodes that places workloads by a signed, "
                                        "stake-weighted vote and moves them when a node fails.")
     # The flat list argparse would print is replaced by the grouped one in the epilog.
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
+    # prog: with a usage of its own, argparse would put that whole usage in front of each command's.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="meshnode")
     subparsers.required = True
     plugins = plugin_commands() if plugins is None else plugins
     commands: dict[str, str | metadata.EntryPoint] = {**COMMAND_MODULES, **plugins}
