@@ -35,6 +35,7 @@ class Bidding:
         self.held: dict[bytes, dict[bytes, tuple]] = {}         # placement key -> signer -> (BidFacts, bytes)
         self.windows_open: dict[bytes, int] = {}                # instance -> round whose bid window is open
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
+        self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:
@@ -43,6 +44,7 @@ class Bidding:
         self.held.pop(key, None)
         self.windows_open.pop(key, None)
         self.windows_extended.discard(key)
+        self.declined.pop(key, None)
 
     def sampled(self, key: bytes, round: int, members: int, member: bytes | None = None) -> bool:
         """SPEC P3: about ``bid_sample << round`` of the ``members`` bid in ``round``. The sample
@@ -171,6 +173,7 @@ class Bidding:
         record = self.jobs.get(jid)
         if record is not None:
             record.declines.pop(facts.signer, None)  # it declined earlier, for want of free capacity
+        self.declined.get(key or jid, {}).pop(facts.signer, None)
         return True
 
     def on_decline(self, envelope, decline: Decline, data, now_ms: int, out: Ready) -> None:
@@ -187,5 +190,6 @@ class Bidding:
             return
         if envelope.signer not in record.declines and len(record.declines) < MAX_DECLINERS_KEPT:
             record.declines[envelope.signer] = (decline.reason, decline.detail)
+            self.declined.setdefault(decline.instance, {})[envelope.signer] = data
         if inst is not None and inst.instance_id == decline.instance:
             self.instances.role(decline.instance).flow.on_answer(inst, now_ms, out)

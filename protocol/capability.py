@@ -13,6 +13,7 @@ from protocol.placement import attested_attributes
 from protocol.ready import Outbound, PersistRecord, Ready
 
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+RUNNING_REPORT_GAP_MS = 100      # a change of the jobs running here is broadcast at most this often
 # Peers keep a vector only if its seq is higher than the one they hold (P1), so a restarted
 # node must not count from 0 again: it persists a floor this far ahead of what it signs,
 # and a restart starts from the floor (one write per this many vectors, not one each).
@@ -60,7 +61,7 @@ class CapabilityBook:
         facts changed. Returns (envelope, vector, whether it was signed just now)."""
         me, ledger = self.ctx.me, self.ledger
         gpus = self._gpu_states()
-        running = tuple((r.job_id, r.fence) for r in self.jobs.running_on(me))
+        running = self._running_here()
         facts = (self.epochs.epoch, gpus, self.telemetry_simulated, running, ledger.free_gpus(),
                  ledger.free_cpu_milli(), ledger.free_mem_mib())
         if self.envelope is not None and facts == self.facts:
@@ -92,10 +93,11 @@ class CapabilityBook:
     def _running_report(self, now_ms: int) -> tuple:
         """The jobs this node runs as primary, newest checkpoint's age included (SPEC P1)."""
         running = []
-        for record in self.jobs.running_on(self.ctx.me)[:MAX_RUNNING_LISTED]:
+        for record in [r for r in self.jobs.mine() if r.state == "running"][:MAX_RUNNING_LISTED]:
             seq, at_ms = record.known_checkpoint or (0, now_ms)
             running.append(RunningJob(job_id=record.job_id, fence=record.fence, checkpoint_seq=seq,
-                                      checkpoint_age_ms=max(0, now_ms - at_ms)))
+                                      checkpoint_age_ms=max(0, now_ms - at_ms),
+                                      lost_work_ms=record.lost_work_ms or 0))
         return tuple(running)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
@@ -115,6 +117,34 @@ class CapabilityBook:
             out.messages.append(Outbound(None, envelope))
         return out
 
+    def _running_here(self) -> tuple:
+        return tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running")
+
+    def relearn_running(self) -> None:
+        """After a decision moved or placed jobs: a primary's vector that arrived before it
+        (it already runs a job this node only now knows it has) counts now, not at its next."""
+        for signer, cap in self.peers.items():
+            for report in cap.running:
+                record = self.jobs.get(report.job_id)
+                if (record is not None and record.primary == signer and record.fence == report.fence
+                        and record.state in ("placed", "migrating")):
+                    record.state = "running"
+
+    def broadcast_if_running_changed(self, now_ms: int, out: Ready) -> None:
+        """P1: the jobs this node runs as primary changed (one started, moved away or ended):
+        its vector goes out now, at most every RUNNING_REPORT_GAP_MS, not at the next
+        telemetry reading, so every member shows a job running (not `migrating`) within
+        moments of its primary."""
+        if self.facts is None or not self.epochs.is_member() or not self.jobs.may_have_mine():
+            return
+        running = self._running_here()
+        if running == self.facts[3] or (self.broadcast_ms is not None
+                                        and now_ms - self.broadcast_ms < RUNNING_REPORT_GAP_MS):
+            return
+        envelope, _cap, _ = self.current(now_ms)
+        self.broadcast_ms = now_ms
+        out.messages.append(Outbound(None, envelope))
+
     def on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:
         if envelope.signer not in self.epochs.view.stakes or cap.node != envelope.signer:
             self.ctx.counters["capability_not_member"] += 1
@@ -131,8 +161,10 @@ class CapabilityBook:
             record = self.jobs.get(report.job_id)
             if record is None or record.primary != signer or record.fence != report.fence:
                 continue  # a report from a fenced primary, or about a job we do not know
-            if record.state == "placed":
+            if record.state in ("placed", "migrating"):   # its primary runs it at this fence
                 record.state = "running"
+            if record.migrations and report.lost_work_ms:
+                record.lost_work_ms = report.lost_work_ms
             if report.checkpoint_seq and (record.known_checkpoint is None
                                           or report.checkpoint_seq > record.known_checkpoint[0]):
                 record.known_checkpoint = (report.checkpoint_seq, now_ms - report.checkpoint_age_ms)

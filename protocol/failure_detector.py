@@ -122,6 +122,11 @@ class FailureDetector:
     def silent_ms(self, peer: bytes, now_ms: int) -> int:
         return max(0, now_ms - self._peers[peer].last_ms)
 
+    def last_heard_ms(self, peer: bytes) -> int | None:
+        """When ``peer`` was last heard (or started being watched); None if it is not watched."""
+        history = self._peers.get(peer)
+        return history.last_ms if history is not None else None
+
     def heard_within(self, peer: bytes, now_ms: int, window_ms: int) -> bool:
         """Whether ``peer`` was heard (or started being watched) less than ``window_ms`` ago."""
         history = self._peers.get(peer)

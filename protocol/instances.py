@@ -25,6 +25,9 @@ from protocol.quorum import EpochView
 from protocol.ready import Outbound, PersistRecord, Ready
 
 MAX_ACTIVE_INSTANCES = 8192      # undecided instances at once; a job beyond it waits for a resubmit
+# A held round (a flow with nothing to decide, ValueFlow.round_on_hold) is asked again this
+# often: once the hold ends, the round times out then and the next one starts as usual.
+HOLD_RECHECK_MS = 500
 MAX_DECIDED_KEPT = 256           # decided instances kept to answer stragglers (SPEC.md 6.8)
 MAX_PENDING_INSTANCES = 512      # instances we hold early messages for
 MAX_PENDING_PER_INSTANCE = 64
@@ -96,7 +99,10 @@ class InstanceTable:
                 continue
             if what == "deadline":
                 deadline = inst.deadline_ms
-                if deadline is not None and deadline <= now_ms:
+                if deadline is not None and deadline <= now_ms and self.roles[iid].flow.round_on_hold(inst, now_ms):
+                    inst.hold_round(now_ms, HOLD_RECHECK_MS)
+                    self.schedule(inst)
+                elif deadline is not None and deadline <= now_ms:
                     self.drive(inst, inst.tick(now_ms), now_ms, out)
                 else:
                     self.schedule(inst)

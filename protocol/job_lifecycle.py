@@ -168,6 +168,10 @@ class JobLifecycle:
             raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
         if envelope.signer != record.manifest.owner:
             raise RemoteProtocolError("cancel: only the job's owner may cancel it")
+        if record.state in TERMINAL:
+            # Its recorded outcome (an exit) must stay: a cancel persisted over it would
+            # replay as "cancelled" after a restart.
+            raise RemoteProtocolError("cancel: job %s already ended (%s)" % (message.job_id.hex()[:12], record.state))
         out.messages.append(Outbound(None, request))
         self._persist_outcome(record.job_id, "cancel", request, out)
         self._apply_cancel(record, now_ms, out)

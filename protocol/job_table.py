@@ -53,6 +53,11 @@ class JobRecord:
     # an exit that arrives after the job moved on is checked against the primary it had
     # then (P6), so a member that applied an eviction before the exit still takes it.
     primaries: dict = field(default_factory=dict)
+    # At most how much work the job's last migration lost, in ms (P6): measured by the node
+    # it moved to, as (when it last heard the old primary + one heartbeat period) - (when the
+    # checkpoint it resumes from arrived), on its clock; every member learns it from that
+    # node's vector (P1).
+    lost_work_ms: int | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -64,7 +69,8 @@ class JobRecord:
                 "last_checkpoint_seq": self.last_checkpoint_seq,
                 "last_checkpoint_taken_ms": self.last_checkpoint_taken_ms, "migrations": self.migrations,
                 "declines": grouped, "submitted_ms": self.submitted_ms, "exit_code": self.exit_code,
-                "hint": self.hint, "manifest": self.manifest, "known_checkpoint": self.known_checkpoint}
+                "hint": self.hint, "manifest": self.manifest, "known_checkpoint": self.known_checkpoint,
+                "lost_work_ms": self.lost_work_ms}
 
 
 class JobTable:

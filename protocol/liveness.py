@@ -21,6 +21,7 @@ MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per
 SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is not sent it again sooner
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
+SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 
 
 class Liveness:
@@ -42,6 +43,11 @@ class Liveness:
         self.heartbeat_seq = 0
         self.heartbeat_sent_ms: int | None = None
         self.suspicions: dict[bytes, dict[bytes, bytes]] = {}   # suspect -> signer -> Suspicion envelope
+        # suspect -> signer -> when its newest suspicion arrived. A suspecter re-sends every
+        # detection_bound_ms while it still suspects, so one not renewed for
+        # SUSPICION_FRESH_BOUNDS bounds has heard the suspect again: it counts no more (F4),
+        # and an epoch change started on it has nothing left to decide.
+        self.suspicion_heard_ms: dict[bytes, dict[bytes, int]] = {}
         self.suspicion_sent_ms: dict[bytes, int] = {}
         self.halted = False
         self.sync_answered_ms: dict[bytes, int] = {}
@@ -66,6 +72,15 @@ class Liveness:
     def _my_live_jobs(self) -> tuple:
         return self.jobs.live_jobs_of(self.ctx.me)
 
+    def others_can_evict_me(self) -> bool:
+        """SPEC F3: whether the other members of our epoch hold a quorum of its stake without us.
+        Only then can an eviction (or any epoch change) have been certified while we were
+        paused or down. A member that alone holds a third of the stake or more (one member
+        holding it all, as in `meshnode dev`) cannot have been evicted behind its back: it
+        has no reason to halt, and no peer whose heartbeat could ever end the halt."""
+        view = self.epochs.view
+        return view.is_quorum_stake(view.total_stake - view.stake_of((self.ctx.me,)))
+
     def _hold_restarted_jobs(self, now_ms: int, out: Ready) -> None:
         """SPEC F3/F6: a (re)started node whose history makes it the primary of live jobs may
         have been evicted while it was down, and its jobs may run elsewhere under a higher
@@ -74,7 +89,7 @@ class Liveness:
         mine = self._my_live_jobs()
         if not mine or not self.epochs.is_member():
             return
-        if self.ctx.heartbeats and self.epochs.broadcast_targets():
+        if self.ctx.heartbeats and self.others_can_evict_me():
             self.halted = True
             out.events.append(self.ctx.event("restart_sync", now_ms, epoch=self.epochs.epoch, jobs=len(mine)))
         else:
@@ -113,7 +128,8 @@ class Liveness:
                 self.answer_sync(peer, since_epoch, now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
             return
-        if gap >= self.detector.min_silence_ms - params.heartbeat_ms and not self.halted:
+        paused = gap >= self.detector.min_silence_ms - params.heartbeat_ms
+        if paused and not self.halted and self.others_can_evict_me():
             # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
             # may be a period older than the pause), so we may have been evicted and our
             # workloads may run elsewhere already. Halt them and ask for the epochs we missed.
@@ -132,9 +148,12 @@ class Liveness:
             self.heartbeat_seq += 1
             beat = Heartbeat(epoch=epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(None, ctx.sign(beat)))
-        if self.halted:
-            return  # a node that may be stale suspects nobody
+        if self.halted or paused:
+            # A node that may be stale suspects nobody; nor does one just back from a pause
+            # it need not halt for: the heartbeats that waited in its sockets are not read yet.
+            return
         view = epochs.view
+        self._forget_stale_suspicions(now_ms)
         for peer, silent_ms in self.detector.suspects(now_ms):
             sent = self.suspicion_sent_ms.get(peer)
             if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
@@ -185,7 +204,8 @@ class Liveness:
         if not unresponsive and epochs.epoch == 0:
             return
         skip = [i for i in self.instances.instances.values()
-                if i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes)]
+                if (i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes))
+                and not self.instances.roles[i.instance_id].flow.round_on_hold(i, now_ms)]
         for inst in skip:
             self.instances.skip_round(inst, now_ms, out)
 
@@ -195,7 +215,13 @@ class Liveness:
             self.ctx.counters["heartbeat_stale"] += 1
             self.answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
             return
+        was_silent = self.ctx.heartbeats and self.detector.is_suspected(signer, now_ms)
         self.detector.heartbeat(signer, now_ms)
+        if was_silent and epochs.is_member() and not self.halted:
+            # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
+            # either side missed meanwhile (decisions, exits) is asked for now, not at the
+            # next anti-entropy round.
+            out.messages.append(Outbound(signer, self.ctx.sign(SyncRequest(epoch=epochs.epoch))))
         fresh = beat.sent_ms >= self.fresh_beat_after_ms.get(signer, beat.sent_ms)
         # The latest, not the greatest: a restarted peer's clock may start anywhere.
         self.peer_beat_sent_ms[signer] = beat.sent_ms
@@ -268,10 +294,21 @@ class Liveness:
         if suspect not in view.stakes:
             return
         by = self.suspicions.setdefault(suspect, {})
-        by.setdefault(signer, data)
+        by[signer] = data
+        self.suspicion_heard_ms.setdefault(suspect, {})[signer] = now_ms
         # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
         if view.exceeds_one_third(by):
             self.epoch_changes.start(view, now_ms, out)
+
+    def _forget_stale_suspicions(self, now_ms: int) -> None:
+        oldest = now_ms - SUSPICION_FRESH_BOUNDS * self.ctx.params.detection_bound_ms
+        for suspect, heard in list(self.suspicion_heard_ms.items()):
+            for signer in [s for s, at in heard.items() if at < oldest]:
+                del heard[signer]
+                self.suspicions.get(suspect, {}).pop(signer, None)
+            if not heard:
+                del self.suspicion_heard_ms[suspect]
+                self.suspicions.pop(suspect, None)
 
     def suspicion_justification(self, suspect: bytes) -> tuple:
         by = self.suspicions.get(suspect, {})
@@ -304,6 +341,7 @@ class Liveness:
                 self.detector.forget(key)
                 self.peer_beat_sent_ms.pop(key, None)
         self.suspicions.clear()
+        self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
 
     def on_evicted(self) -> None:

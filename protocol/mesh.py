@@ -246,6 +246,7 @@ class MeshCore:
         """Every input's Ready ends with the workload orders it implies (workload_orders.py)
         and, when the capability seq passed its persisted floor, the new floor."""
         self.orders.reconcile(out)
+        self.capability.broadcast_if_running_changed(self.liveness.last_tick_ms, out)
         floor = self.capability.seq_floor_record()
         if floor is not None:
             out.persist.append(floor)
@@ -255,6 +256,7 @@ class MeshCore:
         out = Ready()
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
+        self.placement.reconsider_held(now_ms, out)
         for key in self.ledger.expire(now_ms):
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         self.instance_table.prune_timers()
@@ -380,6 +382,8 @@ class MeshCore:
             return False
         table.mark_applied(iid, certificate)
         flow.apply(iid, value_kind, value, certificate, epoch, now_ms, out)
+        if value_kind != "membership":
+            self.capability.relearn_running()
         out.decisions.append(Decision(value_kind, iid, value, certificate))
         return True
 

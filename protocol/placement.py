@@ -100,6 +100,19 @@ def capability_check(job: JobManifest, capability: CapabilityVector, attested: d
     if job.strategy == "sovereign" and constraints.zones and attested.get("zone") not in constraints.zones:
         # Sovereign placement trusts no self-declared zone: an authority must attest it.
         return False, "attestation_missing", "zone is not attested to be in %s" % ",".join(constraints.zones)
+    ok, reason, detail = resource_check(job, capability)
+    if not ok:
+        return ok, reason, detail
+    if reserved_gpus is not None:
+        named = tuple(reserved_gpus)
+        if len(named) != job.resources.gpus or len(set(named)) != len(named) or not set(named) <= set(
+                fitting_gpus(job, capability)):
+            return False, "not_enough_gpus", "bid names GPUs %s that do not fit" % (list(named),)
+    return True, None, ""
+
+
+def resource_check(job: JobManifest, capability: CapabilityVector) -> tuple[bool, str | None, str]:
+    """Whether the node's free resources, as its vector states them, hold the job."""
     res = job.resources
     fitting = fitting_gpus(job, capability)
     if res.gpus:
@@ -112,10 +125,6 @@ def capability_check(job: JobManifest, capability: CapabilityVector, attested: d
         return False, "not_enough_cpu", "%d milli-CPU free, %d needed" % (capability.cpu_milli_free, res.cpu_milli)
     if capability.mem_mib_free < res.mem_mib:
         return False, "not_enough_memory", "%d MiB free, %d needed" % (capability.mem_mib_free, res.mem_mib)
-    if reserved_gpus is not None:
-        named = tuple(reserved_gpus)
-        if len(named) != res.gpus or len(set(named)) != len(named) or not set(named) <= set(fitting):
-            return False, "not_enough_gpus", "bid names GPUs %s that do not fit" % (list(named),)
     return True, None, ""
 
 

@@ -82,14 +82,22 @@ def cmd_up(args) -> int:
         console.print(render_rows(rows))
         for owner in layout["owners"]:
             print_command(console, "owner key: %s" % owner["key_file"])
+        print_metrics_urls(console, rows)
     emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]}, render)
     return 0
 
 
 def cmd_status(args) -> int:
     rows = [launcher.node_status(n) for n in launcher.load_layout(args.dir)["nodes"]]
-    emit(args, {"nodes": rows}, lambda console: console.print(render_rows(rows)))
+    emit(args, {"nodes": rows}, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows)))
     return 0
+
+
+def print_metrics_urls(console, rows) -> None:
+    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics."""
+    for row in rows:
+        if row.get("metrics"):
+            console.print("node %d metrics: %s" % (row["index"], row["metrics"]), soft_wrap=True)
 
 
 def cmd_fault(args) -> int:

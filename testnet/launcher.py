@@ -29,7 +29,8 @@ from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
 from keys.identity import SigningIdentity, generate_identity, short_id
 from keys.keystore import create_keystore, load_identity
 from meshnode.control.client import ControlClient
-from meshnode.node.config import BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths, write_config
+from meshnode.node.config import (METRICS_HOST, BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths,
+                                  write_config)
 from protocol.errors import MeshError
 from protocol.messages import Member
 
@@ -58,6 +59,7 @@ class NodeEntry:
     public_key: str
     port: int
     zone: str
+    metrics_port: int | None = None   # its Prometheus endpoint on 127.0.0.1 (README "Metrics")
     pid: int | None = None
 
 
@@ -89,12 +91,14 @@ def save_layout(root: Path, layout: dict) -> None:
 
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
-                   rng: random.Random | None = None) -> dict:
+                   rng: random.Random | None = None, metrics: bool = False) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
     ports are fixed and timestamps are 0, so one rng state writes one mesh byte for byte
     (same mesh id, keys and attestations); its nodes are not meant for TCP then.
+    With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
+    nodes run in one process (driver tests) leave it off and bind nothing.
     """
     root = Path(root)
     if rng is None:
@@ -122,6 +126,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     create_keystore(root / "authority.key", authority, None)
     identities = [new_identity() for _ in range(nodes)]
     ports = [free_port() if rng is None else 20000 + i for i in range(nodes)]
+    metrics_ports = [free_port() if metrics else None for _ in range(nodes)]
     members = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
@@ -142,8 +147,9 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         # evicted (it crashed, or paused past the bound) rejoins through the ordinary join
         # path (SPEC.md F7), which admits only vouched stake.
         _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake,
-                          issued_ms=now_ms)
-        entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone).__dict__)
+                          issued_ms=now_ms, metrics_port=metrics_ports[i])
+        entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone,
+                                 metrics_ports[i]).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
               "run_workloads": run_workloads}
     save_layout(root, layout)
@@ -151,7 +157,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
 
 
 def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
-                      owner_entries: list, name: str, stake: int, bootstrap=(), issued_ms: int | None = None) -> None:
+                      owner_entries: list, name: str, stake: int, bootstrap=(), issued_ms: int | None = None,
+                      metrics_port: int | None = None) -> None:
     """Config and attestation of one node; the attestation vouches ``stake`` for its (re)joins."""
     model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
     if issued_ms is None:
@@ -166,7 +173,8 @@ def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, ind
         allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
         attestation_files=(ATTESTATION_FILE,),
         gpu=GpuProfile(source="simulated", model=model, count=count, mem_mib=mem_mib, seed=index),
-        labels=(("testnet", name),)))
+        labels=(("testnet", name),),
+        metrics_listen="" if metrics_port is None else "%s:%d" % (METRICS_HOST, metrics_port)))
 
 
 def add_node(root, stake: int = 100) -> dict:
@@ -181,6 +189,7 @@ def add_node(root, stake: int = 100) -> dict:
     authority = load_identity(root / "authority.key", None)
     identity = generate_identity()
     port = free_port()
+    metrics_port = free_port() if any(n.get("metrics_port") for n in layout["nodes"]) else None
     node_dir = root / ("node-%d" % index)
     node_dir.mkdir()
     os.chmod(node_dir, 0o700)
@@ -190,9 +199,10 @@ def add_node(root, stake: int = 100) -> dict:
     first = layout["nodes"][0]
     bootstrap = [BootstrapPeer(bytes.fromhex(first["public_key"]), "/ip4/127.0.0.1/tcp/%d" % first["port"])]
     _write_node_files(node_dir, identity, authority, genesis, index, port, layout["owners"], layout["name"],
-                      stake=stake, bootstrap=bootstrap)
+                      stake=stake, bootstrap=bootstrap, metrics_port=metrics_port)
     zone = GPU_PROFILES[index % len(GPU_PROFILES)][3]
-    layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone).__dict__)
+    layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone,
+                                     metrics_port).__dict__)
     save_layout(root, layout)
     start_node(root, index)
     wait_control(root, index)
@@ -298,7 +308,9 @@ def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
     public_key = bytes.fromhex(entry["public_key"])
     row = {"index": entry["index"], "node": short_id(public_key), "public_key": entry["public_key"],
            "pid": entry.get("pid"), "process": state, "port": entry["port"], "zone": entry["zone"],
-           "connected": None, "epoch": None}
+           "connected": None, "epoch": None,
+           "metrics": "http://%s:%d/metrics" % (METRICS_HOST, entry["metrics_port"])
+           if entry.get("metrics_port") else None}
     if state == "running":
         try:
             with ControlClient(entry["dir"], timeout_s=timeout_s) as client:
@@ -343,7 +355,7 @@ def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
        params: ProtocolParams = DEFAULT_PARAMS, on_step=lambda text: None) -> list[dict]:
     """Create and start a testnet; ``on_step(text)`` hears of each step (a CLI's progress line)."""
     on_step("writing keys, genesis and configs for %d nodes" % nodes)
-    create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params)
+    create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True)
     for i in range(nodes):
         on_step("starting node %d of %d" % (i + 1, nodes))
         start_node(root, i)

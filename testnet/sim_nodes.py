@@ -81,6 +81,9 @@ SIM_STATE = struct.Struct(">4sQQQQ")   # magic, progress, fence, seq, node: what
 SIM_STATE_MAGIC = b"SIM1"
 POLL_MS = 50                           # how often the end phase looks for completed jobs
 SETTLE_MS = 500                        # after the last job completes: exits and syncs spread
+# Once healed, every member shows each job with the same state, primary and fence this long
+# after the last decision or exit anywhere (issue 15: "one truth about each job").
+AGREEMENT_MS = 1000
 
 
 def now_ms() -> int:
@@ -611,6 +614,8 @@ class NodeSimulation(RunChecks):
         self.completed_ms: dict[str, int] = {}
         self.counters = {"crashes": 0, "restarts": 0, "partitions": 0, "submit_refused": 0}
         self.decided: set[bytes] = set()
+        self.last_change_ms = 0          # the last certified decision applied, or exit, at any node
+        self.agreement_checked = 0       # samples at which every member was compared
         self.end_ms = 0
         self.final_epoch = 0
 
@@ -632,8 +637,9 @@ class NodeSimulation(RunChecks):
         apply = node.drain.apply
 
         async def counting_apply(decision):
-            if decision.certificate and decision.instance not in self.decided:
+            if decision.certificate:
                 self.decided.add(decision.instance)
+                self.last_change_ms = now_ms()
             await apply(decision)
         node.drain.apply = counting_apply
 
@@ -698,6 +704,7 @@ class NodeSimulation(RunChecks):
 
     def exiting(self, runner: SimRunner, record: RunRecord) -> None:
         """The run did its units: note whom its exit can reach (the core broadcasts it now)."""
+        self.last_change_ms = now_ms()
         node = self.live[runner.node]
         targets = set(node.core.broadcast_targets()) if node is not None else set()
         record.exit_reached = tuple(i for i, key in enumerate(self.keys) if key in targets and self.live[i] is not None
@@ -812,6 +819,7 @@ class NodeSimulation(RunChecks):
             await trio.sleep_until(max(cfg.heal_ms, now_ms()) / 1000)
             for index in range(cfg.nodes):
                 await self.restart(nursery, index)
+            nursery.start_soon(self._watch_agreement)
             deadline = cfg.heal_ms + cfg.units[1] * cfg.unit_ms + cfg.liveness_bound_ms
             while now_ms() < deadline and not self._all_finished():
                 await trio.sleep(POLL_MS / 1000)
@@ -831,6 +839,30 @@ class NodeSimulation(RunChecks):
             self._cut(episode.nodes, heal=False)
             await trio.sleep_until(episode.end_ms / 1000)
             self._cut(episode.nodes, heal=True)
+
+    async def _watch_agreement(self) -> None:
+        """After the heal: whenever AGREEMENT_MS have passed since the last decision or exit
+        anywhere, every member holds each job with the same (state, primary, fence)."""
+        reported: set[bytes] = set()
+        while True:
+            await trio.sleep(POLL_MS / 1000)
+            at = now_ms()
+            if at - self.last_change_ms < AGREEMENT_MS:
+                continue
+            if any(node is None or not node.core.is_member() for node in self.live):
+                continue
+            self.agreement_checked += 1
+            for job_id in self.job_ids:
+                views = {}
+                for index, node in enumerate(self.live):
+                    view = node.core.job_view(job_id)
+                    views[index] = None if view is None else (view["state"], self._index(view["primary"]),
+                                                              view["fence"])
+                if len(set(views.values())) > 1 and job_id not in reported:
+                    reported.add(job_id)
+                    self.violate("agreement_1s", None, job_id.hex(), "%d ms after the last decision or exit "
+                                 "(at %d ms) members disagree: %s" % (at - self.last_change_ms,
+                                                                      self.last_change_ms, views))
 
     def _all_finished(self) -> bool:
         """Every node up and a member, every job done by some run, and nothing running."""

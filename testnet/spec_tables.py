@@ -30,7 +30,7 @@ from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, GpuState, Join, Member, MembershipChange, Migration,
-                               Placement, PlacementSlot, Proposal, PrevoteCertificate, Resources, RoundChange,
+                               OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate, Resources, RoundChange,
                                RoundSync, RunningJob, job_id, placement_instance_id, placement_slot_id,
                                value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
@@ -41,7 +41,7 @@ VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carr
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis)
+                  MembershipChange, ProtocolParams, Genesis, OutputFile)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and

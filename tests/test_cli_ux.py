@@ -397,7 +397,8 @@ def assert_fits_80_columns(name: str, text: str, whole: tuple[str, ...]) -> None
 
 def table_views():
     """(name, draw(console), strings each of which must appear whole on one line)."""
-    from meshnode.cli import cert as cert_cli, job as job_cli, keys as keys_cli, mesh as mesh_cli, node as node_cli
+    from meshnode.cli import cert as cert_cli, job as job_cli, job_life, keys as keys_cli, mesh as mesh_cli
+    from meshnode.cli import node as node_cli
     from meshnode.cli.output import key_value_table
     from meshnode.tui.tables import event_line, render_snapshot, status_line
     from testnet import cli_testnet
@@ -457,6 +458,10 @@ def table_views():
     yield "mesh show", lambda c: mesh_cli.render_genesis(c, genesis_view), \
         (MESH_ID_HEX, "cc" * 32, "/ip4/127.0.0.1/tcp/4001") + labels + tuple(
             m["peer_id"] for m in genesis_view["members"])
+    yield "job list", lambda c: c.print(job_life.render_job_list(results["jobs"])), job_prefixes + (LABELS[0],)
+    job_status = dict(results["jobs"]["jobs"][1], attempt=0, max_retries=3, exit_code=None, running_here=False)
+    yield "job status", lambda c: c.print(job_life.render_job_status(job_status)), \
+        (JOB_IDS[1], "labels_missing: 4")
     yield "tui snapshot", lambda c: render_snapshot(results, c), labels + job_prefixes
     yield "tui status line", lambda c: c.print(status_line(results["status"])), (LABELS[0], MESH_ID_HEX[:8])
 

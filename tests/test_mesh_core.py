@@ -144,14 +144,18 @@ def test_no_eligible_node_leaves_the_job_pending_with_declines_by_reason():
 
 
 def test_declines_go_to_the_round_leader_and_the_entry_node_only():
-    """SPEC P3: a broadcast decline per member would make every job cost n^2 messages."""
+    """SPEC P3: a broadcast decline per member would make every job cost n^2 messages. Only
+    once every member declined does the round's leader forward them all, once (P3a)."""
     net = Net()
     job, envelope = make_job(gpus=3)  # nobody fits: every member declines
-    declines_sent = []
+    declines_sent, forwarded = [], []
     deliver = net.emit
 
     def emit(src, ready):
-        declines_sent.extend((src, m.to) for m in ready.messages if codec.unpack(m.data)[2] == "decline")
+        for m in ready.messages:
+            if codec.unpack(m.data)[2] == "decline":
+                signer = decode_message(m.data, MESH)[0].signer
+                (declines_sent if m.to is not None else forwarded).append((src, m.to, signer))
         deliver(src, ready)
 
     net.emit = emit
@@ -160,8 +164,10 @@ def test_declines_go_to_the_round_leader_and_the_entry_node_only():
     net.submit(entry, envelope)
     net.run(60)
     assert net.cores[KEYS[0]].instances[job_id(job)].leader == leader
-    assert {src for src, _ in declines_sent} == set(KEYS)
-    assert all(to in {leader, entry} - {src} for src, to in declines_sent)
+    assert {src for src, _, _ in declines_sent} == set(KEYS)
+    assert all(to in {leader, entry} - {src} for src, to, _ in declines_sent)
+    assert sorted(signer for _, _, signer in forwarded) == sorted(KEYS)
+    assert {(src, to) for src, to, _ in forwarded} == {(leader, None)}
     assert sorted(net.cores[leader].job_view(job_id(job))["declines"]["not_enough_gpus"]) == sorted(KEYS)
 
 
@@ -347,6 +353,17 @@ def test_only_the_owner_can_cancel():
     assert all(c.job_view(jid)["state"] == "cancelled" for c in net.cores.values())
     assert [d.value for d in net.decisions[primary] if d.value_kind == "cancel"] == [(jid,)]
     assert net.cores[primary].ledger.held_totals() == (0, 0, 0)
+
+
+def test_p6_a_cancel_after_the_job_ended_is_refused_and_keeps_its_exit():
+    """A completed job's exit is its persisted outcome; a late cancel must not replace it
+    (a restart would replay the job as cancelled)."""
+    net, jid, primary = placed_job()
+    net.emit(primary, net.cores[primary].job_exited(jid, 0, net.now))
+    net.deliver()
+    with pytest.raises(RemoteProtocolError, match="already ended \\(completed\\)"):
+        net.cores[primary].cancel(encode_message(OWNER, MESH, Cancel(job_id=jid, requested_ms=net.now)), net.now)
+    assert net.cores[primary].job_view(jid)["state"] == "completed"
 
 
 def test_restart_replays_certificates_into_the_same_job_table():
@@ -793,13 +810,15 @@ def test_every_member_learns_a_running_job_and_its_checkpoint_age_from_the_prima
     net.emit(primary, net.cores[primary].local_checkpoint(jid, 7, 70, net.now, b"state", net.now))
     checkpointed_at = net.now
     net.deliver()
-    assert net.cores[bystander].job_view(jid)["state"] == "placed"  # checkpoints went to the backup only
-    net.now += 40
+    # Checkpoints went to the backup only, but the start itself sent the primary's vector.
+    assert net.cores[bystander].job_view(jid)["state"] == "running"
+    assert net.cores[bystander].job_view(jid)["known_checkpoint"] is None
+    net.now += 1000   # the next periodic vector carries the checkpoint
     net.emit(primary, net.cores[primary].update_telemetry((), 100, net.now))
     net.deliver()
     seen = net.cores[bystander].job_view(jid)
     assert seen["state"] == "running"
-    assert seen["known_checkpoint"] == (7, checkpointed_at)  # 40 ms old when the vector was signed
+    assert seen["known_checkpoint"] == (7, checkpointed_at)  # 1000 ms old when the vector was signed
 
 
 def test_a_running_report_from_a_node_that_is_not_the_primary_is_ignored():
@@ -967,3 +986,92 @@ def test_the_consensus_view_shows_the_kind_an_epoch_change_decided():
     assert change["decided"] and change["applied"] and change["kind"] == "eviction"
     placement = next(r for r in rows.values() if r["kind"] == "placement")
     assert placement["decided"] and placement["applied"]
+
+
+def test_f4_an_epoch_change_with_nothing_left_to_decide_goes_quiet():
+    # Node 3 is silent long enough to be suspected by everyone, then heard again before any
+    # leader may propose its eviction. The suspicions lapse, and the epoch-change instance
+    # stops changing rounds (before: a round every round_timeout_max_ms, forever: rounds 5 -> 11 here).
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    net = Net()
+    net.run(200)
+    net.down.add(KEYS[3])
+    net.run(DEFAULT_PARAMS.detection_bound_ms - 50)   # suspected (250 ms), not yet evictable
+    net.down.discard(KEYS[3])
+    net.run(400)
+    iid = epoch_change_instance_id(0)
+    started = [k for k in KEYS if iid in net.cores[k].instance_table.instances]
+    assert started, "the suspicions started the epoch change"
+    net.run(10_000)
+    rounds = {k: net.cores[k].instance_table.instances[iid].round for k in started
+              if iid in net.cores[k].instance_table.instances}
+    net.run(30_000, step_ms=20)
+    assert all(core.epoch == 0 for core in net.cores.values())
+    later = {k: net.cores[k].instance_table.instances[iid].round for k in rounds
+             if iid in net.cores[k].instance_table.instances}
+    assert later == {k: r for k, r in rounds.items() if k in later}, (rounds, later)
+    # ...and it still decides when there is news: node 3 dies for good.
+    net.down.add(KEYS[3])
+    net.run(3000)
+    assert all(net.cores[k].epoch == 1 for k in KEYS[:3])
+
+
+def test_p3a_a_job_no_member_can_hold_waits_quietly_and_is_placed_when_capacity_frees():
+    # Four 2-GPU nodes, four 2-GPU jobs placed, a fifth waits: before, its instance changed
+    # rounds every round_timeout_max_ms until it gave up (64 rounds); now it holds its round
+    # until an exit frees a node, and is placed then.
+    net = Net()
+    jobs = [make_job(nonce=n, gpus=2, backups=0) for n in range(1, 6)]
+    for job, envelope in jobs[:4]:
+        net.submit(KEYS[0], envelope)
+        net.run(100)
+    placed = {job_id(j): net.cores[KEYS[0]].job_view(job_id(j))["primary"] for j, _ in jobs[:4]}
+    assert sorted(placed.values()) == sorted(KEYS)
+    waiting = job_id(jobs[4][0])
+    net.submit(KEYS[1], jobs[4][1])
+    net.run(3000)
+    rounds = [net.cores[k].instance_table.instances[waiting].round for k in KEYS]
+    net.run(30_000, step_ms=20)
+    assert [net.cores[k].instance_table.instances[waiting].round for k in KEYS] == rounds
+    assert all(net.cores[k].job_view(waiting)["state"] == "pending" for k in KEYS)
+    # The job on node 2 ends: node 2 has room again, and the waiting job goes there.
+    done = next(j for j, p in placed.items() if p == KEYS[2])
+    net.emit(KEYS[2], net.cores[KEYS[2]].job_exited(done, 0, net.now))
+    net.run(3000)
+    assert [net.cores[k].job_view(waiting)["primary"] for k in KEYS] == [KEYS[2]] * 4
+
+
+def test_p6_the_node_a_job_moves_to_measures_its_lost_work_and_every_member_learns_it():
+    net, jid = placed_on_the_big_node()
+    primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.emit(primary, net.cores[primary].local_checkpoint(jid, 1, 10, net.now, b"state-1", net.now))
+    checkpoint_at = net.now
+    net.run(40)   # it runs 40 ms more after its checkpoint arrived, then dies
+    net.down.add(primary)
+    heard = net.cores[backup].liveness.detector.last_heard_ms(primary)
+    net.run(600)
+    moved = net.cores[backup].job_view(jid)
+    assert moved["primary"] == backup and moved["migrations"] == 1
+    # An upper bound: it may have worked one heartbeat period after it was last heard.
+    assert moved["lost_work_ms"] == heard + DEFAULT_PARAMS.heartbeat_ms - checkpoint_at >= 40
+    others = [k for k in KEYS if k not in (primary, backup)]
+    assert all(net.cores[k].job_view(jid)["lost_work_ms"] is None for k in others)
+    net.emit(backup, net.cores[backup].local_checkpoint(jid, 2, 20, net.now, b"state-2", net.now))
+    net.emit(backup, net.cores[backup].update_telemetry((), 0, net.now, simulated=True))
+    net.deliver()
+    assert [net.cores[k].job_view(jid)["lost_work_ms"] for k in others] == [moved["lost_work_ms"]] * len(others)
+
+
+def test_p1_after_a_migration_every_member_shows_the_job_running_once_its_new_primary_runs_it():
+    # Review (issue 15): members that are not replicas kept showing a migrated job as
+    # `migrating` for minutes: a vector's report turned only `placed` into `running`, and the
+    # vector went out only with the next telemetry reading.
+    net, jid = placed_on_the_big_node()
+    primary, backup = KEYS[0], net.cores[KEYS[1]].job_view(jid)["backups"][0]
+    net.down.add(primary)
+    net.run(600)
+    others = [k for k in KEYS if k not in (primary, backup)]
+    assert [net.cores[k].job_view(jid)["state"] for k in others] == ["migrating"] * len(others)
+    net.emit(backup, net.cores[backup].workload_started(jid, 2, 0, net.now))
+    net.run(20)   # no telemetry reading: the change itself sends the vector
+    assert [net.cores[k].job_view(jid)["state"] for k in [backup] + others] == ["running"] * (1 + len(others))

@@ -283,3 +283,38 @@ def test_rtt_smooths_like_tcp_srtt_and_ignores_stale_or_unwritten_pongs():
     assert rtt.srtt_us == (7 * 1600 + 800) // 8
     assert rtt.pong(b"token-02", now_s=2.002) is None          # answered already
     assert rtt.srtt_us == (7 * 1600 + 800) // 8
+
+
+# --- requests (SPEC.md "Transport / Requests") ------------------------------------------------
+
+async def test_a_request_gets_its_answer_from_the_authenticated_peer(harness, clock):
+    from meshnode.net.transport import MAX_REQUEST_BYTES, RequestFailed
+    seen = []
+
+    async def answer(requester: bytes, data: bytes):
+        seen.append((requester, data))
+        return None if data == b"refuse" else b"answer to " + data + b"!" * 200_000
+
+    with trio.fail_after(LIBP2P_TEST_TIMEOUT_S):
+        async with connected_pair(harness) as (a, b):
+            b.serve_requests(answer)
+            assert await a.request(KEY_B, b"q1") == b"answer to q1" + b"!" * 200_000
+            assert seen == [(KEY_A, b"q1")]          # the requester as the handshake authenticated it
+            with pytest.raises(RequestFailed):
+                await a.request(KEY_B, b"refuse")
+            with pytest.raises(RequestFailed):       # a has no handler: b's request is refused
+                await b.request(KEY_A, b"q2")
+            with pytest.raises(LocalProtocolError):
+                await a.request(KEY_B, bytes(MAX_REQUEST_BYTES + 1))
+            # The frame stream is untouched by requests.
+            await a.send(KEY_B, b"after")
+            assert await b.incoming.receive() == (KEY_A, b"after")
+            assert a.counters["request_failed"] == 1 and b.counters["request_failed"] == 1
+
+
+async def test_a_request_to_an_unconnected_peer_fails_at_once(harness, clock):
+    from meshnode.net.transport import RequestFailed
+    with trio.fail_after(LIBP2P_TEST_TIMEOUT_S):
+        async with harness.node(SEED_A) as a:
+            with pytest.raises(RequestFailed, match="not connected"):
+                await a.request(KEY_B, b"anyone?")

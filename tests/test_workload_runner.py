@@ -299,3 +299,63 @@ def test_train_state_grows_and_a_restored_run_matches_an_uninterrupted_one():
         resumed.train_step()
     assert resumed.encode_state() == straight.encode_state()
     assert len(straight.encode_state()) > len(halfway_state)
+
+
+LOUD = textwrap.dedent("""
+    import sys
+    for i in range(60_000):
+        print("line %05d" % i)
+    print("to stderr too", file=sys.stderr)
+    sys.exit(5)
+""")
+
+
+async def test_all_output_is_in_the_ring_before_the_exit_is_reported(tmp_path, monkeypatch):
+    """`meshnode job logs --follow` stops once the job ended and its log is read to the end:
+    the runner drains the workload's pipe into the ring (SPEC.md 9.8) before on_exit."""
+    from meshnode.node import output_log
+    from meshnode.node.output_log import OutputLog
+    monkeypatch.setattr(output_log, "SEGMENT_BYTES", 256 * 1024)   # 660 kB of output rotates twice
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"loud": [sys.executable, "-c", LOUD]})
+        await runner.start(JOB, "loud", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 5)
+        nursery.cancel_scope.cancel()
+    expected = "".join("line %05d\n" % i for i in range(60_000)) + "to stderr too\n"
+    log = OutputLog(runner.workdir(JOB))
+    start, end = log.bounds()
+    assert end == len(expected) and 0 < start and end - start <= 2 * 256 * 1024
+    assert log.read(start, end)[2] == expected[start:].encode()
+
+
+async def test_output_still_in_the_pipe_at_the_exit_is_drained_into_the_ring(tmp_path, monkeypatch):
+    """The exit can be seen before the pump read the last bytes (both wake at once): what
+    is left in the pipe is read before on_exit. Here the pump never runs at all."""
+    from meshnode.node.output_log import OutputLog
+
+    async def idle_pump(self, job):
+        with job.pump_scope:   # cancelled at the exit, like the real pump
+            await trio.sleep_forever()
+    monkeypatch.setattr(WorkloadRunner, "_pump_output", idle_pump)
+    last_words = [sys.executable, "-c", "print('x' * 2999)"]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"last-words": last_words})
+        await runner.start(JOB, "last-words", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 0)
+            assert OutputLog(runner.workdir(JOB)).read(0, 10_000)[2] == b"x" * 2999 + b"\n"
+        nursery.cancel_scope.cancel()
+
+
+async def test_train_prints_its_loss_to_the_log_when_asked(tmp_path):
+    from meshnode.node.output_log import OutputLog
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        await runner.start(JOB, "train", ["--steps", "4", "--log-every", "2", "--samples", "8"], gpus=[],
+                           restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            assert await recorder.exits.receive() == (JOB, 0)
+        nursery.cancel_scope.cancel()
+    lines = OutputLog(runner.workdir(JOB)).read(0, 1000)[2].decode().splitlines()
+    assert [line.split()[:2] for line in lines] == [["step", "2"], ["step", "4"]]

@@ -40,6 +40,8 @@ COMMAND_MODULES = {
     "join": "meshnode.cli.node",
     "cert": "meshnode.cli.cert",
     "tui": "meshnode.cli.tui",
+    "node": "meshnode.cli.dev",
+    "dev": "meshnode.cli.dev",
 }
 
 

@@ -1,4 +1,5 @@
-"""`meshnode job`: sign and verify job manifests (SPEC.md section 4.2)."""
+"""`meshnode job`: sign and verify job manifests (SPEC.md section 4.2); a job's life on a
+running mesh (list, status, cancel, logs, output) is in meshnode/cli/job_life.py."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from protocol.messages import job_id, sign_message
 
 
 def register(subparsers) -> None:
-    job = subparsers.add_parser("job", help="sign and verify job manifests", epilog=examples(
-        "meshnode job sign jobs/counter.toml --key owner.key --out counter.job", "meshnode job verify counter.job"))
+    job = subparsers.add_parser("job", help="sign, verify, list, inspect, cancel jobs; read their logs and files",
+                                epilog=examples("meshnode job sign jobs/counter.toml --key owner.key --out counter.job",
+                                                "meshnode job list --node net/node-0"))
     sub = job.add_subparsers(dest="job_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -45,6 +47,9 @@ def register(subparsers) -> None:
     verify.add_argument("--genesis", metavar="FILE", help="also require it to be valid in this mesh")
     add_json_flag(verify)
     verify.set_defaults(func=cmd_verify)
+
+    from meshnode.cli import job_life
+    job_life.register(sub)
 
 
 def job_view(envelope, job) -> dict:

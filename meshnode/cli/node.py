@@ -36,7 +36,8 @@ QUERIES = (  # (command, help, what its example adds)
 def register(subparsers) -> None:
     run = subparsers.add_parser("run", help="run a node until SIGINT/SIGTERM",
                                 epilog=examples("meshnode run --node /var/lib/meshnode/node-a"))
-    _node_arg(run)
+    run.add_argument("--node", "--dir", dest="node", required=True, metavar="DIR",
+                     help="the node's data directory (`meshnode node init` writes one)")
     run.add_argument("--no-workloads", action="store_true",
                      help="decide placements but start no workload processes (consensus benchmarks)")
     run.set_defaults(func=cmd_run)
@@ -59,7 +60,10 @@ def register(subparsers) -> None:
     submit.add_argument("--key", metavar="OWNER_KEY", help="the owner's keystore (not needed for a signed job)")
     _node_arg(submit)
     submit.add_argument("--wait", action="store_true",
-                        help="wait until the job is placed (exit 1 if every member declined it)")
+                        help="wait until the job runs; exit 0 if it runs (or completed), 1 if it was not "
+                             "placed, 3 if it failed, was cancelled or did not start")
+    submit.add_argument("--wait-s", type=float, default=WAIT_TIMEOUT_S, metavar="SECONDS",
+                        help="how long --wait waits (default %d)" % WAIT_TIMEOUT_S)
     add_passphrase_args(submit)
     add_json_flag(submit)
     submit.set_defaults(func=cmd_submit)
@@ -181,6 +185,12 @@ def _signed_job_bytes(args, text: str | None, data: bytes, epoch: int) -> bytes:
     return encode_message(identity, genesis.mesh_id, job)
 
 
+# `meshnode submit --wait` exit codes (README "Running a node"); 2 stays "bad input or no node".
+WAIT_RUNNING = 0       # the job runs, or already completed
+WAIT_NOT_PLACED = 1    # every member declined it, or it was still pending when the wait ended
+WAIT_ENDED_BADLY = 3   # placed, but failed or was cancelled, or did not start within the wait
+
+
 def cmd_submit(args) -> int:
     text, data = read_job_file(args.manifest)  # a bad file is the user's to fix, node or no node
     if text is not None and not args.key:
@@ -188,40 +198,61 @@ def cmd_submit(args) -> int:
     with ControlClient(args.node) as client:
         signed = _signed_job_bytes(args, text, data, client.call("status")["epoch"])
         result = client.call("submit", job=signed)
-        if args.wait:
-            with progress(args, "job %s submitted; waiting for the mesh to place it" % short_job_id(result["job_id"])):
-                result = _wait_placed(client, result["job_id"])
+        if not args.wait:
+            emit(args, result, lambda console: console.print(render_submitted(result)))
+            return 0
+        with progress(args, "job %s submitted; waiting until it runs" % short_job_id(result["job_id"])):
+            result, code = _wait_running(client, result["job_id"], args.wait_s)
     emit(args, result, lambda console: console.print(render_submitted(result)))
-    return 0 if result.get("state", "submitted") != "pending" else 1
+    return code
 
 
 def render_submitted(result: dict) -> Table:
-    """The submitted job: its full id (to copy), and with --wait where it went or why not."""
+    """The submitted job: its full id (to copy), and with --wait how the wait ended, where
+    the job runs, or why it was not placed."""
     rows = [("job id", result["job_id"]), ("state", result.get("state", "submitted"))]
+    if result.get("outcome"):
+        rows.append(("outcome", result["outcome"]))
     if result.get("primary"):
         rows += [("primary", node_label(result["primary"])),
                  ("backups", " ".join(node_label(b) for b in result.get("backups", ())) or "-")]
-    if result.get("state") == "pending":
-        rows += [("declined", format_declines(result.get("declines") or {})), ("node says", result.get("hint"))]
+    if result.get("exit_code") is not None:
+        rows.append(("exit code", result["exit_code"]))
+    if result.get("declines"):
+        rows += [("declined", format_declines(result["declines"])), ("node says", result.get("hint"))]
     return key_value_table("submitted", rows)
 
 
-def _wait_placed(client, job_id_hex: str) -> dict:
-    """Until the job is placed, or every member declined it (then it stays pending)."""
+def _wait_running(client, job_id_hex: str, wait_s: float) -> tuple[dict, int]:
+    """Until the job runs or ends, or every member declined it (then it stays pending), or
+    ``wait_s`` passed. A placed job that never starts (its primary cannot run it) is not a
+    success: the caller asked for a running job."""
     members = client.call("status")["members"]
-    deadline = time.monotonic() + WAIT_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for job in client.call("jobs")["jobs"]:
-            if job["job_id"] != job_id_hex:
-                continue
-            if job["state"] not in ("submitted", "pending"):
-                return {"job_id": job_id_hex, "state": job["state"], "primary": job["primary"],
-                        "backups": job["backups"]}
-            if sum(job.get("declines", {}).values()) >= members:
-                return {"job_id": job_id_hex, "state": "pending", "declines": job["declines"],
-                        "hint": job.get("hint")}
+    deadline = time.monotonic() + wait_s
+    job = None
+    while True:
+        job = next((j for j in client.call("jobs")["jobs"] if j["job_id"] == job_id_hex), job)
+        state = job["state"] if job else "submitted"
+        if state == "running" or (state == "completed" and not job.get("exit_code")):
+            return _wait_result(job, state, "running" if state == "running" else "completed"), WAIT_RUNNING
+        if state in ("completed", "failed", "cancelled"):
+            return _wait_result(job, state, "ended: %s (exit code %s)" % (state, job.get("exit_code"))), \
+                WAIT_ENDED_BADLY
+        if state == "pending" and sum(job.get("declines", {}).values()) >= members:
+            return dict(_wait_result(job, state, "not placed: every member declined it"),
+                        declines=job["declines"], hint=job.get("hint")), WAIT_NOT_PLACED
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.02)
-    raise MeshError("job %s was not placed within %d s" % (short_job_id(job_id_hex), WAIT_TIMEOUT_S))
+    if state in ("submitted", "pending"):
+        return _wait_result(job, state, "not placed within %g s" % wait_s), WAIT_NOT_PLACED
+    return _wait_result(job, state, "placed but not running within %g s" % wait_s), WAIT_ENDED_BADLY
+
+
+def _wait_result(job: dict | None, state: str, outcome: str) -> dict:
+    job = job or {}
+    return {"job_id": job.get("job_id"), "state": state, "outcome": outcome, "primary": job.get("primary"),
+            "backups": job.get("backups", []), "exit_code": job.get("exit_code")}
 
 
 def cmd_why(args) -> int:

@@ -64,8 +64,14 @@ from meshnode.net.transport import (
     FRAME_KIND_PONG,
     INCOMING_FRAMES_MAX_DEFAULT,
     MAX_FRAME_BYTES_DEFAULT,
+    MAX_INBOUND_REQUESTS,
+    MAX_REQUEST_BYTES,
     PING_TOKEN_BYTES,
     PROTOCOL_ID,
+    REQUEST_PROTOCOL_ID,
+    REQUEST_TIMEOUT_MS,
+    RequestFailed,
+    RequestHandler,
     FrameDecoder,
     FrameTooLarge,
     RttEstimator,
@@ -232,6 +238,8 @@ class Libp2pTransport:
         self._links: dict[bytes, _PeerLink] = {}
         self._dial_addrs: dict[bytes, multiaddr.Multiaddr] = {}
         self._closing = False
+        self._request_handler: RequestHandler | None = None
+        self._inbound_requests = 0
 
     @property
     def listen_addrs(self) -> list[str]:
@@ -497,12 +505,101 @@ class Libp2pTransport:
         else:
             raise RemoteProtocolError("frame kind %d on an inbound stream" % kind)
 
+    # -- requests (SPEC.md "Transport / Requests") -------------------------------------
+
+    def serve_requests(self, handler: RequestHandler) -> None:
+        self._request_handler = handler
+
+    async def request(self, peer_key: bytes, data: bytes, timeout_ms: int = REQUEST_TIMEOUT_MS) -> bytes:
+        if len(data) > MAX_REQUEST_BYTES:
+            raise LocalProtocolError("request of %d bytes over limit %d" % (len(data), MAX_REQUEST_BYTES))
+        link = self._links.get(peer_key)
+        if link is None or self._closing:
+            self.counters["request_failed"] += 1
+            raise RequestFailed("peer %s is not connected" % peer_key.hex()[:16])
+        why = "no answer within %d ms" % timeout_ms
+        with trio.move_on_after(timeout_ms / 1000):
+            try:
+                stream = await self._host.new_stream(link.peer_id, [TProtocol(REQUEST_PROTOCOL_ID)])
+            except _NETWORK_ERRORS as error:
+                why = "cannot open a request stream: %r" % error
+            else:
+                try:
+                    await stream.write(encode_frame(FRAME_KIND_DATA, data))
+                    answer = await self._read_one_frame(stream, self.max_frame_bytes)
+                    if answer is not None:
+                        self.counters["requests_answered"] += 1
+                        return answer
+                    why = "the peer closed the stream without an answer"
+                except RemoteProtocolError as error:
+                    why = "bad answer: %s" % error
+                except (StreamEOF, *_NETWORK_ERRORS) as error:
+                    why = "stream failed: %r" % error
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._reset_quietly(stream)
+        self.counters["request_failed"] += 1
+        raise RequestFailed("peer %s: %s" % (peer_key.hex()[:16], why))
+
+    @staticmethod
+    async def _read_one_frame(stream: INetStream, max_bytes: int) -> bytes | None:
+        """The payload of the first DATA frame on ``stream``, None at EOF before one."""
+        decoder = FrameDecoder(max_bytes)
+        while True:
+            try:
+                chunk = await stream.read(READ_CHUNK_BYTES)
+            except StreamEOF:
+                return None
+            if not chunk:
+                return None
+            for kind, payload in decoder.feed(chunk):
+                if kind != FRAME_KIND_DATA:
+                    raise RemoteProtocolError("frame kind %d on a request stream" % kind)
+                return payload
+
+    @staticmethod
+    async def _reset_quietly(stream: INetStream) -> None:
+        try:
+            await stream.reset()
+        except _NETWORK_ERRORS:
+            pass
+
+    async def _serve_request_stream(self, stream: INetStream) -> None:
+        """One request, one answer. Only from an authenticated peer with a link (the same
+        admission as the frame stream); at most MAX_INBOUND_REQUESTS at once."""
+        link = self._admit(stream.muxed_conn.peer_id)
+        if link is None or self._request_handler is None or self._inbound_requests >= MAX_INBOUND_REQUESTS:
+            self.counters["request_refused"] += 1
+            await self._reset_quietly(stream)
+            return
+        self._inbound_requests += 1
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT_MS / 1000):
+                request = await self._read_one_frame(stream, MAX_REQUEST_BYTES)
+                answer = None if request is None else await self._request_handler(link.key, request)
+                if answer is None:
+                    self.counters["request_refused"] += 1
+                else:
+                    await stream.write(encode_frame(FRAME_KIND_DATA, answer))
+                    # Half-close: the requester reads the whole answer, then resets.
+                    await stream.close()
+                    return
+        except RemoteProtocolError as error:
+            self.counters["bad_frame"] += 1
+            log.debug("bad request from %s: %s", link.peer_id, error)
+        except (StreamEOF, *_NETWORK_ERRORS):
+            pass
+        finally:
+            self._inbound_requests -= 1
+        await self._reset_quietly(stream)
+
     # -- shutdown ---------------------------------------------------------------------
 
     async def _close(self) -> None:
         """Reset our streams and disconnect every peer before the host goes away."""
         self._closing = True
         self._host.remove_stream_handler(TProtocol(PROTOCOL_ID))
+        self._host.remove_stream_handler(TProtocol(REQUEST_PROTOCOL_ID))
         streams = []
         for link in list(self._links.values()):
             link.cancel_scope.cancel()
@@ -569,6 +666,7 @@ async def open_libp2p_transport(
             )
             host.get_network().register_notifee(_ConnectionEvents(transport))
             host.set_stream_handler(TProtocol(PROTOCOL_ID), transport._serve_inbound_stream)
+            host.set_stream_handler(TProtocol(REQUEST_PROTOCOL_ID), transport._serve_request_stream)
             try:
                 yield transport
             finally:

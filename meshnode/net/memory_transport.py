@@ -15,7 +15,8 @@ import collections
 import trio
 
 from keys.errors import ConfigError
-from meshnode.net.transport import INCOMING_FRAMES_MAX_DEFAULT, MAX_FRAME_BYTES_DEFAULT
+from meshnode.net.transport import (INCOMING_FRAMES_MAX_DEFAULT, MAX_FRAME_BYTES_DEFAULT, MAX_INBOUND_REQUESTS,
+                                    MAX_REQUEST_BYTES, REQUEST_TIMEOUT_MS, RequestFailed, RequestHandler)
 from protocol.errors import LocalProtocolError
 
 MEMORY_ADDR_PREFIX = "/memory/"
@@ -80,6 +81,36 @@ class MemoryTransport:
         self.listen_addrs = [MEMORY_ADDR_PREFIX + key.hex()]
         self._incoming_send, self.incoming = trio.open_memory_channel[tuple[bytes, bytes]](incoming_frames_max)
         self.closed = False
+        self._request_handler: RequestHandler | None = None
+        self._inbound_requests = 0
+
+    def serve_requests(self, handler: RequestHandler) -> None:
+        self._request_handler = handler
+
+    async def request(self, peer_key: bytes, data: bytes, timeout_ms: int = REQUEST_TIMEOUT_MS) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if len(data) > MAX_REQUEST_BYTES:
+            raise LocalProtocolError("request of %d bytes over limit %d" % (len(data), MAX_REQUEST_BYTES))
+        if self.closed or not self._network.is_live(self.local_key, peer_key):
+            self.counters["request_failed"] += 1
+            raise RequestFailed("peer %s is not connected" % peer_key.hex()[:16])
+        answer = None
+        with trio.move_on_after(timeout_ms / 1000):
+            answer = await self._network._open[peer_key]._answer(self.local_key, data)
+        if answer is None or len(answer) > self.max_frame_bytes:
+            self.counters["request_failed"] += 1
+            raise RequestFailed("peer %s did not answer" % peer_key.hex()[:16])
+        return answer
+
+    async def _answer(self, requester: bytes, data: bytes) -> bytes | None:
+        if self._request_handler is None or self._inbound_requests >= MAX_INBOUND_REQUESTS:
+            self.counters["request_refused"] += 1
+            return None
+        self._inbound_requests += 1
+        try:
+            return await self._request_handler(requester, data)
+        finally:
+            self._inbound_requests -= 1
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()

@@ -17,14 +17,20 @@ from __future__ import annotations
 import collections
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
 
 import trio
 
-from protocol.errors import RemoteProtocolError
+from protocol.errors import MeshError, RemoteProtocolError
 
 PROTOCOL_ID = "/meshnode/1.0.0"
+# One request and its answer per stream (SPEC.md "Transport / Requests"): bulk reads such
+# as a job's output never queue in front of heartbeats on the persistent stream.
+REQUEST_PROTOCOL_ID = "/meshnode/request/1.0.0"
+MAX_REQUEST_BYTES = 64 * 1024
+REQUEST_TIMEOUT_MS = 10_000
+MAX_INBOUND_REQUESTS = 16      # answered at once, all peers; more are refused (reset)
 
 MAX_FRAME_BYTES_DEFAULT = 1 << 20
 INCOMING_FRAMES_MAX_DEFAULT = 1024
@@ -40,6 +46,15 @@ PING_TOKEN_BYTES = 8
 # Redial backoff after a lost or failed connection (SPEC.md "Transport / Redial").
 REDIAL_DELAY_MS_MIN = 100
 REDIAL_DELAY_MS_MAX = 2000
+
+
+class RequestFailed(MeshError):
+    """A request got no answer: the peer is not connected, refused it, or did not answer in time."""
+
+
+# A request handler gets (the requester's public key as authenticated by the handshake,
+# the request bytes) and returns the answer, or None to refuse without one.
+RequestHandler = Callable[[bytes, bytes], Awaitable["bytes | None"]]
 
 
 class FrameTooLarge(RemoteProtocolError):
@@ -73,6 +88,17 @@ class Transport(Protocol):
 
     def rtt_us(self, peer_key: bytes) -> int | None:
         """Smoothed round-trip time to a connected peer, or None if not known."""
+        ...
+
+    def serve_requests(self, handler: RequestHandler) -> None:
+        """Answer requests from connected peers with ``handler`` (at most
+        MAX_INBOUND_REQUESTS at once; a request over MAX_REQUEST_BYTES is refused)."""
+        ...
+
+    async def request(self, peer_key: bytes, data: bytes, timeout_ms: int = REQUEST_TIMEOUT_MS) -> bytes:
+        """Send one request to a connected peer and return its answer (at most
+        max_frame_bytes). Raises ``RequestFailed`` when no answer comes (counted
+        ``request_failed``), ``LocalProtocolError`` if ``data`` is over MAX_REQUEST_BYTES."""
         ...
 
     async def connect(self, peer_key: bytes, multiaddr: str) -> None:

@@ -43,6 +43,10 @@ def _text_arg(args: dict, name: str) -> str:
     return value
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _without_seq(row: dict) -> dict:
     return {key: value for key, value in row.items() if key != "seq"}
 
@@ -55,6 +59,17 @@ def _is_hex(text: str) -> bool:
     return True
 
 
+def newest_checkpoint(node: "Node", job: dict) -> tuple[int | None, int | None]:
+    """(seq, age in ms) of the newest checkpoint of ``job`` known here, or (None, None)."""
+    latest = node.checkpoints.latest(job["job_id"])
+    if latest is not None:  # this node holds it: the stored record is the truth
+        return latest.seq, max(0, wall_ms() - latest.taken_ms)
+    if job.get("known_checkpoint"):  # reported by the primary's capability vector
+        seq, at_ms = job["known_checkpoint"]
+        return seq, max(0, now_ms() - at_ms)
+    return None, None
+
+
 class ControlApi:
     def __init__(self, node: "Node"):
         self.node = node
@@ -62,7 +77,8 @@ class ControlApi:
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
-                "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates}
+                "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
+                "job_status": self.job_status, "job_output": self.job_output}
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
@@ -72,7 +88,8 @@ class ControlApi:
                 "evicted_at_epoch": core.evicted_at_epoch, "halted": core.halted,
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
-                "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source()}
+                "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source(),
+                "metrics": node.metrics_url}
 
     async def nodes(self, args) -> dict:
         node = self.node
@@ -96,27 +113,60 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        rows = []
-        for job in self.node.core.jobs():
-            latest = self.node.checkpoints.latest(job["job_id"])
-            if latest is not None:  # this node holds it: the stored record is the truth
-                checkpoint_seq, checkpoint_age_ms = latest.seq, max(0, wall_ms() - latest.taken_ms)
-            elif job.get("known_checkpoint"):  # reported by the primary's capability vector
-                checkpoint_seq, at_ms = job["known_checkpoint"]
-                checkpoint_age_ms = max(0, now_ms() - at_ms)
-            else:
-                checkpoint_seq = checkpoint_age_ms = None
-            rows.append({
-                "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
-                "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
-                "fence": job.get("fence", 0),
-                "checkpoint_seq": checkpoint_seq, "checkpoint_age_ms": checkpoint_age_ms,
-                "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
-                "submitted_ms": job.get("submitted_ms", 0),
-                "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint"),
-            })
-        return {"jobs": rows}
+        return {"jobs": [self._job_row(job) for job in self.node.core.jobs()]}
+
+    def _job_row(self, job: dict) -> dict:
+        checkpoint_seq, checkpoint_age_ms = newest_checkpoint(self.node, job)
+        return {
+            "job_id": job["job_id"].hex(), "name": job["name"], "owner": job["owner"].hex(),
+            "state": job["state"], "primary": _hex(job.get("primary")), "backups": _hex_list(job.get("backups", ())),
+            "fence": job.get("fence", 0),
+            "checkpoint_seq": checkpoint_seq, "checkpoint_age_ms": checkpoint_age_ms,
+            "migrations": job.get("migrations", 0), "lost_work_ms": job.get("lost_work_ms"),
+            "submitted_ms": job.get("submitted_ms", 0),
+            "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
+            "hint": job.get("hint"), "exit_code": job.get("exit_code"),
+        }
+
+    def _find_job(self, args) -> dict:
+        """The one job ``args.job_id`` names: its full id, or a prefix of one (hex)."""
+        text = args.get("job_id")
+        if not isinstance(text, str) or not text:
+            raise MeshError("job_id must be the job's id in hex (or a prefix of it)")
+        text = text.lower()
+        if len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+            raise MeshError("job_id %r is not a hex job id" % text[:80])
+        matches = [j for j in self.node.core.jobs() if j["job_id"].hex().startswith(text)]
+        if not matches:
+            raise MeshError("no job %s on this node (`meshnode job list` shows the jobs it knows)" % text[:64])
+        if len(matches) > 1:
+            raise MeshError("job id %s is ambiguous: it starts %d jobs; give more digits" % (text, len(matches)))
+        return matches[0]
+
+    async def job_status(self, args) -> dict:
+        """One job in full (`meshnode job status`): the `jobs` row, its exit code and
+        attempt, and whether its workload runs on this node."""
+        job = self._find_job(args)
+        row = self._job_row(job)
+        manifest = job["manifest"]
+        row.update({"attempt": job["attempt"], "max_retries": manifest.max_retries, "exit_code": job["exit_code"],
+                    "entrypoint": manifest.entrypoint, "gpus": list(job.get("gpus", ())),
+                    "running_here": bool(self.node.runner and job["job_id"] in self.node.runner.running()),
+                    "this_node": self.node.identity.public_key.hex()})
+        return row
+
+    async def job_output(self, args) -> dict:
+        """Part of a job's output (SPEC.md 9.8): ``target`` "log" | "files" | "file", read here
+        if this node runs the job, else from its primary with ``request`` (owner-signed)."""
+        job = self._find_job(args)
+        request = args.get("request")
+        if request is not None and not isinstance(request, bytes):
+            raise MeshError("args.request must be a signed output_read envelope (bytes)")
+        target, path = args.get("target", "log"), args.get("path", "")
+        offset, max_bytes = args.get("offset", 0), args.get("max_bytes", 65536)
+        if not isinstance(target, str) or not isinstance(path, str) or not _is_int(offset) or not _is_int(max_bytes):
+            raise MeshError("target and path are text, offset and max_bytes integers")
+        return await self.node.output.read(job, target, path, offset, max_bytes, request)
 
     async def consensus(self, args) -> dict:
         view = self.node.core.consensus_view()

@@ -30,6 +30,8 @@ MAX_TEXT_CHARS = 1024
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _MULTIADDR = re.compile(r"^/(ip4|ip6|dns4|dns6)/([^/]+)/tcp/(\d{1,5})$")
 GPU_SOURCES = ("auto", "nvml", "simulated")
+METRICS_HOST = "127.0.0.1"   # the Prometheus endpoint has no authentication: localhost only
+_METRICS_LISTEN = re.compile(r"^127\.0\.0\.1:(\d{1,5})$")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,11 @@ class NodeConfig:
     gpu: GpuProfile = GpuProfile()
     entrypoints: tuple[tuple[str, tuple[str, ...]], ...] = ()  # name -> argv the operator allows
     log_level: str = "info"
+    metrics_listen: str = ""   # "127.0.0.1:PORT" serves Prometheus metrics there (0: any free port); "": off
+
+    @property
+    def metrics_port(self) -> int | None:
+        return parse_metrics_listen(self.metrics_listen)
 
     def entrypoint_argv(self, name: str) -> tuple[str, ...] | None:
         return dict(self.entrypoints).get(name)
@@ -134,6 +141,17 @@ def parse_multiaddr(text, where: str) -> str:
     if match is None or int(match.group(3)) > 65535:
         raise ConfigError("%s: expected a multiaddr like /ip4/127.0.0.1/tcp/4001, got %r" % (where, text))
     return text
+
+
+def parse_metrics_listen(text, where: str = "node.metrics_listen") -> int | None:
+    """``"127.0.0.1:PORT"`` -> PORT (0: any free port); ``""`` -> None (metrics off)."""
+    if text == "":
+        return None
+    match = _METRICS_LISTEN.match(text) if isinstance(text, str) else None
+    if match is None or int(match.group(1)) > 65535:
+        raise ConfigError("%s: expected \"127.0.0.1:PORT\" (metrics are served on localhost only) or \"\" (off), "
+                          "got %r" % (where, text))
+    return int(match.group(1))
 
 
 def parse_bootstrap(text, where: str) -> BootstrapPeer:
@@ -216,7 +234,8 @@ def parse_config(doc: dict) -> NodeConfig:
     unknown = sorted(set(doc) - {"node", "passphrase", "policy", "gpu", "entrypoints"})
     if unknown:
         raise ConfigError("%s: unknown section (allowed: node, passphrase, policy, gpu, entrypoints)" % unknown[0])
-    node = _table(doc, "node", {"listen", "bootstrap", "zone", "rail_group", "cpu_milli", "mem_mib", "log_level"})
+    node = _table(doc, "node", {"listen", "bootstrap", "zone", "rail_group", "cpu_milli", "mem_mib", "log_level",
+                                "metrics_listen"})
     policy = _table(doc, "policy", {"allowed_owners", "allowed_entrypoints", "labels", "attestations"})
     default = NodeConfig()
     listen = tuple(parse_multiaddr(a, "node.listen[%d]" % i)
@@ -251,7 +270,13 @@ def parse_config(doc: dict) -> NodeConfig:
         gpu=_gpu(_table(doc, "gpu", {f.name for f in fields(GpuProfile)})),
         entrypoints=_entrypoints(_entrypoint_table(doc)),
         log_level=log_level,
+        metrics_listen=_metrics_listen(node.get("metrics_listen", default.metrics_listen)),
     )
+
+
+def _metrics_listen(value) -> str:
+    parse_metrics_listen(value)
+    return value
 
 
 def load_config(data_dir) -> NodeConfig:
@@ -259,7 +284,8 @@ def load_config(data_dir) -> NodeConfig:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError("no node config at %s (create one with `meshnode mesh init` or the testnet)" % path) from None
+        raise ConfigError("no node config at %s (write one with `meshnode node init --dir %s --genesis FILE "
+                          "--listen MULTIADDR`)" % (path, data_dir)) from None
     except OSError as exc:
         raise ConfigError("cannot read %s: %s" % (path, exc.strerror)) from None
     try:
@@ -353,7 +379,8 @@ def config_document(config: NodeConfig) -> dict:
         "node": {"listen": list(config.listen),
                  "bootstrap": ["%s@%s" % (p.public_key.hex(), p.addr) for p in config.bootstrap],
                  "zone": config.zone, "rail_group": config.rail_group, "cpu_milli": config.cpu_milli,
-                 "mem_mib": config.mem_mib, "log_level": config.log_level},
+                 "mem_mib": config.mem_mib, "log_level": config.log_level,
+                 "metrics_listen": config.metrics_listen},
         "passphrase": passphrase,
         "policy": {"allowed_owners": ["*"] if config.allowed_owners is None
                    else [k.hex() for k in config.allowed_owners],

@@ -29,6 +29,8 @@ from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
 from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
 from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.dirlock import DirectoryLock
+from meshnode.node.metrics import NodeMetrics, serve_metrics, stop_metrics
+from meshnode.node.output_service import OutputService
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry
@@ -70,6 +72,7 @@ class Node:
         self.transport = None
         self.runner: WorkloadRunner | None = None
         self.core: MeshCore | None = None
+        self.output = OutputService(self)   # job logs and files, for the control socket and for peers (SPEC 9.8)
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
         self.drain = ReadyDrain(persist=self._persist, send=self._send, apply=self._apply, publish=self._publish)
@@ -78,6 +81,8 @@ class Node:
         # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
         self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
         self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+        self.metrics = NodeMetrics(self)   # this node's own registry (README "Metrics")
+        self.metrics_server = None         # the HTTP endpoint, when node.toml sets metrics_listen
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -96,31 +101,46 @@ class Node:
         self.started_ms = now_ms()
         self.core = self._make_core()
         factory = self._transport_factory or _libp2p_factory
-        async with factory(self.identity.seed, list(self.config.listen)) as transport:
-            self.transport = transport
-            async with trio.open_nursery() as nursery:
-                self.runner = self._runner_factory(
-                    self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
-                    commands={name: list(argv) for name, argv in self.config.entrypoints},
-                    allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
-                await nursery.start(self.runner.serve)
-                api = ControlApi(self)
-                server = ControlServer(self.paths.control_socket, api.handlers(), self.events)
-                await nursery.start(server.serve)
-                nursery.start_soon(self._receive_loop)
-                nursery.start_soon(self._tick_loop)
-                nursery.start_soon(self._telemetry_loop)
-                nursery.start_soon(self._connect_peers)
-                log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
-                task_status.started(self)
-                _freeze_startup_heap()
-                # No workload starts here, not even after a restart. The replayed certificates
-                # may make this node the primary of jobs that an eviction decided while it
-                # was down moved, under a higher fence, to a survivor. So the core's first
-                # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
-                # member's heartbeat at our epoch yields "resume"; an eviction certificate
-                # yields our eviction, and nothing starts.
-                await trio.sleep_forever()
+        if self.config.metrics_port is not None:  # first: a busy port fails before any peer hears of us
+            self.metrics_server = serve_metrics(self.metrics, self.config.metrics_port)
+            log.info("metrics on %s", self.metrics_url)
+        try:
+            async with factory(self.identity.seed, list(self.config.listen)) as transport:
+                self.transport = transport
+                transport.serve_requests(self.output.answer)
+                async with trio.open_nursery() as nursery:
+                    self.runner = self._runner_factory(
+                        self.paths.root, self.genesis.params.checkpoint_ms, self._on_checkpoint, self._on_exit,
+                        commands={name: list(argv) for name, argv in self.config.entrypoints},
+                        allowed_entrypoints=frozenset(self.config.allowed_entrypoints))
+                    await nursery.start(self.runner.serve)
+                    api = ControlApi(self)
+                    server = ControlServer(self.paths.control_socket, api.handlers(), self.events)
+                    await nursery.start(server.serve)
+                    nursery.start_soon(self._receive_loop)
+                    nursery.start_soon(self._tick_loop)
+                    nursery.start_soon(self._telemetry_loop)
+                    nursery.start_soon(self._connect_peers)
+                    log.info("node %s up, listening on %s", self.identity.peer_id, transport.listen_addrs)
+                    task_status.started(self)
+                    _freeze_startup_heap()
+                    # No workload starts here, not even after a restart. The replayed certificates
+                    # may make this node the primary of jobs that an eviction decided while it
+                    # was down moved, under a higher fence, to a survivor. So the core's first
+                    # tick (SPEC.md F3, F6) asks peers for a sync and holds those jobs: a
+                    # member's heartbeat at our epoch yields "resume"; an eviction certificate
+                    # yields our eviction, and nothing starts.
+                    await trio.sleep_forever()
+        finally:
+            if self.metrics_server is not None:
+                stop_metrics(self.metrics_server)
+                self.metrics_server = None
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_server is None:
+            return None
+        return "http://%s:%d/metrics" % (node_config.METRICS_HOST, self.metrics_server.server_port)
 
     async def _connect_peers(self) -> None:
         """Dial every member with an address, and the bootstrap peers; the transport redials."""
@@ -178,6 +198,7 @@ class Node:
 
     async def _publish(self, events: list) -> None:
         # 4. log and publish events.
+        self.metrics.observe_events(events)
         mono_ns = time.monotonic_ns()  # system-wide on Linux: benchmarks compare across processes
         for event in events:
             detail = dict(event.detail, mono_ns=mono_ns)
@@ -201,6 +222,7 @@ class Node:
         """3. The core's workload orders ("stop", then "run": protocol/workload_orders.py),
         executed as given. Certified decisions need nothing more here: whatever they change
         about this node's workloads comes as orders in the same batch."""
+        self.metrics.observe_decision(decision)
         kind = decision.value_kind
         if kind == "stop":
             for job_id in decision.value:
@@ -333,24 +355,46 @@ def setup_logging(log_path: Path, level: str) -> None:
     root.setLevel(level.upper())
 
 
-async def run_node(data_dir, *, run_workloads: bool = True) -> None:
-    """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted)."""
+async def run_node(data_dir, *, run_workloads: bool = True, on_started=None) -> None:
+    """``meshnode run``: until SIGINT/SIGTERM, then a clean shutdown (state is already persisted).
+    ``on_started(node)`` runs once the node is up (`meshnode dev` prints how to use it)."""
     lock = DirectoryLock(data_dir)
     if Path(data_dir).is_dir():   # a missing directory gets Node's own one-line error
         lock.acquire()
     try:
-        await _run_locked_node(data_dir, run_workloads)
+        await _run_locked_node(data_dir, run_workloads, on_started)
+    except BaseExceptionGroup as group:
+        # A start-up error we raise on purpose (a busy metrics port, say) reaches us wrapped
+        # in the nurseries' groups; alone, it is the one line the CLI prints (exit 2).
+        error = _only_mesh_error(group)
+        if error is None:
+            raise
+        raise error from None
     finally:
         lock.release()
 
 
-async def _run_locked_node(data_dir, run_workloads: bool) -> None:
+def _only_mesh_error(group: BaseExceptionGroup) -> MeshError | None:
+    leaves = []
+    stack = [group]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, BaseExceptionGroup):
+            stack.extend(item.exceptions)
+        else:
+            leaves.append(item)
+    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], MeshError) else None
+
+
+async def _run_locked_node(data_dir, run_workloads: bool, on_started) -> None:
     node = Node(data_dir, run_workloads=run_workloads)
     setup_logging(node.paths.log, node.config.log_level)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
+                if on_started is not None:
+                    on_started(node)
 
                 async def stop_on_signal():
                     async for signum in signals:

@@ -13,6 +13,10 @@ tick, awaits ``on_checkpoint(job_id, seq, progress, taken_ms, state)``. The read
 not involve the workload's process, so a descheduled or stalled workload delays no
 checkpoint: the newest state it offered is taken on time.
 
+The workload's stdout and stderr come to the node through a pipe and are kept in its
+working directory as a bounded ring (meshnode/node/output_log.py), which `meshnode job
+logs` reads; all of it is in the ring before the exit is reported.
+
 A workload never outlives its node (SPEC.md 9.3). Linux only: the child sets
 PR_SET_PDEATHSIG=SIGKILL in a preexec_fn and then checks getppid() against the node's
 pid, which closes the race where the node died between fork and prctl. The death signal
@@ -26,6 +30,7 @@ start; that is the price. The SDK's EOF check is the second guard.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -39,15 +44,20 @@ from typing import Awaitable, Callable
 import trio
 
 from keys.errors import ConfigError
+from meshnode.node.output_log import OutputLog, job_workdir
 from meshnode.workload import sdk
 from meshnode.workload.builtin import BUILTIN_KINDS
 from meshnode.workload.state_slot import SlotReader, create_region
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
 
+log = logging.getLogger(__name__)
+
 PR_SET_PDEATHSIG = 1
 STATS_WINDOW = 1024       # checkpoint tick intervals kept per workload
 MAX_WORKLOADS = 256       # a node runs at most this many at once
+OUTPUT_READ_BYTES = 65536  # one read of a workload's output pipe
+OUTPUT_DRAIN_READS = 16    # after the exit: what is left in the pipe (a pipe holds 64 KiB)
 
 CheckpointCallback = Callable[[bytes, int, int, int, bytes], Awaitable[None]]
 ExitCallback = Callable[[bytes, int], Awaitable[None]]
@@ -98,6 +108,7 @@ class RunningWorkload:
     progress: int
     last_taken_ms: int | None = None
     torn_reads: int = 0
+    output_lost_bytes: int = 0     # output that could not be written to the ring (disk full)
     interval_error_us: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
 
     def summary(self) -> dict:
@@ -114,8 +125,11 @@ class _Job:
     """Runner-private bookkeeping for one workload process."""
 
     def __init__(self, info: RunningWorkload, popen: subprocess.Popen, stream: trio.SocketStream,
-                 slot: SlotReader, restore_frame: bytes):
+                 slot: SlotReader, restore_frame: bytes, output_fd: int, output_log: OutputLog):
         self.info = info
+        self.output_fd = output_fd         # read end of the workload's stdout/stderr pipe
+        self.output_log = output_log
+        self.pump_scope = trio.CancelScope()
         self.popen = popen
         self.stream = stream
         self.slot = slot
@@ -186,6 +200,8 @@ class WorkloadRunner:
         workdir = self.workdir(job_id)
         os.makedirs(workdir, exist_ok=True)
         node_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        output_read, output_write = os.pipe()
+        os.set_blocking(output_read, False)
         slot_fd = slot = popen = None
         try:
             slot_fd = create_region()
@@ -193,15 +209,17 @@ class WorkloadRunner:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
                        **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
                           sdk.WORKDIR_ENV: workdir})
-            with open(os.path.join(workdir, "output.log"), "ab") as output:
-                popen = subprocess.Popen(
-                    argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,
-                    preexec_fn=_die_with_parent(self._prctl, os.getpid()))
+            popen = subprocess.Popen(
+                argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output_write,
+                stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,
+                preexec_fn=_die_with_parent(self._prctl, os.getpid()))
         except OSError as exc:
             raise LocalProtocolError("cannot start %r: %s" % (argv[0], exc.strerror)) from None
         finally:
             child_end.close()
+            os.close(output_write)   # the child holds its copy: EOF once it and its group are gone
+            if popen is None:
+                os.close(output_read)
             if slot_fd is not None:
                 os.close(slot_fd)  # the mapping (ours) and the child's copy keep the memory alive
             if popen is None:  # not started (OSError, or e.g. a failing preexec_fn): nothing may leak
@@ -213,7 +231,7 @@ class WorkloadRunner:
                                gpus=tuple(gpus), started_ms=time.time_ns() // 1_000_000, seq=seq,
                                progress=progress)
         job = _Job(info, popen, trio.SocketStream(trio.socket.from_stdlib_socket(node_end)), slot,
-                   sdk.encode_frame(sdk.RESTORE, restore_fields, state))
+                   sdk.encode_frame(sdk.RESTORE, restore_fields, state), output_read, OutputLog(workdir))
         self._jobs[job_id] = job
         self._nursery.start_soon(self._supervise, job)
         return popen.pid
@@ -235,7 +253,7 @@ class WorkloadRunner:
 
     def workdir(self, job_id: bytes) -> str:
         """The job's working directory (absolute; manifests name it as ``{workdir}``)."""
-        return os.path.join(self.data_dir, "workloads", job_id.hex())
+        return job_workdir(self.data_dir, job_id)
 
     def running(self) -> dict[bytes, dict]:
         return {job_id: job.info.summary() for job_id, job in self._jobs.items()}
@@ -252,6 +270,7 @@ class WorkloadRunner:
             if pidfd is not None:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._tick, job)
+                    nursery.start_soon(self._pump_output, job)
                     await trio.lowlevel.wait_readable(pidfd)
                     job.process_gone = True
                     # A tick inside on_checkpoint is not cancelled: the callback may itself be
@@ -259,6 +278,7 @@ class WorkloadRunner:
                     if not job.in_callback:
                         job.tick_scope.cancel()
                     self._reap(job)
+                    job.pump_scope.cancel()   # what is left in the pipe is drained below
                 # What the workload offered after the last tick, e.g. just before it failed:
                 # a retry resumes from it.
                 await self._take_checkpoint(job)
@@ -266,10 +286,58 @@ class WorkloadRunner:
             if pidfd is not None:
                 os.close(pidfd)
             self._reap(job)          # on runner shutdown: kills the workload here
+            self._drain_output(job)  # before the exit is reported: a reader sees all of it
             job.stream.socket.close()
             job.slot.close()
         if not job.stopping:
             await self._on_exit(job.info.job_id, job.popen.returncode)
+
+    async def _pump_output(self, job: _Job) -> None:
+        """Copy the workload's output into its ring as it comes. The node reads at most
+        OUTPUT_READ_BYTES per wake-up; a workload that writes faster waits on its pipe."""
+        with job.pump_scope:
+            while True:
+                await trio.lowlevel.wait_readable(job.output_fd)
+                if not self._read_output_once(job):
+                    return
+
+    def _read_output_once(self, job: _Job) -> bool:
+        """One read of the pipe into the ring; False at EOF (or when nothing is waiting)."""
+        try:
+            data = os.read(job.output_fd, OUTPUT_READ_BYTES)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            job.output_log.append(data)
+        except OSError as exc:   # a full disk loses output, never the node
+            job.info.output_lost_bytes += len(data)
+            if job.info.output_lost_bytes == len(data):
+                log.warning("job %s: output not kept: %s", job.info.job_id.hex()[:12], exc)
+        return True
+
+    def _drain_output(self, job: _Job) -> None:
+        """After the process group is gone: the rest of the pipe, without waiting (a
+        descendant that left the group may hold it open), then close it."""
+        if job.output_fd < 0:
+            return
+        for _ in range(OUTPUT_DRAIN_READS):
+            try:
+                data = os.read(job.output_fd, OUTPUT_READ_BYTES)
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                job.output_log.append(data)
+            except OSError:
+                job.info.output_lost_bytes += len(data)
+        os.close(job.output_fd)
+        job.output_fd = -1
+        job.output_log.close()
 
     def _reap(self, job: _Job) -> None:
         _kill_group(job.popen)   # its children too

@@ -10,7 +10,9 @@ measure lost work (units logged after the restored count were done twice).
 ``train``: a deterministic CPU training loop, logistic regression by full-batch
 gradient descent over a seeded synthetic data set, in pure Python. State is the
 weights, the step and the loss history (bounded), so it grows as training goes on;
-a restored run reaches bit-identical weights to an uninterrupted one.
+a restored run reaches bit-identical weights to an uninterrupted one. With
+``--log-every N`` it prints ``step <step> loss <loss>`` to stdout every N steps, which
+is what `meshnode job logs` shows.
 """
 
 from __future__ import annotations
@@ -119,11 +121,16 @@ class TrainingRun:
         self.step = step
 
 
-def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: ProgressLog) -> None:
+def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: ProgressLog,
+              log_every: int = 0) -> None:
     if workload.restored_state is not None:
         run.restore_state(workload.restored_state)
+        if log_every:
+            print("resumed at step %d" % run.step, flush=True)
     while steps is None or run.step < steps:
-        run.train_step()
+        loss = run.train_step()
+        if log_every and run.step % log_every == 0:
+            print("step %d loss %.6f" % (run.step, loss), flush=True)
         log.unit_done(run.step)
         workload.set_state(run.encode_state(), run.step)
 
@@ -144,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate-milli", type=int, default=500)
     train.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: never)")
     train.add_argument("--progress-log", default=None)
+    train.add_argument("--log-every", type=int, default=0, metavar="N",
+                       help="print the step and loss to stdout every N steps (default: never)")
     return parser
 
 
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         run_counter(workload, max(1, args.unit_ms), args.units, log)
     else:
         run = TrainingRun(args.features, args.samples, args.seed, args.learning_rate_milli / 1000)
-        run_train(workload, run, args.steps, log)
+        run_train(workload, run, args.steps, log, max(0, args.log_every))
     return 0
 
 

@@ -222,6 +222,12 @@ class ConsensusInstance:
         return sign_message(self.identity, self.mesh_id, self._safety.round_change(self.round),
                             caches=self.caches).encode()
 
+    def hold_round(self, now_ms: int, recheck_ms: int) -> None:
+        """Stay in the current round (its flow has nothing for it to decide yet): its timeout
+        next expires ``recheck_ms`` from now, or its full timeout if shorter, when the flow is
+        asked again. Entering no round signs nothing, so holding one is always safe."""
+        self._round_started_ms = now_ms + min(recheck_ms, self.timeout_ms(self.round)) - self.timeout_ms(self.round)
+
     def tick(self, now_ms: int) -> Ready:
         """On round timeout move to the next round and tell its leader (SPEC.md 6.5)."""
         ready = Ready()

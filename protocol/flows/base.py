@@ -38,6 +38,11 @@ class ValueFlow:
     def on_round_changed(self, inst, now_ms: int, out: Ready) -> None:
         """The instance entered a new round (new leader)."""
 
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """True while the instance has nothing to decide here: when its round times out it
+        stays in that round (no round change is sent) and is asked again a little later."""
+        return False
+
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
         """A timer the flow scheduled with ``what="bid_window"`` is due."""
 

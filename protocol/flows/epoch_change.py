@@ -51,6 +51,7 @@ class EpochChangeFlow(ValueFlow):
         self.joins = joins
         self.apply_certificate_bytes = apply_certificate_bytes   # the core's: a held future certificate
         self.placement = None   # the PlacementFlow, set by the core: jobs of an epoch entered start
+        self.evicted_last_heard_ms: int | None = None   # while an eviction's jobs move: see _apply_eviction
 
     def bid_job(self, subject) -> None:
         return None
@@ -77,6 +78,18 @@ class EpochChangeFlow(ValueFlow):
         if epoch_change_instance_id(view.epoch) != proposal.instance:
             raise RemoteProtocolError("%s proposal under a foreign instance id" % proposal.value_kind)
         return self.start(view, now_ms, out)
+
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """SPEC F4: the current epoch's change, unlocked here, with no member suspected by more
+        than 1/3 of the stake (suspicions lapse once not renewed) and no join waiting: there
+        is nothing to decide, so its rounds stop changing until there is (before, a suspect
+        heard again kept the instance changing rounds for the rest of the epoch)."""
+        view = inst.view
+        if view.epoch != self.epochs.epoch or inst.locked_round is not None:
+            return False
+        if any(s in view.stakes and view.exceeds_one_third(by) for s, by in self.liveness.suspicions.items()):
+            return False
+        return not self.joins.waiting(view)
 
     # --- the leader's value (SPEC F5, F7) ------------------------------------------------------------
     def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
@@ -241,8 +254,12 @@ class EpochChangeFlow(ValueFlow):
             return
         evicted_jobs = [r for r in self.jobs if r.primary == eviction.node and r.state not in TERMINAL]
         completed = [r for r in self.jobs if r.primary == eviction.node and r.state == "completed"]
+        # Before entering the new epoch forgets it: when this node last heard the evicted one
+        # (the end of the work a job moved here may have lost, P6).
+        self.evicted_last_heard_ms = self.liveness.detector.last_heard_ms(eviction.node)
         self._enter(following, certificate, now_ms, out)
         self.move_jobs_of_evicted(evicted_jobs + completed, eviction, following, now_ms, out)
+        self.evicted_last_heard_ms = None
         if eviction.node == self.ctx.me:
             for record in evicted_jobs:
                 self.ledger.free(record.job_id)
@@ -284,6 +301,10 @@ class EpochChangeFlow(ValueFlow):
         record.migrations += 1
         record.state = "migrating"
         if to_node == self.ctx.me:
+            heard, checkpoint = self.evicted_last_heard_ms, record.known_checkpoint
+            # At most: it may have worked up to one heartbeat period after it was last heard.
+            record.lost_work_ms = (max(0, heard + self.ctx.params.heartbeat_ms - checkpoint[1])
+                                   if heard is not None and checkpoint is not None else None)
             claim = self.ledger.allocate_now(record.job_id, record.manifest.resources)
             record.gpus = claim.gpus if claim is not None else ()
             if claim is None:

@@ -46,6 +46,8 @@ class PlacementFlow(ValueFlow):
         self.slots = None          # the SlotFlow and the EpochChangeFlow, set by the core
         self.epoch_changes = None
         self.jobs_shown: set[tuple] = set()    # (leader, instance, job, round) we sent the job to (SPEC P3)
+        self.declines_forwarded: set[tuple] = set()   # (instance, round) whose declines we forwarded (P3a)
+        self.reconsidered_at_version = 0              # the ledger version reconsider_held last saw
 
     def bid_job(self, subject) -> bytes:
         return subject
@@ -177,6 +179,7 @@ class PlacementFlow(ValueFlow):
 
     def on_answer(self, inst, now_ms: int, out: Ready) -> None:
         self._maybe_propose(inst, now_ms, out, window_closed=False)
+        self.forward_unanimous_declines(inst, out)
 
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
         self._maybe_propose(inst, now_ms, out, window_closed=True)
@@ -256,6 +259,53 @@ class PlacementFlow(ValueFlow):
         if record is not None and not self.bidding.refresh_decline(inst, record, now_ms, key=inst.instance_id):
             return
         self.bidding.send_mine(inst.instance_id, now_ms, out)
+
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """SPEC P3a: every member of the instance's epoch declined the job (this node holds
+        their signed declines: the round's leader forwards them all once it has them), so
+        no round can place it: it waits in its round, quietly, instead of changing rounds
+        until it gives up. A member whose capacity frees bids then, to all (reconsider_held),
+        which ends the hold everywhere, and the round's leader proposes."""
+        if inst.locked_round is not None:
+            return False
+        record = self._pending_record(inst)
+        return record is not None and all(member in record.declines for member in inst.view.members)
+
+    def _pending_record(self, inst):
+        role = self.instances.role(inst.instance_id)
+        record = self.jobs.get(role.subject) if role is not None else None
+        return record if record is not None and record.state == "pending" else None
+
+    def forward_unanimous_declines(self, inst, out: Ready) -> None:
+        """P3a: the round's leader, holding a decline from every member, sends them all to
+        every member (once per round), so all of them hold the round alike."""
+        key = (inst.instance_id, inst.round)
+        if inst.leader != self.ctx.me or key in self.declines_forwarded or not self.round_on_hold(inst, 0):
+            return
+        if len(self.declines_forwarded) >= MAX_JOBS_SHOWN:
+            self.declines_forwarded.clear()
+        self.declines_forwarded.add(key)
+        for data in self.bidding.declined.get(inst.instance_id, {}).values():
+            out.messages.append(Outbound(None, data))
+
+    def reconsider_held(self, now_ms: int, out: Ready) -> None:
+        """P3a: capacity changed here (an exit, a cancel, a migration, a reservation let go):
+        each held placement this node declined is decided afresh, and a bid now goes to every
+        member (it ends their hold; the leader proposes with it)."""
+        if self.ledger.version == self.reconsidered_at_version:
+            return
+        self.reconsidered_at_version = self.ledger.version
+        for inst in list(self.instances.instances.values()):
+            role = self.instances.role(inst.instance_id)
+            if role is None or role.flow is not self or not self.round_on_hold(inst, now_ms):
+                continue
+            record = self._pending_record(inst)
+            if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
+                                                                                       key=inst.instance_id):
+                continue
+            _kind, data = self.bidding.mine[inst.instance_id]
+            out.messages.append(Outbound(None, data))
+            self.bidding.send_mine(inst.instance_id, now_ms, out)
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
         """SPEC P3: the job goes with our round change to a new round's leader, once per round

@@ -17,6 +17,7 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``liveness``: heartbeats, suspicions, evictions and their migrations, checkpoints,
   checkpoint acks, the epoch catch-up request;
 - ``membership``: members, membership changes, attestations, endorsements, joins, leaves;
+- ``output``: reading a job's output from its primary (requests and answers);
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
 - ``slots``: checks of a placement slot's value (SPEC.md P7).
 """
@@ -31,6 +32,8 @@ from protocol.messages.jobs import (MAX_RUNNING_LISTED, Bid, CapabilityVector, C
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
+from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
+                                      OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
@@ -49,6 +52,9 @@ __all__ = [
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # membership
     "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
+    # output
+    "MAX_OUTPUT_CHUNK_BYTES", "MAX_OUTPUT_FILES", "MAX_OUTPUT_PATH_BYTES", "OUTPUT_TARGETS", "OutputData",
+    "OutputFile", "OutputRead",
     # slots
     "slot_binding_error", "slot_placements",
     # votes

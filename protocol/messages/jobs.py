@@ -43,8 +43,9 @@ class RunningJob(Record):
     fence: int
     checkpoint_seq: int          # 0: no checkpoint yet
     checkpoint_age_ms: int       # the vector's taken_ms minus the checkpoint's (signer's clock)
+    lost_work_ms: int            # the work its last migration lost, as the signer measured it (P6); 0: none
     SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "checkpoint_seq": Int(),
-                        "checkpoint_age_ms": Int(0, 1 << 40)}
+                        "checkpoint_age_ms": Int(0, 1 << 40), "lost_work_ms": Int(0, 1 << 40)}
 
 
 MAX_RUNNING_LISTED = 64

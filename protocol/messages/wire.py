@@ -12,6 +12,7 @@ from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobE
                                     PlacementSlot)
 from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
+from protocol.messages.output import OutputData, OutputRead
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync)
 from protocol.schema import Record, scalars_only
@@ -20,7 +21,7 @@ from protocol.schema import Record, scalars_only
 MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
     CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
-    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest,
+    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest, OutputRead, OutputData,
 )}
 
 

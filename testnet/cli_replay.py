@@ -1,0 +1,110 @@
+"""`meshnode replay`: the Alibaba GPU trace through the project's packing policies
+(testnet/replay.py; SPEC.md 7, "GPU shares and packing")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshnode.cli.output import examples
+from protocol.packing import POLICY_NAMES, WorkloadDistribution
+from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
+                            sample_nodes, shuffled, timed)
+
+DEFAULT_TIMED_NODES = 6
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("replay", help="replay the Alibaba GPU trace through the packing policies",
+                                   description=__doc__.splitlines()[0],
+                                   epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json"))
+    parser.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, metavar="NODES.csv",
+                        help="node list (default: the openb cluster, 1213 nodes)")
+    parser.add_argument("--pods", type=Path, default=DEFAULT_PODS, metavar="PODS.csv",
+                        help="task list (default: openb_pod_list_default.csv)")
+    parser.add_argument("--policy", action="append", default=None, metavar="NAME",
+                        help="one of %s, or 'all' (repeatable; default all)" % ", ".join(POLICY_NAMES))
+    parser.add_argument("--seed", type=int, default=0, help="seed for the policies that draw (default 0)")
+    parser.add_argument("--load", type=float, default=DEFAULT_LOAD,
+                        help="stop once the GPU demand offered reaches LOAD x capacity (default 1.3)")
+    parser.add_argument("--shuffle", type=int, default=None, metavar="S",
+                        help="offer the tasks in the order a seeded shuffle (seed S) gives, not file order")
+    parser.add_argument("--timed", action="store_true",
+                        help="replay with the trace's arrival times and durations on --nodes nodes: queueing "
+                             "delay p50/p99 per QoS class (no preemption yet)")
+    parser.add_argument("--nodes", type=int, default=DEFAULT_TIMED_NODES, metavar="N",
+                        help="with --timed: nodes drawn (seeded) from the cluster (default %d)" % DEFAULT_TIMED_NODES)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def policies_from(names: list[str] | None) -> list[str]:
+    if not names or "all" in names:
+        return list(POLICY_NAMES)
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown:
+        raise TraceError("unknown policy %s (known: %s, all)" % (", ".join(unknown), ", ".join(POLICY_NAMES)))
+    return list(dict.fromkeys(names))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.load <= 100:
+        raise TraceError("--load must be in (0, 100], got %g" % args.load)
+    names = policies_from(args.policy)
+    nodes = load_cluster(args.cluster)
+    tasks = load_tasks(args.pods)
+    workload = WorkloadDistribution(t.demand for t in tasks)
+    results = {}
+    if args.shuffle is not None:
+        if args.timed:
+            raise TraceError("--shuffle reorders the fill experiment; --timed follows the trace's times")
+        tasks = shuffled(tasks, args.shuffle)
+    if args.timed:
+        return run_timed(args, names, sample_nodes(nodes, args.nodes, args.seed), tasks, workload)
+    for name in names:
+        results[name] = fill(nodes, tasks, name, seed=args.seed, load=args.load, workload=workload)
+        if not args.json:
+            r = results[name]
+            print("%-12s alloc %.4f  at first failure %-6s  failed %5d  frag %.4f  %6.1f s"
+                  % (name, r["gpu_alloc_share"], r["share_at_first_failure"], r["failed"], r["fragmentation"],
+                     r["wall_s"]), flush=True)
+    if args.json:
+        summary = {"cluster": str(args.cluster), "pods": str(args.pods), "nodes": len(nodes),
+                   "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "load": args.load,
+                   "seed": args.seed, "shuffle": args.shuffle, "policies": results}
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    return 0
+
+
+def run_timed(args, names, nodes, tasks, workload) -> int:
+    results = {}
+    for name in names:
+        results[name] = r = timed(nodes, tasks, name, seed=args.seed, workload=workload)
+        if not args.json:
+            by_class = "  ".join("%s p50 %s s p99 %s s (%d waiting)" % (q, c["delay_p50_s"], c["delay_p99_s"],
+                                                                       c["never_started"])
+                                 for q, c in r["qos"].items())
+            print("%-12s started %5d  %s  %6.1f s" % (name, r["started"], by_class, r["wall_s"]), flush=True)
+    if args.json:
+        summary = {"cluster": str(args.cluster), "pods": str(args.pods), "timed": True, "nodes": len(nodes),
+                   "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "seed": args.seed,
+                   "preemption": "not implemented: a waiting task waits for capacity to be freed",
+                   "policies": results}
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":  # `python -m testnet.cli_replay ...` from a worktree not installed in the venv
+    parser = argparse.ArgumentParser(prog="meshnode")
+    register(parser.add_subparsers(dest="command", required=True))
+    from protocol.errors import MeshError
+    try:
+        parsed = parser.parse_args(["replay", *sys.argv[1:]])
+        sys.exit(parsed.func(parsed))
+    except MeshError as exc:
+        print("meshnode: error: %s" % exc, file=sys.stderr)
+        sys.exit(2)
