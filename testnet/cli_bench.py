@@ -53,6 +53,21 @@ def register(subparsers) -> None:
     _common(failover)
     failover.set_defaults(func=cmd_failover)
 
+    hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
+                                             "churn, stalled half frames; can a member still connect")
+    hostile.add_argument("--dir", required=True, metavar="DIR", help="a testnet started by `meshnode testnet up`")
+    hostile.add_argument("--node", type=int, default=0, metavar="N", help="the node attacked (default 0)")
+    hostile.add_argument("--cycles", type=int, default=1000, help="inbound connections opened and closed")
+    hostile.add_argument("--clients", type=int, default=4, help="attacking hosts side by side for the churn")
+    hostile.add_argument("--stalled", type=int, default=30, help="peers that stall half-way through a 1 MiB frame")
+    hostile.add_argument("--holders", type=int, default=200, help="peers that hold a stream open and trickle frames")
+    hostile.add_argument("--hold-s", type=float, default=30.0, metavar="S", help="how long the holders hold (and "
+                                                                                 "the quiet period measured before)")
+    hostile.add_argument("--seed", type=int, default=None, help="seed for the attackers' keys")
+    hostile.add_argument("--json", action="store_true",
+                         help="accepted for symmetry: the result is always one JSON object")
+    hostile.set_defaults(func=cmd_hostile)
+
 
 def _common(parser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for nonces and kill moments")
@@ -98,3 +113,17 @@ def cmd_failover(args) -> int:
     _print(result)
     clean = result["lost_workloads"] == 0 and result["double_runs"] == 0 and result["aborted"] is None
     return 0 if clean else 1
+
+
+def cmd_hostile(args) -> int:
+    from keys.errors import ConfigError
+    from testnet.bench_hostile import run_hostile_bench
+    for name in ("cycles", "clients", "stalled", "holders", "hold_s"):
+        if getattr(args, name) < (1 if name == "clients" else 0):
+            raise ConfigError("--%s must be %s" % (name.replace("_", "-"), "at least 1" if name == "clients" else "0 or more"))
+    result = run_hostile_bench(args.dir, args.node, args.cycles, args.stalled, args.clients, args.holders, args.hold_s,
+                               seed=args.seed)
+    _print(result)
+    ok = result["node_alive"] and all(result[k]["dialled_in"] for k in ("member_after_churn", "member_after_stall",
+                                                                         "member_after_hold"))
+    return 0 if ok else 1

@@ -141,6 +141,7 @@ async def quiet_connected_pair():
     """Two transports on loopback, connected, with pings too rare to disturb a count."""
     async with open_libp2p_transport(SEED_NODE, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as a:
         async with open_libp2p_transport(SEED_PEER, ["/ip4/127.0.0.1/tcp/0"], ping_interval_ms=QUIET_PINGS_MS) as b:
+            b.set_members(frozenset({KEY_NODE}))  # else b holds a's bursts back as a stranger's
             await a.connect(KEY_PEER, b.listen_addrs[0])
             await _wait_connected(a, b)
             yield a, b

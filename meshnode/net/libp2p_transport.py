@@ -23,6 +23,13 @@ that handles it:
   (a trio system task) accepting and authenticating connections for a dead host.
 - libp2p's loggers are quieted after import (they print multi-line errors on every
   refused or dropped connection); set LIBP2P_DEBUG to keep them.
+- Inbound connections are served by our handler, not the swarm's
+  (``_serve_inbound_connection``): py-libp2p 0.8.1's holds a slot of its inbound
+  limiter (250) until the whole swarm stops, so after 250 connections had come and
+  gone a node refused every new one until it restarted. Ours returns the slot when the
+  connection closes and applies the limits of meshnode.net.limits (SPEC.md 8).
+- yamux's receive buffers are bounded (``_BoundedYamux``): py-libp2p 0.8.1 buffers
+  whatever a peer sends on a stream, window or not, and never limits inbound streams.
 
 Concurrency: each connected peer has a ``_PeerLink`` whose tasks (frame writer,
 pinger, pong reader) run under the link's cancel scope and end with the connection.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import random
 from collections.abc import AsyncIterator
@@ -48,6 +56,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pa
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -58,6 +67,7 @@ from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE as YAMUX_WINDOW_
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from keys.identity import peer_id_bytes, public_key_from_peer_id
+from meshnode.net.limits import InboundGate, KeyedRateLimiter, MemoryBudget, PeerLimits
 from meshnode.net.transport import (
     FRAME_KIND_DATA,
     FRAME_KIND_PING,
@@ -173,6 +183,132 @@ def _release_window_in_batches(stream: INetStream) -> None:
     muxed._auto_tune_and_send_window_update = release_after_read
 
 
+class _BoundedBuffer(bytearray):
+    """One yamux stream's receive buffer (an entry of ``Yamux.stream_buffers``) that
+    refuses what a peer may not make us hold.
+
+    py-libp2p 0.8.1's yamux (stream_muxer/yamux/yamux.py, ``handle_incoming``) appends
+    every DATA frame to the stream's buffer and only logs "peer exceeded receive
+    window": a peer could pin any amount of memory in a stream nobody reads. Here a
+    frame that would take the buffer past the window we granted (a yamux protocol
+    violation), or the peer past its MemoryBudget, is not stored and the connection is
+    closed (yamux's answer to a protocol error).
+    """
+
+    def __init__(self, muxer: "_BoundedYamux", stream_id: int):
+        super().__init__()
+        self._muxer = muxer
+        self._stream_id = stream_id
+        self.holder = object()
+
+    def extend(self, data) -> None:
+        size = len(self) + len(data)
+        stream = self._muxer.streams.get(self._stream_id)
+        window = max(YAMUX_WINDOW_BYTES, stream.target_recv_window if stream is not None else 0)
+        if size > window:
+            self._muxer.refuse("dropped_window_exceeded")
+        elif not self._muxer.hold(self.holder, size):
+            self._muxer.refuse("dropped_memory_budget")
+        else:
+            super().extend(data)
+
+    def __delitem__(self, index) -> None:
+        super().__delitem__(index)
+        self._muxer.hold(self.holder, len(self))
+
+    def clear(self) -> None:
+        super().clear()
+        self._muxer.release(self.holder)
+
+
+class _BoundedStreamBuffers(dict):
+    """``Yamux.stream_buffers`` whose buffers are _BoundedBuffer, released from the
+    MemoryBudget however yamux drops them, and that caps the streams of a connection
+    (py-libp2p 0.8.1 accepts any number of inbound streams; each may hold a window)."""
+
+    def __init__(self, muxer: "_BoundedYamux"):
+        super().__init__()
+        self._muxer = muxer
+
+    def __setitem__(self, stream_id: int, _empty_buffer: bytearray) -> None:
+        super().__setitem__(stream_id, _BoundedBuffer(self._muxer, stream_id))
+        if len(self) > self._muxer.streams_max():
+            self._muxer.refuse("dropped_stream_limit")
+
+    def __delitem__(self, stream_id: int) -> None:
+        self._muxer.release(self[stream_id].holder)
+        super().__delitem__(stream_id)
+
+    def pop(self, stream_id: int, *default):
+        buffer = super().pop(stream_id, *default)
+        if isinstance(buffer, _BoundedBuffer):
+            self._muxer.release(buffer.holder)
+        return buffer
+
+    def clear(self) -> None:
+        for buffer in self.values():
+            self._muxer.release(buffer.holder)
+        super().clear()
+
+
+class _BoundedYamux(Yamux):
+    """Yamux with bounded receive buffers and streams (see _BoundedBuffer); the muxer
+    class handed to new_host, bound to one transport by ``_bounded_yamux_for``."""
+
+    transport: "Libp2pTransport"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stream_buffers = _BoundedStreamBuffers(self)
+        self._peer_key = _ed25519_key(self.peer_id) or b""
+        self._refused = False
+
+    def _is_member(self) -> bool:
+        return self.transport.is_member(self._peer_key)
+
+    def streams_max(self) -> int:
+        limits = self.transport.limits
+        return limits.streams_per_member_connection_max if self._is_member() else limits.streams_per_nonmember_connection_max
+
+    def hold(self, holder: object, size: int) -> bool:
+        return self.transport.memory.hold(holder, self._peer_key, self._is_member(), size)
+
+    def release(self, holder: object) -> None:
+        self.transport.memory.release(holder)
+
+    def refuse(self, reason: str) -> None:
+        """Count ``reason`` and close the connection (once)."""
+        if self._refused:
+            return
+        self._refused = True
+        self.transport.counters[reason] += 1
+        log.debug("closing connection of %s: %s", self.peer_id, reason)
+        # Not in the muxer's own nursery: yamux cancels that one as soon as its reader
+        # stops, which would cut the swarm's clean-up (and its "disconnected") short.
+        self.transport._nursery.start_soon(self.close)
+
+
+def _bounded_yamux_for(transport: "Libp2pTransport") -> type[_BoundedYamux]:
+    return type("BoundedYamux", (_BoundedYamux,), {"transport": transport})
+
+
+def _use_muxer(host: IHost, muxer_class: type[_BoundedYamux]) -> None:
+    """Make ``host`` build ``muxer_class`` for every connection, both directions.
+
+    py-libp2p 0.8.1's ``MuxerMultistream.new_conn`` (stream_muxer/muxer_multistream.py)
+    builds its own ``Yamux`` for /yamux/1.0.0 whatever class ``muxer_opt`` names. This
+    replacement, on our host's instance only, negotiates the same way and builds ours;
+    yamux is the only muxer we offer, so the negotiated protocol is always yamux.
+    """
+    muxers = host.get_network().upgrader.muxer_multistream
+
+    async def new_conn(conn, peer_id: ID):
+        protocol, _ = await muxers._selector.select(conn, conn.is_initiator, muxers.negotiate_timeout)
+        return muxers._annotate_connection(muxer_class(conn, peer_id, is_initiator=conn.is_initiator), conn, protocol)
+
+    muxers.new_conn = new_conn
+
+
 class _PeerLink:
     """Our state for one connected peer; lives as long as its connection."""
 
@@ -185,6 +321,7 @@ class _PeerLink:
         self.cancel_scope = trio.CancelScope()
         self.lost = trio.Event()
         self.rtt = RttEstimator()
+        self.last_active_s = trio.current_time()  # last frame received: idle non-members go first
 
 
 class _ConnectionEvents(INotifee):
@@ -224,6 +361,7 @@ class Libp2pTransport:
         peers_max: int,
         ping_interval_ms: int,
         rng: random.Random,
+        limits: PeerLimits,
     ):
         self._host = host
         self.local_key = local_key
@@ -235,9 +373,17 @@ class Libp2pTransport:
         self._rng = rng
         self.counters: collections.Counter[str] = collections.Counter()
         self._incoming_send, self.incoming = trio.open_memory_channel[tuple[bytes, bytes]](incoming_frames_max)
+        self._incoming_frames_max = incoming_frames_max
         self._links: dict[bytes, _PeerLink] = {}
         self._dial_addrs: dict[bytes, multiaddr.Multiaddr] = {}
         self._closing = False
+        self.limits = limits
+        self._members: frozenset[bytes] = frozenset()
+        self._gate = InboundGate(limits)
+        self.memory = MemoryBudget(limits)
+        """What peers make us hold: partial frames and unread yamux buffers."""
+        self._nonmember_frames = KeyedRateLimiter(limits.nonmember_frame_rate_per_s, limits.nonmember_frame_burst,
+                                                  limits.addresses_tracked_max)
         self._request_handler: RequestHandler | None = None
         self._inbound_requests = 0
 
@@ -251,6 +397,14 @@ class Libp2pTransport:
     def rtt_us(self, peer_key: bytes) -> int | None:
         link = self._links.get(peer_key)
         return None if link is None else link.rtt.srtt_us
+
+    def set_members(self, peer_keys: frozenset[bytes]) -> None:
+        self._members = frozenset(peer_keys)
+
+    def is_member(self, peer_key: bytes) -> bool:
+        """Members, and peers the node asked us to keep connected, pass every per-key
+        limit and have their own memory budget (SPEC.md 8 "Limits against hostile peers")."""
+        return peer_key in self._members or peer_key in self._dial_addrs
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -283,6 +437,42 @@ class Libp2pTransport:
             self._nursery.start_soon(self._keep_connected, peer_key, peer_id, connected)
 
     # -- connection lifecycle -------------------------------------------------------
+
+    async def _serve_inbound_connection(self, read_write_closer, listen_addr: multiaddr.Multiaddr) -> None:
+        """Our replacement of ``Swarm._handle_inbound_connection`` (py-libp2p 0.8.1,
+        network/swarm.py), installed on our swarm instance by open_libp2p_transport.
+
+        The swarm's own handler takes a slot of its inbound limiter (max_connections -
+        min_connections = 250) and, after the upgrade, waits for the whole swarm to stop
+        (``self.manager.wait_finished()``) before giving the slot back: every inbound
+        connection ever made kept its slot, and after 250 had come and gone every new
+        one was refused until the process restarted. This handler lives exactly as long
+        as its connection: it must not return earlier, because trio's serve_listeners
+        closes the socket when the handler returns. The swarm-wide connection cap,
+        the Noise-only upgrade and the registration (upgrade_inbound_raw_conn, add_conn)
+        are still libp2p's; the connection gate and metrics it skips are unused here.
+        """
+        remote = read_write_closer.get_remote_address()
+        address = remote[0] if remote else "?"
+        refused = "dropped_closing" if self._closing else self._gate.begin_handshake(address, trio.current_time())
+        if refused is not None:
+            self.counters[refused] += 1
+            with trio.CancelScope(shield=True):
+                await _close_quietly(read_write_closer)
+            return
+        raw_conn = RawConnection(read_write_closer, False)
+        try:
+            try:
+                muxed_conn = await self._host.get_network().upgrade_inbound_raw_conn(raw_conn, listen_addr)
+            finally:
+                self._gate.end_handshake(address)
+        except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
+            self.counters["handshake_failed"] += 1
+            log.debug("inbound connection from %s failed: %r", address, error)
+            with trio.CancelScope(shield=True):
+                await _close_quietly(raw_conn)
+            return
+        await muxed_conn.event_closed.wait()
 
     async def _dial(self, peer_key: bytes, peer_id: ID) -> bool:
         if peer_key in self._links:
@@ -328,6 +518,17 @@ class Libp2pTransport:
         if peer_key is None or (peer_key not in self._links and len(self._links) >= self._peers_max):
             self.counters["peer_rejected"] += 1
             return None
+        if peer_key not in self._links:
+            nonmembers = {key: link.last_active_s for key, link in self._links.items() if not self.is_member(key)}
+            refused, evict = self._gate.admit_peer(peer_key, self.is_member(peer_key), nonmembers, trio.current_time())
+            if refused is not None:
+                self.counters[refused] += 1
+                return None
+            if evict is not None:
+                self.counters["evicted_idle_nonmember"] += 1
+                evicted = self._links[evict]
+                self._drop_link(evicted)
+                self._nursery.start_soon(self._host.disconnect, evicted.peer_id)
         return self._ensure_link(peer_key, peer_id)
 
     def _on_disconnected(self, peer_id: ID) -> None:
@@ -339,7 +540,10 @@ class Libp2pTransport:
         # goes only with the last one.
         if any(not conn.is_closed for conn in self._host.get_network().get_connections(peer_id)):
             return
-        del self._links[peer_key]
+        self._drop_link(link)
+
+    def _drop_link(self, link: _PeerLink) -> None:
+        del self._links[link.key]
         link.cancel_scope.cancel()
         link.lost.set()
         link.outbox_send.close()
@@ -450,9 +654,12 @@ class Libp2pTransport:
 
     async def _ping_periodically(self, link: _PeerLink) -> None:
         while True:
-            token = self._rng.randbytes(PING_TOKEN_BYTES)
-            link.rtt.ping_queued(token)
-            self._enqueue(link, FRAME_KIND_PING, token)
+            # Members only: the RTT figures are about them, and a stranger's stream is
+            # one more negotiation for nothing (a hostile peer never answers it).
+            if self.is_member(link.key):
+                token = self._rng.randbytes(PING_TOKEN_BYTES)
+                link.rtt.ping_queued(token)
+                self._enqueue(link, FRAME_KIND_PING, token)
             await trio.sleep(self._ping_interval_s)
 
     # -- inbound direction ------------------------------------------------------------
@@ -470,13 +677,34 @@ class Libp2pTransport:
         if previous is not None:
             await previous.reset()
         decoder = FrameDecoder(self.max_frame_bytes)
+        holder = object()  # this stream's partial frame in self.memory
+        frame_started_s: float | None = None
+        frame_timeout_s = self.limits.frame_read_timeout_ms / 1000
         try:
             while True:
-                chunk = await stream.read(READ_CHUNK_BYTES)
+                # A frame begun must end in time: a peer that sends a long prefix and
+                # stalls pins up to max_frame_bytes until then (SPEC.md 8).
+                deadline = math.inf if frame_started_s is None else frame_started_s + frame_timeout_s
+                with trio.move_on_at(deadline) as read_scope:
+                    chunk = await stream.read(READ_CHUNK_BYTES)
+                if read_scope.cancelled_caught:
+                    self.counters["dropped_frame_timeout"] += 1
+                    log.debug("frame from %s not complete within %d ms", peer_id, self.limits.frame_read_timeout_ms)
+                    break
                 if not chunk:
                     break
+                completed = False
                 for kind, payload in decoder.feed(chunk):
+                    completed = True
                     await self._on_inbound_frame(peer_key, stream, kind, payload)
+                if not decoder.buffered_bytes:
+                    frame_started_s = None
+                elif completed or frame_started_s is None:
+                    frame_started_s = trio.current_time()
+                if not self.memory.hold(holder, peer_key, self.is_member(peer_key), decoder.buffered_bytes):
+                    self.counters["dropped_memory_budget"] += 1
+                    log.debug("partial frame from %s over its memory budget", peer_id)
+                    break
         except FrameTooLarge as error:
             self.counters["dropped_oversize"] += 1
             log.debug("oversized frame from %s: %s", peer_id, error)
@@ -485,11 +713,27 @@ class Libp2pTransport:
             log.debug("bad frame from %s: %s", peer_id, error)
         except (StreamEOF, *_NETWORK_ERRORS, trio.TooSlowError):
             pass
+        finally:
+            self.memory.release(holder)
         if link.inbound_stream is stream:
             link.inbound_stream = None
         await stream.reset()
 
     async def _on_inbound_frame(self, peer_key: bytes, stream: INetStream, kind: int, payload: bytes) -> None:
+        now_s = trio.current_time()
+        link = self._links.get(peer_key)
+        if link is not None:
+            link.last_active_s = now_s
+        if not self.is_member(peer_key):
+            # Non-members share what members need: their frames are rate limited per
+            # peer and queued only while the queue is mostly empty, so members'
+            # heartbeats and votes always find room (SPEC.md 8).
+            if not self._nonmember_frames.allow(peer_key, now_s):
+                self.counters["dropped_nonmember_rate"] += 1
+                return
+            if kind == FRAME_KIND_DATA and self._incoming_backlog() * self.limits.nonmember_incoming_share_divisor >= self._incoming_frames_max:
+                self.counters["dropped_nonmember_share"] += 1
+                return
         if kind == FRAME_KIND_DATA:
             try:
                 self._incoming_send.send_nowait((peer_key, payload))
@@ -505,6 +749,8 @@ class Libp2pTransport:
         else:
             raise RemoteProtocolError("frame kind %d on an inbound stream" % kind)
 
+    def _incoming_backlog(self) -> int:
+        return self._incoming_send.statistics().current_buffer_used
     # -- requests (SPEC.md "Transport / Requests") -------------------------------------
 
     def serve_requests(self, handler: RequestHandler) -> None:
@@ -617,6 +863,13 @@ class Libp2pTransport:
         self._incoming_send.close()
 
 
+async def _close_quietly(closer) -> None:
+    try:
+        await closer.close()
+    except _NETWORK_ERRORS:
+        pass
+
+
 @asynccontextmanager
 async def open_libp2p_transport(
     seed: bytes,
@@ -628,6 +881,7 @@ async def open_libp2p_transport(
     peers_max: int = PEERS_MAX_DEFAULT,
     ping_interval_ms: int = PING_INTERVAL_MS_DEFAULT,
     rng: random.Random | None = None,
+    limits: PeerLimits = PeerLimits(),
 ) -> AsyncIterator[Libp2pTransport]:
     """A libp2p host whose identity is the Ed25519 ``seed``, listening on
     ``listen_addrs`` (multiaddrs such as "/ip4/127.0.0.1/tcp/0"), as a Transport."""
@@ -636,17 +890,32 @@ async def open_libp2p_transport(
     except (multiaddr.exceptions.Error, ValueError) as error:
         raise ConfigError("bad listen multiaddr: %s" % error) from None
     key_pair = create_new_key_pair(seed)  # wraps nacl SigningKey(seed): peer ID == signing key
+    muxer_class = _bounded_yamux_for(None)  # bound to the transport below, before any connection
     host = new_host(
         key_pair=key_pair,
         # Noise only: the default also offers TLS, secio and plaintext (a downgrade).
         sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-        # Else every dial waits 250 ms (happy eyeballs).
-        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): muxer_class},
+        # max_connections_per_peer=1: else every dial waits 250 ms (happy eyeballs).
+        # The upgrade timeout bounds how long a silent peer holds a handshake slot.
+        connection_config=ConnectionConfig(max_connections_per_peer=1,
+                                           inbound_upgrade_timeout=limits.handshake_timeout_ms / 1000),
         listen_addrs=addrs,
     )
     # Our redial loop has the backoff; the swarm's own retries would add 0.7 s per dial.
     host.get_network().retry_config = RetryConfig(max_retries=0)
+    _use_muxer(host, muxer_class)
+    transport_box: list[Libp2pTransport] = []
+
+    async def serve_inbound_connection(read_write_closer, listen_addr: multiaddr.Multiaddr) -> None:
+        if not transport_box:  # not started yet
+            await _close_quietly(read_write_closer)
+            return
+        await transport_box[0]._serve_inbound_connection(read_write_closer, listen_addr)
+
+    # Set before host.run() listens: the swarm's listener looks the handler up by
+    # attribute on each connection, so this instance attribute shadows the method.
+    host.get_network()._handle_inbound_connection = serve_inbound_connection
     local_key = public_key_from_peer_id(host.get_id().to_base58())
     async with host.run(addrs):
         # The auto-connector would dial every peer in the peerstore up to a target of
@@ -663,7 +932,10 @@ async def open_libp2p_transport(
                 peers_max,
                 ping_interval_ms,
                 rng or random.Random(seed),
+                limits,
             )
+            muxer_class.transport = transport
+            transport_box.append(transport)
             host.get_network().register_notifee(_ConnectionEvents(transport))
             host.set_stream_handler(TProtocol(PROTOCOL_ID), transport._serve_inbound_stream)
             host.set_stream_handler(TProtocol(REQUEST_PROTOCOL_ID), transport._serve_request_stream)

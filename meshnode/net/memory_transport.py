@@ -141,6 +141,10 @@ class MemoryTransport:
     def rtt_us(self, peer_key: bytes) -> int | None:
         return self._network.rtt_us if peer_key in self.peers() else None
 
+    def set_members(self, peer_keys: frozenset[bytes]) -> None:
+        # Only the libp2p transport limits non-members (SPEC.md 8); kept for inspection.
+        self.members = frozenset(peer_keys)
+
     async def connect(self, peer_key: bytes, multiaddr: str) -> None:
         await trio.lowlevel.checkpoint()
         if not multiaddr.startswith(MEMORY_ADDR_PREFIX) or multiaddr[len(MEMORY_ADDR_PREFIX) :] != peer_key.hex():

@@ -90,6 +90,12 @@ class Transport(Protocol):
         """Smoothed round-trip time to a connected peer, or None if not known."""
         ...
 
+    def set_members(self, peer_keys: frozenset[bytes]) -> None:
+        """The mesh's current members: they pass the limits that hold non-members back
+        (SPEC.md 8 "Limits against hostile peers"). Peers given to ``connect`` count
+        as members too."""
+        ...
+
     def serve_requests(self, handler: RequestHandler) -> None:
         """Answer requests from connected peers with ``handler`` (at most
         MAX_INBOUND_REQUESTS at once; a request over MAX_REQUEST_BYTES is refused)."""
@@ -140,6 +146,11 @@ class FrameDecoder:
         self._max_length = max_frame_bytes + 1  # the kind byte is not payload
         self._max_prefix_bytes = (self._max_length.bit_length() + 6) // 7
         self._buffer = bytearray()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of a frame not yet complete that this decoder holds."""
+        return len(self._buffer)
 
     def feed(self, data: bytes) -> Iterator[tuple[int, bytes]]:
         self._buffer += data

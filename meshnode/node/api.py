@@ -88,8 +88,8 @@ class ControlApi:
                 "evicted_at_epoch": core.evicted_at_epoch, "halted": core.halted,
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
-                "dropped": dict(core.counters), "telemetry": node.telemetry.describe_source(),
-                "metrics": node.metrics_url}
+                "dropped": dict(core.counters), "transport": dict(node.transport.counters),
+                "telemetry": node.telemetry.describe_source(), "metrics": node.metrics_url}
 
     async def nodes(self, args) -> dict:
         node = self.node

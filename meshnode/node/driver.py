@@ -34,6 +34,7 @@ from meshnode.node.output_service import OutputService
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry
+from meshnode.net.limits import RefusalReport
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
@@ -46,6 +47,7 @@ log = logging.getLogger("meshnode.node")
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 CONNECT_RETRY_MS = 500
+REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
 
 class Node:
@@ -81,6 +83,8 @@ class Node:
         # of synchronised hosts; `meshnode bench failover` reads them (op checkpoint_stats).
         self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
         self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
+        self._members_told_epoch: int | None = None  # the epoch whose members the transport knows
+        self._refusals = RefusalReport(REFUSAL_REPORT_MS)
         self.metrics = NodeMetrics(self)   # this node's own registry (README "Metrics")
         self.metrics_server = None         # the HTTP endpoint, when node.toml sets metrics_listen
 
@@ -160,7 +164,29 @@ class Node:
     async def _tick_loop(self) -> None:
         while True:
             await self._handle(self.core.tick(now_ms()))
+            self._tell_transport_members()
             await trio.sleep(TICK_MS / 1000)
+
+    def _tell_transport_members(self) -> None:
+        """Members pass the transport's limits on non-members; it learns them anew at
+        each epoch (joins and evictions change them)."""
+        if self._members_told_epoch != self.core.epoch:
+            self._members_told_epoch = self.core.epoch
+            self.transport.set_members(frozenset(m.public_key for m in self.core.member_records()))
+
+    def _report_refusals(self) -> None:
+        """Say in the log and the event stream that peers' traffic is being refused, by
+        reason, at most once per REFUSAL_REPORT_MS (SPEC.md 8): under attack the
+        counters in `status` grow, and this is what an operator watching sees."""
+        counters = dict(self.core.counters)
+        counters.update(self.transport.counters)
+        grown = self._refusals.poll(counters, now_ms())
+        if grown is None:
+            return
+        log.warning("refused or dropped peer traffic since the last report: %s",
+                    " ".join("%s=%d" % item for item in sorted(grown.items())))
+        self.events.publish(Event("peer_traffic_refused", now_ms(),
+                                  {"counts": grown, "interval_ms": REFUSAL_REPORT_MS, "mono_ns": time.monotonic_ns()}))
 
     async def _telemetry_loop(self) -> None:
         while True:
@@ -169,6 +195,7 @@ class Node:
             rtt_us = sum(rtts) // len(rtts) if rtts else 0
             await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms(),
                                                           simulated=self.telemetry.simulated))
+            self._report_refusals()
             await trio.sleep(TELEMETRY_MS / 1000)
 
     # --- the Ready contract --------------------------------------------------------------------
