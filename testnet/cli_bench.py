@@ -54,7 +54,9 @@ def register(subparsers) -> None:
     failover.set_defaults(func=cmd_failover)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
-                                             "churn, stalled half frames; can a member still connect")
+                                             "churn, stalled half frames; can a member still connect",
+                             epilog=examples("meshnode testnet up --nodes 4 --dir net",
+                                             "meshnode bench hostile --dir net --node 0 --json"))
     hostile.add_argument("--dir", required=True, metavar="DIR", help="a testnet started by `meshnode testnet up`")
     hostile.add_argument("--node", type=int, default=0, metavar="N", help="the node attacked (default 0)")
     hostile.add_argument("--cycles", type=int, default=1000, help="inbound connections opened and closed")
