@@ -116,13 +116,31 @@ class PassphraseSource:
 
     @staticmethod
     def _prompt(keystore_path: str, confirm: bool) -> bytes:
+        # Without a terminal getpass cannot hide what is typed: it reads stdin anyway and
+        # prints a GetPassWarning. A script pipes the passphrase in; no prompt, no noise.
+        ask = getpass.getpass if _stdin_is_terminal() else _read_stdin_line
         try:
-            first = getpass.getpass("Passphrase for %s: " % keystore_path)
-            if confirm and getpass.getpass("Repeat the passphrase: ") != first:
+            first = ask("Passphrase for %s: " % keystore_path)
+            if confirm and ask("Repeat the passphrase: ") != first:
                 raise KeystoreError("the two passphrases differ")
         except EOFError:
             raise KeystoreError("no passphrase given (stdin closed); use --passphrase-file or --passphrase-env") from None
         return first.encode("utf-8")
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (AttributeError, ValueError, OSError):  # stdin closed, or replaced by an object without a descriptor
+        return False
+
+
+def _read_stdin_line(_prompt: str) -> str:
+    """One line of a piped passphrase, without its newline; EOFError when stdin is empty."""
+    line = sys.stdin.readline() if sys.stdin is not None else ""
+    if not line:
+        raise EOFError
+    return line.rstrip("\r\n")
 
 
 # --- files ----------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import trio
 
-from keys.genesis import DEFAULT_PARAMS
 from keys.keystore import load_identity
 from meshnode.control.client import AsyncControlClient, ControlError, ControlUnavailable
 from meshnode.workload.manifest import parse_manifest
@@ -220,13 +219,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     they are submitted, so their creation times fall in the slots of their submission."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
         raise MeshError("--jobs must be 1..%d and --concurrency 1..%d" % (MAX_JOBS, MAX_CONCURRENCY))
-    params = DEFAULT_PARAMS
-    if heartbeat_ms is not None:
-        if not 10 <= heartbeat_ms <= 10_000:
-            raise MeshError("--heartbeat-ms must be 10..10000")
-        scale = DEFAULT_PARAMS.detection_bound_ms // DEFAULT_PARAMS.heartbeat_ms
-        params = dataclasses.replace(DEFAULT_PARAMS, heartbeat_ms=heartbeat_ms,
-                                     detection_bound_ms=scale * heartbeat_ms)
+    params = launcher.params_with_heartbeat(heartbeat_ms)
     if not 0 <= slot_ms <= 60_000:
         raise MeshError("--slot-ms must be 0..60000")
     params = dataclasses.replace(params, placement_slot_ms=slot_ms)

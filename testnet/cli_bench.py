@@ -10,16 +10,22 @@ import json
 import signal
 import sys
 
+from meshnode.cli.output import examples
+
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet")
+    bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet", epilog=examples(
+        "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
+        "meshnode bench failover --nodes 5 --kills 30 --json"))
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     sub.required = True
 
     consensus = sub.add_parser("consensus", help="placement latency (submit -> certificate at every node) "
-                                                 "and throughput")
-    consensus.add_argument("--nodes", type=int, default=4)
-    consensus.add_argument("--jobs", type=int, default=200)
+                                                 "and throughput", epilog=examples(
+        "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
+        "meshnode bench consensus --nodes 16 --jobs 50 --heartbeat-ms 200 --json   # a larger mesh on few cores"))
+    consensus.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+    consensus.add_argument("--jobs", type=int, default=200, metavar="N", help="jobs to place (default 200)")
     consensus.add_argument("--concurrency", type=int, default=1, help="submissions in flight")
     consensus.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
                            help="genesis heartbeat period (detection bound scales with it; default 50)")
@@ -28,9 +34,12 @@ def register(subparsers) -> None:
     _common(consensus)
     consensus.set_defaults(func=cmd_consensus)
 
-    failover = sub.add_parser("failover", help="kill -9 job primaries: detection, recovery, lost work")
-    failover.add_argument("--nodes", type=int, default=5)
-    failover.add_argument("--kills", type=int, default=30)
+    failover = sub.add_parser("failover", help="kill -9 job primaries: detection, recovery, lost work",
+                              epilog=examples(
+        "meshnode bench failover --nodes 5 --kills 30 --json",
+        "meshnode bench failover --soak-s 300 --pause-ms 150 --cpu-load 2 --json   # pauses: no evictions"))
+    failover.add_argument("--nodes", type=int, default=5, metavar="N", help="testnet nodes (default 5)")
+    failover.add_argument("--kills", type=int, default=30, metavar="N", help="primaries to SIGKILL (default 30)")
     failover.add_argument("--jobs", type=int, default=1, help="counter jobs running at once")
     failover.add_argument("--soak-s", type=float, default=None, metavar="S",
                           help="instead of kills: pause random nodes (SIGSTOP/SIGCONT) for S seconds and "
@@ -45,7 +54,9 @@ def register(subparsers) -> None:
     failover.set_defaults(func=cmd_failover)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
-                                             "churn, stalled half frames; can a member still connect")
+                                             "churn, stalled half frames; can a member still connect",
+                             epilog=examples("meshnode testnet up --nodes 4 --dir net",
+                                             "meshnode bench hostile --dir net --node 0 --json"))
     hostile.add_argument("--dir", required=True, metavar="DIR", help="a testnet started by `meshnode testnet up`")
     hostile.add_argument("--node", type=int, default=0, metavar="N", help="the node attacked (default 0)")
     hostile.add_argument("--cycles", type=int, default=1000, help="inbound connections opened and closed")

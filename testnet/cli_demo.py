@@ -20,6 +20,8 @@ from meshnode.node.config import node_paths
 from meshnode.workload.manifest import load_manifest
 from protocol.errors import MeshError
 from protocol.messages import encode_message
+from meshnode.cli.output import examples
+from meshnode.tui.tables import short_job_id
 from testnet import launcher
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
@@ -29,9 +31,11 @@ CAPTURE_SETTLE_S = 0.5    # long enough for a view switch and a poll to be drawn
 
 
 def register(subparsers) -> None:
-    demo = subparsers.add_parser("demo", help="a local mesh with example workloads, shown live")
-    demo.add_argument("--dir", default="demo-mesh", metavar="DIR")
-    demo.add_argument("--nodes", type=int, default=4)
+    demo = subparsers.add_parser("demo", help="a local mesh with example workloads, shown live", epilog=examples(
+        "meshnode demo", "meshnode demo --capture shots     # write every TUI screen to shots/ instead"))
+    demo.add_argument("--dir", default="demo-mesh", metavar="DIR",
+                      help="the demo testnet's directory (default demo-mesh)")
+    demo.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
     demo.add_argument("--keep", action="store_true", help="leave the testnet running afterwards")
     demo.add_argument("--capture", metavar="OUT_DIR",
                       help="write the TUI's screens (text and SVG, %dx%d) to OUT_DIR instead of opening it"
@@ -50,7 +54,7 @@ def submit_examples(root) -> list[str]:
         for manifest_path in sorted(JOBS_DIR.glob("*.toml")):
             job = load_manifest(manifest_path, owner.public_key, time.time_ns() // 1_000_000, epoch=epoch)
             job_ids.append(client.call("submit", job=encode_message(owner, mesh_id, job))["job_id"])
-            print("submitted %-22s %s" % (manifest_path.name, job_ids[-1][:12]))
+            print("submitted %-22s %s" % (manifest_path.name, short_job_id(job_ids[-1])))
     return job_ids
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshnode.cli.output import examples
 from protocol.packing import POLICY_NAMES, WorkloadDistribution
 from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
                             sample_nodes, shuffled, timed)
@@ -17,7 +18,8 @@ DEFAULT_TIMED_NODES = 6
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("replay", help="replay the Alibaba GPU trace through the packing policies",
-                                   description=__doc__.splitlines()[0])
+                                   description=__doc__.splitlines()[0],
+                                   epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json"))
     parser.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, metavar="NODES.csv",
                         help="node list (default: the openb cluster, 1213 nodes)")
     parser.add_argument("--pods", type=Path, default=DEFAULT_PODS, metavar="PODS.csv",

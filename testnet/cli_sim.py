@@ -17,6 +17,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from meshnode.cli.output import examples
 from testnet import launcher
 from testnet.sim import FAULTS, SimConfig, SimResult, run_simulation
 from testnet.sim_nodes import NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
@@ -28,7 +29,9 @@ MAX_SHOWN_VIOLATIONS = 10
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("sim", help="run the deterministic fault-injecting simulator",
-                                   description=__doc__.splitlines()[0])
+                                   description=__doc__.splitlines()[0], epilog=examples(
+        "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
+        "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")

@@ -5,37 +5,54 @@ from __future__ import annotations
 import shutil
 import signal
 
-from rich.table import Table
-
-from meshnode.cli.output import add_json_flag, emit
+from meshnode.cli.output import add_json_flag, emit, examples, print_command, progress
+from meshnode.tui.tables import compact_table, plain_text
 from testnet import launcher
 
 
+FAULTS = (  # (command, what it does to node I)
+    ("kill", "SIGKILL node I: the mesh evicts it and migrates its jobs"),
+    ("stop", "stop node I cleanly (SIGTERM)"),
+    ("start", "start node I again, and wait until it answers"),
+    ("pause", "freeze node I (SIGSTOP)"),
+    ("resume", "unfreeze node I (SIGCONT)"),
+)
+STATUS_COLUMNS = ("#", "node", "pid", "process", "port", "zone", "connected", "epoch")
+
+
 def register(subparsers) -> None:
-    testnet = subparsers.add_parser("testnet", help="start, inspect, fault and stop a local testnet")
+    testnet = subparsers.add_parser("testnet", help="start, inspect, fault and stop a local testnet", epilog=examples(
+        "meshnode testnet up --nodes 4 --dir net", "meshnode testnet kill 2 --dir net",
+        "meshnode testnet down --dir net --purge"))
     sub = testnet.add_subparsers(dest="testnet_command", metavar="SUBCOMMAND")
     sub.required = True
-    up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected")
-    up.add_argument("--nodes", type=int, default=4)
-    up.add_argument("--owners", type=int, default=1, help="workload owner keys to create")
+    up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected", epilog=examples(
+        "meshnode testnet up --nodes 4 --dir net",
+        "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores"))
+    up.add_argument("--nodes", type=int, default=4, metavar="N", help="how many nodes (default 4)")
+    up.add_argument("--owners", type=int, default=1, metavar="N",
+                    help="workload owner keys to create, in DIR/owners/ (default 1)")
     up.add_argument("--no-workloads", action="store_true", help="place jobs but start no processes")
+    up.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
+                    help="heartbeat period; the detection bound scales with it (6 periods; default 50)")
     _common(up)
     up.set_defaults(func=cmd_up)
-    status = sub.add_parser("status", help="every node's process state and connections")
+    status = sub.add_parser("status", help="every node's process state and connections",
+                            epilog=examples("meshnode testnet status --dir net"))
     _common(status)
     status.set_defaults(func=cmd_status)
-    for name, help_text in (("kill", "SIGKILL node I"), ("stop", "stop node I cleanly (SIGTERM)"),
-                            ("start", "start node I again"), ("pause", "freeze node I (SIGSTOP)"),
-                            ("resume", "unfreeze node I (SIGCONT)")):
-        parser = sub.add_parser(name, help=help_text)
-        parser.add_argument("index", type=int, metavar="I")
+    for name, help_text in FAULTS:
+        parser = sub.add_parser(name, help=help_text, epilog=examples("meshnode testnet %s 2 --dir net" % name))
+        parser.add_argument("index", type=int, metavar="I", help="the node's index: the # column of `testnet status`")
         _common(parser)
         parser.set_defaults(func=cmd_fault, action=name)
-    add = sub.add_parser("add", help="create and start a new, not yet admitted node (then `meshnode join`)")
-    add.add_argument("--stake", type=int, default=100, help="stake the testnet authority vouches for")
+    add = sub.add_parser("add", help="create and start a new, not yet admitted node (then `meshnode join`)",
+                         epilog=examples("meshnode testnet add --dir net --stake 100"))
+    add.add_argument("--stake", type=int, default=100, help="stake the testnet authority vouches for (default 100)")
     _common(add)
     add.set_defaults(func=cmd_add)
-    down = sub.add_parser("down", help="stop every node and workload of the testnet")
+    down = sub.add_parser("down", help="stop every node and workload of the testnet",
+                          epilog=examples("meshnode testnet down --dir net --purge"))
     down.add_argument("--purge", action="store_true", help="also delete DIR")
     _common(down)
     down.set_defaults(func=cmd_down)
@@ -46,23 +63,27 @@ def _common(parser) -> None:
     add_json_flag(parser)
 
 
-def render_rows(rows) -> Table:
-    table = Table(title="testnet", title_justify="left")
-    for column in ("#", "pid", "process", "port", "zone", "key", "connected", "epoch"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(row.get(c, "")) if row.get(c) is not None else "-"
-                        for c in ("index", "pid", "process", "port", "zone", "key", "connected", "epoch")))
-    return table
+def render_rows(rows):
+    """The testnet's nodes: the index that fault commands take, and the node label every
+    other table names the node by."""
+    return compact_table("testnet", STATUS_COLUMNS, [
+        tuple(plain_text(row.get(c)) for c in ("index", "node", "pid", "process", "port", "zone", "connected", "epoch"))
+        for row in rows])
 
 
 def cmd_up(args) -> int:
-    rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads)
+    params = launcher.params_with_heartbeat(args.heartbeat_ms)
+    with progress(args, "creating the testnet in %s" % args.dir) as shown:
+        rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
+                           on_step=shown.update)
     layout = launcher.load_layout(args.dir)
-    emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]},
-         lambda console: (console.print(render_rows(rows)),
-                          console.print("owner keys: " + ", ".join(o["key_file"] for o in layout["owners"])),
-                          print_metrics_urls(console, rows)))
+
+    def render(console):
+        console.print(render_rows(rows))
+        for owner in layout["owners"]:
+            print_command(console, "owner key: %s" % owner["key_file"])
+        print_metrics_urls(console, rows)
+    emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]}, render)
     return 0
 
 
@@ -81,10 +102,12 @@ def print_metrics_urls(console, rows) -> None:
 
 def cmd_fault(args) -> int:
     if args.action == "start":
-        pid = launcher.start_node(args.dir, args.index)
-        launcher.wait_ready(args.dir, indices=[args.index])
+        with progress(args, "starting node %d" % args.index):
+            pid = launcher.start_node(args.dir, args.index)
+            launcher.wait_ready(args.dir, indices=[args.index])
     elif args.action == "stop":
-        launcher.stop_node(args.dir, args.index)
+        with progress(args, "stopping node %d" % args.index):
+            launcher.stop_node(args.dir, args.index)
         pid = None
     else:
         signum = {"kill": signal.SIGKILL, "pause": signal.SIGSTOP, "resume": signal.SIGCONT}[args.action]
@@ -95,20 +118,28 @@ def cmd_fault(args) -> int:
     return 0
 
 
+def join_command(node_dir: str, bootstrap: str) -> str:
+    return "meshnode join --node %s --bootstrap %s" % (node_dir, bootstrap)
+
+
 def cmd_add(args) -> int:
-    entry = launcher.add_node(args.dir, args.stake)
+    with progress(args, "creating and starting a new node"):
+        entry = launcher.add_node(args.dir, args.stake)
     layout = launcher.load_layout(args.dir)
     result = dict(entry, bootstrap=launcher.bootstrap_multiaddr(layout["nodes"][0]))
-    emit(args, result, lambda console: console.print(
-        "node %d started at %s; admit it with:\n  meshnode join --node %s --bootstrap %s"
-        % (entry["index"], entry["dir"], entry["dir"], result["bootstrap"])))
+
+    def render(console):
+        console.print("node %d started at %s; admit it with:" % (entry["index"], entry["dir"]))
+        print_command(console, join_command(entry["dir"], result["bootstrap"]))
+    emit(args, result, render)
     return 0
 
 
 def cmd_down(args) -> int:
-    leftovers = launcher.down(args.dir)
-    if args.purge:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    with progress(args, "stopping the testnet in %s" % args.dir):
+        leftovers = launcher.down(args.dir)
+        if args.purge:
+            shutil.rmtree(args.dir, ignore_errors=True)
     result = {"stopped": True, "leftover_processes": leftovers}
     emit(args, result, lambda console: console.print(
         "testnet stopped" + (" (killed %d stragglers)" % len(leftovers) if leftovers else "")))

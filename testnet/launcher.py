@@ -11,6 +11,7 @@ is how ``down`` proves that nothing is left.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,7 +26,7 @@ from pathlib import Path
 from keys.attestation import issue_attestation
 from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
-from keys.identity import SigningIdentity, generate_identity
+from keys.identity import SigningIdentity, generate_identity, short_id
 from keys.keystore import create_keystore, load_identity
 from meshnode.control.client import ControlClient
 from meshnode.node.config import (METRICS_HOST, BootstrapPeer, GpuProfile, NodeConfig, PassphraseSource, node_paths,
@@ -36,6 +37,7 @@ from protocol.messages import Member
 LAYOUT_FILE = "testnet.json"
 READY_TIMEOUT_S = 60
 STOP_GRACE_S = 5
+STARTUP_LOG_TAIL_BYTES = 4096  # read from the end of a dead node's log to say why it died
 MAX_NODES = 64
 ATTESTATION_FILE = "attestation.bin"
 ATTESTATION_VALID_MS = 30 * 24 * 3600 * 1000
@@ -214,12 +216,35 @@ def wait_control(root, index: int, timeout_s: float = READY_TIMEOUT_S) -> dict:
     while True:
         row = node_status(entry)
         if row["process"] == "dead":
-            raise MeshError("node %d exited during start-up; see %s/node.log" % (index, entry["dir"]))
+            raise startup_failure(index, entry["dir"])
         if row["connected"] is not None:
             return row
         if time.monotonic() > deadline:
             raise MeshError("node %d has no control socket after %d s" % (index, timeout_s))
         time.sleep(0.1)
+
+
+def _last_line(path: Path) -> str | None:
+    """The last non-blank line of a log, read from its end only (logs grow without bound)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - STARTUP_LOG_TAIL_BYTES))
+            tail = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def startup_failure(index: int, node_dir) -> MeshError:
+    """Why node ``index`` died starting: the last line its process printed (stdout.log holds
+    the one-line error or traceback of a node that never got as far as opening node.log),
+    else node.log's, naming the file it came from."""
+    for name in ("stdout.log", "node.log"):
+        line = _last_line(Path(node_dir) / name)
+        if line is not None:
+            return MeshError("node %d exited during start-up: %s (see %s)" % (index, line, Path(node_dir) / name))
+    return MeshError("node %d exited during start-up and logged nothing (%s)" % (index, node_dir))
 
 
 def bootstrap_multiaddr(entry: dict) -> str:
@@ -280,8 +305,10 @@ def process_state(pid: int | None) -> str:
 
 def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
     state = process_state(entry.get("pid"))
-    row = {"index": entry["index"], "pid": entry.get("pid"), "process": state, "port": entry["port"],
-           "zone": entry["zone"], "key": entry["public_key"][:16], "connected": None, "epoch": None,
+    public_key = bytes.fromhex(entry["public_key"])
+    row = {"index": entry["index"], "node": short_id(public_key), "public_key": entry["public_key"],
+           "pid": entry.get("pid"), "process": state, "port": entry["port"], "zone": entry["zone"],
+           "connected": None, "epoch": None,
            "metrics": "http://%s:%d/metrics" % (METRICS_HOST, entry["metrics_port"])
            if entry.get("metrics_port") else None}
     if state == "running":
@@ -304,8 +331,7 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
         rows = [node_status(n) for n in nodes]
         for row in rows:
             if row["process"] == "dead":
-                raise MeshError("node %d exited during start-up; see %s/node.log"
-                                % (row["index"], _entry(layout, row["index"])["dir"]))
+                raise startup_failure(row["index"], _entry(layout, row["index"])["dir"])
         if all(r["connected"] is not None and r["connected"] >= len(alive) - 1 for r in rows):
             return rows
         if time.monotonic() > deadline:
@@ -313,11 +339,27 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
         time.sleep(0.1)
 
 
+def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEFAULT_PARAMS) -> ProtocolParams:
+    """``params`` with a heartbeat period of ``heartbeat_ms`` and a detection bound the same
+    multiple of it as the defaults' (6x). Every member heartbeats every other, so a mesh's
+    idle cost grows with n^2: a larger testnet on few cores needs a longer period."""
+    if heartbeat_ms is None:
+        return params
+    if not 10 <= heartbeat_ms <= 10_000:
+        raise ConfigError("--heartbeat-ms must be 10..10000")
+    scale = DEFAULT_PARAMS.detection_bound_ms // DEFAULT_PARAMS.heartbeat_ms
+    return dataclasses.replace(params, heartbeat_ms=heartbeat_ms, detection_bound_ms=scale * heartbeat_ms)
+
+
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
-       params: ProtocolParams = DEFAULT_PARAMS) -> list[dict]:
+       params: ProtocolParams = DEFAULT_PARAMS, on_step=lambda text: None) -> list[dict]:
+    """Create and start a testnet; ``on_step(text)`` hears of each step (a CLI's progress line)."""
+    on_step("writing keys, genesis and configs for %d nodes" % nodes)
     create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True)
     for i in range(nodes):
+        on_step("starting node %d of %d" % (i + 1, nodes))
         start_node(root, i)
+    on_step("waiting for the %d nodes to connect to each other" % nodes)
     try:
         return wait_ready(root)
     except MeshError:

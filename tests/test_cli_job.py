@@ -66,7 +66,7 @@ async def test_list_and_status_name_the_job_everywhere_and_unknown_ids_are_one_l
 
     async def test(jid, primary, bystander):
         code, out, _ = await cli(capsys, "job", "list", "--node", bystander.paths.root)
-        assert code == 0 and jid.hex()[:12] in out and "placed" in out
+        assert code == 0 and jid.hex()[:8] in out and "placed" in out
         code, out, _ = await cli(capsys, "job", "list", "--node", bystander.paths.root, "--json")
         assert [j["job_id"] for j in json.loads(out)["jobs"]] == [jid.hex()]
         code, out, _ = await cli(capsys, "job", "status", jid.hex()[:12], "--node", bystander.paths.root, "--json")
@@ -212,7 +212,7 @@ def test_job_tables_fit_80_columns_without_wrapping_ids():
            "checkpoint_seq": 123456, "checkpoint_age_ms": 987_654, "migrations": 12, "lost_work_ms": None,
            "exit_code": 255, "submitted_ms": 1, "declines": {}, "hint": None, "attempt": 3, "max_retries": 16,
            "running_here": False}
-    for table, shown_id in ((render_job_list({"jobs": [job, dict(job, job_id="cd" * 32)]}), "ab" * 6),
+    for table, shown_id in ((render_job_list({"jobs": [job, dict(job, job_id="cd" * 32)]}), "ab" * 4),
                             (render_job_status(job), "ab" * 32)):
         console = Console(width=80, record=True, force_terminal=False)
         console.print(table)

@@ -389,3 +389,100 @@ def test_sync_client_gives_up_on_a_silent_node(node_dir):
                 client.call("status")
     finally:
         listener.close()
+
+
+# --- idle and excess clients (issue 19: 400 idle connections locked the CLI out) -----------------
+
+async def _exchange_on(stream, request: dict) -> dict:
+    await stream.send_all(encode_frame(request))
+    frames = FrameBuffer()
+    while (payload := frames.next_payload()) is None:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection instead of replying"
+        frames.feed(data)
+    return codec.unpack(payload)
+
+
+async def test_idle_clients_are_shed_oldest_first_so_the_operator_always_gets_in(mock_clock):
+    mock_clock.autojump_threshold = 0
+    server = ControlServer("/unused/control.sock", HANDLERS, EventHub(), max_connections=64)
+    async with trio.open_nursery() as nursery:
+        idle_clients = []
+        for _ in range(400):  # connect and never say anything
+            server_end, client_end = trio.testing.memory_stream_pair()
+            idle_clients.append(client_end)
+            nursery.start_soon(server.handle_connection, server_end)
+            await trio.testing.wait_all_tasks_blocked()
+        assert server.connections == 64 and server.evicted_connections == 400 - 64
+        # The oldest idle ones were shed (their streams ended); the newest are still held.
+        assert await idle_clients[0].receive_some(1) == b""
+        assert await idle_clients[400 - 64 - 1].receive_some(1) == b""
+        with trio.move_on_after(0.001) as still_open:
+            await idle_clients[-1].receive_some(1)
+        assert still_open.cancelled_caught
+
+        operator_server_end, operator = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.handle_connection, operator_server_end)
+        assert (await _exchange_on(operator, {"id": 7, "op": "echo", "args": {"x": 1}}))["result"] == {"echo": {"x": 1}}
+        assert server.connections == 64
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_answering_a_request_is_never_shed(mock_clock):
+    mock_clock.autojump_threshold = 0
+    release = trio.Event()
+
+    async def slow(args):
+        await release.wait()
+        return {"done": True}
+
+    server = ControlServer("/unused/control.sock", {"slow": slow, **HANDLERS}, EventHub(), max_connections=1)
+    async with trio.open_nursery() as nursery:
+        busy_server_end, busy = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.handle_connection, busy_server_end)
+        await busy.send_all(encode_frame({"id": 1, "op": "slow", "args": {}}))
+        await trio.testing.wait_all_tasks_blocked()
+        late_server_end, late = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.handle_connection, late_server_end)
+        refusal = await _exchange_on(late, {"id": 2, "op": "echo", "args": {}})
+        assert refusal["ok"] is False and "too many control connections" in refusal["error"]
+        release.set()
+        assert (await _exchange_on(busy, {"id": 3, "op": "echo", "args": {}}))["ok"] is True
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_connection_is_closed_after_the_idle_timeout(mock_clock):
+    mock_clock.autojump_threshold = 0
+    server = ControlServer("/unused/control.sock", HANDLERS, EventHub(), idle_timeout_s=60.0)
+    async with trio.open_nursery() as nursery:
+        server_end, client = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.handle_connection, server_end)
+        for _ in range(3):  # a client that asks now and then keeps its connection
+            await trio.sleep(59.0)
+            assert (await _exchange_on(client, {"id": 1, "op": "echo", "args": {}}))["ok"] is True
+        start = trio.current_time()
+        assert await client.receive_some(1) == b""
+        assert trio.current_time() - start == pytest.approx(60.0)
+        assert server.connections == 0 and server.idle_closed_connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_clients_reconnect_when_the_node_shed_their_idle_connection(node_dir):
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, node_dir, max_connections=1)
+        first = AsyncControlClient(node_dir)
+        assert await first.call("echo", n=1) == {"echo": {"n": 1}}
+        second = AsyncControlClient(node_dir)
+        assert await second.call("echo", n=2) == {"echo": {"n": 2}}  # takes the idle first's slot
+        assert server.evicted_connections == 1
+        assert await first.call("echo", n=3) == {"echo": {"n": 3}}  # notices, reconnects, no error
+        await first.aclose()
+        await second.aclose()
+
+        def sync_calls():
+            with ControlClient(node_dir) as one, ControlClient(node_dir) as other:
+                assert one.call("echo", n=4) == {"echo": {"n": 4}}
+                assert other.call("echo", n=5) == {"echo": {"n": 5}}
+                return one.call("echo", n=6)
+        assert await trio.to_thread.run_sync(sync_calls) == {"echo": {"n": 6}}
+        nursery.cancel_scope.cancel()

@@ -1,5 +1,6 @@
 """Keystores (SPEC.md 5.4), peer IDs (1.2) and attestations (5.3)."""
 
+import io
 import json
 import os
 import stat
@@ -130,8 +131,17 @@ def test_passphrase_sources(tmp_path, monkeypatch):
 
 def test_prompt_asks_twice_on_create(monkeypatch):
     answers = iter(["one", "two"])
+    monkeypatch.setattr("keys.keystore._stdin_is_terminal", lambda: True)
     monkeypatch.setattr("getpass.getpass", lambda prompt: next(answers))
     with pytest.raises(KeystoreError, match="differ"):
+        PassphraseSource.prompt().read("k", confirm=True)
+
+
+def test_prompt_without_a_terminal_reads_piped_lines(monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("same\r\nsame\n"))
+    assert PassphraseSource.prompt().read("k", confirm=True) == b"same"
+    monkeypatch.setattr("sys.stdin", io.StringIO("only one\n"))
+    with pytest.raises(KeystoreError, match="stdin closed"):
         PassphraseSource.prompt().read("k", confirm=True)
 
 

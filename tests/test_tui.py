@@ -15,6 +15,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -24,7 +25,7 @@ from keys.identity import SigningIdentity, short_id
 from keys.keystore import KDF_PROFILES, encode_keystore
 from meshnode.cli import main as cli_main
 from meshnode.control.wire import LENGTH_PREFIX_BYTES, decode_map, encode_frame
-from meshnode.tui.app import MAX_EVENT_LINES, OwnerTui
+from meshnode.tui.app import MAX_EVENT_LINES, FollowedJob, OwnerTui
 from meshnode.tui.form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
 from meshnode.tui.screens import ComposeScreen, PassphraseScreen, WhyScreen
 from meshnode.tui.tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
@@ -267,6 +268,11 @@ def test_node_going_away_shows_disconnected_and_reconnects_when_it_returns():
     asyncio.run(scenario())
 
 
+def without_time(event_line_text: str) -> str:
+    """An events-view line less its time of day, with single spaces."""
+    return " ".join(event_line_text.split()[1:])
+
+
 def test_events_view_keeps_the_newest_lines_while_it_is_not_shown():
     # RichLog holds back every write until it is first laid out, without a bound; the app
     # keeps the history itself so a long session on another tab cannot grow without limit.
@@ -283,14 +289,14 @@ def test_events_view_keeps_the_newest_lines_while_it_is_not_shown():
             await until(pilot, lambda: app.event_lines and app.event_lines[-1].endswith("n=%d" % (total - 1)),
                         "the last event")
             assert len(app.event_lines) == MAX_EVENT_LINES
-            assert app.event_lines[0].endswith("tick n=20")
+            assert without_time(app.event_lines[0]) == "tick n=20"
             # Nothing is written to the hidden view, not even into RichLog's unbounded backlog.
             assert app.events_log.lines == [] and len(app.events_log._deferred_renders) == 0
             await pilot.press("4")
             await until(pilot, lambda: len(app.events_log.lines) == MAX_EVENT_LINES, "the events view filled")
-            assert app.events_log.lines[0].text.rstrip().endswith("tick n=20")
+            assert without_time(app.events_log.lines[0].text) == "tick n=20"
             node.publish("tock", {"n": 0})
-            await until(pilot, lambda: app.events_log.lines[-1].text.rstrip().endswith("tock n=0"), "a live event")
+            await until(pilot, lambda: without_time(app.events_log.lines[-1].text) == "tock n=0", "a live event")
         await node.stop()
     asyncio.run(scenario())
 
@@ -424,8 +430,42 @@ def test_every_view_names_a_node_by_the_mesh_views_label():
     assert consensus_row({"instance": "cd" * 32, "leader": key})[3] == label
     assert evidence_row({"offender": key, "kind": "equivocation", "at_ms": 1})[0] == label
     assert status_line({"node": key, "mesh_id": "ef" * 32}).startswith("node %s  mesh efefefef" % label)
-    assert event_line({"kind": "placed", "at_ms": 7, "detail": {"job_id": "ab" * 32, "primary": key, "fence": 1}}) \
-        == "7 placed fence=1 job_id=abababababab primary=%s" % label
+    assert event_line({"kind": "placed", "at_ms": 7, "detail": {"job_id": "ab" * 32, "primary": key, "fence": 1}},
+                      EVENT_WALL_MS).endswith("placed           fence=1 job_id=abababab primary=%s" % label)
+    followed = FollowedJob("ab" * 32, "train", ["submitted", "placed"], primary=key)
+    assert followed.text() == "following abababab train: submitted -> placed (primary %s)" % label
+
+
+EVENT_WALL_MS = 1_700_000_000_123
+
+
+def test_events_read_as_times_of_day_without_clock_counters():
+    line = event_line({"kind": "decided", "at_ms": 88_123_456, "detail": {"mono_ns": 987654321012, "round": 0,
+                                                                           "votes": {"a": 1}, "none": None}},
+                      EVENT_WALL_MS)
+    clock = time.strftime("%H:%M:%S", time.localtime(EVENT_WALL_MS // 1000)) + ".123"
+    assert line == clock + " decided          none=- round=0 votes=a=1"
+    assert "mono_ns" not in line and "88123456" not in line
+
+
+def test_arrow_keys_move_the_selection_without_a_tab_first():
+    async def scenario():
+        directory = short_dir()
+        node = FakeNode(os.path.join(directory, "control.sock"))
+        node.jobs.update({jid: {"job_id": jid, "name": jid[:4], "state": "running", "primary": "aa" * 32,
+                                "backups": [], "declines": {}} for jid in ("11" * 32, "22" * 32)})
+        await node.start()
+        app = new_app(directory, None)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.mesh_table.row_count == 2, "mesh rows")
+            await pilot.press("down")
+            assert app.mesh_table.cursor_row == 1
+            await pilot.press("2")
+            await until(pilot, lambda: app.jobs_table.row_count == 2, "job rows")
+            await pilot.press("down")
+            assert app.jobs_table.cursor_row == 1 and app.selected_job()["job_id"] == "22" * 32
+        await node.stop()
+    asyncio.run(scenario())
 
 
 # --- snapshot ---------------------------------------------------------------------------------

@@ -132,10 +132,10 @@ def test_compose_sign_broadcast_until_placed_on_a_real_testnet(testnet):
             assert app.followed.states[0] == "submitted" and app.followed.states[-1] in PLACED_STATES
             assert "placed" in str(app.jobs_note.render()) or "running" in str(app.jobs_note.render())
             # The real event stream reached the events view, in the shape event_line reads.
-            await until(pilot, lambda: any(" placed " in line and jid[:12] in line for line in event_lines(app)),
+            await until(pilot, lambda: any(" placed " in line and jid[:8] in line for line in event_lines(app)),
                         "the node's 'placed' event in the events view")
             await pilot.press("4")
-            await until(pilot, lambda: any(jid[:12] in strip.text for strip in app.events_log.lines),
+            await until(pilot, lambda: any(jid[:8] in strip.text for strip in app.events_log.lines),
                         "the events view to show the job's events")
             await until(pilot, lambda: app.consensus.get("certificates", 0) >= 1, "a certificate")
             return jid

@@ -17,6 +17,7 @@ import importlib
 import sys
 from importlib import metadata
 
+from meshnode.cli.output import CommandParser, examples
 from protocol.errors import MeshError
 
 COMMAND_GROUP = "meshnode.commands"
@@ -44,6 +45,22 @@ COMMAND_MODULES = {
 }
 
 
+# The top-level help lists the commands by what users do with them. A command named in no
+# group (e.g. one a newly installed package adds) is listed under "other commands".
+COMMAND_GROUPS = (
+    ("operate a node", ("keys", "mesh", "node", "run", "join")),
+    ("own jobs", ("job", "submit", "tui")),
+    ("inspect a node", ("status", "nodes", "jobs", "why", "consensus", "events", "metrics", "cert")),
+    ("test and try", ("dev", "testnet", "sim", "bench", "demo")),
+)
+TOP_LEVEL_EXAMPLES = (
+    "meshnode testnet up --nodes 4 --dir net          # a local mesh of 4 node processes",
+    "meshnode submit jobs/counter.toml --key net/owners/owner-0.key --node net/node-0 --wait",
+    "meshnode tui --node net/node-0 --key net/owners/owner-0.key",
+    "meshnode COMMAND --help                          # what a command's flags do, with examples",
+)
+
+
 def plugin_commands() -> dict[str, metadata.EntryPoint]:
     """Commands other installed packages add (entry-point group ``meshnode.commands``).
 
@@ -64,8 +81,12 @@ def build_parser(only: str | None = None, plugins: dict[str, metadata.EntryPoint
                  ) -> argparse.ArgumentParser:
     """The parser with ``only``'s module registered (every module when None); each other
     command gets a placeholder, so `meshnode --help` lists them all."""
-    parser = argparse.ArgumentParser(prog="meshnode", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = CommandParser(prog="meshnode", usage="meshnode [-h] COMMAND [ARGS...]",
+                           description="meshnode: a mesh of GPU nodes that places workloads by a signed, "
+                                       "stake-weighted vote and moves them when a node fails.")
+    # The flat list argparse would print is replaced by the grouped one in the epilog.
+    # prog: with a usage of its own, argparse would put that whole usage in front of each command's.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS, prog="meshnode")
     subparsers.required = True
     plugins = plugin_commands() if plugins is None else plugins
     commands: dict[str, str | metadata.EntryPoint] = {**COMMAND_MODULES, **plugins}
@@ -76,7 +97,26 @@ def build_parser(only: str | None = None, plugins: dict[str, metadata.EntryPoint
     for name, target in commands.items():
         if _registrar(target) not in wanted:
             subparsers.add_parser(name, help="(run `meshnode %s --help`)" % name)
+    parser.epilog = grouped_commands_help(subparsers) + "\n\n" + examples(*TOP_LEVEL_EXAMPLES)
     return parser
+
+
+def grouped_commands_help(subparsers) -> str:
+    """Every command with its one-line help, under the heading of what it is for."""
+    # argparse keeps each command's help only on its pseudo-action in _choices_actions
+    # (add_parser pops it before building the parser); that list is the one argparse
+    # itself prints, so reading it shows exactly what the default listing would.
+    helps = {action.dest: action.help or "" for action in subparsers._choices_actions}
+    width = max(len(name) for name in helps) + 2
+    grouped = {name for _title, names in COMMAND_GROUPS for name in names}
+    sections = [(title, [n for n in names if n in helps]) for title, names in COMMAND_GROUPS]
+    sections.append(("other commands", sorted(n for n in helps if n not in grouped)))
+    lines = ["commands, by what you do with them:"]
+    for title, names in sections:
+        if names:
+            lines.append("  %s:" % title)
+            lines += ["    %-*s%s" % (width, name, helps[name]) for name in names]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

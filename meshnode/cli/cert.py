@@ -10,10 +10,12 @@ import pathlib
 import sqlite3
 import sys
 
+from rich.table import Table
+
 from keys.errors import ConfigError
 from keys.genesis import load_genesis
 from keys.identity import short_id
-from meshnode.cli.output import add_json_flag, emit, key_value_table
+from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
 from meshnode.control.client import ControlClient
 from meshnode.node.config import node_paths
 from protocol import codec
@@ -25,10 +27,13 @@ from protocol.quorum import EpochView
 
 
 def register(subparsers) -> None:
-    cert = subparsers.add_parser("cert", help="verify commit certificates offline")
+    cert = subparsers.add_parser("cert", help="verify commit certificates offline",
+                                 epilog=examples("meshnode cert verify placement.cert --genesis genesis.bin"))
     sub = cert.add_subparsers(dest="cert_command", metavar="SUBCOMMAND")
     sub.required = True
-    verify = sub.add_parser("verify", help="check a CommitCertificate envelope file against a genesis")
+    verify = sub.add_parser("verify", help="check a CommitCertificate envelope file against a genesis", epilog=examples(
+        "meshnode cert verify placement.cert --genesis genesis.bin",
+        "meshnode cert verify placement.cert --genesis genesis.bin --node net/node-0   # epoch changes from a node"))
     verify.add_argument("certificate", metavar="FILE", help="encoded CommitCertificate envelope bytes")
     verify.add_argument("--genesis", required=True, metavar="FILE", help="the mesh's genesis document")
     verify.add_argument("--history", nargs="+", default=[], metavar="CERT",
@@ -37,7 +42,8 @@ def register(subparsers) -> None:
                         help="read the epoch-change certificates from a node's store (read-only)")
     add_json_flag(verify)
     verify.set_defaults(func=cmd_verify)
-    export = sub.add_parser("export", help="write a running node's certificates of a job or an instance to files")
+    export = sub.add_parser("export", help="write a running node's certificates of a job or an instance to files",
+                            epilog=examples("meshnode cert export --node net/node-0 --job 8c322d0f --out certs"))
     which = export.add_mutually_exclusive_group(required=True)
     which.add_argument("--job", metavar="JOB_ID", help="a job id, or a prefix of one the node knows")
     which.add_argument("--instance", metavar="ID", help="a consensus instance id (64 hex digits)")
@@ -115,13 +121,16 @@ def cmd_verify(args) -> int:
         "value_kind": cert.value_kind, "value_hash": value_hash(value).hex(), "signers": len(signers),
         "stake": stake, "total_stake": view.total_stake,
     }
-    emit(args, result, lambda console: console.print(key_value_table("valid commit certificate", [
-        ("instance", result["instance"]), ("round", cert.round), ("epoch", cert.epoch),
-        ("value kind", cert.value_kind), ("value hash", result["value_hash"]),
-        ("signers", ", ".join(short_id(s) for s in signers)),
-        ("stake", "%d of %d" % (stake, view.total_stake))])))
+    signer_labels = [short_id(s) for s in signers]
+    emit(args, result, lambda console: console.print(render_valid_certificate(result, signer_labels)))
     return 0
 
+
+def render_valid_certificate(result: dict, signer_labels: list[str]) -> Table:
+    return key_value_table("valid commit certificate", [
+        ("instance", result["instance"]), ("round", result["round"]), ("epoch", result["epoch"]),
+        ("value kind", result["value_kind"]), ("value hash", result["value_hash"]),
+        ("signers", " ".join(signer_labels)), ("stake", "%d of %d" % (result["stake"], result["total_stake"]))])
 
 def cmd_export(args) -> int:
     genesis = load_genesis(node_paths(args.node).genesis)

@@ -21,7 +21,7 @@ from keys.errors import ConfigError
 from keys.genesis import DEFAULT_PARAMS, Genesis, load_genesis
 from keys.identity import generate_identity, peer_id_from_public_key
 from keys.keystore import MAX_KEYSTORE_BYTES, create_keystore, is_encrypted, read_public_key, write_file_atomic
-from meshnode.cli.output import add_json_flag, emit, key_value_table
+from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
 from meshnode.node import config as node_config
 from protocol.messages import Member
 
@@ -37,9 +37,10 @@ def register(subparsers) -> None:
     init = sub.add_parser(
         "init", help="write DIR/node.toml, DIR/genesis.bin and DIR/keystore.json for `meshnode run --node DIR`",
         description="Write a node's data directory: its config (node.toml, SPEC.md 10.2), a copy of the "
-                    "mesh's genesis and of the node's keystore. Example: meshnode node init --dir node-a "
-                    "--genesis genesis.bin --key node-a.key --listen /ip4/0.0.0.0/tcp/4001 "
-                    "--bootstrap /ip4/10.0.0.5/tcp/4001/p2p/12D3KooW...")
+                    "mesh's genesis and of the node's keystore.",
+        epilog=examples("meshnode node init --dir node-a --genesis genesis.bin --key node-a.key "
+                        "--listen /ip4/0.0.0.0/tcp/4001 \\\n"
+                        "      --bootstrap /ip4/10.0.0.5/tcp/4001/p2p/12D3KooW..."))
     init.add_argument("--dir", required=True, metavar="DIR", help="the node's data directory (created if missing)")
     init.add_argument("--genesis", required=True, metavar="FILE", help="the mesh's genesis document (mesh init)")
     init.add_argument("--listen", required=True, action="extend", nargs="+", metavar="MULTIADDR",
@@ -66,8 +67,10 @@ def register(subparsers) -> None:
         "dev", help="run a one-node mesh in the foreground with throwaway keys (Ctrl-C stops it)",
         description="Start one node that is a whole mesh by itself, with a throwaway node key, owner key "
                     "and genesis, print how to submit jobs to it, and run them. Ctrl-C stops it and removes "
-                    "what it created unless --keep. Example: meshnode dev, then in another shell: "
-                    "meshnode submit jobs/counter.toml --key DIR/owner.key --node DIR --wait")
+                    "what it created unless --keep.",
+        epilog=examples("meshnode dev --dir dev-mesh --keep",
+                        "meshnode submit jobs/counter.toml --key dev-mesh/owner.key --node dev-mesh --wait   "
+                        "# in another shell"))
     dev.add_argument("--dir", metavar="DIR",
                      help="use DIR instead of a temporary directory; a dev node kept there earlier is restarted")
     dev.add_argument("--keep", action="store_true", help="keep the directory on exit (restart with --dir)")

@@ -8,8 +8,10 @@ import time
 
 from keys.genesis import load_genesis
 from keys.identity import peer_id_from_public_key, short_id
-from keys.keystore import load_identity, write_file_atomic
-from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from keys.keystore import write_file_atomic
+from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examples, ids_then_fields,
+                                 passphrase_source_from_args, unlock_identity)
+from meshnode.tui.tables import short_job_id
 from meshnode.workload.manifest import load_manifest, verify_signed_job
 from protocol import codec
 from protocol.envelope import ANY_MESH
@@ -18,25 +20,30 @@ from protocol.messages import job_id, sign_message
 
 
 def register(subparsers) -> None:
-    job = subparsers.add_parser("job", help="sign, verify, list, inspect, cancel jobs; read their logs and files")
+    job = subparsers.add_parser("job", help="sign, verify, list, inspect, cancel jobs; read their logs and files",
+                                epilog=examples("meshnode job sign jobs/counter.toml --key owner.key --out counter.job",
+                                                "meshnode job list --node net/node-0"))
     sub = job.add_subparsers(dest="job_command", metavar="SUBCOMMAND")
     sub.required = True
 
-    sign = sub.add_parser("sign", help="sign a TOML job manifest with the owner's key")
+    sign = sub.add_parser("sign", help="sign a TOML job manifest with the owner's key", epilog=examples(
+        "meshnode job sign jobs/counter.toml --key owner.key --out counter.job          # valid in any mesh",
+        "meshnode job sign jobs/train.toml --key owner.key --genesis genesis.bin --out train.job"))
     sign.add_argument("manifest", metavar="MANIFEST", help="TOML job manifest")
     sign.add_argument("--key", required=True, metavar="FILE", help="the owner's keystore")
     sign.add_argument("--genesis", metavar="FILE",
                       help="sign for this mesh only (default: valid in any mesh)")
     sign.add_argument("--epoch", type=int, default=0, metavar="N",
-                      help="the mesh epoch whose members place it (`meshnode node status` shows it; default 0)")
-    sign.add_argument("--out", required=True, metavar="SIGNED")
+                      help="the mesh epoch whose members place it (`meshnode status` shows it; default 0)")
+    sign.add_argument("--out", required=True, metavar="SIGNED", help="the signed job file to write")
     sign.add_argument("--force", action="store_true", help="overwrite SIGNED if it exists")
     add_passphrase_args(sign)
     add_json_flag(sign)
     sign.set_defaults(func=cmd_sign)
 
-    verify = sub.add_parser("verify", help="check a signed job: signature, schema, owner; print its id")
-    verify.add_argument("signed", metavar="SIGNED")
+    verify = sub.add_parser("verify", help="check a signed job: signature, schema, owner; print its id",
+                            epilog=examples("meshnode job verify train.job --genesis genesis.bin"))
+    verify.add_argument("signed", metavar="SIGNED", help="a signed job file (from `meshnode job sign`)")
     verify.add_argument("--genesis", metavar="FILE", help="also require it to be valid in this mesh")
     add_json_flag(verify)
     verify.set_defaults(func=cmd_verify)
@@ -57,22 +64,25 @@ def job_view(envelope, job) -> dict:
     }
 
 
+ID_FIELDS = ("job_id", "mesh_id", "owner", "owner_peer_id")
+
+
 def render_job(console, title: str, view: dict) -> None:
-    rows = [(k, v) for k, v in view.items() if k not in ("resources", "constraints")]
+    rows = [(k, v) for k, v in view.items() if k not in ("resources", "constraints") + ID_FIELDS]
     rows += [("resources." + k, v) for k, v in sorted(view["resources"].items())]
     rows += [("constraints." + k, v) for k, v in sorted(view["constraints"].items())]
-    console.print(key_value_table(title, rows))
+    console.print(ids_then_fields(title, [(k, view[k]) for k in ID_FIELDS], rows))
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
     mesh_id = load_genesis(args.genesis).mesh_id if args.genesis else ANY_MESH
-    identity = load_identity(args.key, passphrase_source_from_args(args))
+    identity = unlock_identity(args, args.key, passphrase_source_from_args(args))
     job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=args.epoch)
     envelope = sign_message(identity, mesh_id, job)
     write_file_atomic(args.out, envelope.encode(), mode=0o644, overwrite=args.force)
     view = job_view(envelope, job)
     emit(args, view, lambda console: render_job(
-        console, "job %s signed by %s -> %s" % (view["job_id"][:16], short_id(job.owner), args.out), view))
+        console, "job %s signed by %s -> %s" % (short_job_id(view["job_id"]), short_id(job.owner), args.out), view))
     return 0
 
 

@@ -17,9 +17,10 @@ from rich import box
 from rich.table import Table
 
 from keys.identity import short_id
-from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, passphrase_source_from_args
+from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examples, key_value_table,
+                                 passphrase_source_from_args, unlock_identity)
 from meshnode.control.client import ControlClient, ControlError, ControlUnavailable
-from meshnode.tui.tables import format_ms, node_label
+from meshnode.tui.tables import format_ms, node_label, short_job_id
 from protocol.errors import MeshError
 from protocol.messages import MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, Cancel, OutputRead, encode_message
 
@@ -29,7 +30,7 @@ FOLLOW_POLL_S = 0.25
 FOLLOW_RETRY_S = 15.0            # a followed log survives this long without an answer (a failover)
 OUTPUT_MAX_BYTES_DEFAULT = 1 << 30
 NAME_COLUMN_MAX = 16
-LIST_COLUMN_WIDTHS = {"job": 12, "state": 9, "primary": 8, "checkpoint": 10}
+LIST_COLUMN_WIDTHS = {"job": 8, "state": 9, "primary": 8, "checkpoint": 10}
 
 
 def register(sub) -> None:
@@ -42,22 +43,23 @@ def register(sub) -> None:
         add_passphrase_args(parser)
 
     listing = sub.add_parser("list", help="every job this node knows, one row each",
-                             description="Every job this node knows: state, primary, checkpoints, exit code. "
-                                         "Example: meshnode job list --node net/node-0")
+                             description="Every job this node knows: state, primary, checkpoints, exit code.",
+                             epilog=examples("meshnode job list --node net/node-0"))
     node_arg(listing)
     add_json_flag(listing)
     listing.set_defaults(func=cmd_list)
 
     status = sub.add_parser("status", help="one job: state, primary, backups, fence, checkpoint, exit code",
-                            description="One job in full. Example: meshnode job status 51d37e04 --node net/node-0")
+                            description="One job in full.",
+                            epilog=examples("meshnode job status 51d37e04 --node net/node-0"))
     status.add_argument("job", metavar="JOB", help="job id or a unique prefix of it")
     node_arg(status)
     add_json_flag(status)
     status.set_defaults(func=cmd_status)
 
     cancel = sub.add_parser("cancel", help="stop a job everywhere (signed with the owner's key)",
-                            description="Sign a Cancel with the owner's key and broadcast it. Example: "
-                                        "meshnode job cancel 51d37e04 --key owner.key --node net/node-0")
+                            description="Sign a Cancel with the owner's key and broadcast it.",
+                            epilog=examples("meshnode job cancel 51d37e04 --key owner.key --node net/node-0"))
     cancel.add_argument("job", metavar="JOB", help="job id or a unique prefix of it")
     node_arg(cancel)
     key_arg(cancel, True, "the job owner's keystore (only the owner may cancel)")
@@ -66,8 +68,8 @@ def register(sub) -> None:
 
     logs = sub.add_parser("logs", help="the workload's stdout and stderr, from the node that runs it",
                           description="Print the job's output (stdout and stderr) that its node keeps (the newest "
-                                      "8 MiB), fetched over the mesh if it runs elsewhere. Example: meshnode job logs "
-                                      "51d37e04 --node net/node-1 --key owner.key --follow")
+                                      "8 MiB), fetched over the mesh if it runs elsewhere.",
+                          epilog=examples("meshnode job logs 51d37e04 --node net/node-1 --key owner.key --follow"))
     logs.add_argument("job", metavar="JOB", help="job id or a unique prefix of it")
     node_arg(logs)
     key_arg(logs, False, "the job owner's keystore: needed when the job runs on another node")
@@ -79,9 +81,9 @@ def register(sub) -> None:
 
     output = sub.add_parser("output", help="copy the files a finished job left in its working directory",
                             description="Copy every regular file the job left in its working directory on its node "
-                                        "into DIR (symbolic links are not followed, nothing is overwritten). "
-                                        "Example: meshnode job output 51d37e04 --out results --node net/node-1 "
-                                        "--key owner.key")
+                                        "into DIR (symbolic links are not followed, nothing is overwritten).",
+                            epilog=examples("meshnode job output 51d37e04 --out results --node net/node-1 "
+                                            "--key owner.key"))
     output.add_argument("job", metavar="JOB", help="job id or a unique prefix of it")
     output.add_argument("--out", required=True, metavar="DIR", help="where to write the files (created if missing)")
     node_arg(output)
@@ -95,7 +97,7 @@ def register(sub) -> None:
 # --- list and status ---------------------------------------------------------------------------
 
 def _short_job(job_id_hex: str) -> str:
-    return job_id_hex[:12]   # any unique prefix names the job: this one can be copied as is
+    return short_job_id(job_id_hex)   # any unique prefix names the job: this one can be copied as is
 
 
 def _checkpoint_text(job: dict) -> str:
@@ -144,14 +146,7 @@ def render_job_status(job: dict) -> Table:
             ("runs here", "yes" if job.get("running_here") else "no")]
     if job["state"] == "pending":
         rows += [("declines", declines), ("hint", job.get("hint") or "-")]
-    # No box: the 64-digit job id fits on its line at 80 columns, whole, to be copied.
-    table = Table(title="job %s" % _short_job(job["job_id"]), title_justify="left", box=None, show_header=False,
-                  padding=(0, 2, 0, 0))
-    table.add_column("field", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    for name, value in rows:
-        table.add_row(name, str(value))
-    return table
+    return key_value_table("job %s" % _short_job(job["job_id"]), rows)  # the 64-digit id fits whole at 80
 
 
 def cmd_status(args) -> int:
@@ -164,9 +159,7 @@ def cmd_status(args) -> int:
 # --- cancel --------------------------------------------------------------------------------------
 
 def _owner_identity(args):
-    from keys.keystore import is_encrypted, load_identity
-    source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
-    return load_identity(args.key, source)
+    return unlock_identity(args, args.key, passphrase_source_from_args(args))
 
 
 def cmd_cancel(args) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from rich import box
 from rich.table import Table
 
 from keys.errors import ConfigError
@@ -12,19 +13,22 @@ from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams, load_genesis
 from keys.identity import peer_id_from_public_key, short_id
 from keys.keystore import write_file_atomic
 from meshnode.cli.keys import parse_key_value, parse_public_key
-from meshnode.cli.output import add_json_flag, emit, key_value_table
+from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
 from protocol.messages import Member
 
 DEFAULT_ZONE = "zone-a"
 
 
 def register(subparsers) -> None:
-    mesh = subparsers.add_parser("mesh", help="create and inspect mesh genesis documents")
+    mesh = subparsers.add_parser("mesh", help="create and inspect mesh genesis documents", epilog=examples(
+        "meshnode mesh init --name lab --member node-a.key:100 --out genesis.bin", "meshnode mesh show genesis.bin"))
     sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
     sub.required = True
 
-    init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id")
-    init.add_argument("--name", required=True)
+    init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id", epilog=examples(
+        "meshnode mesh init --name lab --member node-a.key:100 --member 12D3KooW...:100:zone-b \\\n"
+        "      --member-addr 0:/ip4/10.0.0.5/tcp/4001 --heartbeat-ms 50 --out genesis.bin"))
+    init.add_argument("--name", required=True, help="the mesh's name (part of the genesis, so of the mesh id)")
     init.add_argument("--member", action="append", required=True, metavar="KEY:STAKE[:ZONE]",
                       help="a member (repeatable): KEY is a keystore file, 64 hex digits or a peer ID")
     init.add_argument("--member-label", action="append", default=[], metavar="N:KEY=VALUE",
@@ -38,13 +42,14 @@ def register(subparsers) -> None:
     for name, ftype in ProtocolParams.SCHEMA.items():
         init.add_argument("--" + name.replace("_", "-"), dest="param_" + name, type=int, default=None,
                           help="protocol parameter, %s (default %d)" % (ftype.describe(), getattr(DEFAULT_PARAMS, name)))
-    init.add_argument("--out", required=True, metavar="FILE")
+    init.add_argument("--out", required=True, metavar="FILE", help="the genesis file to write")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     add_json_flag(init)
     init.set_defaults(func=cmd_init)
 
-    show = sub.add_parser("show", help="print a genesis document: mesh id, members, stake, parameters")
-    show.add_argument("genesis", metavar="FILE")
+    show = sub.add_parser("show", help="print a genesis document: mesh id, members, stake, parameters",
+                          epilog=examples("meshnode mesh show genesis.bin --json"))
+    show.add_argument("genesis", metavar="FILE", help="the genesis document to read")
     add_json_flag(show)
     show.set_defaults(func=cmd_show)
 
@@ -106,17 +111,22 @@ def genesis_view(genesis: Genesis) -> dict:
 
 
 def render_genesis(console, view: dict) -> None:
+    authorities = [("authority", key) for key in view["authorities"]] or [("authorities", "-")]
     console.print(key_value_table("mesh %s" % view["name"], [
         ("mesh id", view["mesh_id"]), ("created_ms", view["created_ms"]),
-        ("members", len(view["members"])), ("total stake", view["total_stake"]),
-        ("authorities", ", ".join(view["authorities"]) or "(none)")]))
-    members = Table(title="members", title_justify="left")
-    for column in ("short id", "peer id", "stake", "zone", "labels", "addrs"):
-        members.add_column(column, overflow="fold")
+        ("members", len(view["members"])), ("total stake", view["total_stake"])] + authorities))
+    members = Table(title="members", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                    padding=(0, 1, 0, 0))  # the layout of every other table (meshnode/tui/tables.py)
+    for column in ("node", "stake", "zone", "labels", "addrs"):
+        members.add_column(column, no_wrap=column != "labels", overflow="fold")  # an address is never split
     for m in view["members"]:
-        members.add_row(m["short_id"], m["peer_id"], str(m["stake"]), m["zone"],
-                        ", ".join("%s=%s" % kv for kv in sorted(m["labels"].items())), " ".join(m["addrs"]))
+        members.add_row(m["short_id"], str(m["stake"]), m["zone"],
+                        ", ".join("%s=%s" % kv for kv in sorted(m["labels"].items())) or "-",
+                        "\n".join(m["addrs"]) or "-")
     console.print(members)
+    # Peer ids are 52 characters: beside the other columns they would be folded, and a
+    # folded id cannot be copied; each gets a line of its own under its node's label.
+    console.print(key_value_table("peer ids", [(m["short_id"], m["peer_id"]) for m in view["members"]]))
     console.print(key_value_table("protocol parameters", sorted(view["params"].items())))
 
 

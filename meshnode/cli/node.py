@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import time
 
+from rich.console import Group
 from rich.table import Table
 
-from meshnode.cli.output import add_json_flag, add_passphrase_args, emit, key_value_table, passphrase_source_from_args
+from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examples, ids_then_fields, key_value_table,
+                                 passphrase_source_from_args, progress, unlock_identity)
 from meshnode.control.client import ControlClient
-from meshnode.tui.tables import node_label
+from meshnode.tui.tables import (consensus_table, event_line, evidence_table, format_ms, jobs_table, mesh_table,
+                                 node_label, short_job_id)
+from meshnode.tui.why import format_declines, group_declines
 from protocol.errors import MeshError
 
 COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
@@ -17,30 +21,41 @@ WAIT_TIMEOUT_S = 30
 
 
 def _node_arg(parser) -> None:
-    parser.add_argument("--node", required=True, metavar="DIR", help="the node's data directory")
+    parser.add_argument("--node", required=True, metavar="DIR",
+                        help="the node's data directory (its control.sock is how this command reaches it)")
+
+
+QUERIES = (  # (command, help, what its example adds)
+    ("status", "the node's identity, mesh, epoch and connections", ""),
+    ("nodes", "mesh members with stake, zone, health and capability", ""),
+    ("jobs", "jobs with state, primary, backups, checkpoints", " --json"),
+    ("consensus", "consensus instances, certificates and evidence", ""),
+)
 
 
 def register(subparsers) -> None:
-    run = subparsers.add_parser("run", help="run a node until SIGINT/SIGTERM")
+    run = subparsers.add_parser("run", help="run a node until SIGINT/SIGTERM",
+                                epilog=examples("meshnode run --node /var/lib/meshnode/node-a"))
     run.add_argument("--node", "--dir", dest="node", required=True, metavar="DIR",
                      help="the node's data directory (`meshnode node init` writes one)")
     run.add_argument("--no-workloads", action="store_true",
                      help="decide placements but start no workload processes (consensus benchmarks)")
     run.set_defaults(func=cmd_run)
-    for name, help_text in (("status", "the node's identity, mesh, epoch and connections"),
-                            ("nodes", "mesh members with stake, zone, health and capability"),
-                            ("jobs", "jobs with state, primary, backups, checkpoints"),
-                            ("consensus", "consensus instances, certificates and evidence")):
-        parser = subparsers.add_parser(name, help=help_text)
+    for name, help_text, example_flags in QUERIES:
+        parser = subparsers.add_parser(name, help=help_text,
+                                       epilog=examples("meshnode %s --node net/node-0%s" % (name, example_flags)))
         _node_arg(parser)
         add_json_flag(parser)
         parser.set_defaults(func=cmd_query, op=name)
-    events = subparsers.add_parser("events", help="follow the node's events (Ctrl-C to stop)")
+    events = subparsers.add_parser("events", help="follow the node's events (Ctrl-C to stop)", epilog=examples(
+        "meshnode events --node net/node-0", "meshnode events --node net/node-0 --count 20 --json"))
     _node_arg(events)
-    events.add_argument("--count", type=int, default=0, help="stop after this many events")
+    events.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events (default: follow)")
     add_json_flag(events)
     events.set_defaults(func=cmd_events)
-    submit = subparsers.add_parser("submit", help="sign a manifest with the owner key and submit it")
+    submit = subparsers.add_parser("submit", help="sign a manifest with the owner key and submit it", epilog=examples(
+        "meshnode submit jobs/counter.toml --key owner.key --node net/node-0 --wait",
+        "meshnode submit counter.job --node net/node-0          # a job signed by `meshnode job sign`"))
     submit.add_argument("manifest", metavar="MANIFEST", help="TOML job manifest, or an already signed job")
     submit.add_argument("--key", metavar="OWNER_KEY", help="the owner's keystore (not needed for a signed job)")
     _node_arg(submit)
@@ -52,12 +67,14 @@ def register(subparsers) -> None:
     add_passphrase_args(submit)
     add_json_flag(submit)
     submit.set_defaults(func=cmd_submit)
-    why = subparsers.add_parser("why", help="why a job is pending: declines grouped by reason")
-    why.add_argument("job_id", metavar="JOB_ID")
+    why = subparsers.add_parser("why", help="why a job is pending: declines grouped by reason",
+                                epilog=examples("meshnode why 8c322d0f --node net/node-0"))
+    why.add_argument("job_id", metavar="JOB_ID", help="the job's id, or a prefix of it that names one job")
     _node_arg(why)
     add_json_flag(why)
     why.set_defaults(func=cmd_why)
-    join = subparsers.add_parser("join", help="ask a mesh to admit this node (membership consensus)")
+    join = subparsers.add_parser("join", help="ask a mesh to admit this node (membership consensus)", epilog=examples(
+        "meshnode join --node net/node-4 --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW..."))
     _node_arg(join)
     join.add_argument("--bootstrap", required=True, metavar="MULTIADDR",
                       help="a member's address: /ip4/HOST/tcp/PORT/p2p/PEERID")
@@ -72,11 +89,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _short(hex_id) -> str:
-    """Job and instance ids; nodes are named by node_label, as in `meshnode nodes` and the TUI."""
-    return hex_id[:12] if isinstance(hex_id, str) else "-"
-
-
 def cmd_query(args) -> int:
     with ControlClient(args.node) as client:
         result = client.call(args.op)
@@ -84,48 +96,34 @@ def cmd_query(args) -> int:
     return 0
 
 
-def render_status(result) -> Table:
-    return key_value_table("node", sorted(result.items()))
+def render_status(result) -> Group:
+    """The node's status; keys and ids in full (they fit, and they are what one copies)."""
+    id_rows = [("node", node_label(result.get("node"))), ("public key", result.get("node")),
+               ("peer id", result.get("peer_id")), ("mesh id", result.get("mesh_id"))]
+    rows = [("epoch", result.get("epoch")),
+            ("members", result.get("members")), ("member", result.get("member")),
+            ("evicted at epoch", result.get("evicted_at_epoch")), ("halted", result.get("halted")),
+            ("connected peers", result.get("connected")), ("uptime", format_ms(result.get("uptime_ms"))),
+            ("running workloads", result.get("running_workloads"))]
+    shown = {"node", "peer_id", "mesh_id", "epoch", "members", "member", "evicted_at_epoch", "halted", "connected",
+             "uptime_ms", "running_workloads"}
+    rows += [(name.replace("_", " "), value) for name, value in sorted(result.items()) if name not in shown]
+    return ids_then_fields("node %s" % node_label(result.get("node")), id_rows, rows)
 
 
 def render_nodes(result) -> Table:
-    table = Table(title="mesh nodes", title_justify="left")
-    for column in ("node", "stake", "zone", "health", "gpus", "free", "util %", "temp C", "rtt ms"):
-        table.add_column(column)
-    for node in result["nodes"]:
-        cap = node.get("capability") or {}
-        gpus = cap.get("gpus", [])
-        util = max((g["util_milli"] for g in gpus), default=0) / 1000
-        temp = max((g["temp_milli_c"] for g in gpus), default=0) / 1000
-        rtt = "-" if node.get("rtt_us") is None else "%.2f" % (node["rtt_us"] / 1000)
-        table.add_row(node["short"], str(node["stake"]), node["zone"], node["health"],
-                      "%d x %s" % (len(gpus), gpus[0]["model"]) if gpus else "0",
-                      str(len(cap.get("gpus_free", []))), "%.0f" % util, "%.0f" % temp, rtt)
-    return table
+    return mesh_table(result["nodes"])  # the TUI's mesh view, cell for cell
 
 
 def render_jobs(result) -> Table:
-    table = Table(title="jobs", title_justify="left")
-    for column in ("job", "name", "state", "primary", "backups", "ckpt age ms", "migrations", "why pending"):
-        table.add_column(column)
-    for job in result["jobs"]:
-        age = job.get("checkpoint_age_ms")
-        declines = "; ".join("%d: %s" % (n, r) for r, n in sorted(job.get("declines", {}).items()))
-        table.add_row(_short(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
-                      ", ".join(node_label(b) for b in job.get("backups", [])), "-" if age is None else str(age),
-                      str(job.get("migrations", 0)), declines if job["state"] == "pending" else "")
-    return table
+    return jobs_table(result["jobs"])  # the TUI's jobs view, cell for cell
 
 
-def render_consensus(result) -> Table:
-    table = Table(title="consensus (certificates: %d, evidence: %d)"
-                  % (result["certificates"], len(result["evidence"])), title_justify="left")
-    for column in ("instance", "kind", "round", "leader", "decided"):
-        table.add_column(column)
-    for inst in result["instances"]:
-        table.add_row(_short(inst["instance"]), inst["kind"], str(inst["round"]), node_label(inst["leader"]),
-                      "yes" if inst["decided"] else "no")
-    return table
+def render_consensus(result) -> Group:
+    tables = [consensus_table(result)]
+    if result.get("evidence"):
+        tables.append(evidence_table(result))
+    return Group(*tables)
 
 
 RENDERERS = {"status": render_status, "nodes": render_nodes, "jobs": render_jobs, "consensus": render_consensus}
@@ -137,33 +135,52 @@ def cmd_events(args) -> int:
         for event in events:
             if args.json:
                 print(json.dumps(event, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)), flush=True)
-            else:
-                detail = " ".join("%s=%s" % (k, v.hex()[:12] if isinstance(v, bytes) else v)
-                                  for k, v in sorted(event.get("detail", {}).items()) if k != "mono_ns")
-                print("%10d %-18s %s" % (event["at_ms"], event["kind"], detail), flush=True)
+            else:  # the TUI's events view, line for line
+                print(event_line(event, time.time_ns() // 1_000_000), flush=True)
             seen += 1
             if args.count and seen >= args.count:
                 break
     return 0
 
 
-def _signed_job_bytes(args, epoch: int) -> bytes:
+def read_job_file(path: str) -> tuple[str | None, bytes]:
+    """The file ``meshnode submit`` was given: ``(text, data)`` for a TOML manifest, or
+    ``(None, data)`` for a job already signed (``meshnode job sign``), checked here.
+
+    A signed job is a msgpack array, whose first byte is never valid UTF-8, so UTF-8 text
+    is a manifest and anything else must verify as a signed job: a binary file named
+    ``.toml`` is reported as what it is, not as a node's "not valid msgpack"."""
+    from meshnode.workload.manifest import MAX_MANIFEST_BYTES, verify_signed_job
+    from protocol import codec
+    from protocol.errors import ManifestError, RemoteProtocolError
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max(MAX_MANIFEST_BYTES, codec.MAX_FRAME_BYTES) + 1)
+    except OSError as exc:
+        raise ManifestError("cannot read %s: %s" % (path, exc.strerror)) from None
+    try:
+        return data.decode("utf-8"), data
+    except UnicodeDecodeError:
+        pass
+    try:
+        verify_signed_job(data)
+    except RemoteProtocolError as exc:
+        raise ManifestError("%s is neither a TOML manifest (it is not UTF-8 text) nor a signed job (%s)"
+                            % (path, exc)) from None
+    return None, data
+
+
+def _signed_job_bytes(args, text: str | None, data: bytes, epoch: int) -> bytes:
     """The job to submit: a signed envelope as given, or a TOML manifest signed here for the
     node's current ``epoch`` (SPEC.md P2: the members of that epoch place it)."""
-    with open(args.manifest, "rb") as fh:
-        data = fh.read(1 << 20)
-    if not data.lstrip()[:1].isalpha() and not data.lstrip().startswith(b"#") and not data.lstrip().startswith(b"["):
-        return data  # already a signed envelope (msgpack), e.g. from `meshnode job sign`
-    if not args.key:
-        raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
+    if text is None:
+        return data
     from keys.genesis import load_genesis
-    from keys.keystore import is_encrypted, load_identity
     from meshnode.node.config import node_paths
-    from meshnode.workload.manifest import load_manifest
+    from meshnode.workload.manifest import parse_manifest
     from protocol.messages import encode_message
-    source = passphrase_source_from_args(args) if is_encrypted(args.key) else None
-    identity = load_identity(args.key, source)
-    job = load_manifest(args.manifest, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
+    identity = unlock_identity(args, args.key, passphrase_source_from_args(args))
+    job = parse_manifest(text, identity.public_key, time.time_ns() // 1_000_000, epoch=epoch)
     genesis = load_genesis(node_paths(args.node).genesis)
     return encode_message(identity, genesis.mesh_id, job)
 
@@ -175,15 +192,35 @@ WAIT_ENDED_BADLY = 3   # placed, but failed or was cancelled, or did not start w
 
 
 def cmd_submit(args) -> int:
+    text, data = read_job_file(args.manifest)  # a bad file is the user's to fix, node or no node
+    if text is not None and not args.key:
+        raise MeshError("submitting a TOML manifest needs --key OWNER_KEY to sign it")
     with ControlClient(args.node) as client:
-        signed = _signed_job_bytes(args, client.call("status")["epoch"])
+        signed = _signed_job_bytes(args, text, data, client.call("status")["epoch"])
         result = client.call("submit", job=signed)
         if not args.wait:
-            emit(args, result, lambda console: console.print(key_value_table("submitted", sorted(result.items()))))
+            emit(args, result, lambda console: console.print(render_submitted(result)))
             return 0
-        result, code = _wait_running(client, result["job_id"], args.wait_s)
-    emit(args, result, lambda console: console.print(key_value_table("submitted", sorted(result.items()))))
+        with progress(args, "job %s submitted; waiting until it runs" % short_job_id(result["job_id"])):
+            result, code = _wait_running(client, result["job_id"], args.wait_s)
+    emit(args, result, lambda console: console.print(render_submitted(result)))
     return code
+
+
+def render_submitted(result: dict) -> Table:
+    """The submitted job: its full id (to copy), and with --wait how the wait ended, where
+    the job runs, or why it was not placed."""
+    rows = [("job id", result["job_id"]), ("state", result.get("state", "submitted"))]
+    if result.get("outcome"):
+        rows.append(("outcome", result["outcome"]))
+    if result.get("primary"):
+        rows += [("primary", node_label(result["primary"])),
+                 ("backups", " ".join(node_label(b) for b in result.get("backups", ())) or "-")]
+    if result.get("exit_code") is not None:
+        rows.append(("exit code", result["exit_code"]))
+    if result.get("declines"):
+        rows += [("declined", format_declines(result["declines"])), ("node says", result.get("hint"))]
+    return key_value_table("submitted", rows)
 
 
 def _wait_running(client, job_id_hex: str, wait_s: float) -> tuple[dict, int]:
@@ -221,13 +258,19 @@ def _wait_result(job: dict | None, state: str, outcome: str) -> dict:
 def cmd_why(args) -> int:
     with ControlClient(args.node) as client:
         result = client.call("why", job_id=args.job_id)
-
-    def render(console):
-        console.print(key_value_table("why %s is pending" % args.job_id[:12],
-                                      [(reason, ", ".join(nodes)) for reason, nodes in result["declines"].items()]
-                                      + [("hint", result.get("hint") or "-")]))
-    emit(args, result, render)
+    emit(args, result, lambda console: render_why(console, result))
     return 0
+
+
+def render_why(console, result: dict) -> None:
+    """Declines grouped by reason for a pending job; for any other state, that state."""
+    job = short_job_id(result["job_id"])
+    if result.get("state") != "pending":
+        console.print("job %s is %s, not pending: no decline holds it back" % (job, result.get("state", "?")))
+        return
+    groups = group_declines(result.get("declines", {}))
+    console.print(key_value_table("why job %s is pending" % job, [
+        (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]))
 
 
 def cmd_join(args) -> int:

@@ -6,14 +6,16 @@ import argparse
 import sys
 
 from keys.errors import ConfigError
-from meshnode.cli.output import add_json_flag, emit
+from meshnode.cli.output import add_json_flag, emit, examples
 
 SNAPSHOT_OPS = ("status", "nodes", "jobs", "consensus")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "tui", help="watch the mesh and compose, sign and follow jobs (a client of a node's control socket)")
+        "tui", help="watch the mesh; compose, sign, follow and cancel jobs", epilog=examples(
+            "meshnode tui --node net/node-0 --key net/owners/owner-0.key",
+            "meshnode tui --node net/node-0 --snapshot     # the tables once, no terminal needed"))
     parser.add_argument("--node", required=True, metavar="DIR", help="the node's data directory (holds control.sock)")
     parser.add_argument("--key", metavar="OWNER_KEY", help="the owner's keystore, used to sign jobs and cancels")
     parser.add_argument("--snapshot", action="store_true",

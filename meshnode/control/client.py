@@ -30,6 +30,7 @@ import anyio
 from meshnode.control.wire import FrameBuffer, decode_map, encode_frame
 from protocol.errors import LocalProtocolError, MeshError, RemoteProtocolError
 
+SOCKET_NAME = "control.sock"
 CALL_TIMEOUT_S = 10.0
 RECV_CHUNK_BYTES = 65536
 
@@ -53,11 +54,35 @@ NEED_DATA = _Need()  # ClientProtocol needs more bytes from the node before it c
 def socket_path(node_dir_or_socket) -> Path:
     """Accept a node data directory (the usual ``--node DIR``) or the socket path itself."""
     path = Path(node_dir_or_socket)
-    return path / "control.sock" if path.is_dir() else path
+    return path / SOCKET_NAME if path.is_dir() else path
 
 
 def not_running(path: Path, why: str) -> ControlUnavailable:
     return ControlUnavailable("node not running at %s (%s)" % (path.parent, why))
+
+
+def closed_by_node(sock: socket.socket | None) -> bool:
+    """True when the node has closed this idle connection (it sheds idle clients: see
+    meshnode/control/server.py). Checked before a request is sent, so a request is never
+    written to a connection that cannot answer it, and none is ever sent twice."""
+    if sock is None:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing to read: the usual case
+    except OSError:
+        return True
+
+
+def socket_missing(path: Path) -> ControlUnavailable:
+    """The error for a socket path that does not exist: a node directory that is there but
+    has no socket means the node is not running; a ``--node`` that names no directory at
+    all is a wrong path, and saying "not running at /" would send the user looking elsewhere."""
+    directory = path.parent if path.name == SOCKET_NAME else path
+    if not directory.is_dir():
+        return ControlUnavailable("no node directory at %s" % directory)
+    return not_running(path, "no %s" % path.name)
 
 
 class ClientProtocol:
@@ -163,10 +188,12 @@ class ControlClient:
             self._sock = None
 
     def connect(self) -> None:
+        if closed_by_node(self._sock):
+            self.close()
         if self._sock is not None:
             return
         if not os.path.exists(self.path):
-            raise not_running(self.path, "no %s" % self.path.name)
+            raise socket_missing(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -275,10 +302,12 @@ class AsyncControlClient:
             await anyio.aclose_forcefully(stream)
 
     async def connect(self) -> None:
+        if self._stream is not None and closed_by_node(self._stream.extra(anyio.abc.SocketAttribute.raw_socket, None)):
+            await self.aclose()
         if self._stream is not None:
             return
         if not os.path.exists(self.path):
-            raise not_running(self.path, "no %s" % self.path.name)
+            raise socket_missing(self.path)
         try:
             stream = await anyio.connect_unix(str(self.path))
         except OSError as exc:

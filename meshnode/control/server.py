@@ -14,14 +14,24 @@ streams the events the driver publishes to ``EventHub`` until the client closes.
 A client can never take the server down: a malformed frame gets an error reply (the
 connection stays open when the frame boundary is intact, and is closed when it is
 not), every queue is bounded, and a subscriber that does not keep up is dropped.
+
+Nor can clients that connect and say nothing lock the operator out. Connections are
+capped (``max_connections``); a request connection silent for ``IDLE_TIMEOUT_S`` is
+closed, and when every slot is taken a new client takes the slot of the request
+connection idle the longest (no request in flight; subscribers are capped on their own
+by ``EventHub``). Only when every slot is busy answering is a new client refused. The
+clients in meshnode/control/client.py notice a connection the node closed before they
+reuse it, and reconnect.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -40,6 +50,7 @@ MAX_CONNECTIONS = 64
 MAX_SUBSCRIBERS = 32
 SUBSCRIBER_QUEUE_EVENTS = 256      # events buffered per subscriber before it counts as slow
 SEND_STALL_S = 5.0                 # a client that accepts no bytes for this long is disconnected
+IDLE_TIMEOUT_S = 60.0              # a request connection that sends nothing for this long is closed
 MAX_OP_CHARS = 64
 _SUN_PATH_MAX_BYTES = 107          # sockaddr_un.sun_path is 108 bytes including the NUL
 _RECV_CHUNK_BYTES = 65536
@@ -140,17 +151,36 @@ def _error_frame(request_id: int, message: str) -> bytes:
     return encode_frame({"id": request_id, "ok": False, "error": message[:4096]})
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One client's slot: what eviction needs to know about it."""
+    scope: trio.CancelScope
+    last_active: int            # when it last connected, asked or was answered, in server-wide order
+    busy: bool = False          # a request is being answered: never evicted
+    subscriber: bool = False    # an event stream: capped by EventHub, never evicted as idle
+
+
 class ControlServer:
     def __init__(self, path, handlers: dict[str, Handler], events: EventHub | None = None,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S):
         if "subscribe" in handlers:
             raise LocalProtocolError("the control op 'subscribe' is built in; do not register it")
         self.path = Path(path)
         self.handlers = dict(handlers)
         self.events = events
         self.max_connections = max_connections
-        self.connections = 0
+        self.idle_timeout_s = idle_timeout_s
+        self._open: set[_Connection] = set()
+        # Activity is ordered by a counter, not the clock: two clients active within one
+        # clock tick still have a definite order, so "the longest idle" is always one client.
+        self._activity = itertools.count()
         self.bad_frames = 0
+        self.evicted_connections = 0   # idle connections closed to make room for a new client
+        self.idle_closed_connections = 0
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
 
     # --- socket set-up ------------------------------------------------------------------------
 
@@ -223,16 +253,30 @@ class ControlServer:
     async def handle_connection(self, stream: trio.abc.Stream) -> None:
         """Serve one client until it closes. Works on any trio stream (tests use memory streams)."""
         async with stream:
-            if self.connections >= self.max_connections:
-                await self._send_or_give_up(stream, _error_frame(0, "too many control connections"))
+            if len(self._open) >= self.max_connections and not self._evict_longest_idle():
+                await self._send_or_give_up(stream, _error_frame(
+                    0, "too many control connections (%d, all answering requests)" % self.max_connections))
                 return
-            self.connections += 1
+            connection = _Connection(trio.CancelScope(), next(self._activity))
+            self._open.add(connection)
             try:
-                await self._serve_requests(stream)
+                with connection.scope:
+                    await self._serve_requests(stream, connection)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the client went away mid-reply; nothing to answer
             finally:
-                self.connections -= 1
+                self._open.discard(connection)
+
+    def _evict_longest_idle(self) -> bool:
+        """Free the slot of the request connection idle the longest; False when none is idle."""
+        idle = [c for c in self._open if not c.busy and not c.subscriber]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.last_active)
+        self._open.discard(oldest)  # the slot is free now, not when its task gets to run
+        oldest.scope.cancel()
+        self.evicted_connections += 1
+        return True
 
     async def _send_or_give_up(self, stream: trio.abc.Stream, frame: bytes) -> bool:
         """Send one frame unless the client stalls; False means the stream must be closed."""
@@ -246,9 +290,10 @@ class ControlServer:
             return True
         return False
 
-    async def _serve_requests(self, stream: trio.abc.Stream) -> None:
+    async def _serve_requests(self, stream: trio.abc.Stream, connection: _Connection) -> None:
         frames = FrameBuffer()
         while True:
+            connection.busy = False
             try:
                 payload = frames.next_payload()
             except RemoteProtocolError as exc:  # an oversized length: the stream cannot resync
@@ -256,11 +301,17 @@ class ControlServer:
                 await self._send_or_give_up(stream, _error_frame(0, str(exc)))
                 return
             if payload is None:
-                data = await stream.receive_some(_RECV_CHUNK_BYTES)
+                data = None
+                with trio.move_on_after(self.idle_timeout_s):
+                    data = await stream.receive_some(_RECV_CHUNK_BYTES)
+                if data is None:
+                    self.idle_closed_connections += 1
+                    return
                 if not data:
                     return
                 frames.feed(data)
                 continue
+            connection.busy, connection.last_active = True, next(self._activity)
             value = None
             try:
                 value = decode_map(payload)
@@ -271,10 +322,12 @@ class ControlServer:
                     return
                 continue
             if op == "subscribe":
+                connection.subscriber = True
                 await self._stream_events(stream, request_id, args)
                 return
             if not await self._send_or_give_up(stream, await self._reply(request_id, op, args)):
                 return
+            connection.last_active = next(self._activity)
 
     async def _reply(self, request_id: int, op: str, args: dict) -> bytes:
         handler = self.handlers.get(op)

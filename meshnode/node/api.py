@@ -33,6 +33,16 @@ def _hex_list(values):
     return [_hex(v) for v in values]
 
 
+def _text_arg(args: dict, name: str) -> str:
+    """A text argument of a request; anything else is the client's error, not a handler bug.
+
+    Error texts name no op: the client prefixes the op it called (``why: ...``)."""
+    value = args.get(name, "")
+    if not isinstance(value, str):
+        raise MeshError("args.%s: expected text, got %s" % (name, type(value).__name__))
+    return value
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -170,24 +180,17 @@ class ControlApi:
     async def submit(self, args) -> dict:
         job = args.get("job")
         if not isinstance(job, bytes):
-            raise MeshError("submit: args.job must be the signed job envelope (bytes)")
+            raise MeshError("args.job must be the signed job envelope (bytes)")
         return {"job_id": (await self.node.submit(job)).hex()}
 
     async def cancel(self, args) -> dict:
         request = args.get("request")
         if not isinstance(request, bytes):
-            raise MeshError("cancel: args.request must be an owner-signed cancel envelope (bytes)")
+            raise MeshError("args.request must be an owner-signed cancel envelope (bytes)")
         return {"job_id": (await self.node.cancel(request)).hex()}
 
     async def why(self, args) -> dict:
-        try:
-            job_id = bytes.fromhex(args.get("job_id", ""))
-        except ValueError:
-            raise MeshError("why: job_id must be hex") from None
-        matches = [j for j in self.node.core.jobs() if j["job_id"].startswith(job_id)] if job_id else []
-        if len(matches) != 1:
-            raise MeshError("why: %s matches %d jobs" % (args.get("job_id"), len(matches)))
-        job = matches[0]
+        job = self._one_job(_text_arg(args, "job_id"))
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
                 "hint": job.get("hint")}
@@ -273,13 +276,13 @@ class ControlApi:
                 "interval_error_us": interval_error_us}
 
     async def join(self, args) -> dict:
-        bootstrap = args.get("bootstrap", "")
+        bootstrap = _text_arg(args, "bootstrap")
         if "/p2p/" not in bootstrap:
-            raise MeshError("join: --bootstrap must end in /p2p/PEERID")
+            raise MeshError("--bootstrap must end in /p2p/PEERID")
         addr, peer_id = bootstrap.rsplit("/p2p/", 1)
         try:
             peer_key = public_key_from_peer_id(peer_id)
         except (RemoteProtocolError, ValueError) as exc:
-            raise MeshError("join: %s" % exc) from None
+            raise MeshError(str(exc)) from None
         return await self.node.join(peer_key, addr)
 

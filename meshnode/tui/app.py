@@ -28,7 +28,8 @@ from meshnode.control.client import AsyncControlClient, ControlError, ControlUna
 from meshnode.tui.screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
 from meshnode.workload.manifest import parse_manifest
 from meshnode.tui.tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
-                                 event_line, evidence_row, job_row, mesh_row, short_hex, status_line)
+                                 event_line, evidence_row, job_row, mesh_row, node_label, short_job_id,
+                                 status_line)
 from keys.errors import KeystoreError
 from meshnode.tui.why import format_declines
 from protocol.envelope import ANY_MESH
@@ -71,9 +72,9 @@ class FollowedJob:
         return True
 
     def text(self) -> str:
-        line = "following %s %s: %s" % (self.job_id[:8], self.name, " -> ".join(self.states))
+        line = "following %s %s: %s" % (short_job_id(self.job_id), self.name, " -> ".join(self.states))
         if self.primary:
-            line += " (primary %s)" % short_hex(self.primary)
+            line += " (primary %s)" % node_label(self.primary)
         return line
 
 
@@ -161,6 +162,7 @@ class OwnerTui(App):
         for table, columns in ((self.mesh_table, MESH_COLUMNS), (self.jobs_table, JOB_COLUMNS),
                                (self.consensus_table, CONSENSUS_COLUMNS), (self.evidence_table, EVIDENCE_COLUMNS)):
             table.add_columns(*columns)
+        self.mesh_table.focus()  # the arrow keys move the selection at once, not after a Tab
         self.run_worker(self._connection_loop(), name="connection", exclusive=True)
 
     # --- the connection loop ------------------------------------------------------------------
@@ -226,7 +228,7 @@ class OwnerTui(App):
         try:
             async with client.subscribe() as events:
                 async for event in events:
-                    self.log_event(event_line(event))
+                    self.log_event(event_line(event, self.clock_ms()))
                     self._wake.set()  # something changed: refresh the tables now, not at the next tick
             self.log_event("event stream ended: the node closed it")  # the poll loop notices and reconnects
         except ControlError as exc:
@@ -240,6 +242,12 @@ class OwnerTui(App):
             self.events_log.write(text)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # The shown view's table takes the keys (or the log, to scroll it): switching
+        # views with 1-4 must not leave the focus on a table that is now hidden.
+        focusable = {"mesh": self.mesh_table, "jobs": self.jobs_table, "consensus": self.consensus_table,
+                     "events": self.events_log}.get(event.pane.id)
+        if focusable is not None:
+            focusable.focus()
         if event.pane.id == "events":
             self.events_log.clear()
             for text in self.event_lines:
@@ -303,7 +311,8 @@ class OwnerTui(App):
             lines.append(self.followed.text())
         selected = self.selected_job()
         if selected is not None and selected.get("state") == "pending":
-            lines.append("%s pending: %s (w: why)" % (selected["job_id"][:8], format_declines(selected.get("declines", {}))))
+            lines.append("%s pending: %s (w: why)"
+                         % (short_job_id(selected["job_id"]), format_declines(selected.get("declines", {}))))
         self._show(self.jobs_note, "\n".join(lines))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
@@ -414,7 +423,7 @@ class OwnerTui(App):
         job_id = result["job_id"]
         self.manifest_bodies[job_id] = manifest.to_body()
         self.followed = FollowedJob(job_id, manifest.name)
-        self.notify("submitted job %s (%s)" % (manifest.name, job_id[:8]))
+        self.notify("submitted job %s (%s)" % (manifest.name, short_job_id(job_id)))
         self.action_show("jobs")
         self._render_jobs_note()
         self._wake.set()
@@ -457,5 +466,5 @@ class OwnerTui(App):
         except (ControlError, ControlUnavailable) as exc:
             self.notify("cancel refused: %s" % exc, severity="error")
             return
-        self.notify("cancel sent for %s" % job["job_id"][:8])
+        self.notify("cancel sent for %s" % short_job_id(job["job_id"]))
         self._wake.set()

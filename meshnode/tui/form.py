@@ -2,7 +2,7 @@
 
 The form never validates on its own: it writes what the owner typed into the same
 TOML a manifest file would hold and hands it to ``meshnode.workload.manifest.parse_manifest``,
-so the TUI and ``meshnode job submit FILE`` accept and reject exactly the same jobs
+so the TUI and ``meshnode submit FILE`` accept and reject exactly the same jobs
 and the error names the manifest field. A number field holding something that is not
 an integer is written as a TOML string, so the parser, not the form, reports it.
 """

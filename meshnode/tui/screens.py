@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from meshnode.tui.form import DEFAULT_VALUES, FORM_FIELDS, check_form
+from meshnode.tui.tables import short_job_id
 from meshnode.tui.why import format_declines, group_declines, placeable_hint
 from protocol.messages import STRATEGIES
 
@@ -77,7 +78,7 @@ class WhyScreen(ModalScreen):
 
     def compose(self) -> ComposeResult:
         declines = (self.why or {}).get("declines") or self.job.get("declines") or {}
-        lines = ["[b]job %s[/b] %s: %s" % (self.job.get("job_id", "?")[:8], self.job.get("name", "?"),
+        lines = ["[b]job %s[/b] %s: %s" % (short_job_id(self.job.get("job_id")), self.job.get("name", "?"),
                                             self.job.get("state", "?"))]
         if self.error:
             lines.append("[red]why: %s[/red]" % self.error)

@@ -6,6 +6,9 @@ so both take their rows from here. Columns are chosen to fit an 80-column termin
 
 from __future__ import annotations
 
+import time
+
+from rich import box
 from rich.table import Table
 
 from keys.identity import short_id
@@ -24,10 +27,20 @@ CONSENSUS_COLUMNS = ("instance", "kind", "round", "leader", "decided")
 EVIDENCE_COLUMNS = ("offender", "kind", "at")
 # Event detail fields that hold a node's public key (the rest hold job, instance or hash ids).
 NODE_KEY_FIELDS = frozenset(("primary", "to_node", "suspect", "key", "leader", "offender"))
+HIDDEN_DETAIL = frozenset(("mono_ns",))  # a host's monotonic clock, for benchmarks: not a time of day
+
+
+JOB_ID_CHARS = 8  # a job id's prefix in tables; every command that takes a job id accepts a unique prefix
+JOB_NAME_CHARS = 14  # a job's name in the jobs view, so that the view fits 80 columns
 
 
 def short_hex(value: str | None, width: int = 8) -> str:
     return "-" if not value else value[:width]
+
+
+def short_job_id(job_id_hex: str | None) -> str:
+    """A job (or consensus instance) id as tables show it: a prefix `why` and the TUI accept."""
+    return short_hex(job_id_hex, JOB_ID_CHARS)
 
 
 def node_label(key_hex: str | None) -> str:
@@ -54,6 +67,20 @@ def format_ms(value: int | None) -> str:
     return "%d min" % (value // 60_000)
 
 
+def rtt_text(rtt_us: int) -> str:
+    """A round trip in at most 5 characters: ``0.8ms``, ``84ms``, ``1.2s``."""
+    if rtt_us < 10_000:
+        return "%.1fms" % (rtt_us / 1000)
+    if rtt_us < 1_000_000:
+        return "%dms" % (rtt_us // 1000)
+    return "%.1fs" % (rtt_us / 1_000_000)
+
+
+def cut(text: str, chars: int) -> str:
+    """A name shortened to ``chars`` with a visible "…" (never used on an id)."""
+    return text if len(text) <= chars else text[:chars - 1] + "…"
+
+
 def throttle_text(reasons: int) -> str:
     names = [name for bit, name in THROTTLE_BITS if reasons & bit]
     return ",".join(names) if names else "-"
@@ -74,8 +101,8 @@ def mesh_row(node: dict) -> tuple[str, ...]:
         throttle = throttle_text(throttled)
     else:
         gpu_cell, util, temp, throttle = ("0" if cap else "?"), "-", "-", "-"
-    return (node.get("short") or short_hex(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
-            node.get("health", "?"), "-" if rtt is None else "%.1fms" % (rtt / 1000),
+    return (node.get("short") or node_label(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
+            node.get("health", "?"), "-" if rtt is None else rtt_text(rtt),
             gpu_cell, util, temp, throttle)
 
 
@@ -83,13 +110,13 @@ def job_row(job: dict) -> tuple[str, ...]:
     ckpt = job.get("checkpoint_age_ms")
     seq = job.get("checkpoint_seq")
     ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
-    return (short_hex(job.get("job_id")), job.get("name", "?")[:16], job.get("state", "?"),
+    return (short_job_id(job.get("job_id")), cut(job.get("name", "?"), JOB_NAME_CHARS), job.get("state", "?"),
             node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
             str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
 
 
 def consensus_row(instance: dict) -> tuple[str, ...]:
-    return (short_hex(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
+    return (short_job_id(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
             node_label(instance.get("leader")), "yes" if instance.get("decided") else "no")
 
 
@@ -97,23 +124,57 @@ def evidence_row(item: dict) -> tuple[str, ...]:
     return (node_label(item.get("offender")), item.get("kind", "?"), str(item.get("at_ms", "-")))
 
 
-def event_line(event: dict) -> str:
+def clock_text(wall_ms: int) -> str:
+    """Local wall-clock time of day to the millisecond: ``18:07:03.412``."""
+    return time.strftime("%H:%M:%S", time.localtime(wall_ms // 1000)) + ".%03d" % (wall_ms % 1000)
+
+
+def event_line(event: dict, received_ms: int) -> str:
+    """One event as a person reads it: when it arrived (wall clock), its kind, its details
+    with nodes by label and ids by prefix.
+
+    An event's own ``at_ms`` is the node's monotonic clock and ``detail.mono_ns`` the
+    host's, for benchmarks: neither is a time of day, so neither is shown (``--json``
+    keeps them)."""
     detail = event.get("detail")
     detail = detail if isinstance(detail, dict) else {}
-    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()))
-    return "%s %s %s" % (event.get("at_ms", "-"), event.get("kind", "?"), shown)
+    shown = " ".join("%s=%s" % (k, _detail_text(k, v)) for k, v in sorted(detail.items()) if k not in HIDDEN_DETAIL)
+    return ("%s %-16s %s" % (clock_text(received_ms), event.get("kind", "?"), shown)).rstrip()
 
 
 def _detail_text(key: str, value) -> str:
     if key in NODE_KEY_FIELDS and isinstance(value, str):
         return node_label(value)
     if isinstance(value, str) and len(value) == 64:
-        return short_hex(value, 12)
+        return short_job_id(value)
+    return plain_text(value)
+
+
+def plain_text(value) -> str:
+    """A value as a table cell: never a Python repr (``None``, ``{'a': 1}``, ``[...]``)."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, dict):
+        return ", ".join("%s=%s" % (k, plain_text(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) \
+            or "-"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) and len(v) == 2
+                                                          for v in value):
+        return ", ".join("%s=%s" % (plain_text(k), plain_text(v)) for k, v in value)  # pairs, e.g. labels
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(plain_text(v) for v in value) or "-"
     return str(value)
 
 
-def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None, style_col: int = 0) -> Table:
-    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+def compact_table(title: str, columns: tuple[str, ...], rows, styles: dict | None = None,
+                  style_col: int = 0) -> Table:
+    # No borders, two spaces between columns: every view fits 80 columns with its ids
+    # whole (tests/test_cli_ux.py renders each at 80). Only a job's name may be cut (…).
+    table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 1, 0, 0))
     for column in columns:
         table.add_column(column, no_wrap=True, overflow="ellipsis")
     for row in rows:
@@ -123,26 +184,26 @@ def _table(title: str, columns: tuple[str, ...], rows, styles: dict | None = Non
 
 
 def mesh_table(nodes: list[dict]) -> Table:
-    return _table("mesh: %d nodes" % len(nodes), MESH_COLUMNS, [mesh_row(n) for n in nodes], HEALTH_STYLE, 3)
+    return compact_table("mesh: %d nodes" % len(nodes), MESH_COLUMNS, [mesh_row(n) for n in nodes], HEALTH_STYLE, 3)
 
 
 def jobs_table(jobs: list[dict]) -> Table:
-    table = _table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
+    table = compact_table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
     pending = [j for j in jobs if j.get("state") == "pending" and j.get("declines")]
     if pending:
-        table.caption = "; ".join("%s %s" % (short_hex(j["job_id"]), format_declines(j["declines"]))
+        table.caption = "; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
                                   for j in pending[:3])
     return table
 
 
 def consensus_table(consensus: dict) -> Table:
-    table = _table("consensus: %d certificates" % consensus.get("certificates", 0), CONSENSUS_COLUMNS,
+    table = compact_table("consensus: %d certificates" % consensus.get("certificates", 0), CONSENSUS_COLUMNS,
                    [consensus_row(i) for i in consensus.get("instances", ())])
     return table
 
 
 def evidence_table(consensus: dict) -> Table:
-    return _table("evidence: %d" % len(consensus.get("evidence", ())), EVIDENCE_COLUMNS,
+    return compact_table("evidence: %d" % len(consensus.get("evidence", ())), EVIDENCE_COLUMNS,
                   [evidence_row(e) for e in consensus.get("evidence", ())])
 
 
