@@ -1,9 +1,16 @@
-"""A placed job's life (SPEC.md P6): the workload starts, checkpoints stream from the
-primary to its backups (each acked), and the job ends by an exit (a failed job within its
-retries is placed afresh, by a new instance) or by its owner's cancel.
+"""A placed job's life (SPEC.md P6): the job becomes its primary's (the ledger's
+allocation, or its refusal), the workload starts, checkpoints stream from the primary to
+its backups (each acked), and the job ends by an exit (a failed job within its retries is
+placed afresh, by a new instance) or by its owner's cancel.
 
-Exits and cancels are no certificates: the newest per job is persisted (table ``jobs``)
-and replayed after a restart through the same checks as when it arrived.
+A node that a placement or a migration makes a job's primary takes it only if its ledger
+holds it (R1): the bid's reservation, or room now. Otherwise it refuses it: a signed
+``job_refusal`` at the job's fence, and every node places the job afresh, by a new
+instance that does not use up a retry (messages/jobs.py, ``next_attempt``). The refusing
+node never runs it.
+
+Exits, refusals and cancels are no certificates: the newest per job is persisted (table
+``jobs``) and replayed after a restart through the same checks as when it arrived.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import hashlib
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import Cancel, Checkpoint, CheckpointAck, JobExit, decode_message
+from protocol.messages import (Cancel, Checkpoint, CheckpointAck, JobExit, JobRefusal, decode_message,
+                               next_attempt)
 from protocol.ready import Outbound, PersistRecord, Ready, local_decision
 
 
@@ -23,6 +31,65 @@ class JobLifecycle:
         self.jobs = jobs
         self.ledger = ledger
         self.placement = placement   # a failed job within its retries is placed again
+        self.deferred = False        # True while the core replays its history after a restart
+
+    # --- taking a job on (SPEC.md R1) ------------------------------------------------------------
+    def admit(self, record, key: bytes | None, now_ms: int, out: Ready) -> bool:
+        """This node is the job's primary now (a placement, ``key`` its placement key, or a
+        migration, ``key`` None): allocate it from the bid's reservation or from what is
+        free now, or refuse it. While the core rebuilds itself after a restart (``deferred``)
+        nothing is allocated: the ledger is rebuilt from the final job table then."""
+        if self.deferred:
+            return True
+        jid = record.job_id
+        claim = self.ledger.allocate(key, jid) if key is not None else None
+        if claim is None:
+            claim = self.ledger.allocate_now(jid, record.manifest.resources, prefer=tuple(record.gpus))
+        if claim is not None:
+            record.gpus = claim.gpus   # what this node runs it on (a migration's own pick)
+            return True
+        self.refuse(record, now_ms, out)
+        return False
+
+    def refuse(self, record, now_ms: int, out: Ready) -> None:
+        """No room here for a job this node became the primary of: tell every node, which
+        places it afresh (P6), and never run it."""
+        self.ctx.counters["job_refused"] += 1
+        data = self.ctx.sign(JobRefusal(job_id=record.job_id, fence=record.fence))
+        out.messages.append(Outbound(None, data))
+        self._persist_outcome(record.job_id, "refusal", data, out)
+        self._refused(record, data, now_ms, out)
+
+    def on_job_refusal(self, envelope, message: JobRefusal, data, now_ms: int, out: Ready) -> None:
+        record = self.jobs.get(message.job_id)
+        if record is None or envelope.signer != record.primary or message.fence != record.fence:
+            self.ctx.counters["job_refusal_stale"] += 1
+            return
+        if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "refusal", data, out)
+            self._refused(record, data, now_ms, out)
+
+    def _refused(self, record, data: bytes, now_ms: int, out: Ready) -> None:
+        refused_by, fence = record.primary, record.fence
+        self.ledger.free(record.job_id)
+        attempt = next_attempt(record.attempt, record.manifest, refused=True)
+        if attempt is None:
+            record.state = "failed"
+            record.hint = "refused by its primaries for want of capacity, with no retry left"
+        else:
+            self._place_again(record, attempt, data, now_ms, out)
+        out.events.append(self.ctx.event("job_refused", now_ms, job_id=record.job_id.hex(), fence=fence,
+                                         by=refused_by.hex() if refused_by else "", attempt=record.attempt,
+                                         state=record.state))
+
+    def _place_again(self, record, attempt: int, data: bytes, now_ms: int, out: Ready) -> None:
+        """SPEC P6: the job's next attempt, placed afresh by its own instance. ``data``: the exit
+        or refusal that ended the last one (a leader shows it to voters that missed it)."""
+        record.attempt = attempt
+        self.jobs.assign(record, None, (), ())
+        record.declines.clear()
+        record.outcome = data
+        self.placement.start(record, now_ms, out)
 
     def _my_job(self, jid: bytes):
         record = self.jobs.get(jid)
@@ -108,7 +175,7 @@ class JobLifecycle:
         data = self.ctx.sign(JobExit(job_id=jid, fence=record.fence, exit_code=code))
         out.messages.append(Outbound(None, data))
         self._persist_outcome(jid, "exit", data, out)
-        self._finish_job(record, code, now_ms, out)
+        self._finish_job(record, code, data, now_ms, out)
         return out
 
     def on_job_exit(self, envelope, message: JobExit, data, now_ms: int, out: Ready) -> None:
@@ -125,7 +192,7 @@ class JobLifecycle:
             self.jobs.assign(record, envelope.signer, record.backups, fence=message.fence)
             if record.state in TERMINAL:
                 return
-        self._finish_job(record, message.exit_code, now_ms, out)
+        self._finish_job(record, message.exit_code, data, now_ms, out)
 
     @staticmethod
     def _exit_acceptable(record, signer: bytes, message: JobExit) -> bool:
@@ -143,16 +210,14 @@ class JobLifecycle:
             return record.primary == signer
         return message.exit_code == 0
 
-    def _finish_job(self, record, code: int, now_ms: int, out: Ready) -> None:
+    def _finish_job(self, record, code: int, data: bytes, now_ms: int, out: Ready) -> None:
         self.ledger.free(record.job_id)
         record.exit_code = code
+        attempt = next_attempt(record.attempt, record.manifest, refused=False) if code else None
         if code == 0:
             record.state = "completed"
-        elif record.attempt < record.manifest.max_retries:
-            record.attempt += 1  # SPEC P6: a failed job is placed afresh, by a new instance
-            self.jobs.assign(record, None, (), ())
-            record.declines.clear()
-            self.placement.start(record, now_ms, out)
+        elif attempt is not None:
+            self._place_again(record, attempt, data, now_ms, out)  # SPEC P6: placed afresh, by a new instance
         else:
             record.state = "failed"
         out.events.append(self.ctx.event("job_exited", now_ms, job_id=record.job_id.hex(), exit_code=code,
@@ -197,20 +262,22 @@ class JobLifecycle:
 
     # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
     def _persist_outcome(self, jid: bytes, kind: str, data: bytes, out: Ready) -> None:
-        """Exits and cancels are no certificates, so a restart would forget them (a completed
-        job would be resumed); the newest per job is kept and replayed, and the newest few
-        are re-sent in sync answers (F6)."""
+        """Exits, refusals and cancels are no certificates, so a restart would forget them (a
+        completed job would be resumed); the newest per job is kept and replayed, and the
+        newest few are re-sent in sync answers (F6)."""
         self.jobs.note_outcome(data)
         out.persist.append(PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data}))
 
     def replay_outcomes(self, envelopes, now_ms: int) -> None:
-        """After the certificates: each job's last accepted exit or cancel, through the same
-        checks as when it arrived (the current primary at the current fence; the owner)."""
+        """After the certificates: each job's last accepted exit, refusal or cancel, through the
+        same checks as when it arrived (the current primary at the current fence; the owner)."""
         for data in envelopes:
             try:
                 envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
                 if isinstance(message, JobExit):
                     self.on_job_exit(envelope, message, data, now_ms, Ready())
+                elif isinstance(message, JobRefusal):
+                    self.on_job_refusal(envelope, message, data, now_ms, Ready())
                 elif isinstance(message, Cancel):
                     self.on_cancel(envelope, message, data, now_ms, Ready())
                 else:

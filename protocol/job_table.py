@@ -53,6 +53,9 @@ class JobRecord:
     # an exit that arrives after the job moved on is checked against the primary it had
     # then (P6), so a member that applied an eviction before the exit still takes it.
     primaries: dict = field(default_factory=dict)
+    # The exit or refusal envelope that ended the attempt before this one (P6): a leader
+    # shows it with the job, so nodes that missed it join the new attempt's instance.
+    outcome: bytes | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
