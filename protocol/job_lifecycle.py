@@ -41,10 +41,7 @@ class JobLifecycle:
         nothing is allocated: the ledger is rebuilt from the final job table then."""
         if self.deferred:
             return True
-        jid = record.job_id
-        claim = self.ledger.allocate(key, jid) if key is not None else None
-        if claim is None:
-            claim = self.ledger.allocate_now(jid, record.manifest.resources, prefer=tuple(record.gpus))
+        claim = self.ledger.take_on(key, record.job_id, record.manifest.resources, prefer=tuple(record.gpus))
         if claim is not None:
             record.gpus = claim.gpus   # what this node runs it on (a migration's own pick)
             return True

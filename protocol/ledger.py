@@ -188,6 +188,14 @@ class ResourceLedger:
             self._allocated[job_key] = claim
         return claim
 
+    def take_on(self, key: bytes | None, job_key: bytes, resources: Resources,
+                prefer: tuple[int, ...] = ()) -> Claim | None:
+        """The capacity rule for a job this node becomes the primary of: its bid's reservation
+        (``key``, the placement key) becomes its allocation, or, with none, what is free now
+        (on ``prefer`` when free). None: it does not fit, and the node must refuse the job."""
+        claim = self.allocate(key, job_key) if key is not None else None
+        return claim if claim is not None else self.allocate_now(job_key, resources, prefer=prefer)
+
     def free(self, job_key: bytes) -> bool:
         """A job finished, failed, was cancelled, refused or moved away: give its capacity back."""
         claim = self._allocated.pop(job_key, None)
