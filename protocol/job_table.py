@@ -56,6 +56,11 @@ class JobRecord:
     # The exit or refusal envelope that ended the attempt before this one (P6): a leader
     # shows it with the job, so nodes that missed it join the new attempt's instance.
     outcome: bytes | None = None
+    # The newest checkpoint envelope this node took or accepted, as signed, and its fence:
+    # after a refusal it is handed to the job's next primary (R1, "Resuming after a
+    # refusal"). Memory only: a restart forgets it (the run then starts without it).
+    checkpoint_envelope: bytes | None = None
+    checkpoint_fence: int | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}

@@ -101,7 +101,7 @@ class MeshCore:
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
-        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger)
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits)
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
         placement.lifecycle = epoch_changes.lifecycle = lifecycle
@@ -269,6 +269,7 @@ class MeshCore:
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
             self._refuse_unfit_after_restart(now_ms, out)
+        self.lifecycle.end_handoff_waits(now_ms, out)
         self.instance_table.prune_timers()
         return self._with_orders(out)
 

@@ -359,6 +359,8 @@ class PlacementFlow(ValueFlow):
             self.lifecycle.admit(record, iid, now_ms, out)
         else:
             self.ledger.release(iid)
+            if record.state not in TERMINAL:
+                self.lifecycle.hand_off_checkpoint(record, out)   # a refused job's work goes on there (R1)
 
     def _replay_evictions_since(self, record, epoch: int, now_ms: int, out: Ready) -> None:
         """SPEC P5: a placement runs in its job's epoch (P2), so it may be decided after later
