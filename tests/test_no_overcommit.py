@@ -300,3 +300,39 @@ def test_r1_a_later_attempt_placed_elsewhere_frees_what_an_earlier_one_held_here
     net.deliver()
     assert node.job_view(jid)["primary"] == second and node.ledger.allocated(jid) is None
     assert node.ledger.free_gpus() == (0,) and jid not in running(net, first)
+
+
+def test_r1_a_refused_job_placed_afresh_resumes_from_the_checkpoint_a_replica_hands_over():
+    """Root cause of the revert: a job refused for want of room was placed again on a node
+    that held none of its checkpoints, which ran it from progress 0 (the node-mode
+    simulator saw 1,210 and 2,640 ms of lost work). Now every node holding the refused
+    work's newest checkpoint hands it, as its primary signed it, to the new attempt's
+    primary and backups; the primary waits for it before it runs, and resumes from it."""
+    net = DiskNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_job(nonce=1, backups=1, max_retries=0)
+    jid = job_id(job)
+    net.submit(KEYS[2], envelope)
+    net.run(100)
+    view = net.cores[KEYS[2]].job_view(jid)
+    primary, backup = view["primary"], view["backups"][0]
+    net.emit(primary, net.cores[primary].local_checkpoint(jid, 5, 50, net.now, b"state-at-50", net.now))
+    net.run(50)
+    assert net.cores[backup].job_view(jid)["last_checkpoint_seq"] == 5
+    filler, filler_envelope = make_job(nonce=2, backups=0)
+    filler_entry = next(k for k in KEYS if k not in (primary, backup))
+    net.submit(filler_entry, filler_envelope)
+    net.run(100)
+    while net.cores[filler_entry].job_view(job_id(filler))["primary"] != backup:   # fill the backup
+        net.exit(net.cores[filler_entry].job_view(job_id(filler))["primary"], job_id(filler), code=1)
+        net.run(300)
+    net.down.add(primary)
+    net.run(3000)                            # evicted; the full backup refuses it; placed afresh elsewhere
+    assert net.cores[backup].counters["job_refused"] == 1
+    new_primary = net.cores[backup].job_view(jid)["primary"]
+    assert new_primary not in (None, primary, backup)
+    run = running(net, new_primary)[jid]
+    assert run.resume and run.fence == net.cores[new_primary].job_view(jid)["fence"]
+    handed = [r.value for (table, _key), r in net.disk[new_primary].items()
+              if table == "checkpoints" and r.value["job_id"] == jid]
+    assert [(c["seq"], c["progress"], c["origin"], c["fence"]) for c in handed] == [(5, 50, primary, 1)]
+    assert net.cores[new_primary].counters["checkpoint_handoff_timeout"] == 0
