@@ -18,7 +18,7 @@ LIVE_JOB_STATES = ("placed", "running", "migrating")
 MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
 FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1; each migration adds 1
 MAX_FENCES_REMEMBERED = 32       # per job: which node was primary at each of its newest fences (P6)
-MAX_RECENT_OUTCOMES = 64         # exits and cancels re-sent by sync answers (F6)
+MAX_RECENT_OUTCOMES = 64         # exits, refusals and cancels re-sent by sync answers (F6)
 
 
 @dataclass
@@ -82,9 +82,9 @@ class JobTable:
         self.me = me
         self.records: dict[bytes, JobRecord] = {}
         self._ever_mine: set[bytes] = set()   # jobs this node was ever made primary of
-        # The envelopes of the newest exits and cancels this node accepted, oldest first: a
-        # sync answer re-sends them (F6), so a member that was down or cut off when one was
-        # broadcast learns it.
+        # The envelopes of the newest exits, refusals and cancels this node accepted, oldest
+        # first: a sync answer re-sends them (F6), so a member that was down or cut off when
+        # one was broadcast learns it.
         self.recent_outcomes: deque = deque(maxlen=MAX_RECENT_OUTCOMES)
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,

@@ -175,7 +175,8 @@ class ControlApi:
 
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt: retries and
-        refusals, P2, R1), its slot's if that lists it (P7), and the evictions whose migrations name it (F5)."""
+        refusals, P2, R1), its slot's if that lists it (P7), and the evictions whose
+        migrations name it (F5)."""
         manifest, jid = job["manifest"], job["job_id"]
         instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
