@@ -216,8 +216,12 @@ class MeshCore:
         rows = []
         table = self.instance_table
         for iid, inst in list(table.instances.items()) + list(table.decided.items())[-64:]:
-            rows.append({"instance": iid, "kind": inst.value_kind, "round": inst.round, "leader": inst.leader,
-                         "decided": inst.decision is not None, "gave_up": inst.gave_up})
+            # The kind decided (an epoch change decides an eviction or a join), and whether this
+            # node applied it: a decided value it refused (F5: an old epoch's change) changed nothing.
+            decided = inst.decision is not None
+            rows.append({"instance": iid, "kind": inst.decision.value_kind if decided else inst.value_kind,
+                         "round": inst.round, "leader": inst.leader, "decided": decided,
+                         "applied": iid in table.applied, "gave_up": inst.gave_up})
         return {"instances": rows, "certificates": len(table.applied), "evidence": list(table.evidence_log)}
 
     # --- inputs -------------------------------------------------------------------------------

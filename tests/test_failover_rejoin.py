@@ -170,6 +170,11 @@ def test_pause_longer_than_the_bound_evicts_migrates_and_the_paused_node_fences_
     # Readmitted (next test), it still never resumes the job it lost.
     assert net.kinds(primary, seen) == ["halt", "eviction", "membership"] and stale.is_member()
     assert stale.job_view(jid)["primary"] == backup
+    # The consensus view names what each epoch change decided (a join is no "eviction").
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    rows = {r["instance"]: r for r in net.cores[survivors[0]].consensus_view()["instances"]}
+    assert [(rows[epoch_change_instance_id(e)]["kind"], rows[epoch_change_instance_id(e)]["applied"])
+            for e in (0, 1)] == [("eviction", True), ("membership", True)]
 
 
 def test_a_pause_that_ends_after_suspicion_but_within_the_bound_evicts_nobody():

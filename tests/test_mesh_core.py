@@ -953,3 +953,17 @@ def test_6_7_a_placement_certificate_of_a_job_not_signed_by_its_owner_places_not
     ready = core.step(certificate, 0)
     assert not ready.decisions and not ready.persist and core.job_view(iid) is None
     assert core.counters["placement_certificate_wrong_epoch"] == 1
+
+
+def test_the_consensus_view_shows_the_kind_an_epoch_change_decided():
+    # Review: a join was listed as "eviction" (the epoch-change flow's default kind).
+    net, _jid = placed_on_the_big_node()
+    primary = KEYS[0]
+    net.down.add(primary)
+    net.run(600)
+    rows = {r["instance"]: r for r in net.cores[KEYS[1]].consensus_view()["instances"]}
+    from protocol.flows.epoch_change import epoch_change_instance_id
+    change = rows[epoch_change_instance_id(0)]
+    assert change["decided"] and change["applied"] and change["kind"] == "eviction"
+    placement = next(r for r in rows.values() if r["kind"] == "placement")
+    assert placement["decided"] and placement["applied"]
