@@ -6,12 +6,13 @@ What a node holds is judged by what its core orders its driver to run (the "run"
 """
 
 import dataclasses
+import hashlib
 import random
 
 from keys.genesis import DEFAULT_PARAMS, Genesis
 from protocol import codec
 from protocol.mesh import MeshCore
-from protocol.messages import JobRefusal, decode_message, encode_message, job_id, placement_instance_id
+from protocol.messages import Checkpoint, JobRefusal, decode_message, encode_message, job_id, placement_instance_id
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import NO_INSTANCE, Decision, Ready
 from test_mesh_core import GENESIS, IDS, KEYS, MESH, ZONES, Net, make_job
@@ -336,3 +337,15 @@ def test_r1_a_refused_job_placed_afresh_resumes_from_the_checkpoint_a_replica_ha
               if table == "checkpoints" and r.value["job_id"] == jid]
     assert [(c["seq"], c["progress"], c["origin"], c["fence"]) for c in handed] == [(5, 50, primary, 1)]
     assert net.cores[new_primary].counters["checkpoint_handoff_timeout"] == 0
+    # Only the node that was primary at the checkpoint's fence hands over, and only newer work.
+    core = net.cores[new_primary]
+
+    def relayed(signer, seq):
+        message = Checkpoint(job_id=jid, fence=1, seq=seq, progress=10 * seq, taken_ms=net.now, state=b"s",
+                             state_hash=hashlib.sha256(b"s").digest())
+        return [r.value["seq"] for r in core.step(encode_message(signer, MESH, message), net.now).persist
+                if r.table == "checkpoints"]
+
+    assert relayed(IDS[KEYS.index(backup)], 9) == []          # never the job's primary at fence 1
+    assert relayed(IDS[KEYS.index(primary)], 4) == []         # older than the one it holds
+    assert relayed(IDS[KEYS.index(primary)], 6) == [6]        # newer work of the same attempt line
