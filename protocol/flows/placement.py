@@ -15,6 +15,8 @@ certificate as proof (P7c).
 
 from __future__ import annotations
 
+import dataclasses
+
 from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -208,6 +210,15 @@ class PlacementFlow(ValueFlow):
         if placement is None:
             record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
             return
+        while placement is not None and self._lands_on(record, iid, placement, inst.view.epoch, now_ms) not in held:
+            # The evictions since the job's epoch would move it to a node that did not bid, which
+            # has no room reserved for it and would refuse it (R1): propose without that primary.
+            chosen = [facts for facts in chosen if facts.signer != placement.primary]
+            placement = choose_placement(record.envelope, record.manifest, iid, chosen, caches=self.ctx.caches)
+        if placement is None:
+            record.hint = ("every bidder's placement would move to a node without a bid (evictions since the "
+                           "job's epoch: %d bids, %d declines)" % (len(held), len(record.declines)))
+            return
         justification = tuple(held[facts.signer][1] for facts in chosen)
         if record.outcome is not None and record.attempt > 0:
             # The exit or refusal that started this attempt (P6): voters that missed it hold
@@ -218,6 +229,18 @@ class PlacementFlow(ValueFlow):
                 return  # not this instance's to place before its slot is decided (P7c)
             justification += (record.slot_certificate,)
         self.instances.drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
+
+    def _lands_on(self, record, iid: bytes, placement: Placement, epoch: int, now_ms: int) -> bytes | None:
+        """The node ``placement`` leaves the job's primary once every node applies it (P5):
+        its primary, moved by the evictions decided since ``epoch`` as apply_placement moves
+        it, computed on a copy of the record."""
+        scratch = dataclasses.replace(record, primaries=dict(record.primaries), declines=dict(record.declines),
+                                      acks={}, state="placed")
+        attempt = placement_attempt(iid, record.manifest)
+        scratch.primary, scratch.backups = placement.primary, tuple(placement.backups)
+        scratch.fence = attempt * FENCE_PER_ATTEMPT + 1
+        self._replay_evictions_since(scratch, epoch, now_ms, Ready())
+        return scratch.primary
 
     def _validator(self, iid: bytes):
         mesh_id, slots = self.ctx.mesh_id, self.slots
