@@ -19,7 +19,8 @@ from protocol.ready import Outbound, Ready
 
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
 MAX_DECLINERS_KEPT = 256         # per job, for "why pending"
-BID_LIFETIME_ROUNDS = 8          # a reservation outlives this many maximal round timeouts
+BID_LIFETIME_ROUNDS = 8          # a restored reservation whose instance does not run here again ends after
+                                 # this many maximal round timeouts (R1)
 
 
 class Bidding:
@@ -78,6 +79,8 @@ class Bidding:
             self.mine[key] = mine
             out.events.append(self.ctx.event("bid" if mine[0] == "bid" else "declined", now_ms,
                                              instance=inst.instance_id.hex(), job_id=record.job_id.hex()))
+        elif mine[0] == "bid":
+            self.ledger.keep(key)   # a bid restored after a restart: its instance runs here again (R1)
         self._deliver(inst, record, mine, now_ms, out)
 
     def _deliver(self, inst, record, mine: tuple, now_ms: int, out: Ready) -> None:
@@ -113,8 +116,10 @@ class Bidding:
         ok, reason, detail = eligibility(job, cap, self.ctx.policy, self.capability.own_attested)
         claim = None
         if ok:
-            lifetime = BID_LIFETIME_ROUNDS * self.ctx.params.round_timeout_max_ms
-            claim = self.ledger.reserve(key, job.resources, now_ms + lifetime, gpu_free_mem_mib(cap))
+            # Held until this node applies the instance's decision, the instance gives up or
+            # is dropped here, or the job is cancelled (R1): never for a fixed time, since a
+            # bid may be decided in any later round. Persisted before the bid is sent.
+            claim = self.ledger.reserve(key, job.resources, free_mem_mib=gpu_free_mem_mib(cap))
             if claim is None:
                 reason, detail = "not_enough_gpus", "capacity reserved by concurrent bids"
         if claim is None:

@@ -1,9 +1,16 @@
-"""A placed job's life (SPEC.md P6): the workload starts, checkpoints stream from the
-primary to its backups (each acked), and the job ends by an exit (a failed job within its
-retries is placed afresh, by a new instance) or by its owner's cancel.
+"""A placed job's life (SPEC.md P6): the job becomes its primary's (the ledger's
+allocation, or its refusal), the workload starts, checkpoints stream from the primary to
+its backups (each acked), and the job ends by an exit (a failed job within its retries is
+placed afresh, by a new instance) or by its owner's cancel.
 
-Exits and cancels are no certificates: the newest per job is persisted (table ``jobs``)
-and replayed after a restart through the same checks as when it arrived.
+A node that a placement or a migration makes a job's primary takes it only if its ledger
+holds it (R1): the bid's reservation, or room now. Otherwise it refuses it: a signed
+``job_refusal`` at the job's fence, and every node places the job afresh, by a new
+instance that does not use up a retry (messages/jobs.py, ``next_attempt``). The refusing
+node never runs it.
+
+Exits, refusals and cancels are no certificates: the newest per job is persisted (table
+``jobs``) and replayed after a restart through the same checks as when it arrived.
 """
 
 from __future__ import annotations
@@ -12,8 +19,28 @@ import hashlib
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import Cancel, Checkpoint, CheckpointAck, JobExit, decode_message
+from protocol.messages import (Cancel, Checkpoint, CheckpointAck, JobExit, JobRefusal, attempt_failures,
+                               decode_message, next_attempt)
 from protocol.ready import Outbound, PersistRecord, Ready, local_decision
+
+HANDOFF_WAIT_MS = 250   # how long a job's next primary after a refusal waits for a checkpoint (R1)
+
+
+def same_work(fence: int, attempt: int, job) -> bool:
+    """Whether a checkpoint taken under ``fence`` is of the work ``attempt`` continues: an
+    attempt at or after the checkpoint's that no failed exit separates from it (a refusal
+    starts an attempt that goes on with the same work; a failure starts it afresh, P6)."""
+    taken_in = fence // FENCE_PER_ATTEMPT
+    return taken_in <= attempt and attempt_failures(taken_in, job) == attempt_failures(attempt, job)
+
+
+def resumes_from_checkpoint(record) -> bool:
+    """The workload order's ``resume`` (workload_orders.py): a migration goes on from the
+    node's newest checkpoint; a fresh attempt does only if that checkpoint is of the same
+    work (an attempt started by a refusal, R1), never after a failed exit (P6)."""
+    if not (record.state == "placed" and record.attempt > 0):
+        return True
+    return record.checkpoint_fence is not None and same_work(record.checkpoint_fence, record.attempt, record.manifest)
 
 
 class JobLifecycle:
@@ -23,6 +50,97 @@ class JobLifecycle:
         self.jobs = jobs
         self.ledger = ledger
         self.placement = placement   # a failed job within its retries is placed again
+        self.deferred = False        # True while the core replays its history after a restart
+        # Jobs this node was made the primary of after a refusal, holding no checkpoint of
+        # their work: job id -> when it stops waiting for one to be handed over (R1). Not run
+        # while waiting (workload_orders.py).
+        self.handoff_waits: dict[bytes, int] = {}
+
+    # --- taking a job on (SPEC.md R1) ------------------------------------------------------------
+    def admit(self, record, key: bytes | None, now_ms: int, out: Ready) -> bool:
+        """This node is the job's primary now (a placement, ``key`` its placement key, or a
+        migration, ``key`` None): allocate it from the bid's reservation or from what is
+        free now, or refuse it. While the core rebuilds itself after a restart (``deferred``)
+        nothing is allocated: the ledger is rebuilt from the final job table then."""
+        if self.deferred:
+            return True
+        claim = self.ledger.take_on(key, record.job_id, record.manifest.resources, prefer=tuple(record.gpus))
+        if claim is not None:
+            record.gpus = claim.gpus   # what this node runs it on (a migration's own pick)
+            if key is not None and self._work_done_elsewhere(record):
+                self.handoff_waits[record.job_id] = now_ms + HANDOFF_WAIT_MS
+            return True
+        self.refuse(record, now_ms, out)
+        return False
+
+    @staticmethod
+    def _work_done_elsewhere(record) -> bool:
+        """R1: this attempt goes on with work an earlier attempt was placed for (it was
+        refused since), and this node holds no checkpoint of it."""
+        if record.checkpoint_fence is not None and same_work(record.checkpoint_fence, record.attempt, record.manifest):
+            return False
+        return any(fence // FENCE_PER_ATTEMPT < record.attempt and same_work(fence, record.attempt, record.manifest)
+                   for fence in record.primaries)
+
+    def hand_off_checkpoint(self, record, out: Ready) -> None:
+        """R1: a new attempt of a job was placed: the newest checkpoint this node holds of the
+        work it goes on with, as its primary signed it, goes to the attempt's primary and
+        backups (a backup may become the primary before the new run checkpoints)."""
+        data, fence = record.checkpoint_envelope, record.checkpoint_fence
+        if data is None or record.primary is None or not same_work(fence, record.attempt, record.manifest):
+            return
+        for target in (record.primary, *record.backups):
+            if target != self.ctx.me:
+                self.ctx.counters["checkpoint_handed_off"] += 1
+                out.messages.append(Outbound(target, data))
+
+    def end_handoff_waits(self, now_ms: int, out: Ready) -> None:
+        """Tick: a hand-off that did not come in time is waited for no longer (the run
+        starts from what this node holds, R1)."""
+        for jid in [jid for jid, due in self.handoff_waits.items() if due <= now_ms]:
+            del self.handoff_waits[jid]
+            self.ctx.counters["checkpoint_handoff_timeout"] += 1
+            out.events.append(self.ctx.event("checkpoint_handoff_timeout", now_ms, job_id=jid.hex()))
+
+    def refuse(self, record, now_ms: int, out: Ready) -> None:
+        """No room here for a job this node became the primary of: tell every node, which
+        places it afresh (P6), and never run it."""
+        self.ctx.counters["job_refused"] += 1
+        data = self.ctx.sign(JobRefusal(job_id=record.job_id, fence=record.fence))
+        out.messages.append(Outbound(None, data))
+        self._persist_outcome(record.job_id, "refusal", data, out)
+        self._refused(record, data, now_ms, out)
+
+    def on_job_refusal(self, envelope, message: JobRefusal, data, now_ms: int, out: Ready) -> None:
+        record = self.jobs.get(message.job_id)
+        if record is None or envelope.signer != record.primary or message.fence != record.fence:
+            self.ctx.counters["job_refusal_stale"] += 1
+            return
+        if record.state not in TERMINAL:
+            self._persist_outcome(record.job_id, "refusal", data, out)
+            self._refused(record, data, now_ms, out)
+
+    def _refused(self, record, data: bytes, now_ms: int, out: Ready) -> None:
+        refused_by, fence = record.primary, record.fence
+        self.ledger.free(record.job_id)
+        attempt = next_attempt(record.attempt, record.manifest, refused=True)
+        if attempt is None:
+            record.state = "failed"
+            record.hint = "refused by its primaries for want of capacity, with no retry left"
+        else:
+            self._place_again(record, attempt, data, now_ms, out)
+        out.events.append(self.ctx.event("job_refused", now_ms, job_id=record.job_id.hex(), fence=fence,
+                                         by=refused_by.hex() if refused_by else "", attempt=record.attempt,
+                                         state=record.state))
+
+    def _place_again(self, record, attempt: int, data: bytes, now_ms: int, out: Ready) -> None:
+        """SPEC P6: the job's next attempt, placed afresh by its own instance. ``data``: the exit
+        or refusal that ended the last one (a leader shows it to voters that missed it)."""
+        record.attempt = attempt
+        self.jobs.assign(record, None, (), ())
+        record.declines.clear()
+        record.outcome = data
+        self.placement.start(record, now_ms, out)
 
     def _my_job(self, jid: bytes):
         record = self.jobs.get(jid)
@@ -54,6 +172,7 @@ class JobLifecycle:
         record.state = "running"
         record.last_checkpoint_seq, record.last_checkpoint_taken_ms = seq, taken_ms
         record.known_checkpoint = (seq, now_ms)
+        record.checkpoint_envelope, record.checkpoint_fence = data, record.fence
         return out
 
     @staticmethod
@@ -68,6 +187,9 @@ class JobLifecycle:
         record = self.jobs.get(checkpoint.job_id)
         if record is None:
             counters["checkpoint_unknown_job"] += 1
+            return
+        if envelope.signer != record.primary and self._handed_off(envelope.signer, checkpoint, record):
+            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
             return
         if envelope.signer != record.primary or checkpoint.fence < record.fence:
             counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
@@ -84,9 +206,39 @@ class JobLifecycle:
         record.known_checkpoint = (checkpoint.seq, now_ms)
         if record.state in ("placed", "migrating"):
             record.state = "running"
+        record.checkpoint_envelope, record.checkpoint_fence = data, checkpoint.fence
         out.persist.append(self._checkpoint_record(checkpoint, envelope.signer))
         ack = CheckpointAck(job_id=checkpoint.job_id, fence=checkpoint.fence, seq=checkpoint.seq)
         out.messages.append(Outbound(envelope.signer, self.ctx.sign(ack)))
+
+    def _handed_off(self, signer: bytes, checkpoint: Checkpoint, record) -> bool:
+        """R1: a checkpoint handed to this node, the primary or a backup of a job's attempt
+        of which it holds no checkpoint yet: taken in an earlier attempt by the node that was
+        the job's primary at its fence (as this node applied it), of the work this attempt
+        goes on with, and newer than any of that work this node holds."""
+        me = self.ctx.me
+        if record.state in TERMINAL or (record.primary != me and me not in record.backups):
+            return False
+        if checkpoint.fence // FENCE_PER_ATTEMPT >= record.attempt or record.primaries.get(checkpoint.fence) != signer:
+            return False
+        if not same_work(checkpoint.fence, record.attempt, record.manifest):
+            return False
+        held = record.checkpoint_fence
+        if held is not None and held // FENCE_PER_ATTEMPT >= record.attempt:
+            return False
+        return (held is None or not same_work(held, record.attempt, record.manifest)
+                or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0))
+
+    def _take_handed_off(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int, out: Ready) -> None:
+        """The first one ends the primary's wait; the run resumes from it (no ack: the
+        signer is no primary of this attempt)."""
+        self.handoff_waits.pop(checkpoint.job_id, None)
+        record.last_checkpoint_seq, record.last_checkpoint_taken_ms = checkpoint.seq, checkpoint.taken_ms
+        record.known_checkpoint = (checkpoint.seq, now_ms)
+        record.checkpoint_envelope, record.checkpoint_fence = data, checkpoint.fence
+        out.persist.append(self._checkpoint_record(checkpoint, envelope.signer))
+        out.events.append(self.ctx.event("checkpoint_handed_off", now_ms, job_id=checkpoint.job_id.hex(),
+                                         fence=checkpoint.fence, seq=checkpoint.seq))
 
     def on_checkpoint_ack(self, envelope, ack: CheckpointAck, data, now_ms: int, out: Ready) -> None:
         record = self.jobs.get(ack.job_id)
@@ -108,7 +260,7 @@ class JobLifecycle:
         data = self.ctx.sign(JobExit(job_id=jid, fence=record.fence, exit_code=code))
         out.messages.append(Outbound(None, data))
         self._persist_outcome(jid, "exit", data, out)
-        self._finish_job(record, code, now_ms, out)
+        self._finish_job(record, code, data, now_ms, out)
         return out
 
     def on_job_exit(self, envelope, message: JobExit, data, now_ms: int, out: Ready) -> None:
@@ -125,7 +277,7 @@ class JobLifecycle:
             self.jobs.assign(record, envelope.signer, record.backups, fence=message.fence)
             if record.state in TERMINAL:
                 return
-        self._finish_job(record, message.exit_code, now_ms, out)
+        self._finish_job(record, message.exit_code, data, now_ms, out)
 
     @staticmethod
     def _exit_acceptable(record, signer: bytes, message: JobExit) -> bool:
@@ -143,16 +295,14 @@ class JobLifecycle:
             return record.primary == signer
         return message.exit_code == 0
 
-    def _finish_job(self, record, code: int, now_ms: int, out: Ready) -> None:
+    def _finish_job(self, record, code: int, data: bytes, now_ms: int, out: Ready) -> None:
         self.ledger.free(record.job_id)
         record.exit_code = code
+        attempt = next_attempt(record.attempt, record.manifest, refused=False) if code else None
         if code == 0:
             record.state = "completed"
-        elif record.attempt < record.manifest.max_retries:
-            record.attempt += 1  # SPEC P6: a failed job is placed afresh, by a new instance
-            self.jobs.assign(record, None, (), ())
-            record.declines.clear()
-            self.placement.start(record, now_ms, out)
+        elif attempt is not None:
+            self._place_again(record, attempt, data, now_ms, out)  # SPEC P6: placed afresh, by a new instance
         else:
             record.state = "failed"
         out.events.append(self.ctx.event("job_exited", now_ms, job_id=record.job_id.hex(), exit_code=code,
@@ -201,20 +351,22 @@ class JobLifecycle:
 
     # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
     def _persist_outcome(self, jid: bytes, kind: str, data: bytes, out: Ready) -> None:
-        """Exits and cancels are no certificates, so a restart would forget them (a completed
-        job would be resumed); the newest per job is kept and replayed, and the newest few
-        are re-sent in sync answers (F6)."""
+        """Exits, refusals and cancels are no certificates, so a restart would forget them (a
+        completed job would be resumed); the newest per job is kept and replayed, and the
+        newest few are re-sent in sync answers (F6)."""
         self.jobs.note_outcome(data)
         out.persist.append(PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data}))
 
     def replay_outcomes(self, envelopes, now_ms: int) -> None:
-        """After the certificates: each job's last accepted exit or cancel, through the same
-        checks as when it arrived (the current primary at the current fence; the owner)."""
+        """After the certificates: each job's last accepted exit, refusal or cancel, through the
+        same checks as when it arrived (the current primary at the current fence; the owner)."""
         for data in envelopes:
             try:
                 envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
                 if isinstance(message, JobExit):
                     self.on_job_exit(envelope, message, data, now_ms, Ready())
+                elif isinstance(message, JobRefusal):
+                    self.on_job_refusal(envelope, message, data, now_ms, Ready())
                 elif isinstance(message, Cancel):
                     self.on_cancel(envelope, message, data, now_ms, Ready())
                 else:

@@ -18,7 +18,7 @@ LIVE_JOB_STATES = ("placed", "running", "migrating")
 MAX_JOBS = 1 << 16               # job records kept; the oldest terminal ones go first
 FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1; each migration adds 1
 MAX_FENCES_REMEMBERED = 32       # per job: which node was primary at each of its newest fences (P6)
-MAX_RECENT_OUTCOMES = 64         # exits and cancels re-sent by sync answers (F6)
+MAX_RECENT_OUTCOMES = 64         # exits, refusals and cancels re-sent by sync answers (F6)
 
 
 @dataclass
@@ -58,6 +58,14 @@ class JobRecord:
     # checkpoint it resumes from arrived), on its clock; every member learns it from that
     # node's vector (P1).
     lost_work_ms: int | None = None
+    # The exit or refusal envelope that ended the attempt before this one (P6): a leader
+    # shows it with the job, so nodes that missed it join the new attempt's instance.
+    outcome: bytes | None = None
+    # The newest checkpoint envelope this node took or accepted, as signed, and its fence:
+    # after a refusal it is handed to the job's next primary (R1, "Resuming after a
+    # refusal"). Memory only: a restart forgets it (the run then starts without it).
+    checkpoint_envelope: bytes | None = None
+    checkpoint_fence: int | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -80,9 +88,9 @@ class JobTable:
         self.me = me
         self.records: dict[bytes, JobRecord] = {}
         self._ever_mine: set[bytes] = set()   # jobs this node was ever made primary of
-        # The envelopes of the newest exits and cancels this node accepted, oldest first: a
-        # sync answer re-sends them (F6), so a member that was down or cut off when one was
-        # broadcast learns it.
+        # The envelopes of the newest exits, refusals and cancels this node accepted, oldest
+        # first: a sync answer re-sends them (F6), so a member that was down or cut off when
+        # one was broadcast learns it.
         self.recent_outcomes: deque = deque(maxlen=MAX_RECENT_OUTCOMES)
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,

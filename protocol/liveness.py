@@ -256,7 +256,7 @@ class Liveness:
                 self.sync_continuations.pop(peer, None)
         if peer in self.epochs.member_info:
             # ...and to any node that was ever a member (an evicted one is about to rejoin), the
-            # exits and cancels it accepted last, which are messages sent once (P6).
+            # exits, refusals and cancels it accepted last, which are messages sent once (P6).
             certificates.extend(self.jobs.recent_outcomes)
         if not certificates:
             return

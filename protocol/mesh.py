@@ -33,7 +33,7 @@ from __future__ import annotations
 import random
 from typing import Iterable
 
-from protocol.bidding import Bidding
+from protocol.bidding import BID_LIFETIME_ROUNDS, Bidding
 from protocol.caches import CoreCaches
 from protocol.capability import CapabilityBook
 from protocol.certificate import verify_commit_certificate
@@ -46,14 +46,14 @@ from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
 from protocol.job_lifecycle import JobLifecycle
-from protocol.job_table import JobTable
+from protocol.job_table import LIVE_JOB_STATES, JobTable
 from protocol.joins import Joins
 from protocol.ledger import ResourceLedger
 from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
-                               CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, Join, Precommit, Prevote,
-                               PrevoteCertificate, Proposal, RoundChange, RoundSync, Suspicion, SyncRequest,
-                               decode_message, decode_value)
+                               CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join, Precommit,
+                               Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync, Resources, Suspicion,
+                               SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.workload_orders import WorkloadOrders
@@ -101,9 +101,10 @@ class MeshCore:
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
-        self.orders = WorkloadOrders(epochs, jobs, liveness)
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits)
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
+        placement.lifecycle = epoch_changes.lifecycle = lifecycle
         epoch_changes.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
@@ -114,10 +115,18 @@ class MeshCore:
             RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: placement.on_job,
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
+            JobRefusal: lifecycle.on_job_refusal,
             CapabilityVector: capability.on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
+        safety_records = tuple(safety_records)
+        # The history and outcomes set the job table; the ledger is rebuilt from the final
+        # table (R1), never from the states in between (a job that exited, its room re-used).
+        lifecycle.deferred = True
         self._replay(history, now_ms)
         lifecycle.replay_outcomes(job_outcomes, now_ms)
+        lifecycle.deferred = False
+        self._refuse_after_sync: list[bytes] = []
+        self._rebuild_ledger([r for r in safety_records if r.table == "reservations"], now_ms)
         instances.restore_safety_records()
 
     # --- views --------------------------------------------------------------------------------
@@ -243,10 +252,14 @@ class MeshCore:
         return self._with_orders(out)
 
     def _with_orders(self, out: Ready) -> Ready:
-        """Every input's Ready ends with the workload orders it implies (workload_orders.py)
-        and, when the capability seq passed its persisted floor, the new floor."""
+        """Every input's Ready ends with the workload orders it implies (workload_orders.py),
+        the reservations it made or dropped (R1: persisted before its bids are sent) and,
+        when the capability seq passed its persisted floor, the new floor."""
         self.orders.reconcile(out)
         self.capability.broadcast_if_running_changed(self.liveness.last_tick_ms, out)
+        for key, claim in self.ledger.take_journal():
+            mine = self.bidding.mine.get(key) if claim is not None else None
+            out.persist.append(self._reservation_record(key, claim, mine[1] if mine and mine[0] == "bid" else None))
         floor = self.capability.seq_floor_record()
         if floor is not None:
             out.persist.append(floor)
@@ -258,7 +271,11 @@ class MeshCore:
         self.instance_table.run_timers(now_ms, out)
         self.placement.reconsider_held(now_ms, out)
         for key in self.ledger.expire(now_ms):
+            self.bidding.mine.pop(key, None)   # its bid holds nothing any more: never re-sent
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
+        if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
+            self._refuse_unfit_after_restart(now_ms, out)
+        self.lifecycle.end_handoff_waits(now_ms, out)
         self.instance_table.prune_timers()
         return self._with_orders(out)
 
@@ -386,6 +403,67 @@ class MeshCore:
             self.capability.relearn_running()
         out.decisions.append(Decision(value_kind, iid, value, certificate))
         return True
+
+    # --- the ledger after a restart (SPEC.md R1) ---------------------------------------------------
+    @staticmethod
+    def _reservation_record(key: bytes, claim, bid: bytes | None) -> PersistRecord:
+        """A bid's reservation (``held`` 1) and the bid, or its end (``held`` 0: released or
+        allocated). A restarted node re-sends that same bid: one made afresh could not name
+        the GPUs its own reservation holds (P4: they are not free in its vector)."""
+        if claim is None:
+            return PersistRecord("reservations", key.hex(), {"instance": key, "held": 0})
+        return PersistRecord("reservations", key.hex(), {
+            "instance": key, "held": 1, "gpus": list(claim.gpus), "gpu_mem_mib": claim.gpu_mem_mib,
+            "cpu_milli": claim.cpu_milli, "mem_mib": claim.mem_mib, "bid": bid or b""})
+
+    def _rebuild_ledger(self, reservations: list, now_ms: int) -> None:
+        """R1 after a restart: allocate every live job this node is the primary of (on the
+        GPUs it held), then hold again what its persisted bids reserved and no decision it
+        knows of has settled. A bid whose instance does not run here again within its lifetime
+        is released then (its deadline); a job that no longer fits is refused once the
+        restart's sync has answered (``tick``): the node never runs it."""
+        ledger, jobs, bidding = self.ledger, self.job_table, self.bidding
+        ledger.clear()
+        for record in jobs.mine():
+            if record.state not in LIVE_JOB_STATES:
+                continue
+            claim = ledger.allocate_now(record.job_id, record.manifest.resources, prefer=tuple(record.gpus))
+            if claim is None:
+                self._refuse_after_sync.append(record.job_id)
+            else:
+                record.gpus = claim.gpus
+        deadline = now_ms + BID_LIFETIME_ROUNDS * self.params.round_timeout_max_ms
+        applied, gone = self.instance_table.applied, []
+        for persisted in reservations:
+            value = persisted.value
+            key = value.get("instance")
+            if not isinstance(key, bytes) or not value.get("held") or key in applied:
+                continue
+            record = jobs.get(key)   # a job id: a first attempt's (or its slot's) bid
+            if record is not None and record.state != "pending":
+                gone.append(key)
+                continue
+            gpus = tuple(value.get("gpus") or ())
+            wanted = Resources(gpus=len(gpus), gpu_mem_mib=value.get("gpu_mem_mib", 0),
+                               cpu_milli=value.get("cpu_milli", 0), mem_mib=value.get("mem_mib", 0))
+            if ledger.reserve(key, wanted, expires_ms=deadline, prefer=gpus) is None:
+                gone.append(key)
+            elif value.get("bid"):
+                bidding.mine[key] = ("bid", value["bid"])
+        # Bids a replayed retry made before the rebuild hold nothing now: made afresh when asked.
+        for key, (kind, _data) in list(bidding.mine.items()):
+            if kind == "bid" and ledger.reserved(key) is None:
+                del bidding.mine[key]
+        ledger.take_journal()   # what it holds again is on disk already (bid included)
+        ledger.journal.extend((key, None) for key in gone)
+
+    def _refuse_unfit_after_restart(self, now_ms: int, out: Ready) -> None:
+        for jid in self._refuse_after_sync:
+            record = self.job_table.get(jid)
+            if (record is not None and record.primary == self.me and record.state in LIVE_JOB_STATES
+                    and self.ledger.allocated(jid) is None):
+                self.lifecycle.admit(record, None, now_ms, out)   # room now, or it is refused
+        self._refuse_after_sync = []
 
     def _replay(self, history: Iterable[bytes], now_ms: int) -> None:
         """Rebuild epochs, placements and fences from persisted certificates (in any order:

@@ -1,6 +1,7 @@
 """Workload orders: what the driver must start and stop here, said by the core.
 
-The job table decides which jobs this node runs: those it is the primary of, live,
+The job table and the ledger decide which jobs this node runs: those it is the primary
+of, live, and holds the allocation of (R1: a job it has no room for is refused, never run),
 while it is a member and not halted (self-fencing, F3, or the restart sync, F6). After
 every input the core compares that with what it last ordered and appends two local
 decisions to the Ready batch (protocol/ready.py): "stop" (job ids, stopped first) and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.job_lifecycle import resumes_from_checkpoint
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.ready import Decision, NO_INSTANCE, Ready
 
@@ -22,15 +24,17 @@ class WorkloadRun:
     job_id: bytes
     fence: int           # the workload writes checkpoints under this fence (SPEC P6)
     gpus: tuple          # GPU indices the ledger allocated to it here
-    resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6)
+    resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6, R1)
     manifest: object     # the owner-signed JobManifest: entrypoint, args, resources
 
 
 class WorkloadOrders:
-    def __init__(self, epochs, jobs, liveness) -> None:
+    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict) -> None:
         self.epochs = epochs
         self.jobs = jobs
         self.liveness = liveness
+        self.ledger = ledger
+        self.handoff_waits = handoff_waits   # jobs waiting for a checkpoint to resume from (R1): not yet
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
 
     def exited(self, jid: bytes) -> None:
@@ -43,10 +47,13 @@ class WorkloadOrders:
         wanted: dict[bytes, object] = {}
         # Nothing before the first tick's restart check (F6) has had its say on our history.
         if self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due:
-            wanted = {r.job_id: r for r in self.jobs.mine() if r.state in LIVE_JOB_STATES}
+            allocated = self.ledger.allocated
+            wanted = {r.job_id: r for r in self.jobs.mine()
+                      if r.state in LIVE_JOB_STATES and allocated(r.job_id) is not None
+                      and r.job_id not in self.handoff_waits}
         stops = tuple(jid for jid, fence in self.ordered.items()
                       if jid not in wanted or wanted[jid].fence != fence)
-        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=not (r.state == "placed" and r.attempt > 0),
+        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=resumes_from_checkpoint(r),
                                  manifest=r.manifest)
                      for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
         if not stops and not runs:

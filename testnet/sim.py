@@ -29,16 +29,18 @@ from protocol.certificate import verify_commit_certificate
 from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.instances import SAFETY_TABLES
+from protocol.job_table import LIVE_JOB_STATES
 from protocol.mesh import MeshCore
-from protocol.messages import CommitCertificate, decode_message
+from protocol.messages import Cancel, CommitCertificate, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_world import SIM_PARAMS, ZONES, World, build_world
+from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL = range(6)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL = range(8)
+CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
 MAX_CRASHES = 8
 RETRY_SUBMIT_MS = 50
@@ -70,6 +72,21 @@ class SimConfig:
     # round_timeout_max_ms = 1600) so a round that started just before the heal, with its
     # timeout already backed off, can end and the next (healed) round can decide.
     liveness_bound_ms: int = 5000
+    # Workloads that end (all off by default: a job then runs until the run ends, as before).
+    # ``job_ms`` > 0: a job's run lasts a drawn time in [job_ms / 2, 3 * job_ms / 2] from
+    # the moment its primary's core orders it to run, then its primary's core gets
+    # ``job_exited`` (a migrated or restarted run starts afresh); ``job_fail_per_mille`` of
+    # those exits fail (exit code 1: the job is retried, SPEC.md P6). ``cancel_per_mille``:
+    # that share of the jobs is cancelled by its owner at a drawn time after its submission.
+    # All of it is drawn from its own seeded rng, so runs without keep their seeds' worlds.
+    job_ms: int = 0
+    job_fail_per_mille: int = 0
+    cancel_per_mille: int = 0
+
+    @property
+    def workloads(self) -> bool:
+        """Whether jobs end in this run (exits or cancels)."""
+        return self.job_ms > 0 or self.cancel_per_mille > 0
 
     def reproduce(self) -> str:
         line = "meshnode sim --nodes %d --jobs %d --seed %d" % (self.nodes, self.jobs, self.seed)
@@ -82,6 +99,12 @@ class SimConfig:
             line += " --bid-sample %d" % self.bid_sample
         if self.slot_ms:
             line += " --slot-ms %d" % self.slot_ms
+        if self.job_ms:
+            line += " --job-ms %d" % self.job_ms
+        if self.job_fail_per_mille:
+            line += " --fail %s" % (self.job_fail_per_mille / 1000)
+        if self.cancel_per_mille:
+            line += " --cancel %s" % (self.cancel_per_mille / 1000)
         return line
 
 
@@ -100,6 +123,8 @@ class SimNode:
     behaviour: ByzantineBehaviour | None = None
     drain: ReadyDrain | None = None
     capability_seq_floor: int = 0   # the persisted floor a restarted core's capability seq starts at (P1)
+    job_outcomes: dict = field(default_factory=dict)    # persisted exits and cancels (table ``jobs``), by key
+    running: dict = field(default_factory=dict)         # job id -> WorkloadRun its core ordered and did not stop
 
 
 @dataclass
@@ -177,6 +202,11 @@ class Simulation:
         self._targets: dict[tuple, list[int]] = {}
         self._decoded: dict[int, tuple] = {}
         self.epoch_views: dict[int, object] = {}    # epoch -> its EpochView, as first seen
+        # Workloads that end (SimConfig.job_ms, cancel_per_mille): their own rng, so the
+        # draws above (world, faults, network, cores) are the same with them or without.
+        self.workload_rng = random.Random(config.seed * 1_000_003 + 0x5EED) if config.workloads else None
+        self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
+        self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (workload runs)
         for index in sorted(self.world.byzantine):
             spec = self.world.nodes[index]
             behaviours = self._draw_behaviours()
@@ -221,6 +251,7 @@ class Simulation:
                         capacity=spec.capacity, rng=random.Random(self.rng.getrandbits(64)),
                         now_ms=self.now_ms, history=tuple(node.certificates),
                         safety_records=tuple(node.safety_records.values()),
+                        job_outcomes=tuple(node.job_outcomes.values()),
                         heartbeats=self.config.heartbeats, bid_sample=self.config.bid_sample,
                         capability_seq_floor=node.capability_seq_floor, caches=self.core_caches)
 
@@ -287,6 +318,7 @@ class Simulation:
         for number, job in enumerate(self.world.jobs):
             self.push(job.submit_ms, SUBMIT, number, None)
         self._schedule_faults()
+        self._schedule_cancels()
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
         deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
@@ -308,6 +340,10 @@ class Simulation:
                 self._restart(target)
             elif kind == HEAL:
                 self._heal()
+            elif kind == EXIT:
+                self._exit(target, payload)
+            elif kind == CANCEL:
+                self._cancel(target, payload)
             if self.complete >= total_jobs and at_ms >= self.heal_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
@@ -377,7 +413,68 @@ class Simulation:
         node.up = False
         node.incarnation += 1
         node.core = None  # everything not persisted is lost
+        node.running.clear()  # and its workloads die with it
         self.counters["crashes"] += 1
+
+    # --- workloads that end (SimConfig.job_ms, cancel_per_mille) ---------------------------------
+
+    def _schedule_cancels(self) -> None:
+        cfg, rng = self.config, self.workload_rng
+        if not cfg.cancel_per_mille:
+            return
+        span = max(1, 2 * cfg.job_ms or self.config.liveness_bound_ms)
+        for number, job in enumerate(self.world.jobs):
+            if rng.randrange(1000) < cfg.cancel_per_mille:
+                self.push(job.submit_ms + rng.randint(0, span), CANCEL, number, 0)
+
+    def _cancel(self, number: int, tries: int) -> None:
+        """The job's owner cancels it through an honest node that is up and knows the job
+        (one that does not refuses the cancel: its client tries another a little later)."""
+        spec = self.world.jobs[number]
+        up = [i for i in self.honest if self.nodes[i].up]
+        node = self.nodes[self.workload_rng.choice(up)] if up else None
+        if node is None or node.core.job_table.get(spec.job_id) is None:
+            if tries + 1 < CANCEL_TRIES:
+                self.push(self.now_ms + RETRY_SUBMIT_MS, CANCEL, number, tries + 1)
+            return
+        owner = next(o for o in self.world.owners if o.public_key == spec.job.owner)
+        request = encode_message(owner, self.mesh_id, Cancel(job_id=spec.job_id, requested_ms=GENESIS_MS + self.now_ms))
+        self.cancelled.add(spec.job_id)
+        self.counters["cancels"] = self.counters.get("cancels", 0) + 1
+        self._call(node, lambda: node.core.cancel(request, self.now_ms)[1])
+
+    def _workload_orders(self, node: SimNode, decision) -> None:
+        """The driver's side of a core's "run" and "stop" orders: what it runs, and when each
+        run ends (SimConfig.job_ms)."""
+        if decision.value_kind == "stop":
+            for jid in decision.value:
+                node.running.pop(jid, None)
+        elif decision.value_kind == "run":
+            cfg = self.config
+            for run in decision.value:
+                node.running[run.job_id] = run
+                if cfg.job_ms:
+                    duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
+                    self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
+            if node.behaviour is None:
+                self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
+
+    def _exit(self, index: int, payload) -> None:
+        incarnation, jid, fence = payload
+        node = self.nodes[index]
+        run = node.running.get(jid)
+        if not node.up or node.incarnation != incarnation or run is None or run.fence != fence:
+            return  # stopped, moved away or crashed since: that run is gone
+        del node.running[jid]
+        code = 1 if self.workload_rng.randrange(1000) < self.config.job_fail_per_mille else 0
+        self.counters["exits"] = self.counters.get("exits", 0) + 1
+        self._call(node, node.core.job_exited, jid, code, self.now_ms)
+
+    def _job_events(self, node: SimNode, events) -> None:
+        """A job that ended at the node that holds it gives its load back in the checker."""
+        for event in events:
+            if event.kind in ("job_exited", "job_cancelled", "job_refused"):
+                self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
 
     def _restart(self, index: int) -> None:
         node = self.nodes[index]
@@ -406,10 +503,15 @@ class Simulation:
         if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
+            if ready.events:
+                self._job_events(node, ready.events)
             return  # most deliveries (a vote at its collector, a repeat) change nothing outside
+        events = ready.events
         if node.behaviour is not None:
             ready = Ready(ready.persist, node.behaviour.rewrite(ready, self._peers(node)), ready.decisions)
         node.drain.drain(ready)
+        if events:  # after its decisions: a job placed and refused in one batch ends placed elsewhere
+            self._job_events(node, events)
 
     def _new_drain(self, node: SimNode) -> ReadyDrain:
         def send(outbound) -> None:
@@ -419,7 +521,8 @@ class Simulation:
                           apply=lambda decision: self._check_decision(node, decision))
 
     def _persist(self, node: SimNode, ready) -> None:
-        """The simulated disk: what a restarted core is built from (certificates, votes, locks)."""
+        """The simulated disk: what a restarted core is built from (certificates, votes, locks,
+        the reservations of its bids, its exits and cancels)."""
         for record in ready.persist:
             node.persisted_records += 1
             table = record.table
@@ -428,8 +531,17 @@ class Simulation:
                 self._forget_votes(node, record.value["instance"])
             elif table == "capability":
                 node.capability_seq_floor = record.value["seq_floor"]
-            elif table in SAFETY_TABLES:
+            elif table in SAFETY_TABLES or table == "reservations":  # reservations: R1, restored like votes
                 key = (table, record.key)
+                if table == "reservations" and not record.value.get("held"):
+                    # Released or allocated: nothing for a restart to hold again, so off the disk.
+                    node.safety_records.pop(key, None)
+                    kept = node.records_of.get(record.value["instance"], [])
+                    if key in kept:
+                        kept.remove(key)
+                        if not kept:
+                            del node.records_of[record.value["instance"]]
+                    continue
                 node.safety_records[key] = record  # upserted by key, as on disk
                 if table == "evidence":
                     node.evidence_offenders.add(record.value["offender"])
@@ -437,16 +549,29 @@ class Simulation:
                     node.records_of.setdefault(record.value["instance"], []).append(key)
                     if table == "votes" and node.behaviour is None:
                         self.checker.check_own_vote(node.index, record.value["envelope"])
+            elif table == "jobs":
+                node.job_outcomes[record.key] = record.value["envelope"]  # the newest exit or cancel per job
 
     def _check_decision(self, node: SimNode, decision) -> None:
         if not decision.certificate:
-            return  # a local workload order or notice (run, stop, halt ...): nothing to agree on
+            # A local workload order or notice (run, stop, halt ...): nothing to agree on, but
+            # what an honest node runs must fit it (R1).
+            if decision.value_kind in ("run", "stop"):
+                self._workload_orders(node, decision)
+            return
         self.node_decisions += 1
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
             done = self.honest_done.get(decision.instance, 0) + 1
             self.honest_done[decision.instance] = done
             if done == len(self.honest):  # early stop only when every honest node has every job
+                if self.workload_rng is not None:
+                    # A retried job is placed again, by another instance: count each job once.
+                    placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
+                    fresh = {self.checker.job_of(p) for p in placements} - self.placed_everywhere
+                    self.placed_everywhere |= fresh
+                    self.complete += len(fresh)
+                    return
                 placed = 1 if decision.value_kind == "placement" else len(decision.value.placements)
                 self.complete += placed
 
@@ -530,7 +655,8 @@ class Simulation:
 
     def _finish(self, deadline_ms: int, wall_s: float) -> SimResult:
         checker = self.checker
-        submitted = {job.job_id: job.submit_ms for job in self.world.jobs}
+        # A job its owner cancelled owes no placement (it may have been cancelled before one).
+        submitted = {job.job_id: job.submit_ms for job in self.world.jobs if job.job_id not in self.cancelled}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
         self._close_open_rounds()
@@ -542,6 +668,7 @@ class Simulation:
                                if self._liveness_unpromised(jid, late))
         missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
+        self._check_ledgers()
         log_digest = checker.log_digest()
         stats = self.network.stats
         return SimResult(
@@ -555,6 +682,33 @@ class Simulation:
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))
+
+    def _check_ledgers(self) -> None:
+        """SPEC.md R1, at the end of the run, on every honest node that is up: its ledger holds
+        an allocation for exactly the live jobs its table makes it the primary of (a job it has
+        no room for is refused, not kept), within its capacity, and no reservation of an
+        instance whose decision it applied (capacity lost for good)."""
+        for index in self.honest:
+            core = self.nodes[index].core
+            if core is None:
+                continue
+            ledger = core.ledger
+            mine = {r.job_id for r in core.job_table.mine() if r.state in LIVE_JOB_STATES}
+            allocated = set(ledger.allocations())
+            waiting = set(core._refuse_after_sync)   # refused once the restart's sync answers
+            for what, jids in (("holds the allocation of jobs it is not the primary of", allocated - mine),
+                               ("is the primary of jobs it holds no allocation for", mine - allocated - waiting)):
+                if jids:
+                    self.checker.fail("ledger", index, None, "node %d %s: %s"
+                                      % (index, what, sorted(j.hex()[:12] for j in jids)[:4]))
+            gpus, cpu, mem = ledger.held_totals()
+            if gpus > len(ledger.gpu_mem_total_mib) or cpu > ledger.cpu_milli or mem > ledger.mem_mib:
+                self.checker.fail("ledger", index, None, "node %d ledger holds %s" % (index, ledger.held_totals()))
+            stale = [key for key, claim in ledger.reservations().items()
+                     if claim.expires_ms is None and key in core.instance_table.applied]
+            if stale:
+                self.checker.fail("ledger", index, None, "node %d still reserves for decided instances %s"
+                                  % (index, sorted(k.hex()[:12] for k in stale)[:4]))
 
     def _latest_view(self):
         """The newest epoch's view any honest core reached: certificates name the epoch they

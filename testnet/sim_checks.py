@@ -30,7 +30,7 @@ from keys.identity import short_id
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
-                               decode_value, job_id, value_hash)
+                               decode_value, job_id, placement_attempt, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -40,7 +40,7 @@ MAX_VIOLATIONS_KEPT = 200  # a broken run can produce millions; keep the first o
 
 @dataclass(frozen=True)
 class Violation:
-    check: str          # agreement | certificate | validity | overcommit | liveness | evidence | own_votes
+    check: str          # agreement | certificate | validity | overcommit | ledger | liveness | evidence | own_votes
     node: int | None    # simulator index of the node whose output broke the rule
     instance: str       # hex instance id ("" when not about one instance)
     detail: str
@@ -84,7 +84,9 @@ class DecisionChecker:
         self.caches = CoreCaches()
         self.canonical: dict[bytes, tuple[str, bytes]] = {}   # instance -> (kind, value hash)
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
-        self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed it
+        self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
+        self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
+        self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
         self.job_backups: dict[bytes, tuple] = {}             # job id -> its backups (node indices) now
@@ -188,8 +190,18 @@ class DecisionChecker:
             return
         jid = job_id(job)
         if jid in self.placement_of and self.placement_of[jid] != instance:
-            self.fail("validity", node, instance, "job %s placed by two instances" % jid.hex()[:12])
-            return
+            # A failed job is placed afresh by its next attempt's instance (SPEC.md P6); two
+            # instances placing one attempt (a slot and the job's own) are a violation.
+            earlier = self.attempt_of.get(jid)
+            attempt = placement_attempt(instance, job)
+            if earlier is None or attempt is None or attempt <= earlier:
+                self.fail("validity", node, instance, "job %s placed by two instances" % jid.hex()[:12])
+                return
+            self._unload(jid)  # the attempt before it ended (its exit was not seen where it ran)
+            self.attempt_of[jid] = attempt
+        else:
+            self.first_placement_of.setdefault(jid, instance)
+            self.attempt_of.setdefault(jid, placement_attempt(instance, job) or 0)
         self.placement_of[jid] = instance
         primary = self.index_of.get(placement.primary)
         backups = [self.index_of.get(b) for b in placement.backups]
@@ -222,9 +234,9 @@ class DecisionChecker:
             planned = self.plans.get(primary, {}).get(jid)
             if planned is not None:
                 self.job_backups[jid] = planned[1]
-                self._move(node, instance, jid, primary, planned[0], checked=False)
+                self._move(jid, primary, planned[0])
             else:
-                self._move_to_first_live_backup(node, instance, jid, primary)
+                self._move_to_first_live_backup(jid, primary)
         if not facts.honest:
             return  # its policy and capacity are whatever it claims; nothing more is checkable
         policy = facts.policy
@@ -233,10 +245,16 @@ class DecisionChecker:
         if job.entrypoint not in policy.allowed_entrypoints:
             self.fail("validity", node, instance, "honest primary's policy refuses entrypoint %s" % job.entrypoint)
         if self.job_home[jid] == primary:
-            self._commit(node, instance, primary, jid, job.resources, tuple(placement.gpus))
+            gpu_count = len(facts.capacity.gpu_mem_total_mib)
+            for index in placement.gpus:
+                if index >= gpu_count:
+                    self.fail("validity", node, instance, "honest primary %d has no GPU %d" % (primary, index))
+            self._commit(primary, jid, job.resources, tuple(placement.gpus))
 
-    def _commit(self, node: int, instance: bytes, holder: int, jid: bytes, resources, gpus: tuple,
-                checked: bool = True) -> None:
+    def _commit(self, holder: int, jid: bytes, resources, gpus: tuple) -> None:
+        """The load a decision puts on ``holder``: what ``could_host`` counts. Whether an
+        honest node is over-committed is judged on what it runs (``check_running``): a
+        placement or migration it has no room for it refuses (SPEC.md R1)."""
         facts = self.facts[holder]
         self.job_home[jid] = holder
         if not facts.honest:
@@ -245,25 +263,62 @@ class DecisionChecker:
         load.jobs[jid] = (resources, gpus)
         load.cpu_milli += resources.cpu_milli
         load.mem_mib += resources.mem_mib
-        gpu_totals = facts.capacity.gpu_mem_total_mib
         for index in gpus:
-            if index >= len(gpu_totals):
-                if checked:
-                    self.fail("overcommit", node, instance, "node %d has no GPU %d" % (holder, index))
-                continue
-            used = load.gpu_mem_mib.get(index, 0) + resources.gpu_mem_mib
-            load.gpu_mem_mib[index] = used
-            if used > gpu_totals[index] and checked:
-                self.fail("overcommit", node, instance, "node %d GPU %d holds %d MiB of %d"
-                          % (holder, index, used, gpu_totals[index]))
-        if not checked:
+            load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) + resources.gpu_mem_mib
+
+    def check_running(self, node: int, runs: tuple, started: tuple) -> None:
+        """No over-commit (SPEC.md R1), on what an honest node's core orders its driver to
+        run, the truth of what it holds: after every "run" order (``started``), the workloads
+        it runs (``runs``, every WorkloadRun not stopped, exited or lost in a crash since)
+        fit its true capacity: CPU and memory sums, each GPU held by one workload (whole
+        GPUs), every GPU one that exists, with the memory and the count the job asks for."""
+        capacity = self.facts[node].capacity
+        gpu_totals = capacity.gpu_mem_total_mib
+        where = started[0].job_id if started else None
+        held: dict[int, bytes] = {}
+        for run in runs:
+            resources = run.manifest.resources
+            if len(run.gpus) != resources.gpus:
+                self.fail("overcommit", node, where, "node %d runs job %s on %d GPUs, it asks for %d"
+                          % (node, run.job_id.hex()[:12], len(run.gpus), resources.gpus))
+            for index in run.gpus:
+                if index >= len(gpu_totals) or gpu_totals[index] < resources.gpu_mem_mib:
+                    self.fail("overcommit", node, where, "node %d runs job %s on GPU %d, which it lacks"
+                              % (node, run.job_id.hex()[:12], index))
+                elif index in held:
+                    self.fail("overcommit", node, where, "node %d runs jobs %s and %s on GPU %d"
+                              % (node, held[index].hex()[:12], run.job_id.hex()[:12], index))
+                held[index] = run.job_id
+        cpu = sum(run.manifest.resources.cpu_milli for run in runs)
+        mem = sum(run.manifest.resources.mem_mib for run in runs)
+        if cpu > capacity.cpu_milli:
+            self.fail("overcommit", node, where, "node %d runs %d jobs, cpu %d of %d milli"
+                      % (node, len(runs), cpu, capacity.cpu_milli))
+        if mem > capacity.mem_mib:
+            self.fail("overcommit", node, where, "node %d runs %d jobs, memory %d of %d MiB"
+                      % (node, len(runs), mem, capacity.mem_mib))
+
+    def job_of(self, placement: Placement) -> bytes:
+        _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                caches=self.caches)
+        return job_id(job)
+
+    def job_ended(self, holder: int, jid: bytes) -> None:
+        """The node holding the job saw it end (its exit, or its owner's cancel): the load goes."""
+        if self.job_home.get(jid) == holder:
+            self._unload(jid)
+
+    def _unload(self, jid: bytes) -> None:
+        holder = self.job_home.pop(jid, None)
+        old = self.loads[holder].jobs.pop(jid, None) if holder is not None else None
+        if old is None:
             return
-        if load.cpu_milli > facts.capacity.cpu_milli:
-            self.fail("overcommit", node, instance, "node %d cpu %d of %d milli"
-                      % (holder, load.cpu_milli, facts.capacity.cpu_milli))
-        if load.mem_mib > facts.capacity.mem_mib:
-            self.fail("overcommit", node, instance, "node %d memory %d of %d MiB"
-                      % (holder, load.mem_mib, facts.capacity.mem_mib))
+        resources, gpus = old
+        load = self.loads[holder]
+        load.cpu_milli -= resources.cpu_milli
+        load.mem_mib -= resources.mem_mib
+        for index in gpus:
+            load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
 
     def _apply_eviction(self, node: int, instance: bytes, eviction: Eviction) -> None:
         evicted = self.index_of.get(eviction.node)
@@ -283,22 +338,21 @@ class DecisionChecker:
             if self.job_home.get(migration.job_id) != evicted:
                 continue  # not a job this history placed on the evicted node: nothing to move
             self.job_backups[migration.job_id] = tuple(self.index_of.get(b) for b in migration.backups)
-            self._move(node, instance, migration.job_id, evicted, target, checked=True)
+            self._move(migration.job_id, evicted, target)
         for jid in [j for j, home in self.job_home.items() if home == evicted and j not in planned]:
-            self._move_to_first_live_backup(node, instance, jid, evicted)
+            self._move_to_first_live_backup(jid, evicted)
 
-    def _move_to_first_live_backup(self, node: int, instance: bytes, jid: bytes, gone: int) -> None:
+    def _move_to_first_live_backup(self, jid: bytes, gone: int) -> None:
         """SPEC.md F5 for a job its eviction's plan did not name (and P5 for a placement decided
-        after its primary's eviction): the first backup still a member takes it. Its arrival is
-        best effort (R1: ``capacity_short``), so only the load moves; no over-commit is judged."""
+        after its primary's eviction): the first backup still a member takes it."""
         live = [b for b in self.job_backups.get(jid, ()) if b in self.members and b != gone]
         if live:
             self.job_backups[jid] = tuple(b for b in live[1:])
-            self._move(node, instance, jid, gone, live[0], checked=False)
+            self._move(jid, gone, live[0])
 
-    def _move(self, node: int, instance: bytes, jid: bytes, evicted: int, target: int, checked: bool) -> None:
-        """Move a job's load from ``evicted`` to ``target``. ``checked``: judge over-commit, as
-        for an eviction plan's migration of a load this history put on an honest node."""
+    def _move(self, jid: bytes, evicted: int, target: int) -> None:
+        """Move a job's load from ``evicted`` to ``target``, which takes it on or refuses it
+        (R1: a refusal takes the load off it again, ``job_ended``)."""
         old = self.loads[evicted].jobs.pop(jid, None)
         resources = self.job_resources.get(jid)
         if old is not None:
@@ -314,13 +368,13 @@ class DecisionChecker:
         # The new primary picks its own GPUs on arrival (SPEC.md R1); the evicted node's
         # indices mean nothing there. Charge its least loaded GPUs, as allocate_now does.
         arrival = self._least_loaded_gpus(target, resources.gpus)
-        self._commit(node, instance, target, jid, resources, arrival, checked=checked and old is not None)
+        self._commit(target, jid, resources, arrival)
 
     def _least_loaded_gpus(self, holder: int, count: int) -> tuple:
         used = self.loads[holder].gpu_mem_mib
         indices = range(len(self.facts[holder].capacity.gpu_mem_total_mib))
         chosen = sorted(indices, key=lambda i: (used.get(i, 0), i))[:count]
-        # Too few GPUs is a real over-commit: name indices past the end so _commit reports it.
+        # Too few GPUs: indices past the end (the target refuses such a job, R1).
         return tuple(chosen) + tuple(range(len(indices), len(indices) + count - len(chosen)))
 
     # --- end-of-run checks ---------------------------------------------------------------
@@ -351,7 +405,7 @@ class DecisionChecker:
             if jid in unplaceable:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
-            instance = self.placement_of.get(jid)
+            instance = self.first_placement_of.get(jid)
             seen = self.decided_at.get(instance, {}) if instance is not None else {}
             late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
@@ -386,7 +440,7 @@ class DecisionChecker:
         """Per decided job: submit -> commit certificate held by every node in ``deciders``."""
         out = []
         for jid, submitted_ms in jobs.items():
-            seen = self.decided_at.get(self.placement_of.get(jid), {})
+            seen = self.decided_at.get(self.first_placement_of.get(jid), {})
             if deciders and all(n in seen for n in deciders):
                 out.append(max(seen[n] for n in deciders) - submitted_ms)
         return out

@@ -70,6 +70,9 @@ ALL = "all"
 STRICT_SECTIONS = ("config", "world", "decisions", "summary", "network", "counters", "latencies_ms", "violations",
                    "messages")
 ADVISORY_SECTIONS = ("local_decisions", "core_counters", "events")
+# SimConfig options added after this tool (jobs that exit or are cancelled); the matrix
+# never sets them, and a run records them only when set.
+LATER_CONFIG_FIELDS = ("job_ms", "job_fail_per_mille", "cancel_per_mille")
 
 
 # --- the matrix ------------------------------------------------------------------------------
@@ -272,6 +275,9 @@ def fingerprint(case: Case, seed: int) -> dict:
     config_dict["faults"] = list(config.faults)
     if config_dict.get("shared_caches") is True:  # the default, a cost not a behaviour (SimConfig)
         del config_dict["shared_caches"]
+    for name in LATER_CONFIG_FIELDS:  # recorded only when set: files written before them still compare
+        if config_dict.get(name) == 0:
+            del config_dict[name]
     return {
         "key": "%s#%d" % (case.key(), seed),
         "reproduce": config.reproduce(),

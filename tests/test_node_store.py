@@ -213,3 +213,19 @@ def test_the_newest_exit_or_cancel_per_job_comes_back_after_reopen(tmp_path):
         store.apply([PersistRecord("jobs", jid.hex(), {"job_id": jid, "outcome": kind, "envelope": data})])
     store.close()
     assert NodeStore(tmp_path / "node.sqlite").job_outcomes() == [b"then a cancel"]
+
+
+def test_a_held_reservation_comes_back_after_reopen_and_a_released_one_is_gone(tmp_path):
+    """SPEC.md R1: a bid's reservation is on disk before the bid is sent, so a restarted node
+    never promises the same capacity twice; released or allocated, it leaves the disk."""
+    path = tmp_path / "node.sqlite"
+    store = NodeStore(path)
+    held = {"instance": b"\x01" * 32, "held": 1, "gpus": [0, 1], "gpu_mem_mib": 8192, "cpu_milli": 500,
+            "mem_mib": 1024, "bid": b"bid-envelope"}
+    store.apply([PersistRecord("reservations", "01" * 32, held),
+                 PersistRecord("reservations", "02" * 32, dict(held, instance=b"\x02" * 32))])
+    store.apply([PersistRecord("reservations", "02" * 32, {"instance": b"\x02" * 32, "held": 0})])
+    store.close()
+    reopened = NodeStore(path)
+    restored = [r for r in reopened.safety_records() if r.table == "reservations"]
+    assert [(r.key, r.value["gpus"], r.value["bid"]) for r in restored] == [("01" * 32, [0, 1], b"bid-envelope")]

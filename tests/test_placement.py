@@ -222,6 +222,34 @@ def test_reservation_lifecycle():
     assert book.held_totals() == (0, 0, 0)
 
 
+def test_a_live_bid_never_expires_and_a_restored_one_only_until_its_instance_runs_again():
+    """SPEC.md R1: a bid may be decided in any later round, so its reservation has no deadline;
+    only one restored after a restart has one, until its bid is made or re-sent again."""
+    book = ResourceLedger((1000,), cpu_milli=4000, mem_mib=4096)
+    live = book.reserve(b"live", res(0, 0, 100, 100))
+    assert live.expires_ms is None and book.expire(1 << 62) == []
+    book.reserve(b"restored", res(1, 500, 100, 100), expires_ms=50, prefer=(0,))
+    book.reserve(b"again", res(0, 0, 100, 100), expires_ms=50)
+    assert book.reserve(b"restored", res(1, 500, 100, 100)).expires_ms is None   # bid again: held
+    book.keep(b"again")
+    assert book.expire(100) == [] and book.reserved(b"again").expires_ms is None
+    book.reserve(b"orphan", res(0, 0, 100, 100), expires_ms=50)
+    assert book.expire(100) == [b"orphan"]
+
+
+def test_the_journal_lists_every_reservation_change_for_the_core_to_persist():
+    book = ResourceLedger((1000, 1000), cpu_milli=4000, mem_mib=4096)
+    first = book.reserve(b"i1", res(1, 500, 100, 100))
+    second = book.reserve(b"i2", res(1, 500, 100, 100))
+    book.allocate(b"i1", b"job1")
+    book.release(b"i2")
+    book.allocate_now(b"job3", res(0, 0, 100, 100))   # no reservation: nothing to persist
+    assert book.take_journal() == [(b"i1", first), (b"i2", second), (b"i1", None), (b"i2", None)]
+    assert book.take_journal() == []
+    book.clear()
+    assert book.held_totals() == (0, 0, 0) and book.allocated(b"job1") is None and not book.journal
+
+
 ops = st.lists(st.tuples(st.sampled_from(["reserve", "release", "allocate", "allocate_now", "free", "expire"]),
                          st.integers(0, 7), st.integers(0, 3), st.integers(0, 3000), st.integers(0, 5000),
                          st.integers(0, 2000)), max_size=60)
@@ -257,3 +285,25 @@ def test_reserved_plus_allocated_never_exceeds_capacity(operations):
         assert sum(c.cpu_milli for c in claims) == book.held_totals()[1] <= 4000
         assert sum(c.mem_mib for c in claims) == book.held_totals()[2] <= 4096
         assert set(held) == set(range(3)) - set(book.free_gpus())
+
+
+def test_attempts_count_failures_and_refusals_apart():
+    """SPEC.md P6, R1: a refusal places the job afresh without using up a retry, at most
+    MAX_REFUSALS times (then it counts as a failure); every node reads both counts from the
+    attempt, so from a placement's instance id alone."""
+    from dataclasses import replace
+
+    from protocol.messages import (MAX_REFUSALS, next_attempt, placement_attempt, placement_attempts,
+                                   placement_instance_id)
+    m = replace(job(), max_retries=2)
+    span = 3
+    assert [next_attempt(a, m, refused=False) for a in (0, 1, 2)] == [1, 2, None]   # two retries
+    assert next_attempt(0, m, refused=True) == span                                 # no retry used
+    assert next_attempt(span, m, refused=False) == span + 1 and next_attempt(span + 2, m, refused=False) is None
+    last = span * MAX_REFUSALS
+    assert next_attempt(last, m, refused=True) == last + 1        # refusals used up: counts as a failure
+    assert next_attempt(last + 2, m, refused=True) is None
+    assert placement_attempts(m) == span * (MAX_REFUSALS + 1)
+    jid = job_id(m)
+    assert all(placement_attempt(placement_instance_id(jid, a), m) == a for a in range(placement_attempts(m)))
+    assert placement_attempt(placement_instance_id(jid, placement_attempts(m)), m) is None

@@ -25,7 +25,10 @@ def job_runs(result):
     return sorted(result.runs, key=lambda run: run.start_ms)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# 0, 1: a refused job placed afresh restarted from progress 0 before checkpoints were handed
+# over (R1); 38: a retry placed in its job's epoch was moved by the evictions since onto a
+# full node, refused, nine times over, until it failed (the P4 leader now avoids that).
+@pytest.mark.parametrize("seed", [0, 1, 2, 38])
 def test_sweep_seeds_pass_every_check(seed):
     result = run_node_simulation(seed=seed)
     assert result.ok, [v.line() for v in result.violations]

@@ -14,7 +14,7 @@ from meshnode.node.clock import now_ms, wall_ms
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
-                               placement_instance_id, placement_slot, placement_slot_id)
+                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
@@ -228,10 +228,11 @@ class ControlApi:
                 for seq, instance, kind, epoch, certificate in cursor]
 
     def _job_certificate_rows(self, job: dict) -> list[dict]:
-        """A job's certificates: those of its placement instances (every attempt, P2), its slot's
-        if that lists it (P7), and the evictions whose migrations name it (F5)."""
+        """A job's certificates: those of its placement instances (every attempt: retries and
+        refusals, P2, R1), its slot's if that lists it (P7), and the evictions whose
+        migrations name it (F5)."""
         manifest, jid = job["manifest"], job["job_id"]
-        instances = [placement_instance_id(jid, attempt).hex() for attempt in range(manifest.max_retries + 1)]
+        instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
         rows = self._certificate_rows("instance IN (%s) AND value_kind = 'placement'" % placeholders, instances)
         slot_ms = self.node.genesis.params.placement_slot_ms

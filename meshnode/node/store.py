@@ -151,6 +151,11 @@ class NodeStore:
                 raise LocalProtocolError("persist %s: key must be non-empty text" % record.table)
             if len(record.value) > MAX_COLUMNS:
                 raise LocalProtocolError("persist %s: %d columns, over %d" % (record.table, len(record.value), MAX_COLUMNS))
+            if record.table == "reservations" and not record.value.get("held"):
+                # Released or allocated: it holds nothing a restart could need (R1), so it goes.
+                if self._table_columns("reservations"):
+                    self._conn.execute("DELETE FROM [reservations] WHERE key = ?", [record.key])
+                continue
             row = {"key": record.key}
             for column, value in record.value.items():
                 row[column] = self._column_value(record.table, column, value)
@@ -217,9 +222,13 @@ class NodeStore:
 
     def safety_records(self) -> list[PersistRecord]:
         """The votes, locks and evidence a restarted core restores into an instance before it
-        votes again (``MeshCore(safety_records=...)``, SPEC.md 6.9)."""
-        return [PersistRecord(table, key, value) for table in ("votes", "locks", "evidence")
-                for key, value in self.load(table).items()]
+        votes again (``MeshCore(safety_records=...)``, SPEC.md 6.9), and the reservations its
+        bids still hold (R1: a restarted node never promises the same capacity twice)."""
+        records = [PersistRecord(table, key, value) for table in ("votes", "locks", "evidence")
+                   for key, value in self.load(table).items()]
+        records += [PersistRecord("reservations", key, value) for key, value in self.load("reservations").items()
+                    if value.get("held")]
+        return records
 
     def capability_seq_floor(self) -> int:
         """Where a restarted core's capability seq starts (``MeshCore(capability_seq_floor=...)``)."""

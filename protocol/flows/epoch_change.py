@@ -52,6 +52,7 @@ class EpochChangeFlow(ValueFlow):
         self.apply_certificate_bytes = apply_certificate_bytes   # the core's: a held future certificate
         self.placement = None   # the PlacementFlow, set by the core: jobs of an epoch entered start
         self.evicted_last_heard_ms: int | None = None   # while an eviction's jobs move: see _apply_eviction
+        self.lifecycle = None   # the JobLifecycle, set by the core: a migrated job's new primary admits it (R1)
 
     def bid_job(self, subject) -> None:
         return None
@@ -262,7 +263,10 @@ class EpochChangeFlow(ValueFlow):
         self.evicted_last_heard_ms = None
         if eviction.node == self.ctx.me:
             for record in evicted_jobs:
-                self.ledger.free(record.job_id)
+                # Only those that moved: a job with no live backup stays ours in every table
+                # (F5), and after we rejoin we run it again, so its allocation stays (R1).
+                if record.primary != self.ctx.me:
+                    self.ledger.free(record.job_id)
             self.joins.evicted_at_epoch = eviction.epoch
             self.joins.rejoin_sent_ms = None
             self.liveness.on_evicted()
@@ -270,7 +274,8 @@ class EpochChangeFlow(ValueFlow):
             out.events.append(self.ctx.event("evicted", now_ms, epoch=epochs.epoch))
         self._after_epoch_change(eviction.epoch + 1, now_ms, out)
 
-    def move_jobs_of_evicted(self, records, eviction: Eviction, view: EpochView, now_ms: int, out: Ready) -> None:
+    def move_jobs_of_evicted(self, records, eviction: Eviction, view: EpochView, now_ms: int, out: Ready,
+                             admit: bool = True) -> None:
         """SPEC F5: each of the evicted primary's jobs moves where the eviction's plan says,
         if the plan names one of the job's backups (voters that knew the job checked that;
         those that did not could not), or else to its first backup that is a member of
@@ -288,7 +293,7 @@ class EpochChangeFlow(ValueFlow):
                 # fence it would get, so the moved run's own exit is recognised (P6).
                 self.jobs.remember_primary(record, record.fence + 1, target[0])
             else:
-                self._migrate(record, *target, now_ms, out)
+                self._migrate(record, *target, now_ms, out, admit)
 
     def _migration_target(self, record, planned, evicted: bytes, view: EpochView) -> tuple | None:
         if planned is not None and planned.to_node in record.backups and planned.to_node in view.stakes:
@@ -296,21 +301,22 @@ class EpochChangeFlow(ValueFlow):
         live = [b for b in record.backups if b in view.stakes]
         return (live[0], self._new_backups(record, live[0], evicted, view)) if live else None
 
-    def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready) -> None:
+    def _migrate(self, record, to_node: bytes, backups: tuple, now_ms: int, out: Ready, admit: bool = True) -> None:
+        """``admit``: the new primary takes the job on now (R1: room now, or it refuses it);
+        False while a late placement replays the evictions since (it admits at the end)."""
         self.jobs.assign(record, to_node, backups, fence=record.fence + 1)
         record.migrations += 1
         record.state = "migrating"
+        out.events.append(self.ctx.event("migrated", now_ms, job_id=record.job_id.hex(), to_node=to_node.hex(),
+                                         fence=record.fence, from_seq=record.last_checkpoint_seq))
         if to_node == self.ctx.me:
             heard, checkpoint = self.evicted_last_heard_ms, record.known_checkpoint
             # At most: it may have worked up to one heartbeat period after it was last heard.
             record.lost_work_ms = (max(0, heard + self.ctx.params.heartbeat_ms - checkpoint[1])
                                    if heard is not None and checkpoint is not None else None)
-            claim = self.ledger.allocate_now(record.job_id, record.manifest.resources)
-            record.gpus = claim.gpus if claim is not None else ()
-            if claim is None:
-                out.events.append(self.ctx.event("capacity_short", now_ms, job_id=record.job_id.hex()))
-        out.events.append(self.ctx.event("migrated", now_ms, job_id=record.job_id.hex(), to_node=to_node.hex(),
-                                         fence=record.fence, from_seq=record.last_checkpoint_seq))
+        if to_node == self.ctx.me and admit:
+            record.gpus = ()   # the evicted primary's indices mean nothing here: the ledger picks
+            self.lifecycle.admit(record, None, now_ms, out)
 
     def _apply_membership(self, change: MembershipChange, certificate: bytes, now_ms: int, out: Ready) -> None:
         epochs, joins = self.epochs, self.joins

@@ -15,6 +15,8 @@ certificate as proof (P7c).
 
 from __future__ import annotations
 
+import dataclasses
+
 from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -43,8 +45,9 @@ class PlacementFlow(ValueFlow):
         self.instances = instances
         self.bidding = bidding
         self.apply_certificate_bytes = apply_certificate_bytes   # the core's: a slot's certificate (P7c)
-        self.slots = None          # the SlotFlow and the EpochChangeFlow, set by the core
+        self.slots = None          # the SlotFlow, EpochChangeFlow and JobLifecycle, set by the core
         self.epoch_changes = None
+        self.lifecycle = None
         self.jobs_shown: set[tuple] = set()    # (leader, instance, job, round) we sent the job to (SPEC P3)
         self.declines_forwarded: set[tuple] = set()   # (instance, round) whose declines we forwarded (P3a)
         self.reconsidered_at_version = 0              # the ledger version reconsider_held last saw
@@ -210,12 +213,37 @@ class PlacementFlow(ValueFlow):
         if placement is None:
             record.hint = "no eligible bid yet (%d bids, %d declines)" % (len(held), len(record.declines))
             return
+        while placement is not None and self._lands_on(record, iid, placement, inst.view.epoch, now_ms) not in held:
+            # The evictions since the job's epoch would move it to a node that did not bid, which
+            # has no room reserved for it and would refuse it (R1): propose without that primary.
+            chosen = [facts for facts in chosen if facts.signer != placement.primary]
+            placement = choose_placement(record.envelope, record.manifest, iid, chosen, caches=self.ctx.caches)
+        if placement is None:
+            record.hint = ("every bidder's placement would move to a node without a bid (evictions since the "
+                           "job's epoch: %d bids, %d declines)" % (len(held), len(record.declines)))
+            return
         justification = tuple(held[facts.signer][1] for facts in chosen)
+        if record.outcome is not None and record.attempt > 0:
+            # The exit or refusal that started this attempt (P6): voters that missed it hold
+            # the job as placed before and would not join the instance.
+            out.messages.append(Outbound(None, record.outcome))
         if self.slots.enabled and record.attempt == 0:
             if record.slot_certificate is None:
                 return  # not this instance's to place before its slot is decided (P7c)
             justification += (record.slot_certificate,)
         self.instances.drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
+
+    def _lands_on(self, record, iid: bytes, placement: Placement, epoch: int, now_ms: int) -> bytes | None:
+        """The node ``placement`` leaves the job's primary once every node applies it (P5):
+        its primary, moved by the evictions decided since ``epoch`` as apply_placement moves
+        it, computed on a copy of the record."""
+        scratch = dataclasses.replace(record, primaries=dict(record.primaries), declines=dict(record.declines),
+                                      acks={}, state="placed")
+        attempt = placement_attempt(iid, record.manifest)
+        scratch.primary, scratch.backups = placement.primary, tuple(placement.backups)
+        scratch.fence = attempt * FENCE_PER_ATTEMPT + 1
+        self._replay_evictions_since(scratch, epoch, now_ms, Ready())
+        return scratch.primary
 
     def _validator(self, iid: bytes):
         mesh_id, slots = self.ctx.mesh_id, self.slots
@@ -320,6 +348,8 @@ class PlacementFlow(ValueFlow):
             self.jobs_shown.clear()
         self.jobs_shown.add(key)
         out.messages.append(Outbound(inst.leader, record.envelope))
+        if record.outcome is not None and record.attempt > 0:
+            out.messages.append(Outbound(inst.leader, record.outcome))  # why the job is pending again (P6)
 
     def broadcast_job_after_round_zero(self, inst, record, out: Ready) -> None:
         """P2: with bid sampling the entry node sent the job only to round 0's sample and
@@ -379,7 +409,13 @@ class PlacementFlow(ValueFlow):
             self.ctx.counters["placement_of_earlier_attempt"] += record.state != "cancelled"
             self.ledger.release(iid)
             return
-        record.attempt = attempt  # a node that missed an exit learns the attempt here
+        if attempt > record.attempt:
+            record.outcome = None  # a node that missed an exit or refusal learns the attempt here
+            if record.primary == me:
+                # It ran an earlier attempt here and missed how it ended (a refusal it did not
+                # hear, then a migration here): that attempt's allocation goes (R1).
+                self.ledger.free(jid)
+        record.attempt = attempt
         record.instance = instance or iid
         # The fence from the certificate alone, not by counting what this node happened to
         # apply: a node that missed an attempt (or learns it late) gets the fence the others have.
@@ -387,16 +423,17 @@ class PlacementFlow(ValueFlow):
                          fence=attempt * FENCE_PER_ATTEMPT + 1)
         record.state = "placed"
         record.hint = None
-        if placement.primary == me:
-            claim = self.ledger.allocate(iid, jid) or self.ledger.allocate_now(jid, job.resources,
-                                                                              prefer=placement.gpus)
-            if claim is None:
-                out.events.append(self.ctx.event("capacity_short", now_ms, job_id=jid.hex()))
-        else:
-            self.ledger.release(iid)
         out.events.append(self.ctx.event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
                                          fence=record.fence))
         self._replay_evictions_since(record, certificate_epoch, now_ms, out)
+        # Only where the job ends up, once the evictions since moved it (R1): its primary
+        # allocates it from its bid's reservation, or from what is free now, or refuses it.
+        if record.primary == me and record.state not in TERMINAL:
+            self.lifecycle.admit(record, iid, now_ms, out)
+        else:
+            self.ledger.release(iid)
+            if record.state not in TERMINAL:
+                self.lifecycle.hand_off_checkpoint(record, out)   # a refused job's work goes on there (R1)
 
     def _replay_evictions_since(self, record, epoch: int, now_ms: int, out: Ready) -> None:
         """SPEC P5: a placement runs in its job's epoch (P2), so it may be decided after later
@@ -417,6 +454,5 @@ class PlacementFlow(ValueFlow):
             # still keeps (8): a node far behind computes what one in time saw.
             view = next_epoch_view(view, cert.value_kind, change)
             if cert.value_kind == "eviction" and view is not None and record.primary == change.node:
-                if change.node == self.ctx.me:
-                    self.ledger.free(record.job_id)
-                self.epoch_changes.move_jobs_of_evicted([record], change, view, now_ms, out)
+                # Nothing is allocated yet: apply_placement admits the job where it ends up.
+                self.epoch_changes.move_jobs_of_evicted([record], change, view, now_ms, out, admit=False)

@@ -25,9 +25,10 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
                                       MAX_JUSTIFICATION, MAX_NODES, MAX_SLOT_JOBS, MAX_STATE_BYTES, MILLI_PERCENT,
                                       STRATEGIES, VALUE_KINDS, record)
-from protocol.messages.jobs import (MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints, Decline,
-                                    GpuState, JobExit, JobManifest, Placement, PlacementSlot, Resources, RunningJob,
-                                    job_id, placement_attempt, placement_binding_error, placement_instance_id,
+from protocol.messages.jobs import (MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
+                                    Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
+                                    Resources, RunningJob, attempt_failures, job_id, next_attempt, placement_attempt,
+                                    placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
@@ -44,10 +45,10 @@ __all__ = [
     "DECLINE_REASONS", "ENVELOPE", "MAX_BIDS_PER_PROPOSAL", "MAX_BIDS_PER_SLOT_JOB", "MAX_JUSTIFICATION",
     "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
     # jobs
-    "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
-    "GpuState", "JobExit", "JobManifest", "Placement", "PlacementSlot", "Resources", "RunningJob", "job_id",
-    "placement_attempt", "placement_binding_error", "placement_instance_id", "placement_slot",
-    "placement_slot_id",
+    "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
+    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "Resources", "RunningJob",
+    "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
+    "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # membership

@@ -140,10 +140,40 @@ def placement_instance_id(jid: bytes, attempt: int) -> bytes:
     return hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
 
 
+# SPEC.md R1, P6: a primary with no room for a job refuses it, and the job is placed afresh
+# without using up one of its retries, at most this many times (then a refusal counts as
+# a failure). Attempt numbers count both: attempt = failures + (max_retries + 1) * refusals,
+# so every node reads both from a placement's instance id alone.
+MAX_REFUSALS = 8
+
+
+def placement_attempts(job: JobManifest) -> int:
+    """How many attempts (placement instances) ``job`` may have: retries and refusals."""
+    return (job.max_retries + 1) * (MAX_REFUSALS + 1)
+
+
+def attempt_failures(attempt: int, job: JobManifest) -> int:
+    """The failed exits before ``attempt`` (the retries it used up)."""
+    return attempt % (job.max_retries + 1)
+
+
+def next_attempt(attempt: int, job: JobManifest, refused: bool) -> int | None:
+    """The attempt after ``attempt`` ended by a failed exit or, ``refused``, by its primary's
+    refusal (SPEC.md P6, R1); None when the job has none left (it failed)."""
+    span = job.max_retries + 1
+    if refused and attempt // span < MAX_REFUSALS:
+        return attempt + span
+    if attempt % span + 1 < span:
+        return attempt + 1
+    return None
+
+
 def placement_attempt(iid: bytes, job: JobManifest) -> int | None:
     """Which attempt of ``job`` instance ``iid`` places, or None if it is none of them."""
     jid = job_id(job)
-    return next((a for a in range(job.max_retries + 1) if placement_instance_id(jid, a) == iid), None)
+    if iid == jid:
+        return 0
+    return next((a for a in range(1, placement_attempts(job)) if placement_instance_id(jid, a) == iid), None)
 
 
 def placement_binding_error(iid: bytes, job: JobManifest, epoch: int) -> str | None:
@@ -229,6 +259,16 @@ class Cancel(Record):
     job_id: bytes
     requested_ms: int
     SCHEMA: ClassVar = {"job_id": Key(), "requested_ms": Int()}
+
+
+@record
+class JobRefusal(Record):
+    """The job's primary has no room for it (SPEC.md R1): it does not run it, and the job is
+    placed afresh (P6). Only the current primary's, at the current fence, counts."""
+    KIND: ClassVar = "job_refusal"
+    job_id: bytes
+    fence: int
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int()}
 
 
 @record

@@ -8,8 +8,8 @@ from protocol import codec
 from protocol.caches import CoreCaches
 from protocol.envelope import Envelope, open_envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobExit, JobManifest, Placement,
-                                    PlacementSlot)
+from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobExit, JobManifest, JobRefusal,
+                                    Placement, PlacementSlot)
 from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
@@ -21,7 +21,7 @@ from protocol.schema import Record, scalars_only
 MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
     CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
-    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest, OutputRead, OutputData,
+    Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest, OutputRead, OutputData, JobRefusal,
 )}
 
 
