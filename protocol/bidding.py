@@ -14,7 +14,7 @@ import hashlib
 from protocol.errors import RemoteProtocolError
 from protocol.job_table import TERMINAL
 from protocol.messages import Bid, Decline, decode_message
-from protocol.placement import eligibility, gpu_free_mem_mib, parse_bid
+from protocol.placement import eligibility, parse_bid, reservable_gpu_mem_mib
 from protocol.ready import Outbound, Ready
 
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
@@ -114,12 +114,16 @@ class Bidding:
         job = record.manifest
         cap_envelope, cap, _ = self.capability.current(now_ms)
         ok, reason, detail = eligibility(job, cap, self.ctx.policy, self.capability.own_attested)
+        if ok and job.resources.gpus and self.capability.telemetry_fault:
+            # Our vector holds stale readings: only we know, so only we can refuse (P3).
+            ok, reason, detail = False, "node_unhealthy", "GPU telemetry failing: " + self.capability.telemetry_fault
         claim = None
         if ok:
             # Held until this node applies the instance's decision, the instance gives up or
             # is dropped here, or the job is cancelled (R1): never for a fixed time, since a
             # bid may be decided in any later round. Persisted before the bid is sent.
-            claim = self.ledger.reserve(key, job.resources, free_mem_mib=gpu_free_mem_mib(cap))
+            # Unhealthy GPUs read -1 MiB free, so the reservation takes only healthy ones (P4).
+            claim = self.ledger.reserve(key, job.resources, free_mem_mib=reservable_gpu_mem_mib(cap))
             if claim is None:
                 reason, detail = "not_enough_gpus", "capacity reserved by concurrent bids"
         if claim is None:

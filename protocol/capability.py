@@ -9,7 +9,7 @@ every member show a job running, not only the backups that hold its checkpoints.
 from __future__ import annotations
 
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, RunningJob
-from protocol.placement import attested_attributes
+from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
 
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
@@ -34,6 +34,9 @@ class CapabilityBook:
         self.seq_persisted = self.seq    # what a restart would start from
         self.telemetry_gpus: tuple = ()
         self.telemetry_simulated = False
+        # Why the last GPU reading failed ("" while readings succeed): the vector keeps the last
+        # good readings, stale, and this node declines GPU jobs `node_unhealthy` (SPEC.md P3).
+        self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
@@ -100,11 +103,24 @@ class CapabilityBook:
                                       lost_work_ms=record.lost_work_ms or 0))
         return tuple(running)
 
-    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
+    def health_stamp(self) -> tuple:
+        """What this node's GPU health rests on (telemetry failing, each GPU healthy or not): a
+        change re-decides the held placements it declined (SPEC.md P3a)."""
+        return bool(self.telemetry_fault), tuple(gpu_healthy(g) for g in self.telemetry_gpus)
+
+    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
+                         fault: str = "") -> Ready:
         """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
-        CAPABILITY_REFRESH_MS so peers' views stay fresh."""
+        CAPABILITY_REFRESH_MS so peers' views stay fresh. ``fault``: why reading the GPUs
+        failed this time; ``gpus`` is then ignored and the last good readings stay."""
         out = Ready()
-        self.telemetry_gpus = tuple(gpus)
+        if fault and not self.telemetry_fault:
+            out.events.append(self.ctx.event("telemetry_failed", now_ms, reason=fault[:200]))
+        elif self.telemetry_fault and not fault:
+            out.events.append(self.ctx.event("telemetry_recovered", now_ms))
+        self.telemetry_fault = fault[:200]
+        if not fault:
+            self.telemetry_gpus = tuple(gpus)
         self.telemetry_simulated = bool(simulated)
         self.rtt_us = max(0, int(rtt_us))
         envelope, _cap, changed = self.current(now_ms)

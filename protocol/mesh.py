@@ -288,8 +288,11 @@ class MeshCore:
         jid, out = self.lifecycle.cancel(request, now_ms)
         return jid, self._with_orders(out)
 
-    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False) -> Ready:
-        return self._with_orders(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated))
+    def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
+                         fault: str = "") -> Ready:
+        """GPU readings (or, with ``fault``, why they failed: the last good ones stay), mean RTT."""
+        return self._with_orders(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated,
+                                                                  fault=fault))
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))

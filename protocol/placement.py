@@ -20,8 +20,8 @@ from typing import Iterable
 
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, JobManifest,
-                               Placement, decode_message)
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, GpuState,
+                               JobManifest, Placement, decode_message)
 from protocol.policy import NodePolicy
 
 MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages/jobs.py)
@@ -83,6 +83,76 @@ def fitting_gpus(job: JobManifest, capability: CapabilityVector) -> list[int]:
     return sorted(i for i in set(capability.gpus_free) if free_mem.get(i, -1) >= need)
 
 
+# --- GPU health (SPEC.md P4, "GPU health") ------------------------------------------------------
+# A pure function of one signed GpuState, so the leader and every validator agree on it.
+
+# At 85 C a datacenter GPU is a few degrees from its slowdown temperature (H100 and A100
+# slow down at about 87-90 C): new work there would be throttled at once. The simulated
+# profile peaks at 78 C under full load (meshnode/node/telemetry.py), so a busy but
+# working GPU is never called unhealthy.
+UNHEALTHY_TEMP_MILLI_C = 85_000
+# nvml.h clock-event reason bits that mean the GPU is being slowed down for its own
+# protection: HW slowdown (0x8), SW thermal (0x20), HW thermal (0x40), HW power brake
+# (0x80). Idle (0x1), application clocks (0x2), the SW power cap (0x4, normal at full load),
+# sync boost (0x10) and display clocks (0x100) are not faults.
+THROTTLE_HW_SLOWDOWN = 0x8
+THROTTLE_SW_POWER_CAP = 0x4
+THROTTLE_SW_THERMAL = 0x20
+THROTTLE_HW_THERMAL = 0x40
+THROTTLE_HW_POWER_BRAKE = 0x80
+UNHEALTHY_THROTTLE_MASK = THROTTLE_HW_SLOWDOWN | THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL | THROTTLE_HW_POWER_BRAKE
+# Strain (how loaded a healthy GPU is; ranking only, lower first): utilisation in quarter
+# bands plus temperature above 60 C in 5 C bands plus 1 at the power cap. Bands, not raw
+# readings, so a degree of jitter does not reorder two equally idle nodes.
+STRAIN_UTIL_STEP_MILLI = 25_000
+STRAIN_TEMP_FLOOR_MILLI_C = 60_000
+STRAIN_TEMP_STEP_MILLI_C = 5_000
+
+
+def gpu_health_faults(gpu: GpuState) -> list[str]:
+    """Why one GPU is unhealthy (empty: healthy): any uncorrected ECC error since the driver
+    loaded (the memory is failing: NVIDIA advises draining the GPU), a protective throttle
+    reason, or a temperature at or above UNHEALTHY_TEMP_MILLI_C."""
+    faults = []
+    if gpu.ecc_errors > 0:
+        faults.append("%d ECC errors" % gpu.ecc_errors)
+    if gpu.throttle_reasons & UNHEALTHY_THROTTLE_MASK:
+        faults.append("throttled 0x%x" % (gpu.throttle_reasons & UNHEALTHY_THROTTLE_MASK))
+    if gpu.temp_milli_c >= UNHEALTHY_TEMP_MILLI_C:
+        faults.append("%d C" % (gpu.temp_milli_c // 1000))
+    return faults
+
+
+def gpu_healthy(gpu: GpuState) -> bool:
+    return not gpu_health_faults(gpu)
+
+
+def gpu_strain(gpu: GpuState) -> int:
+    """SPEC.md P4: 0 for an idle, cool GPU; at most 4 + 4 + 1 for a healthy one."""
+    heat = max(0, gpu.temp_milli_c - STRAIN_TEMP_FLOOR_MILLI_C) // STRAIN_TEMP_STEP_MILLI_C
+    power_capped = 1 if gpu.throttle_reasons & THROTTLE_SW_POWER_CAP else 0
+    return gpu.util_milli // STRAIN_UTIL_STEP_MILLI + heat + power_capped
+
+
+def healthy_fitting_gpus(job: JobManifest, capability: CapabilityVector) -> list[int]:
+    """The fitting GPUs whose signed readings are healthy: the only ones a bid may name."""
+    states = {g.index: g for g in capability.gpus}
+    return [i for i in fitting_gpus(job, capability) if gpu_healthy(states[i])]
+
+
+def reservable_gpu_mem_mib(capability: CapabilityVector) -> dict[int, int]:
+    """Free memory per GPU as a node's own reservation sees it (R1): an unhealthy GPU reads
+    -1, so no share (not even one asking 0 MiB) fits it and no bid names it."""
+    return {g.index: max(0, g.mem_total_mib - g.mem_used_mib) if gpu_healthy(g) else -1 for g in capability.gpus}
+
+
+def unhealthy_detail(capability: CapabilityVector, indices: Iterable[int]) -> str:
+    states = {g.index: g for g in capability.gpus}
+    parts = ["gpu%d %s" % (i, ", ".join(gpu_health_faults(states[i]))) for i in indices
+             if i in states and not gpu_healthy(states[i])]
+    return "; ".join(parts)
+
+
 def capability_check(job: JobManifest, capability: CapabilityVector, attested: dict,
                      reserved_gpus: tuple | None = None) -> tuple[bool, str | None, str]:
     """Publicly verifiable fit of a job on a node. ``reserved_gpus``: the GPUs a bid names
@@ -106,7 +176,7 @@ def capability_check(job: JobManifest, capability: CapabilityVector, attested: d
     if reserved_gpus is not None:
         named = tuple(reserved_gpus)
         if len(named) != job.resources.gpus or len(set(named)) != len(named) or not set(named) <= set(
-                fitting_gpus(job, capability)):
+                healthy_fitting_gpus(job, capability)):
             return False, "not_enough_gpus", "bid names GPUs %s that do not fit" % (list(named),)
     return True, None, ""
 
@@ -121,6 +191,10 @@ def resource_check(job: JobManifest, capability: CapabilityVector) -> tuple[bool
         if len(fitting) < res.gpus:
             return False, "not_enough_gpu_memory", "%d GPUs with %d MiB free, %d needed" % (
                 len(fitting), res.gpu_mem_mib, res.gpus)
+        healthy = healthy_fitting_gpus(job, capability)
+        if len(healthy) < res.gpus:
+            return False, "node_unhealthy", "%d of %d fitting GPUs healthy, %d needed: %s" % (
+                len(healthy), len(fitting), res.gpus, unhealthy_detail(capability, fitting))
     if capability.cpu_milli_free < res.cpu_milli:
         return False, "not_enough_cpu", "%d milli-CPU free, %d needed" % (capability.cpu_milli_free, res.cpu_milli)
     if capability.mem_mib_free < res.mem_mib:
@@ -144,20 +218,30 @@ def tie_break(instance: bytes, node: bytes) -> bytes:
 
 
 def free_compute(facts: BidFacts) -> tuple[int, int, int]:
+    """Free healthy GPUs, their free memory, free CPU: an unhealthy GPU is no capacity."""
     cap = facts.capability
     free_mem = gpu_free_mem_mib(cap)
-    gpus_free = set(cap.gpus_free)
+    gpus_free = {g.index for g in cap.gpus if gpu_healthy(g)} & set(cap.gpus_free)
     return len(gpus_free), sum(free_mem.get(i, 0) for i in gpus_free), cap.cpu_milli_free
 
 
+def bid_strain(facts: BidFacts) -> int:
+    """SPEC.md P4: the highest strain among the GPUs the bid reserves (0 for none)."""
+    states = {g.index: g for g in facts.capability.gpus}
+    return max((gpu_strain(states[i]) for i in facts.bid.reserved_gpus if i in states), default=0)
+
+
 def rank_key(strategy: str, instance: bytes, facts: BidFacts) -> tuple:
-    """Smaller is better. latency: lowest round-trip time, then most free compute;
-    throughput and sovereign: most free compute (GPUs, GPU memory, CPU), then lowest RTT."""
+    """Smaller is better. First the strain of the GPUs the bid reserves (cooler, less busy,
+    not power-capped first: SPEC.md P4), then latency: lowest round-trip time, then most
+    free compute; throughput and sovereign: most free compute (GPUs, GPU memory, CPU),
+    then lowest RTT."""
     gpus, gpu_mem, cpu = free_compute(facts)
     tie = tie_break(instance, facts.signer)
+    strain = bid_strain(facts)
     if strategy == "latency":
-        return (facts.bid.rtt_us, -gpus, -gpu_mem, -cpu, tie)
-    return (-gpus, -gpu_mem, -cpu, facts.bid.rtt_us, tie)
+        return (strain, facts.bid.rtt_us, -gpus, -gpu_mem, -cpu, tie)
+    return (strain, -gpus, -gpu_mem, -cpu, facts.bid.rtt_us, tie)
 
 
 def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> list[BidFacts]:

@@ -6,7 +6,11 @@ import shutil
 import signal
 
 from meshnode.cli.output import add_json_flag, emit, examples, print_command, progress
+from meshnode.control.client import ControlClient
 from meshnode.tui.tables import compact_table, plain_text
+from protocol.errors import MeshError
+from protocol.placement import (THROTTLE_HW_POWER_BRAKE, THROTTLE_HW_SLOWDOWN, THROTTLE_HW_THERMAL,
+                                THROTTLE_SW_POWER_CAP, THROTTLE_SW_THERMAL)
 from testnet import launcher
 
 
@@ -51,11 +55,31 @@ def register(subparsers) -> None:
     add.add_argument("--stake", type=int, default=100, help="stake the testnet authority vouches for (default 100)")
     _common(add)
     add.set_defaults(func=cmd_add)
+    telemetry = sub.add_parser("telemetry", help="force the simulated GPU readings of node I (or --clear them)",
+                               epilog=examples("meshnode testnet telemetry 0 --temp 88 --throttle thermal --util 95 --dir net",
+                                               "meshnode testnet telemetry 0 --clear --dir net"))
+    telemetry.add_argument("index", type=int, metavar="I", help="the node's index in the testnet (0, 1, ...)")
+    telemetry.add_argument("--util", type=int, metavar="PERCENT", help="utilisation, 0..100")
+    telemetry.add_argument("--temp", type=int, metavar="CELSIUS", help="temperature, 0..200")
+    telemetry.add_argument("--throttle", metavar="REASONS",
+                           help="comma-separated: %s" % ", ".join(THROTTLE_NAMES))
+    telemetry.add_argument("--ecc", type=int, metavar="N", help="uncorrected ECC errors")
+    telemetry.add_argument("--read-error", action="store_true", help="make reading the GPUs fail")
+    telemetry.add_argument("--gpu", type=int, metavar="G", help="only GPU G (default: every GPU of the node)")
+    telemetry.add_argument("--clear", action="store_true", help="report the simulated model's readings again")
+    _common(telemetry)
+    telemetry.set_defaults(func=cmd_telemetry)
     down = sub.add_parser("down", help="stop every node and workload of the testnet",
                           epilog=examples("meshnode testnet down --dir net --purge"))
     down.add_argument("--purge", action="store_true", help="also delete DIR")
     _common(down)
     down.set_defaults(func=cmd_down)
+
+
+# Names for nvml.h clock-event reason bits (protocol/placement.py says which make a GPU unhealthy).
+THROTTLE_NAMES = {"none": 0, "idle": 0x1, "power_cap": THROTTLE_SW_POWER_CAP, "hw_slowdown": THROTTLE_HW_SLOWDOWN,
+                  "thermal": THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL, "sw_thermal": THROTTLE_SW_THERMAL,
+                  "hw_thermal": THROTTLE_HW_THERMAL, "power_brake": THROTTLE_HW_POWER_BRAKE}
 
 
 def _common(parser) -> None:
@@ -132,6 +156,56 @@ def cmd_add(args) -> int:
         console.print("node %d started at %s; admit it with:" % (entry["index"], entry["dir"]))
         print_command(console, join_command(entry["dir"], result["bootstrap"]))
     emit(args, result, render)
+    return 0
+
+
+def telemetry_request(args) -> dict:
+    """The set_simulated_telemetry arguments for the command line, in GpuState's units."""
+    forced = {"util_milli": _in_range("--util", args.util, 100, 1000),
+              "temp_milli_c": _in_range("--temp", args.temp, 200, 1000),
+              "throttle_reasons": None if args.throttle is None else _throttle_bits(args.throttle),
+              "ecc_errors": _in_range("--ecc", args.ecc, (1 << 63) - 1, 1)}
+    forced = {name: value for name, value in forced.items() if value is not None}
+    if args.read_error:
+        forced["read_error"] = True
+    if args.clear and forced:
+        raise MeshError("testnet telemetry: --clear takes no readings to force")
+    if not args.clear and not forced:
+        raise MeshError("testnet telemetry: name a reading to force (--util, --temp, --throttle, --ecc, "
+                        "--read-error) or --clear")
+    request = {"clear": True} if args.clear else forced
+    if args.gpu is not None:
+        request["gpu"] = args.gpu
+    return request
+
+
+def _in_range(flag: str, value: int | None, high: int, scale: int) -> int | None:
+    if value is None:
+        return None
+    if not 0 <= value <= high:
+        raise MeshError("testnet telemetry: %s must be in 0..%d, not %d" % (flag, high, value))
+    return value * scale
+
+
+def _throttle_bits(text: str) -> int:
+    bits = 0
+    for name in text.split(","):
+        if name.strip() not in THROTTLE_NAMES:
+            raise MeshError("testnet telemetry: --throttle %r: use %s" % (name, ", ".join(THROTTLE_NAMES)))
+        bits |= THROTTLE_NAMES[name.strip()]
+    return bits
+
+
+def cmd_telemetry(args) -> int:
+    request = telemetry_request(args)
+    entry = launcher.node_entry(args.dir, args.index)
+    with ControlClient(entry["dir"]) as client:
+        result = client.call("set_simulated_telemetry", **request)
+    result = dict(result, index=args.index)
+    emit(args, result, lambda console: console.print(
+        "node %d: %s" % (args.index, "; ".join("gpu%s %s" % (gpu[3:], " ".join(
+            "%s=%s" % item for item in sorted(fault.items()))) for gpu, fault in sorted(result["faults"].items()))
+            or "simulated readings")))
     return 0
 
 

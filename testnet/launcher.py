@@ -275,6 +275,11 @@ def start_node(root, index: int) -> int:
     return process.pid
 
 
+def node_entry(root, index: int) -> dict:
+    """Node ``index``'s layout entry (its dir, port, key); a ConfigError if there is none."""
+    return _entry(load_layout(root), index)
+
+
 def _entry(layout: dict, index: int) -> dict:
     if not 0 <= index < len(layout["nodes"]):
         raise ConfigError("no node %d in this testnet (0..%d)" % (index, len(layout["nodes"]) - 1))

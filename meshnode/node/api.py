@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from keys.identity import public_key_from_peer_id, short_id
 from meshnode.node.clock import now_ms, wall_ms
+from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
@@ -78,7 +79,8 @@ class ControlApi:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
                 "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
-                "job_status": self.job_status, "job_output": self.job_output}
+                "job_status": self.job_status, "job_output": self.job_output,
+                "set_simulated_telemetry": self.set_simulated_telemetry}
 
     async def status(self, args) -> dict:
         node, core = self.node, self.node.core
@@ -89,7 +91,9 @@ class ControlApi:
                 "connected": len(node.transport.peers()), "uptime_ms": now_ms() - node.started_ms,
                 "running_workloads": len(node.runner.running()) if node.runner else 0,
                 "dropped": dict(core.counters), "transport": dict(node.transport.counters),
-                "telemetry": node.telemetry.describe_source(), "metrics": node.metrics_url}
+                "telemetry": dict(node.telemetry.describe_source(), failing=core.capability.telemetry_fault,
+                                  read_errors=node.telemetry_errors),
+                "metrics": node.metrics_url}
 
     async def nodes(self, args) -> dict:
         node = self.node
@@ -275,6 +279,27 @@ class ControlApi:
         interval_error_us = interval_error_us[-CHECKPOINT_STATS_WINDOW:]
         return {"write_ms": list(node.checkpoint_write_ms), "replication_ms": list(node.checkpoint_replication_ms),
                 "interval_error_us": interval_error_us}
+
+    async def set_simulated_telemetry(self, args) -> dict:
+        """Force (or with ``clear``, stop forcing) the readings of this node's simulated GPUs
+        (`meshnode testnet telemetry`, README). Like every op, only the socket's owner can
+        ask (SPEC.md 10.5); a node reading real GPUs through NVML refuses."""
+        gpu = args.get("gpu")
+        if gpu is not None and not _is_int(gpu):
+            raise MeshError("set_simulated_telemetry: gpu must be an integer")
+        if args.get("clear"):
+            fault = None
+        else:
+            read_error = args.get("read_error", False)
+            if not isinstance(read_error, bool):
+                raise MeshError("set_simulated_telemetry: read_error must be true or false")
+            fault = SimulatedFault(util_milli=args.get("util_milli"), temp_milli_c=args.get("temp_milli_c"),
+                                   throttle_reasons=args.get("throttle_reasons"), ecc_errors=args.get("ecc_errors"),
+                                   read_error=read_error)
+            if fault == SimulatedFault():
+                raise MeshError("set_simulated_telemetry: name a reading to force, or clear")
+        indices = self.node.telemetry.set_simulated_fault(fault, gpu)
+        return {"gpus": indices, "faults": self.node.telemetry.describe_source()["faults"]}
 
     async def join(self, args) -> dict:
         bootstrap = _text_arg(args, "bootstrap")

@@ -33,7 +33,7 @@ from meshnode.node.metrics import NodeMetrics, serve_metrics, stop_metrics
 from meshnode.node.output_service import OutputService
 from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
-from meshnode.node.telemetry import Telemetry
+from meshnode.node.telemetry import Telemetry, TelemetryError
 from meshnode.net.limits import RefusalReport
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
@@ -46,6 +46,7 @@ log = logging.getLogger("meshnode.node")
 
 TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
+TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
 CONNECT_RETRY_MS = 500
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
@@ -87,6 +88,9 @@ class Node:
         self._refusals = RefusalReport(REFUSAL_REPORT_MS)
         self.metrics = NodeMetrics(self)   # this node's own registry (README "Metrics")
         self.metrics_server = None         # the HTTP endpoint, when node.toml sets metrics_listen
+        self.telemetry_errors = 0          # GPU readings that failed since start (TelemetryError)
+        self._telemetry_errors_logged = 0
+        self._telemetry_error_logged_ms: int | None = None
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -190,13 +194,32 @@ class Node:
 
     async def _telemetry_loop(self) -> None:
         while True:
-            gpus = self.telemetry.sample(now_ms())
+            try:
+                gpus, fault = self.telemetry.sample(now_ms()), ""
+            except TelemetryError as exc:
+                # A lost GPU must not stop the node (its peers would evict it, and its jobs
+                # without GPUs could still run): the core keeps the last good readings and
+                # declines GPU jobs `node_unhealthy` until a reading succeeds (SPEC.md 10.3).
+                gpus, fault = (), str(exc)
+                self._log_telemetry_error(fault)
             rtts = [r for r in (self.transport.rtt_us(k) for k in self.transport.peers()) if r is not None]
             rtt_us = sum(rtts) // len(rtts) if rtts else 0
             await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms(),
-                                                          simulated=self.telemetry.simulated))
+                                                          simulated=self.telemetry.simulated, fault=fault))
             self._report_refusals()
             await trio.sleep(TELEMETRY_MS / 1000)
+
+    def _log_telemetry_error(self, fault: str) -> None:
+        """At most one warning per TELEMETRY_ERROR_LOG_MS, with the count since the last:
+        a GPU gone for a day would otherwise write a line every second. The core's events
+        `telemetry_failed` / `telemetry_recovered` mark each outage's start and end."""
+        self.telemetry_errors += 1
+        now = now_ms()
+        if self._telemetry_error_logged_ms is None or now - self._telemetry_error_logged_ms >= TELEMETRY_ERROR_LOG_MS:
+            log.warning("GPU telemetry failed (%d times since the last warning): %s",
+                        self.telemetry_errors - self._telemetry_errors_logged, fault)
+            self._telemetry_error_logged_ms = now
+            self._telemetry_errors_logged = self.telemetry_errors
 
     # --- the Ready contract --------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import random
+from dataclasses import dataclass
 
 from keys.errors import ConfigError
 from meshnode.node.config import GpuProfile
@@ -55,12 +56,36 @@ def _clamp(value: int, high: int) -> int:
     return max(0, min(int(value), high))
 
 
+@dataclass(frozen=True)
+class SimulatedFault:
+    """Readings a tester forces on a simulated GPU (`meshnode testnet telemetry`, README):
+    each field set replaces what the model would report; None leaves the model's value.
+    ``read_error`` makes sampling fail as a lost GPU does under NVML."""
+    util_milli: int | None = None
+    temp_milli_c: int | None = None
+    throttle_reasons: int | None = None
+    ecc_errors: int | None = None
+    read_error: bool = False
+
+    def __post_init__(self):
+        for name, high in (("util_milli", _UTIL_MILLI_MAX), ("temp_milli_c", _TEMP_MILLI_C_MAX),
+                           ("throttle_reasons", (1 << 64) - 1), ("ecc_errors", (1 << 63) - 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= high):
+                raise MeshError("simulated telemetry: %s must be an integer in 0..%d, not %r" % (name, high, value))
+
+    def describe(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if value is not None and value is not False}
+
+
 class _SimulatedGpu:
     def __init__(self, mem_total_mib: int):
         self.mem_total_mib = mem_total_mib
         self.load_util_milli = 0
         self.load_mem_mib = 0
         self.temp_milli_c = SIM_IDLE_TEMP_MILLI_C
+        self.fault: SimulatedFault | None = None
 
 
 class Telemetry:
@@ -133,7 +158,22 @@ class Telemetry:
                     "gpus": len(self._handles), "models": list(self._names),
                     "unsupported": ["gpu%d.%s" % pair for pair in sorted(self.unsupported)]}
         return {"source": "simulated", "gpus": len(self._sim), "models": [self.profile.model] * len(self._sim),
-                "seed": self.profile.seed, "fallback_reason": self.fallback_reason, "unsupported": []}
+                "seed": self.profile.seed, "fallback_reason": self.fallback_reason, "unsupported": [],
+                "faults": {"gpu%d" % i: gpu.fault.describe() for i, gpu in enumerate(self._sim)
+                           if gpu.fault is not None}}
+
+    def set_simulated_fault(self, fault: SimulatedFault | None, gpu_index: int | None = None) -> list[int]:
+        """Force readings on one simulated GPU, or all (``gpu_index`` None); None clears them.
+        Returns the GPU indices changed. A GPU read through NVML reports what it measures:
+        forcing it is refused, so a tester cannot make a real node lie in its signed vector."""
+        if self._nvml is not None:
+            raise MeshError("this node reads its GPUs through NVML: telemetry faults apply to simulated GPUs only")
+        if gpu_index is not None and not 0 <= gpu_index < len(self._sim):
+            raise MeshError("no simulated GPU %d on this node (it has %d)" % (gpu_index, len(self._sim)))
+        indices = list(range(len(self._sim))) if gpu_index is None else [gpu_index]
+        for index in indices:
+            self._sim[index].fault = fault
+        return indices
 
     def set_load(self, gpu_index: int, util_milli: int, mem_used_mib: int) -> None:
         """Declare the load the workloads on a simulated GPU put on it (the driver calls this on
@@ -151,6 +191,9 @@ class Telemetry:
             return tuple(self._sample_nvml(i, h) for i, h in enumerate(self._handles))
         elapsed_ms = 0 if self._last_sample_ms is None else max(0, now_ms - self._last_sample_ms)
         self._last_sample_ms = now_ms
+        for index, gpu in enumerate(self._sim):
+            if gpu.fault is not None and gpu.fault.read_error:
+                raise TelemetryError("GPU %d: simulated read error (meshnode testnet telemetry)" % index)
         return tuple(self._sample_sim(i, gpu, elapsed_ms) for i, gpu in enumerate(self._sim))
 
     # --- NVML -------------------------------------------------------------------------------
@@ -203,16 +246,23 @@ class Telemetry:
 
     def _sample_sim(self, index: int, gpu: _SimulatedGpu, elapsed_ms: int) -> GpuState:
         load = gpu.load_util_milli
+        fault = gpu.fault or SimulatedFault()
+        # The jitter is drawn whether or not a fault replaces the reading: forcing one GPU
+        # leaves the random series, and so every other GPU's readings, as they were.
         jitter = self._random.randint(-SIM_UTIL_JITTER_MILLI, SIM_UTIL_JITTER_MILLI) if load else 0
-        util = _clamp(load + jitter, _UTIL_MILLI_MAX)
+        util = _clamp(load + jitter, _UTIL_MILLI_MAX) if fault.util_milli is None else fault.util_milli
         target = SIM_IDLE_TEMP_MILLI_C + (SIM_FULL_LOAD_TEMP_MILLI_C - SIM_IDLE_TEMP_MILLI_C) * util // _UTIL_MILLI_MAX
         # Implicit Euler step of dT/dt = (target - T) / tau: stable for any elapsed time.
         gpu.temp_milli_c += (target - gpu.temp_milli_c) * elapsed_ms // (SIM_THERMAL_TAU_MS + elapsed_ms)
         temp = gpu.temp_milli_c + self._random.randint(-SIM_TEMP_JITTER_MILLI_C, SIM_TEMP_JITTER_MILLI_C)
+        if fault.temp_milli_c is not None:
+            # The model continues from the forced temperature, so a cleared GPU cools with the lag.
+            gpu.temp_milli_c = temp = fault.temp_milli_c
+        throttle = THROTTLE_GPU_IDLE if util == 0 else 0
         power = SIM_IDLE_POWER_MW + (SIM_MAX_POWER_MW - SIM_IDLE_POWER_MW) * util // _UTIL_MILLI_MAX
         clock = SIM_IDLE_SM_CLOCK_MHZ + (SIM_BOOST_SM_CLOCK_MHZ - SIM_IDLE_SM_CLOCK_MHZ) * util // _UTIL_MILLI_MAX
         return GpuState(index=index, model=self.profile.model, mem_total_mib=gpu.mem_total_mib,
                         mem_used_mib=gpu.load_mem_mib, util_milli=util,
                         temp_milli_c=_clamp(temp, _TEMP_MILLI_C_MAX), sm_clock_mhz=clock,
-                        throttle_reasons=THROTTLE_GPU_IDLE if util == 0 else 0, ecc_errors=0,
-                        power_mw=power)
+                        throttle_reasons=throttle if fault.throttle_reasons is None else fault.throttle_reasons,
+                        ecc_errors=fault.ecc_errors or 0, power_mw=power)

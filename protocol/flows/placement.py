@@ -50,7 +50,9 @@ class PlacementFlow(ValueFlow):
         self.lifecycle = None
         self.jobs_shown: set[tuple] = set()    # (leader, instance, job, round) we sent the job to (SPEC P3)
         self.declines_forwarded: set[tuple] = set()   # (instance, round) whose declines we forwarded (P3a)
-        self.reconsidered_at_version = 0              # the ledger version reconsider_held last saw
+        # The ledger version and GPU health reconsider_held last saw: a change of either may
+        # turn a decline into a bid (freed capacity, a GPU cooled down).
+        self.reconsidered_at_stamp: tuple | None = None
 
     def bid_job(self, subject) -> bytes:
         return subject
@@ -317,12 +319,13 @@ class PlacementFlow(ValueFlow):
             out.messages.append(Outbound(None, data))
 
     def reconsider_held(self, now_ms: int, out: Ready) -> None:
-        """P3a: capacity changed here (an exit, a cancel, a migration, a reservation let go):
-        each held placement this node declined is decided afresh, and a bid now goes to every
-        member (it ends their hold; the leader proposes with it)."""
-        if self.ledger.version == self.reconsidered_at_version:
+        """P3a: capacity or health changed here (an exit, a cancel, a migration, a reservation
+        let go, a GPU healthy again): each held placement this node declined is decided afresh,
+        and a bid now goes to every member (it ends their hold; the leader proposes with it)."""
+        stamp = (self.ledger.version, self.bidding.capability.health_stamp())
+        if stamp == self.reconsidered_at_stamp:
             return
-        self.reconsidered_at_version = self.ledger.version
+        self.reconsidered_at_stamp = stamp
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
             if role is None or role.flow is not self or not self.round_on_hold(inst, now_ms):
