@@ -1,4 +1,5 @@
-"""`meshnode testnet`: a local mesh of real node processes on 127.0.0.1, and fault injection."""
+"""`meshnode testnet`: a local mesh of real node processes (on 127.0.0.1, or each in a network
+namespace of its own with --netns), and fault injection."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def register(subparsers) -> None:
     up.add_argument("--nodes", type=int, default=4)
     up.add_argument("--owners", type=int, default=1, help="workload owner keys to create")
     up.add_argument("--no-workloads", action="store_true", help="place jobs but start no processes")
+    up.add_argument("--netns", action="store_true",
+                    help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
     _common(up)
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="every node's process state and connections")
@@ -35,6 +38,14 @@ def register(subparsers) -> None:
     add.add_argument("--stake", type=int, default=100, help="stake the testnet authority vouches for")
     _common(add)
     add.set_defaults(func=cmd_add)
+    partition = sub.add_parser("partition", help="cut the network between groups of nodes (--netns testnets)")
+    partition.add_argument("groups", nargs="+", metavar="I,J,...",
+                           help="a group of node indices; nodes named in no group form one more group")
+    _common(partition)
+    partition.set_defaults(func=cmd_partition)
+    heal = sub.add_parser("heal", help="remove the partition: every node reaches every other again")
+    _common(heal)
+    heal.set_defaults(func=cmd_heal)
     down = sub.add_parser("down", help="stop every node and workload of the testnet")
     down.add_argument("--purge", action="store_true", help="also delete DIR")
     _common(down)
@@ -48,35 +59,67 @@ def _common(parser) -> None:
 
 def render_rows(rows) -> Table:
     table = Table(title="testnet", title_justify="left")
-    for column in ("#", "pid", "process", "port", "zone", "key", "connected", "epoch"):
+    for column in ("#", "pid", "process", "host", "port", "zone", "key", "connected", "epoch"):
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(row.get(c, "")) if row.get(c) is not None else "-"
-                        for c in ("index", "pid", "process", "port", "zone", "key", "connected", "epoch")))
+                        for c in ("index", "pid", "process", "host", "port", "zone", "key", "connected", "epoch")))
     return table
 
 
 def cmd_up(args) -> int:
-    rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads)
+    rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, netns=args.netns)
     layout = launcher.load_layout(args.dir)
     emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]},
          lambda console: (console.print(render_rows(rows)),
                           console.print("owner keys: " + ", ".join(o["key_file"] for o in layout["owners"])),
-                          print_metrics_urls(console, rows)))
+                          print_metrics_urls(console, rows, layout.get("netns")),
+                          print_netns(console, layout.get("netns"))))
     return 0
 
 
 def cmd_status(args) -> int:
-    rows = [launcher.node_status(n) for n in launcher.load_layout(args.dir)["nodes"]]
-    emit(args, {"nodes": rows}, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows)))
+    layout = launcher.load_layout(args.dir)
+    rows = [launcher.node_status(n) for n in layout["nodes"]]
+    result = {"nodes": rows}
+    if layout.get("netns"):
+        result["netns"] = layout["netns"]
+    emit(args, result, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows, layout.get("netns")),
+                                        print_netns(console, layout.get("netns"))))
     return 0
 
 
-def print_metrics_urls(console, rows) -> None:
-    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics."""
+def print_netns(console, netns) -> None:
+    if netns:
+        groups = netns["partition"]
+        console.print("network: namespaces %s-n*, bridge %s in %s; %s" % (
+            netns["hub"][:-len("-hub")], netns["bridge"], netns["hub"],
+            "partitioned " + " | ".join(",".join(map(str, g)) for g in groups) if groups else "not partitioned"),
+            soft_wrap=True)
+
+
+def cmd_partition(args) -> int:
+    groups = launcher.partition(args.dir, args.groups)
+    emit(args, {"partition": groups}, lambda console: console.print(
+        "partitioned: " + " | ".join(",".join(map(str, g)) for g in groups)))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    launcher.heal(args.dir)
+    emit(args, {"partition": None}, lambda console: console.print("healed: every node reaches every other"))
+    return 0
+
+
+def print_metrics_urls(console, rows, netns=None) -> None:
+    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics.
+
+    With --netns the endpoint is on 127.0.0.1 of the node's own namespace: curl it from there.
+    """
     for row in rows:
         if row.get("metrics"):
-            console.print("node %d metrics: %s" % (row["index"], row["metrics"]), soft_wrap=True)
+            where = "ip netns exec %s curl " % netns["nodes"][row["index"]] if netns else ""
+            console.print("node %d metrics: %s%s" % (row["index"], where, row["metrics"]), soft_wrap=True)
 
 
 def cmd_fault(args) -> int:
