@@ -21,7 +21,7 @@ import time
 import pytest
 
 from meshnode.control.client import ControlClient
-from testnet import launcher
+from testnet import launcher, netns
 from test_e2e_testnet import meshnode, meshnode_json, wait_for
 
 NODES = 5
@@ -182,3 +182,22 @@ def _netns_list() -> list[str]:
 def _hub_tables(names) -> str:
     return subprocess.run(["ip", "netns", "exec", names["hub"], "nft", "list", "tables"], capture_output=True,
                           text=True).stdout
+
+
+def test_down_after_a_crashed_up_removes_what_the_layout_names(tmp_path):
+    """`up` died half way (hub and node 0 made, node 1 not, a partition in force, no process):
+    `down` deletes by the names the layout recorded before they were created."""
+    root = tmp_path / "net"
+    layout = launcher.create_testnet(root, 2, hosts=[netns.node_address(0), netns.node_address(1)])
+    names = layout["netns"] = netns.plan(layout["mesh_id"], 2)
+    launcher.save_layout(root, layout)
+    try:
+        netns.create_hub(names)
+        netns.create_node(names, 0)
+        launcher.partition(root, ["0"])
+        assert "meshnode_partition" in _hub_tables(names)
+        assert {names["hub"], names["nodes"][0]} <= set(_netns_list())
+    finally:
+        down = meshnode("testnet", "down", "--dir", str(root), check=False)
+    assert down.returncode == 0, down.stderr
+    assert not set(names["nodes"] + [names["hub"]]) & set(_netns_list())
