@@ -148,12 +148,20 @@ def test_netns_partition_majority_places_minority_does_not_heal_converges(tmp_pa
         # at the primary everyone agrees on, under the newest fence.
         state, primary, fence = final[first["job_id"]]
         assert state == "running" and fence > 1
-        wait_for(lambda: runners(root, first["job_id"]) == [index_of[primary]],
-                 "one run of the first job, at its agreed primary", STEP_DEADLINE_S)
+        try:
+            wait_for(lambda: runners(root, first["job_id"]) == [index_of[primary]],
+                     "one run of the first job, at its agreed primary", STEP_DEADLINE_S)
+        except AssertionError:
+            raise AssertionError("the first job runs at nodes %s, its primary is node %d; runs: %s" % (
+                runners(root, first["job_id"]), index_of[primary], _run_log(dirs, first["job_id"]))) from None
         fenced_after_s = time.monotonic() - healed_at
+        # Reported, not asserted: the job submitted to the cut-off node (a known gap: its
+        # submission is not re-sent after the node is readmitted).
+        third_views = [view(jobs_at(d).get(third["job_id"])) for d in dirs]
         print("\nnetns partition: evicted %.2f s after the cut; converged %.2f s after the heal; "
-              "stale run gone %.2f s after the heal; load %s"
-              % (evicted_after_s, converged_after_s, fenced_after_s, open("/proc/loadavg").read().split()[:3]))
+              "stale run gone %.2f s after the heal; job submitted to the cut-off node: %s; load %s"
+              % (evicted_after_s, converged_after_s, fenced_after_s, third_views,
+                 open("/proc/loadavg").read().split()[:3]))
     finally:
         if (root / launcher.LAYOUT_FILE).exists():
             meshnode("testnet", "down", "--dir", str(root), check=False)
@@ -164,6 +172,16 @@ def test_netns_partition_majority_places_minority_does_not_heal_converges(tmp_pa
         host_links = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True,
                                     text=True).stdout
         assert not [line for line in host_links.splitlines() if any(n in line for n in ours)], host_links
+
+
+def _run_log(node_dirs, job_id) -> list[str]:
+    """Every node's log lines that start or stop a run of ``job_id`` (for a failure's message)."""
+    lines = []
+    for index, node_dir in enumerate(node_dirs):
+        with open(os.path.join(node_dir, "node.log"), errors="replace") as log:
+            lines += ["node %d: %s" % (index, line.strip()) for line in log
+                      if ("started job " + job_id[:12]) in line or ("stopped job " + job_id[:12]) in line]
+    return lines
 
 
 def _moved_everywhere(node_dirs, job_id, old_primary):
