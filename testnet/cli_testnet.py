@@ -84,8 +84,9 @@ def cmd_status(args) -> int:
     result = {"nodes": rows}
     if layout.get("netns"):
         result["netns"] = layout["netns"]
-    emit(args, result, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows, layout.get("netns")),
-                                        print_netns(console, layout.get("netns"))))
+    netns = layout.get("netns")
+    emit(args, result, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows, netns),
+                                        print_netns(console, netns)))
     return 0
 
 
