@@ -6,7 +6,9 @@ outlives the command, and waits until every node's control socket reports the wh
 mesh connected. ``DIR/testnet.json`` records the layout and pids, so later commands
 (kill, pause, down, ...) work from any shell. Every process the testnet started can be
 found again through /proc (its command line or working directory is under DIR), which
-is how ``down`` proves that nothing is left.
+is how ``down`` proves that nothing is left. With ``--netns`` (testnet/netns.py) each node
+runs in a network namespace of its own instead, and ``partition``/``heal`` cut and restore
+the network between them.
 """
 
 from __future__ import annotations
