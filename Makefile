@@ -8,11 +8,14 @@ DEMO_DIR ?= demo-mesh
 
 .PHONY: demo test install system-deps clean
 
-# libp2p pulls in fastecdsa, which compiles against GMP.
+# libp2p pulls in fastecdsa, which compiles against GMP; `testnet up --netns` needs
+# iproute2 (`ip netns`, veth, bridge) and nftables (partitions).
+SYSTEM_PACKAGES := libgmp-dev python3-venv python3-dev build-essential iproute2 nftables
 system-deps:
-	@if ! dpkg -s libgmp-dev >/dev/null 2>&1; then \
-		echo "installing libgmp-dev (needed to build fastecdsa for libp2p)"; \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgmp-dev python3-venv python3-dev build-essential; \
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing" $$missing; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; \
 	fi
 
 $(STAMP): pyproject.toml | system-deps

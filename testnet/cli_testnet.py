@@ -1,4 +1,5 @@
-"""`meshnode testnet`: a local mesh of real node processes on 127.0.0.1, and fault injection."""
+"""`meshnode testnet`: a local mesh of real node processes (on 127.0.0.1, or each in a network
+namespace of its own with --netns), and fault injection."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def register(subparsers) -> None:
     up.add_argument("--no-workloads", action="store_true", help="place jobs but start no processes")
     up.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
                     help="heartbeat period; the detection bound scales with it (6 periods; default 50)")
+    up.add_argument("--netns", action="store_true",
+                    help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
     _common(up)
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="every node's process state and connections",
@@ -69,6 +72,17 @@ def register(subparsers) -> None:
     telemetry.add_argument("--clear", action="store_true", help="report the simulated model's readings again")
     _common(telemetry)
     telemetry.set_defaults(func=cmd_telemetry)
+    partition = sub.add_parser("partition", help="cut the network between groups of nodes (--netns testnets)",
+                               epilog=examples("meshnode testnet partition 0,1,2,3 4 --dir net",
+                                               "meshnode testnet partition 2 --dir net   # node 2 alone"))
+    partition.add_argument("groups", nargs="+", metavar="I,J,...",
+                           help="a group of node indices; nodes named in no group form one more group")
+    _common(partition)
+    partition.set_defaults(func=cmd_partition)
+    heal = sub.add_parser("heal", help="remove the partition: every node reaches every other again",
+                          epilog=examples("meshnode testnet heal --dir net"))
+    _common(heal)
+    heal.set_defaults(func=cmd_heal)
     down = sub.add_parser("down", help="stop every node and workload of the testnet",
                           epilog=examples("meshnode testnet down --dir net --purge"))
     down.add_argument("--purge", action="store_true", help="also delete DIR")
@@ -99,29 +113,62 @@ def cmd_up(args) -> int:
     params = launcher.params_with_heartbeat(args.heartbeat_ms)
     with progress(args, "creating the testnet in %s" % args.dir) as shown:
         rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
-                           on_step=shown.update)
+                           netns=args.netns, on_step=shown.update)
     layout = launcher.load_layout(args.dir)
 
     def render(console):
         console.print(render_rows(rows))
         for owner in layout["owners"]:
             print_command(console, "owner key: %s" % owner["key_file"])
-        print_metrics_urls(console, rows)
+        print_metrics_urls(console, rows, layout.get("netns"))
+        print_netns(console, layout.get("netns"))
     emit(args, {"mesh_id": layout["mesh_id"], "nodes": rows, "owners": layout["owners"]}, render)
     return 0
 
 
 def cmd_status(args) -> int:
-    rows = [launcher.node_status(n) for n in launcher.load_layout(args.dir)["nodes"]]
-    emit(args, {"nodes": rows}, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows)))
+    layout = launcher.load_layout(args.dir)
+    rows = [launcher.node_status(n) for n in layout["nodes"]]
+    result = {"nodes": rows}
+    if layout.get("netns"):
+        result["netns"] = layout["netns"]
+    netns = layout.get("netns")
+    emit(args, result, lambda console: (console.print(render_rows(rows)), print_metrics_urls(console, rows, netns),
+                                        print_netns(console, netns)))
     return 0
 
 
-def print_metrics_urls(console, rows) -> None:
-    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics."""
+def print_netns(console, netns) -> None:
+    if netns:
+        groups = netns["partition"]
+        console.print("network: namespaces %s-n*, bridge %s in %s; %s" % (
+            netns["hub"][:-len("-hub")], netns["bridge"], netns["hub"],
+            "partitioned " + " | ".join(",".join(map(str, g)) for g in groups) if groups else "not partitioned"),
+            soft_wrap=True)
+
+
+def cmd_partition(args) -> int:
+    groups = launcher.partition(args.dir, args.groups)
+    emit(args, {"partition": groups}, lambda console: console.print(
+        "partitioned: " + " | ".join(",".join(map(str, g)) for g in groups)))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    launcher.heal(args.dir)
+    emit(args, {"partition": None}, lambda console: console.print("healed: every node reaches every other"))
+    return 0
+
+
+def print_metrics_urls(console, rows, netns=None) -> None:
+    """One line per node (README "Metrics"): `curl URL` reads its Prometheus metrics.
+
+    With --netns the endpoint is on 127.0.0.1 of the node's own namespace: curl it from there.
+    """
     for row in rows:
         if row.get("metrics"):
-            console.print("node %d metrics: %s" % (row["index"], row["metrics"]), soft_wrap=True)
+            where = "ip netns exec %s curl " % netns["nodes"][row["index"]] if netns else ""
+            console.print("node %d metrics: %s%s" % (row["index"], where, row["metrics"]), soft_wrap=True)
 
 
 def cmd_fault(args) -> int:

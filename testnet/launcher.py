@@ -6,7 +6,9 @@ outlives the command, and waits until every node's control socket reports the wh
 mesh connected. ``DIR/testnet.json`` records the layout and pids, so later commands
 (kill, pause, down, ...) work from any shell. Every process the testnet started can be
 found again through /proc (its command line or working directory is under DIR), which
-is how ``down`` proves that nothing is left.
+is how ``down`` proves that nothing is left. With ``--netns`` (testnet/netns.py) each node
+runs in a network namespace of its own instead, and ``partition``/``heal`` cut and restore
+the network between them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from meshnode.node.config import (METRICS_HOST, BootstrapPeer, GpuProfile, NodeC
                                   write_config)
 from protocol.errors import MeshError
 from protocol.messages import Member
+from testnet import netns as netns_mod
 
 LAYOUT_FILE = "testnet.json"
 READY_TIMEOUT_S = 60
@@ -61,6 +64,7 @@ class NodeEntry:
     zone: str
     metrics_port: int | None = None   # its Prometheus endpoint on 127.0.0.1 (README "Metrics")
     pid: int | None = None
+    host: str = "127.0.0.1"           # its listen address: 10.77.0.x in its own namespace with --netns
 
 
 def free_port() -> int:
@@ -91,7 +95,8 @@ def save_layout(root: Path, layout: dict) -> None:
 
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
-                   rng: random.Random | None = None, metrics: bool = False) -> dict:
+                   rng: random.Random | None = None, metrics: bool = False,
+                   hosts: list[str] | None = None) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -99,6 +104,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     (same mesh id, keys and attestations); its nodes are not meant for TCP then.
     With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
     nodes run in one process (driver tests) leave it off and bind nothing.
+    With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
+    netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
     """
     root = Path(root)
     if rng is None:
@@ -125,13 +132,17 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     authority = new_identity()
     create_keystore(root / "authority.key", authority, None)
     identities = [new_identity() for _ in range(nodes)]
-    ports = [free_port() if rng is None else 20000 + i for i in range(nodes)]
+    if hosts is None:
+        hosts = ["127.0.0.1"] * nodes
+        ports = [free_port() if rng is None else 20000 + i for i in range(nodes)]
+    else:
+        ports = [netns_mod.NODE_PORT] * nodes
     metrics_ports = [free_port() if metrics else None for _ in range(nodes)]
     members = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
-                              labels={"testnet": name}, addrs=("/ip4/127.0.0.1/tcp/%d" % ports[i],)))
+                              labels={"testnet": name}, addrs=("/ip4/%s/tcp/%d" % (hosts[i], ports[i]),)))
     genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members),
                       params=params, authorities=(authority.public_key,))
     entries = []
@@ -147,9 +158,9 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         # evicted (it crashed, or paused past the bound) rejoins through the ordinary join
         # path (SPEC.md F7), which admits only vouched stake.
         _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake,
-                          issued_ms=now_ms, metrics_port=metrics_ports[i])
+                          issued_ms=now_ms, metrics_port=metrics_ports[i], host=hosts[i])
         entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone,
-                                 metrics_ports[i]).__dict__)
+                                 metrics_ports[i], host=hosts[i]).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
               "run_workloads": run_workloads}
     save_layout(root, layout)
@@ -158,7 +169,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
 
 def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
                       owner_entries: list, name: str, stake: int, bootstrap=(), issued_ms: int | None = None,
-                      metrics_port: int | None = None) -> None:
+                      metrics_port: int | None = None, host: str = "127.0.0.1") -> None:
     """Config and attestation of one node; the attestation vouches ``stake`` for its (re)joins."""
     model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
     if issued_ms is None:
@@ -168,7 +179,7 @@ def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, ind
                                     issued_ms, issued_ms + ATTESTATION_VALID_MS, genesis.mesh_id)
     (node_dir / ATTESTATION_FILE).write_bytes(attestation)
     write_config(node_dir, NodeConfig(
-        listen=("/ip4/127.0.0.1/tcp/%d" % port,), bootstrap=tuple(bootstrap), zone=zone, rail_group=rail,
+        listen=("/ip4/%s/tcp/%d" % (host, port),), bootstrap=tuple(bootstrap), zone=zone, rail_group=rail,
         passphrase=PassphraseSource("insecure"),
         allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
         attestation_files=(ATTESTATION_FILE,),
@@ -188,7 +199,11 @@ def add_node(root, stake: int = 100) -> dict:
     genesis = Genesis.decode(genesis_bytes)
     authority = load_identity(root / "authority.key", None)
     identity = generate_identity()
-    port = free_port()
+    netns = layout.get("netns")
+    if netns is None:
+        host, port = "127.0.0.1", free_port()
+    else:
+        host, port = netns_mod.node_address(index), netns_mod.NODE_PORT
     metrics_port = free_port() if any(n.get("metrics_port") for n in layout["nodes"]) else None
     node_dir = root / ("node-%d" % index)
     node_dir.mkdir()
@@ -197,12 +212,17 @@ def add_node(root, stake: int = 100) -> dict:
     create_keystore(paths.keystore, identity, None)
     paths.genesis.write_bytes(genesis_bytes)
     first = layout["nodes"][0]
-    bootstrap = [BootstrapPeer(bytes.fromhex(first["public_key"]), "/ip4/127.0.0.1/tcp/%d" % first["port"])]
+    bootstrap = [BootstrapPeer(bytes.fromhex(first["public_key"]),
+                               "/ip4/%s/tcp/%d" % (first.get("host", "127.0.0.1"), first["port"]))]
     _write_node_files(node_dir, identity, authority, genesis, index, port, layout["owners"], layout["name"],
-                      stake=stake, bootstrap=bootstrap, metrics_port=metrics_port)
+                      stake=stake, bootstrap=bootstrap, metrics_port=metrics_port, host=host)
     zone = GPU_PROFILES[index % len(GPU_PROFILES)][3]
     layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone,
-                                     metrics_port).__dict__)
+                                     metrics_port, host=host).__dict__)
+    if netns is not None:
+        netns_mod.add_node_name(netns)
+        save_layout(root, layout)  # the name is recorded before it exists, so `down` finds it
+        netns_mod.create_node(netns, index)
     save_layout(root, layout)
     start_node(root, index)
     wait_control(root, index)
@@ -249,13 +269,18 @@ def startup_failure(index: int, node_dir) -> MeshError:
 
 def bootstrap_multiaddr(entry: dict) -> str:
     from keys.identity import peer_id_from_public_key
-    return "/ip4/127.0.0.1/tcp/%d/p2p/%s" % (entry["port"], peer_id_from_public_key(bytes.fromhex(entry["public_key"])))
+    return "/ip4/%s/tcp/%d/p2p/%s" % (entry.get("host", "127.0.0.1"), entry["port"],
+                                      peer_id_from_public_key(bytes.fromhex(entry["public_key"])))
 
 
-def _node_command(entry: dict, run_workloads: bool) -> list[str]:
+def _node_command(layout: dict, entry: dict) -> list[str]:
     command = [sys.executable, "-m", "meshnode.cli", "run", "--node", entry["dir"]]
-    if not run_workloads:
+    if not layout["run_workloads"]:
         command.append("--no-workloads")
+    if layout.get("netns"):
+        # `ip netns exec` execs the command, so the pid is the node's own; only the network
+        # is separate (the data dir, and its control socket, stay on the shared filesystem).
+        command = netns_mod.exec_prefix(layout["netns"], entry["index"]) + command
     return command
 
 
@@ -267,7 +292,7 @@ def start_node(root, index: int) -> int:
         raise ConfigError("node %d is already running (pid %d)" % (index, entry["pid"]))
     log = open(Path(entry["dir"]) / "stdout.log", "ab")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(_node_command(entry, layout["run_workloads"]), stdin=subprocess.DEVNULL,
+    process = subprocess.Popen(_node_command(layout, entry), stdin=subprocess.DEVNULL,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
     entry["pid"] = process.pid
@@ -312,7 +337,8 @@ def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
     state = process_state(entry.get("pid"))
     public_key = bytes.fromhex(entry["public_key"])
     row = {"index": entry["index"], "node": short_id(public_key), "public_key": entry["public_key"],
-           "pid": entry.get("pid"), "process": state, "port": entry["port"], "zone": entry["zone"],
+           "pid": entry.get("pid"), "process": state, "port": entry["port"],
+           "host": entry.get("host", "127.0.0.1"), "zone": entry["zone"],
            "connected": None, "epoch": None,
            "metrics": "http://%s:%d/metrics" % (METRICS_HOST, entry["metrics_port"])
            if entry.get("metrics_port") else None}
@@ -357,19 +383,56 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 
 
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
-       params: ProtocolParams = DEFAULT_PARAMS, on_step=lambda text: None) -> list[dict]:
-    """Create and start a testnet; ``on_step(text)`` hears of each step (a CLI's progress line)."""
+       params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None) -> list[dict]:
+    """Create and start a testnet; with ``netns`` each node gets a network namespace of its
+    own; ``on_step(text)`` hears of each step (a CLI's progress line)."""
+    if netns:
+        netns_mod.check_available()
     on_step("writing keys, genesis and configs for %d nodes" % nodes)
-    create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True)
-    for i in range(nodes):
-        on_step("starting node %d of %d" % (i + 1, nodes))
-        start_node(root, i)
-    on_step("waiting for the %d nodes to connect to each other" % nodes)
+    hosts = [netns_mod.node_address(i) for i in range(nodes)] if netns else None
+    layout = create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True,
+                            hosts=hosts)
     try:
+        if netns:
+            layout["netns"] = netns_mod.plan(layout["mesh_id"], nodes)
+            save_layout(Path(root), layout)  # names first: `down` removes them even if we die below
+            netns_mod.create_hub(layout["netns"])
+            for i in range(nodes):
+                netns_mod.create_node(layout["netns"], i)
+        for i in range(nodes):
+            on_step("starting node %d of %d" % (i + 1, nodes))
+            start_node(root, i)
+        on_step("waiting for the %d nodes to connect to each other" % nodes)
         return wait_ready(root)
-    except MeshError:
+    except BaseException:
         down(root)
         raise
+
+
+def partition(root, group_texts: list[str]) -> list[list[int]]:
+    """Cut the network between groups of nodes (nodes named nowhere form one more group)."""
+    layout = load_layout(root)
+    netns = _netns_of(root, layout)
+    groups = netns_mod.parse_groups(group_texts, len(layout["nodes"]))
+    netns_mod.partition(netns, groups)
+    netns["partition"] = groups
+    save_layout(Path(root), layout)
+    return groups
+
+
+def heal(root) -> None:
+    layout = load_layout(root)
+    netns = _netns_of(root, layout)
+    netns_mod.heal(netns)
+    netns["partition"] = None
+    save_layout(Path(root), layout)
+
+
+def _netns_of(root, layout: dict) -> dict:
+    if not layout.get("netns"):
+        raise ConfigError("the testnet at %s shares 127.0.0.1; partitions need one started with "
+                          "`meshnode testnet up --netns`" % root)
+    return layout["netns"]
 
 
 def signal_node(root, index: int, signum: int) -> None:
@@ -433,7 +496,11 @@ def _ancestors(pid: int) -> set[int]:
 
 
 def down(root, grace_s: float = STOP_GRACE_S) -> list[int]:
-    """Stop every node (SIGTERM, then SIGKILL), then kill any straggler; return what was left."""
+    """Stop every node (SIGTERM, then SIGKILL), then kill any straggler; return what was left.
+
+    With --netns it then deletes the partition table and every namespace named in the layout
+    (their veths and bridge go with them); a namespace that cannot be deleted is an error.
+    """
     layout = load_layout(root)
     for entry in layout["nodes"]:
         _terminate(entry.get("pid"), grace_s)
@@ -448,4 +515,10 @@ def down(root, grace_s: float = STOP_GRACE_S) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if layout.get("netns"):
+        left = netns_mod.destroy(layout["netns"])
+        if left:
+            raise MeshError("could not delete network namespace(s) %s" % ", ".join(left))
+        layout["netns"]["partition"] = None
+        save_layout(Path(root), layout)
     return leftovers

@@ -80,6 +80,31 @@ async def test_counter_checkpoints_progress_and_stop_kills_it(tmp_path):
         recorder.exits.receive_nowait()  # a stop() is not reported as an exit
 
 
+async def test_a_job_started_again_right_after_its_stop_stays_tracked(tmp_path):
+    """stop then run of one job in one Ready batch (a halt and a resume, SPEC.md F3): the old
+    run's supervisor, finishing after the new run is registered, must not forget the new one,
+    which would then run on untracked, never stopped, next to the one the next run order starts."""
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        await runner.start(JOB, "counter", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            await recorder.checkpoints.receive()
+            await runner.stop(JOB)
+        second = await runner.start(JOB, "counter", [], gpus=[], restore=None, fence=1)
+        try:
+            with trio.fail_after(WAIT_S):
+                while recorder.checkpoints.statistics().current_buffer_used == 0:
+                    await trio.sleep(0.01)   # the old supervisor has long finished by the new run's first tick
+            assert runner.running()[JOB]["pid"] == second
+            with trio.fail_after(WAIT_S):
+                await runner.stop(JOB)
+            assert process_gone(second)
+        finally:
+            if not process_gone(second):
+                os.killpg(second, signal.SIGKILL)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_node_dir_given_relative_still_gives_workloads_a_path_they_can_open(tmp_path, monkeypatch):
     """`make demo` runs nodes with `--node demo-mesh/node-0`: a workload runs in its own
     working directory, so `{workdir}` in its args must be absolute."""

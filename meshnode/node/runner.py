@@ -342,7 +342,10 @@ class WorkloadRunner:
     def _reap(self, job: _Job) -> None:
         _kill_group(job.popen)   # its children too
         job.popen.wait()         # exited or SIGKILLed: returns at once
-        self._jobs.pop(job.info.job_id, None)
+        # Reaped twice (on exit, then in _supervise's finally); by the second time a new run
+        # of the same job may hold the entry (stop then run in one batch): leave that one.
+        if self._jobs.get(job.info.job_id) is job:
+            del self._jobs[job.info.job_id]
         job.exited.set()
 
     async def _tick(self, job: _Job) -> None:
