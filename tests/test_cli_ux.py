@@ -410,7 +410,7 @@ def table_views():
     job_prefixes = tuple(j[:8] for j in JOB_IDS)
     yield "status", lambda c: c.print(node_cli.render_status(results["status"])), \
         (NODE_KEYS[0].hex(), MESH_ID_HEX, results["status"]["peer_id"], LABELS[0])
-    yield "nodes", lambda c: c.print(node_cli.render_nodes(results["nodes"])), labels + ("8/8 H100", "pwr,therm")
+    yield "nodes", lambda c: c.print(node_cli.render_nodes(results["nodes"])), labels + ("8/8 H100", "pwr+1")
     yield "jobs", lambda c: c.print(node_cli.render_jobs(results["jobs"])), \
         job_prefixes + (LABELS[0], LABELS[3], "98 ms #177", "20 min #12", "4 nodes: labels missing")
     yield "consensus", lambda c: c.print(node_cli.render_consensus(results["consensus"])), \

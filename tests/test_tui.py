@@ -527,3 +527,19 @@ def test_cli_snapshot_against_a_node_in_another_thread(capsys):
         thread.join(WAIT_S)
     assert cli_main(["tui", "--node", directory, "--snapshot"]) == 2  # node gone: one error line
     assert "node not running" in capsys.readouterr().err
+
+
+def test_the_tuis_data_tables_fit_80_columns_in_the_worst_case():
+    # Textual's DataTable gives each column its widest cell plus one cell of padding on each
+    # side; the views must fit an 80-column terminal with wide (not absurd) cells: a 6-digit
+    # stake, 8 GPUs each throttled every way, a job 100 minutes in (checkpoint #99999).
+    from meshnode.tui.tables import JOB_COLUMNS, MESH_COLUMNS, job_row, mesh_row
+    hot = node_row("aaaa0001", "zone-abcdefgh", [gpu(i, 81920, 81000, util=100_000, temp=99_000, throttle=0xff)
+                                                 for i in range(8)], [0])
+    hot["rtt_us"], hot["stake"], hot["health"] = 999_999, 100_000, "suspected"
+    job = {"job_id": "ab" * 32, "name": "a-very-long-job-name", "state": "migrating", "primary": "cd" * 32,
+           "backups": ["ef" * 32] * 3, "checkpoint_seq": 99_999, "checkpoint_age_ms": 9_999,
+           "migrations": 99, "lost_work_ms": 99}
+    for columns, row in ((MESH_COLUMNS, mesh_row(hot)), (JOB_COLUMNS, job_row(job))):
+        width = sum(max(len(header), len(cell)) + 2 for header, cell in zip(columns, row))
+        assert width <= 80, (width, row)

@@ -31,7 +31,8 @@ HIDDEN_DETAIL = frozenset(("mono_ns",))  # a host's monotonic clock, for benchma
 
 
 JOB_ID_CHARS = 8  # a job id's prefix in tables; every command that takes a job id accepts a unique prefix
-JOB_NAME_CHARS = 14  # a job's name in the jobs view, so that the view fits 80 columns
+ZONE_CHARS = 10      # a zone in the mesh view (zones are up to 64 characters), so that it fits 80 columns
+JOB_NAME_CHARS = 9   # a job's name in the jobs view, so that the view fits 80 columns
 
 
 def short_hex(value: str | None, width: int = 8) -> str:
@@ -83,7 +84,9 @@ def cut(text: str, chars: int) -> str:
 
 def throttle_text(reasons: int) -> str:
     names = [name for bit, name in THROTTLE_BITS if reasons & bit]
-    return ",".join(names) if names else "-"
+    if len(names) > 1:   # the first and a count: the mesh view must fit 80 columns
+        return "%s+%d" % (names[0], len(names) - 1)
+    return names[0] if names else "-"
 
 
 def mesh_row(node: dict) -> tuple[str, ...]:
@@ -101,7 +104,7 @@ def mesh_row(node: dict) -> tuple[str, ...]:
         throttle = throttle_text(throttled)
     else:
         gpu_cell, util, temp, throttle = ("0" if cap else "?"), "-", "-", "-"
-    return (node.get("short") or node_label(node.get("key")), str(node.get("stake", "-")), node.get("zone", "-"),
+    return (node.get("short") or node_label(node.get("key")), str(node.get("stake", "-")), cut(node.get("zone", "-"), ZONE_CHARS),
             node.get("health", "?"), "-" if rtt is None else rtt_text(rtt),
             gpu_cell, util, temp, throttle)
 
