@@ -29,7 +29,7 @@ from protocol.certificate import verify_commit_certificate
 from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.instances import SAFETY_TABLES
-from protocol.job_table import LIVE_JOB_STATES
+from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
 from protocol.messages import Cancel, CommitCertificate, decode_message, encode_message, job_id
 from protocol.ready import Ready
@@ -439,6 +439,11 @@ class Simulation:
             return
         owner = next(o for o in self.world.owners if o.public_key == spec.job.owner)
         request = encode_message(owner, self.mesh_id, Cancel(job_id=spec.job_id, requested_ms=GENESIS_MS + self.now_ms))
+        record = node.core.job_table.get(spec.job_id)
+        if record.state in TERMINAL:
+            # The node refuses it (its owner hears "already ended", P6): the job keeps how it ended.
+            self.counters["cancels_after_end"] = self.counters.get("cancels_after_end", 0) + 1
+            return
         self.cancelled.add(spec.job_id)
         self.counters["cancels"] = self.counters.get("cancels", 0) + 1
         self._call(node, lambda: node.core.cancel(request, self.now_ms)[1])
