@@ -14,15 +14,13 @@ import trio
 from keys.identity import short_id
 from keys.keystore import load_identity
 from meshnode.cli import main
-from meshnode.net.memory_transport import MemoryNetwork
 from meshnode.node.config import GpuProfile
-from meshnode.node.driver import Node
 from meshnode.node.telemetry import SimulatedFault, Telemetry, TelemetryError
 from protocol.errors import MeshError
 from protocol.messages import Constraints, JobManifest, Resources, encode_message
 from testnet import launcher
 from tests.test_cli_job import cli, one_line_error
-from tests.test_failover_node import memory_factory
+from tests.test_job_output import run_mesh   # four real Nodes on the memory network
 from tests.test_telemetry import fake_pynvml
 
 NODES = 4
@@ -90,22 +88,6 @@ def gpu_job(layout, nonce: int) -> bytes:
                       strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
                       priority=0, backups=1, max_retries=0, created_ms=0, epoch=0)
     return encode_message(owner, bytes.fromhex(layout["mesh_id"]), job)
-
-
-async def run_mesh(root, test):
-    network = MemoryNetwork()
-    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
-             for i in range(NODES)]
-    try:
-        async with trio.open_nursery() as nursery:
-            for node in nodes:
-                await nursery.start(node.run)
-            await trio.sleep(1.0)
-            await test(nodes)
-            nursery.cancel_scope.cancel()
-    finally:
-        for node in nodes:
-            node.close()
 
 
 async def test_10_3_a_failing_gpu_reading_does_not_stop_the_node(mesh_dir, mock_clock):
