@@ -23,7 +23,9 @@ def test_minimal_manifest_takes_documented_defaults():
     job = parse(MINIMAL)
     assert (job.strategy, job.priority, job.backups, job.max_retries, job.nonce, job.args) == (
         "throughput", 0, 1, 3, 0, ())
-    assert job.resources.to_body() == {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0}
+    assert job.resources.to_body() == {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0,
+                                       "gpu_milli": 0, "gpu_model": ""}
+    assert job.scheduling.to_body() == {"pool": "", "preemptible": False, "max_runtime_ms": 0}
     assert job.owner == OWNER.public_key and job.created_ms == 1_700_000_000_000
 
 
@@ -89,3 +91,23 @@ def test_verify_rejects_garbage_cleanly():
     for data in (b"", b"\x96", b"not msgpack at all"):
         with pytest.raises(RemoteProtocolError):
             verify_signed_job(data)
+
+
+def test_scheduling_table_and_gpu_share_parse():
+    job = parse(MINIMAL + '[resources]\ngpus = 1\ngpu_milli = 250\ngpu_model = "A100"\n'
+                '[scheduling]\npool = "research"\npreemptible = true\nmax_runtime_ms = 60000\n')
+    assert (job.resources.gpu_milli, job.resources.gpu_model) == (250, "A100")
+    assert (job.scheduling.pool, job.scheduling.preemptible, job.scheduling.max_runtime_ms) == (
+        "research", True, 60000)
+
+
+@pytest.mark.parametrize("tail, error", [
+    ('[resources]\ngpus = 2\ngpu_milli = 500\n', "[resources]: gpu_milli 500 is a share of one GPU, so gpus must be 1"),
+    ('[resources]\ngpus = 1\ngpu_milli = 1000\n', "resources.gpu_milli: expected an integer 0..999"),
+    ('[scheduling]\npreemptible = "yes"\n', "scheduling.preemptible: expected true or false"),
+    ('[scheduling]\npriority = 5\n', "[scheduling]: unknown key 'priority'"),
+])
+def test_scheduling_and_gpu_share_errors_name_the_field(tail, error):
+    with pytest.raises(ManifestError) as raised:
+        parse(MINIMAL + tail)
+    assert error in str(raised.value)

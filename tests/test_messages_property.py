@@ -14,7 +14,7 @@ from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.envelope import ANY_MESH, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MESSAGE_TYPES, Checkpoint, decode_message, encode_message
+from protocol.messages import MESSAGE_TYPES, Checkpoint, Resources, decode_message, encode_message
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
 SIGNER = SigningIdentity(bytes(range(32)))
@@ -58,6 +58,8 @@ def body_strategy(cls):
     body = st.fixed_dictionaries({name: strategy_for(ftype) for name, ftype in cls.SCHEMA.items()})
     if cls is Checkpoint:  # cross-field rule, SPEC.md 4.1
         body = body.map(lambda b: {**b, "state_hash": hashlib.sha256(b["state"]).digest()})
+    if cls is Resources:  # cross-field rule, SPEC.md 4.1: a GPU share is a share of one GPU
+        body = body.map(lambda b: {**b, "gpus": 1} if b["gpu_milli"] else b)
     return body
 
 

@@ -13,7 +13,7 @@ import tomllib
 from protocol import codec
 from protocol.envelope import Envelope
 from protocol.errors import ManifestError, RemoteProtocolError
-from protocol.messages import Constraints, JobManifest, Resources, decode_message
+from protocol.messages import Constraints, JobManifest, Resources, Scheduling, decode_message
 from protocol.schema import Bool, Bytes, FieldType, Int, List, Optional, Text, TextMap
 
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -22,10 +22,11 @@ MAX_MANIFEST_BYTES = 64 * 1024
 TOP_LEVEL_DEFAULTS = {"args": [], "strategy": "throughput", "priority": 0, "backups": 1,
                       "max_retries": 3, "nonce": 0}
 REQUIRED = ("name", "entrypoint")
-TABLES = {"resources": Resources, "constraints": Constraints}
+TABLES = {"resources": Resources, "constraints": Constraints, "scheduling": Scheduling}
 TABLE_DEFAULTS = {
-    "resources": {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0},
+    "resources": {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0, "gpu_milli": 0, "gpu_model": ""},
     "constraints": {"zones": [], "labels": {}, "attested": {}},
+    "scheduling": {"pool": "", "preemptible": False, "max_runtime_ms": 0},
 }
 # Filled in from the signer and the clock, never from the file.
 NOT_IN_FILE = ("owner", "created_ms", "epoch")
@@ -75,8 +76,11 @@ def _table(document: dict, name: str):
         raise ManifestError("%s: expected a table [%s], got %r" % (name, name, raw))
     _reject_unknown(raw, cls.SCHEMA, "[%s]" % name)
     values = {**TABLE_DEFAULTS[name], **raw}
-    return cls(**{field: _checked(ftype, values[field], "%s.%s" % (name, field))
-                  for field, ftype in cls.SCHEMA.items()})
+    checked = {field: _checked(ftype, values[field], "%s.%s" % (name, field)) for field, ftype in cls.SCHEMA.items()}
+    try:
+        return cls(**checked)
+    except ValueError as exc:  # a cross-field rule, e.g. resources.gpu_milli needs gpus = 1
+        raise ManifestError("[%s]: %s" % (name, str(exc).split(": ", 1)[-1])) from None
 
 
 def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -> JobManifest:

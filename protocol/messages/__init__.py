@@ -27,7 +27,7 @@ from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PR
                                       STRATEGIES, VALUE_KINDS, record)
 from protocol.messages.jobs import (MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
                                     Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
-                                    Resources, RunningJob, attempt_failures, job_id, next_attempt, placement_attempt,
+                                    Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
@@ -46,7 +46,7 @@ __all__ = [
     "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
     # jobs
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
-    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "Resources", "RunningJob",
+    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # liveness

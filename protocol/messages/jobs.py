@@ -8,6 +8,7 @@ import hashlib
 from typing import ClassVar
 
 from protocol import codec
+from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_SLOT_JOBS, MILLI_PERCENT, STRATEGIES,
                                       record)
 from protocol.schema import Bool, Int, Key, List, Nested, Record, Text, TextMap
@@ -83,8 +84,28 @@ class Resources(Record):
     gpu_mem_mib: int
     cpu_milli: int
     mem_mib: int
+    # A share of one GPU in thousandths (GPU sharing, as the Alibaba trace's tasks ask):
+    # 0 means whole GPUs (``gpus`` of them); 1..999 asks that share of exactly one GPU.
+    gpu_milli: int = 0
+    gpu_model: str = ""   # the GPU model every GPU of the job must be ("" = any model)
     SCHEMA: ClassVar = {"gpus": Int(0, 64), "gpu_mem_mib": Int(0, 1 << 24),
-                        "cpu_milli": Int(0, 1 << 20), "mem_mib": Int(0, 1 << 24)}
+                        "cpu_milli": Int(0, 1 << 20), "mem_mib": Int(0, 1 << 24),
+                        "gpu_milli": Int(0, MILLI_PER_GPU - 1), "gpu_model": Text(0, 96)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gpu_milli and self.gpus != 1:
+            raise ValueError("Resources: gpu_milli %d is a share of one GPU, so gpus must be 1, not %d"
+                             % (self.gpu_milli, self.gpus))
+
+
+@record
+class Scheduling(Record):
+    """How the mesh's scheduler treats a job beyond where it may run (SPEC.md 4.2)."""
+    pool: str = ""             # the pool whose quota it counts against ("" = the default pool)
+    preemptible: bool = False  # whether a higher-priority job may preempt it
+    max_runtime_ms: int = 0    # the owner's bound on its run time (0 = none declared)
+    SCHEMA: ClassVar = {"pool": Text(0, 64), "preemptible": Bool(), "max_runtime_ms": Int(0, 1 << 40)}
 
 
 @record
@@ -111,12 +132,13 @@ class JobManifest(Record):
     max_retries: int
     created_ms: int
     epoch: int          # the mesh epoch whose members place it (SPEC.md P2): its owner signs it
+    scheduling: Scheduling = Scheduling()
     SCHEMA: ClassVar = {
         "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
         "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
         "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
         "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
-        "epoch": Int(),
+        "epoch": Int(), "scheduling": Nested(Scheduling),
     }
 
 
