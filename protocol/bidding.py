@@ -122,8 +122,9 @@ class Bidding:
             # Held until this node applies the instance's decision, the instance gives up or
             # is dropped here, or the job is cancelled (R1): never for a fixed time, since a
             # bid may be decided in any later round. Persisted before the bid is sent.
-            # Unhealthy GPUs read -1 MiB free, so the reservation takes only healthy ones (P4).
-            claim = self.ledger.reserve(key, job.resources, free_mem_mib=reservable_gpu_mem_mib(cap))
+            # Unhealthy GPUs (and other models') read -1 MiB free, so the reservation takes
+            # only healthy ones of the job's model (P4, P4c).
+            claim = self.ledger.reserve(key, job.resources, free_mem_mib=reservable_gpu_mem_mib(cap, job))
             if claim is None:
                 reason, detail = "not_enough_gpus", "capacity reserved by concurrent bids"
         if claim is None:

@@ -47,7 +47,8 @@ class CapabilityBook:
         if cap is None:
             return None
         return {"seq": cap.seq, "taken_ms": cap.taken_ms, "zone": cap.zone, "gpus": len(cap.gpus),
-                "gpus_free": list(cap.gpus_free), "cpu_milli_free": cap.cpu_milli_free,
+                "gpus_free": list(cap.gpus_free), "gpu_milli_free": list(cap.gpu_milli_free),
+                "cpu_milli_free": cap.cpu_milli_free,
                 "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
                 "gpu_models": sorted({g.model for g in cap.gpus})}
 
@@ -65,7 +66,7 @@ class CapabilityBook:
         me, ledger = self.ctx.me, self.ledger
         gpus = self._gpu_states()
         running = self._running_here()
-        facts = (self.epochs.epoch, gpus, self.telemetry_simulated, running, ledger.free_gpus(),
+        facts = (self.epochs.epoch, gpus, self.telemetry_simulated, running, ledger.gpu_milli_free(),
                  ledger.free_cpu_milli(), ledger.free_mem_mib())
         if self.envelope is not None and facts == self.facts:
             return self.envelope, self.vector, False
@@ -80,7 +81,7 @@ class CapabilityBook:
                                gpus_free=ledger.free_gpus(), cpu_milli_free=max(0, ledger.free_cpu_milli()),
                                mem_mib_free=max(0, ledger.free_mem_mib()), labels=labels,
                                simulated=self.telemetry_simulated or not self.telemetry_gpus,
-                               running=self._running_report(now_ms))
+                               running=self._running_report(now_ms), gpu_milli_free=ledger.gpu_milli_free())
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
         return self.envelope, cap, True

@@ -1,10 +1,13 @@
-"""The resource ledger: the one place a node counts its capacity, per GPU, CPU and
-memory (SPEC.md 7, R1). Reservations hold capacity for bids, allocations for the
+"""The resource ledger: the one place a node counts its capacity, per GPU in thousandths,
+CPU and memory (SPEC.md 7, R1, P4c). Reservations hold capacity for bids, allocations for the
 jobs this node is the primary of. A node bids only what it holds free, which is why
 concurrent placement instances can never over-commit it.
 
-The capacity rule (R1): reserved + allocated never exceed capacity, no GPU is held by
-two claims, and a node runs a job only while it holds its allocation. So:
+The capacity rule (R1): reserved + allocated never exceed capacity, the claims' milli on
+one GPU never sum past 1000 (a whole-GPU claim holds all 1000 of each GPU it names; a share,
+``Resources.gpu_milli``, holds that much of one GPU), and a node runs a job only while it
+holds its allocation. The per-GPU counting is protocol/gpu_shares.py's NodeShares, the same
+accounting ``meshnode replay`` places the Alibaba trace with. So:
 
 - a bid's reservation is held for as long as the bid can still be decided: until this
   node applies its instance's decision (it becomes the allocation, or is released), the
@@ -27,13 +30,14 @@ committed; keyed by job id from then on) -> free (job finished, was refused, evi
 from here, or migrated away).
 
 Invariant (tests/test_placement.py checks it with hypothesis): for every resource,
-reserved + allocated <= capacity, and no GPU is held by two claims.
+reserved + allocated <= capacity, and on every GPU the claims' milli sum to at most 1000.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.gpu_shares import MILLI_PER_GPU, NodeShares, TaskDemand
 from protocol.messages import Resources
 
 MAX_CLAIMS = 4096  # outstanding reservations + allocations; a bid beyond it is declined
@@ -46,32 +50,61 @@ class Claim:
     mem_mib: int
     expires_ms: int | None  # None: held until released (every live bid, every allocation)
     gpu_mem_mib: int = 0    # per GPU, as the job asked (kept so a restored claim asks the same)
+    gpu_milli: int = 0      # as Resources.gpu_milli: 0 = the named GPUs whole, 1..999 = that share of one
+
+    @property
+    def gpu_milli_each(self) -> int:
+        """The thousandths this claim holds on each GPU it names."""
+        return self.gpu_milli or MILLI_PER_GPU
+
+    def unexpiring(self) -> "Claim":
+        return Claim(self.gpus, self.cpu_milli, self.mem_mib, None, self.gpu_mem_mib, self.gpu_milli)
+
+
+def demand_of(resources: Resources) -> TaskDemand:
+    """A job's resources as the per-GPU accounting's demand (no model: the ledger's caller
+    offers only GPUs of the job's model, ``fitting``)."""
+    if resources.gpu_milli:
+        return TaskDemand.fractional(resources.cpu_milli, resources.mem_mib, resources.gpu_milli)
+    return TaskDemand.whole(resources.cpu_milli, resources.mem_mib, resources.gpus)
+
+
+def claim_demand(claim: Claim) -> TaskDemand:
+    return TaskDemand(claim.cpu_milli, claim.mem_mib, len(claim.gpus), claim.gpu_milli_each if claim.gpus else 0)
 
 
 class ResourceLedger:
-    def __init__(self, gpu_mem_total_mib: tuple[int, ...], cpu_milli: int, mem_mib: int):
+    def __init__(self, gpu_mem_total_mib: tuple[int, ...], cpu_milli: int, mem_mib: int, gpu_model: str = ""):
         self.gpu_mem_total_mib = tuple(gpu_mem_total_mib)
+        self.gpu_model = gpu_model   # "" when unknown: then a job's model is checked only by its bid (P4c)
         self.cpu_milli = cpu_milli
         self.mem_mib = mem_mib
         self._reserved: dict[bytes, Claim] = {}
         self._allocated: dict[bytes, Claim] = {}
-        self._held_gpus: set[int] = set()
-        self._held_cpu_milli = 0
-        self._held_mem_mib = 0
+        self._shares = self._fresh_shares()
         self.version = 0  # bumps on every change: tells the core its capability vector is stale
         # Reservation changes not persisted yet, (key, claim or None when it went), oldest
         # first: the core persists them with the Ready batch that sends the bids (R1).
         self.journal: list[tuple[bytes, Claim | None]] = []
 
+    def _fresh_shares(self) -> NodeShares:
+        # Negative capacity (a misconfigured node) holds nothing rather than failing here.
+        return NodeShares("ledger", "", len(self.gpu_mem_total_mib), max(0, self.cpu_milli), max(0, self.mem_mib))
+
     # --- views -------------------------------------------------------------------------------
     def free_gpus(self) -> tuple[int, ...]:
-        return tuple(i for i in range(len(self.gpu_mem_total_mib)) if i not in self._held_gpus)
+        """The GPUs no claim holds any share of (whole GPUs free)."""
+        return tuple(i for i, free in enumerate(self._shares.gpu_milli_free) if free == MILLI_PER_GPU)
+
+    def gpu_milli_free(self) -> tuple[int, ...]:
+        """Free thousandths of each GPU, by index (SPEC.md P1: the vector's ``gpu_milli_free``)."""
+        return tuple(self._shares.gpu_milli_free)
 
     def free_cpu_milli(self) -> int:
-        return self.cpu_milli - self._held_cpu_milli
+        return self._shares.cpu_milli_free
 
     def free_mem_mib(self) -> int:
-        return self.mem_mib - self._held_mem_mib
+        return self._shares.memory_mib_free
 
     def reserved(self, key: bytes) -> Claim | None:
         return self._reserved.get(key)
@@ -86,43 +119,64 @@ class ResourceLedger:
         return dict(self._allocated)
 
     def held_totals(self) -> tuple[int, int, int]:
-        """(GPUs, milli-CPU, MiB) held by reservations and allocations together."""
-        return len(self._held_gpus), self._held_cpu_milli, self._held_mem_mib
+        """(GPUs held wholly or in part, milli-CPU, MiB) held by reservations and allocations together."""
+        shares = self._shares
+        return (sum(1 for free in shares.gpu_milli_free if free < MILLI_PER_GPU),
+                shares.cpu_milli_total - shares.cpu_milli_free, shares.memory_mib_total - shares.memory_mib_free)
+
+    def held_gpu_milli(self) -> tuple[int, ...]:
+        """Thousandths held on each GPU, by index, counted from the claims themselves (not from
+        the free counters), so a check of R1 against it tests the accounting."""
+        held = [0] * len(self.gpu_mem_total_mib)
+        for claim in list(self._reserved.values()) + list(self._allocated.values()):
+            for index in claim.gpus:
+                held[index] += claim.gpu_milli_each
+        return tuple(held)
 
     # --- transitions -------------------------------------------------------------------------
-    def _pick_gpus(self, resources: Resources, free_mem_mib: dict[int, int] | None,
+    def _pick_gpus(self, demand: TaskDemand, gpu_mem_mib: int, free_mem_mib: dict[int, int] | None,
                    prefer: tuple[int, ...] = ()) -> tuple[int, ...] | None:
-        free = set(self.free_gpus())
-        if prefer and len(prefer) == resources.gpus and set(prefer) <= free:
-            return tuple(prefer)  # the GPUs a committed placement (or a persisted bid) names, when still free
-        candidates = []
-        for index in self.free_gpus():
-            free = self.gpu_mem_total_mib[index] if free_mem_mib is None else free_mem_mib.get(index, 0)
-            if free >= resources.gpu_mem_mib:
-                candidates.append(index)
-        if len(candidates) < resources.gpus:
-            return None
-        return tuple(candidates[:resources.gpus])  # lowest indices: deterministic, packs GPUs
+        """Which GPUs a claim takes: ``prefer`` (the GPUs a committed placement or a persisted
+        bid names) when they still fit; else, for whole GPUs, the lowest-index wholly free
+        ones, and for a share the fullest GPU it fits (least free milli, then lowest index:
+        shares pack onto started GPUs and leave whole ones free, SPEC.md R1). A GPU fits when
+        its free memory (``free_mem_mib``, -1 for one the caller rules out) holds the ask."""
+        milli_free = self._shares.gpu_milli_free
+        need = demand.gpu_milli_each
 
-    def _take(self, resources: Resources, expires_ms: int | None,
+        def fits(index: int) -> bool:
+            memory = self.gpu_mem_total_mib[index] if free_mem_mib is None else free_mem_mib.get(index, -1)
+            return 0 <= index < len(milli_free) and milli_free[index] >= need and memory >= gpu_mem_mib
+
+        if prefer and len(prefer) == demand.gpu_count and len(set(prefer)) == len(prefer) \
+                and all(0 <= i < len(milli_free) and milli_free[i] >= need for i in prefer):
+            return tuple(sorted(prefer))
+        candidates = [i for i in range(len(milli_free)) if fits(i)]
+        if len(candidates) < demand.gpu_count:
+            return None
+        if demand.is_fractional:
+            return (min(candidates, key=lambda i: (milli_free[i], i)),)
+        return tuple(candidates[:demand.gpu_count])  # lowest indices: deterministic, packs GPUs
+
+    def _take(self, key: tuple, resources: Resources, expires_ms: int | None,
               free_mem_mib: dict[int, int] | None, prefer: tuple[int, ...] = ()) -> Claim | None:
         if len(self._reserved) + len(self._allocated) >= MAX_CLAIMS:
             return None
-        if resources.cpu_milli > self.free_cpu_milli() or resources.mem_mib > self.free_mem_mib():
+        demand = demand_of(resources)
+        if demand.cpu_milli > self.free_cpu_milli() or demand.memory_mib > self.free_mem_mib():
             return None
-        gpus = self._pick_gpus(resources, free_mem_mib, prefer)
+        if demand.gpu_count and resources.gpu_model and self.gpu_model and resources.gpu_model != self.gpu_model:
+            return None
+        gpus = self._pick_gpus(demand, resources.gpu_mem_mib, free_mem_mib, prefer)
         if gpus is None:
             return None
-        self._held_gpus.update(gpus)
-        self._held_cpu_milli += resources.cpu_milli
-        self._held_mem_mib += resources.mem_mib
+        self._shares.allocate(key, demand, gpus)   # refuses (ShareError) anything that overcommits
         self.version += 1
-        return Claim(gpus, resources.cpu_milli, resources.mem_mib, expires_ms, resources.gpu_mem_mib)
+        return Claim(gpus, resources.cpu_milli, resources.mem_mib, expires_ms, resources.gpu_mem_mib,
+                     resources.gpu_milli)
 
-    def _give_back(self, claim: Claim) -> None:
-        self._held_gpus.difference_update(claim.gpus)
-        self._held_cpu_milli -= claim.cpu_milli
-        self._held_mem_mib -= claim.mem_mib
+    def _give_back(self, key: tuple) -> None:
+        self._shares.free(key)
         self.version += 1
 
     def reserve(self, key: bytes, resources: Resources, expires_ms: int | None = None,
@@ -139,7 +193,7 @@ class ResourceLedger:
             return self._reserved[key]
         if key in self._allocated:
             return None
-        claim = self._take(resources, expires_ms, free_mem_mib, prefer)
+        claim = self._take(("reserved", key), resources, expires_ms, free_mem_mib, prefer)
         if claim is not None:
             self._reserved[key] = claim
             self.journal.append((key, claim))
@@ -150,14 +204,14 @@ class ResourceLedger:
         until released, like any live bid's."""
         claim = self._reserved.get(key)
         if claim is not None and claim.expires_ms is not None:
-            self._reserved[key] = Claim(claim.gpus, claim.cpu_milli, claim.mem_mib, None, claim.gpu_mem_mib)
+            self._reserved[key] = claim.unexpiring()
 
     def release(self, key: bytes) -> bool:
         """Drop a reservation (another primary decided, instance gave up). True if one was held."""
         claim = self._reserved.pop(key, None)
         if claim is None:
             return False
-        self._give_back(claim)
+        self._give_back(("reserved", key))
         self.journal.append((key, None))
         return True
 
@@ -173,7 +227,10 @@ class ResourceLedger:
         if claim is None:
             return None
         self.journal.append((key, None))
-        allocated = Claim(claim.gpus, claim.cpu_milli, claim.mem_mib, None, claim.gpu_mem_mib)
+        # The same capacity changes hands: freed and taken again on the same GPUs at once.
+        self._shares.free(("reserved", key))
+        self._shares.allocate(("allocated", job_key), claim_demand(claim), claim.gpus)
+        allocated = claim.unexpiring()
         self._allocated[job_key] = allocated
         return allocated
 
@@ -183,7 +240,7 @@ class ResourceLedger:
         reservation is gone, a job rebuilt after a restart); None if it does not fit now."""
         if job_key in self._allocated:
             return self._allocated[job_key]
-        claim = self._take(resources, None, free_mem_mib, prefer)
+        claim = self._take(("allocated", job_key), resources, None, free_mem_mib, prefer)
         if claim is not None:
             self._allocated[job_key] = claim
         return claim
@@ -201,7 +258,7 @@ class ResourceLedger:
         claim = self._allocated.pop(job_key, None)
         if claim is None:
             return False
-        self._give_back(claim)
+        self._give_back(("allocated", job_key))
         return True
 
     def expire(self, now_ms: int) -> list[bytes]:
@@ -217,8 +274,7 @@ class ResourceLedger:
         """Forget every claim (a restart rebuilds the ledger from its final job table)."""
         self._reserved.clear()
         self._allocated.clear()
-        self._held_gpus.clear()
-        self._held_cpu_milli = self._held_mem_mib = 0
+        self._shares = self._fresh_shares()
         self.journal.clear()
         self.version += 1
 

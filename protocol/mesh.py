@@ -87,7 +87,8 @@ class MeshCore:
         # Shared state, each an explicit object handed to the parts that use it.
         self.epochs = epochs = Epochs(genesis, ctx.me, ctx.counters)
         self.job_table = jobs = JobTable(ctx.me)
-        self.ledger = ledger = ResourceLedger(capacity.gpu_mem_total_mib, capacity.cpu_milli, capacity.mem_mib)
+        self.ledger = ledger = ResourceLedger(capacity.gpu_mem_total_mib, capacity.cpu_milli, capacity.mem_mib,
+                                              capacity.gpu_model)
         self.instance_table = instances = InstanceTable(ctx, epochs, self._apply_certified, self._deliver_held,
                                                         safety_records)
         # The parts, then the links between them that run both ways.
@@ -417,7 +418,7 @@ class MeshCore:
             return PersistRecord("reservations", key.hex(), {"instance": key, "held": 0})
         return PersistRecord("reservations", key.hex(), {
             "instance": key, "held": 1, "gpus": list(claim.gpus), "gpu_mem_mib": claim.gpu_mem_mib,
-            "cpu_milli": claim.cpu_milli, "mem_mib": claim.mem_mib, "bid": bid or b""})
+            "gpu_milli": claim.gpu_milli, "cpu_milli": claim.cpu_milli, "mem_mib": claim.mem_mib, "bid": bid or b""})
 
     def _rebuild_ledger(self, reservations: list, now_ms: int) -> None:
         """R1 after a restart: allocate every live job this node is the primary of (on the
@@ -447,8 +448,10 @@ class MeshCore:
                 gone.append(key)
                 continue
             gpus = tuple(value.get("gpus") or ())
+            gpu_milli = value.get("gpu_milli") or 0   # absent in a row written before shares: whole GPUs
             wanted = Resources(gpus=len(gpus), gpu_mem_mib=value.get("gpu_mem_mib", 0),
-                               cpu_milli=value.get("cpu_milli", 0), mem_mib=value.get("mem_mib", 0))
+                               cpu_milli=value.get("cpu_milli", 0), mem_mib=value.get("mem_mib", 0),
+                               gpu_milli=gpu_milli if len(gpus) == 1 else 0)
             if ledger.reserve(key, wanted, expires_ms=deadline, prefer=gpus) is None:
                 gone.append(key)
             elif value.get("bid"):

@@ -224,15 +224,21 @@ class FragmentationGradient(PackingPolicy):
 
     def growth(self, node: NodeShares, demand: TaskDemand):
         """(growth of ``total_count * F_n``, GPU option) for the best option on ``node``."""
-        fragment = self.workload.fragment_weighted
-        before = fragment(node.model, node.cpu_milli_free, tuple(sorted(node.gpu_milli_free)))
         best = None
         for option in _gpu_options(node, demand) or [None]:
-            cpu_after, gpus_after = _after(node, demand, option)
-            growth = fragment(node.model, cpu_after, gpus_after) - before
+            growth = self.growth_at(node, demand, option)
             if best is None or growth < best[0]:
                 best = (growth, option)
         return best
+
+    def growth_at(self, node: NodeShares, demand: TaskDemand, option: int | None) -> int:
+        """The growth of ``total_count * F_n`` when ``demand`` goes on a GPU with ``option``
+        milli free (MILLI_PER_GPU for whole GPUs, None for none): the mesh's ``pack``
+        strategy scores a bid's own GPU choice with it (protocol/pack_scoring.py)."""
+        fragment = self.workload.fragment_weighted
+        before = fragment(node.model, node.cpu_milli_free, tuple(sorted(node.gpu_milli_free)))
+        cpu_after, gpus_after = _after(node, demand, option)
+        return fragment(node.model, cpu_after, gpus_after) - before
 
     def score(self, node, demand):
         return self.growth(node, demand)
@@ -259,9 +265,17 @@ class FragmentationGradientPacked(FragmentationGradient):
 
     def score(self, node, demand):
         growth, option = self.growth(node, demand)
+        return self._key(growth, node, demand), option
+
+    def score_at(self, node: NodeShares, demand: TaskDemand, option: int | None) -> tuple[int, int, int]:
+        """The score of one given GPU option (a bid names its GPU; validators score that one)."""
+        return self._key(self.growth_at(node, demand, option), node, demand)
+
+    @staticmethod
+    def _key(growth: int, node: NodeShares, demand: TaskDemand) -> tuple[int, int, int]:
         gpu_left = node.gpu_milli_free_total - demand.gpu_milli_total
         cpu_left = node.cpu_milli_free - demand.cpu_milli
-        return (growth, gpu_left, cpu_left), option
+        return growth, gpu_left, cpu_left
 
 
 def make_policy(name: str, workload: WorkloadDistribution) -> PackingPolicy:

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
+from protocol.pack_scoring import gpu_milli_free_map, pack_score
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, GpuState,
                                JobManifest, Placement, decode_message)
 from protocol.policy import NodePolicy
@@ -76,11 +77,28 @@ def gpu_free_mem_mib(capability: CapabilityVector) -> dict[int, int]:
     return {g.index: max(0, g.mem_total_mib - g.mem_used_mib) for g in capability.gpus}
 
 
+def model_fits(job: JobManifest, gpu: GpuState) -> bool:
+    """SPEC.md P4c: a job naming a GPU model runs only on GPUs of that model."""
+    return not job.resources.gpu_model or gpu.model == job.resources.gpu_model
+
+
+def free_gpus_for(job: JobManifest, capability: CapabilityVector) -> set[int]:
+    """The GPUs with room for one of the job's GPUs, of its model: for whole GPUs those in
+    ``gpus_free``; for a share (P4c) those with at least its milli free."""
+    models_fit = {g.index for g in capability.gpus if model_fits(job, g)}
+    share = job.resources.gpu_milli
+    if share:
+        free = {i for i, milli in gpu_milli_free_map(capability).items() if milli >= share}
+    else:
+        free = set(capability.gpus_free)
+    return free & models_fit
+
+
 def fitting_gpus(job: JobManifest, capability: CapabilityVector) -> list[int]:
     """GPU indices that are free and have enough memory for one share of the job."""
     free_mem = gpu_free_mem_mib(capability)
     need = job.resources.gpu_mem_mib
-    return sorted(i for i in set(capability.gpus_free) if free_mem.get(i, -1) >= need)
+    return sorted(i for i in free_gpus_for(job, capability) if free_mem.get(i, -1) >= need)
 
 
 # --- GPU health (SPEC.md P4, "GPU health") ------------------------------------------------------
@@ -140,10 +158,12 @@ def healthy_fitting_gpus(job: JobManifest, capability: CapabilityVector) -> list
     return [i for i in fitting_gpus(job, capability) if gpu_healthy(states[i])]
 
 
-def reservable_gpu_mem_mib(capability: CapabilityVector) -> dict[int, int]:
-    """Free memory per GPU as a node's own reservation sees it (R1): an unhealthy GPU reads
-    -1, so no share (not even one asking 0 MiB) fits it and no bid names it."""
-    return {g.index: max(0, g.mem_total_mib - g.mem_used_mib) if gpu_healthy(g) else -1 for g in capability.gpus}
+def reservable_gpu_mem_mib(capability: CapabilityVector, job: JobManifest | None = None) -> dict[int, int]:
+    """Free memory per GPU as a node's own reservation sees it (R1): an unhealthy GPU, or one
+    not of ``job``'s model (P4c), reads -1, so no share (not even one asking 0 MiB) fits it
+    and no bid names it."""
+    return {g.index: max(0, g.mem_total_mib - g.mem_used_mib)
+            if gpu_healthy(g) and (job is None or model_fits(job, g)) else -1 for g in capability.gpus}
 
 
 def unhealthy_detail(capability: CapabilityVector, indices: Iterable[int]) -> str:
@@ -186,8 +206,14 @@ def resource_check(job: JobManifest, capability: CapabilityVector) -> tuple[bool
     res = job.resources
     fitting = fitting_gpus(job, capability)
     if res.gpus:
-        if len(set(capability.gpus_free)) < res.gpus:
-            return False, "not_enough_gpus", "%d free, %d needed" % (len(set(capability.gpus_free)), res.gpus)
+        of_model = sum(1 for g in capability.gpus if model_fits(job, g))
+        if res.gpu_model and of_model < res.gpus:
+            return False, "gpu_model_missing", "%d GPUs of model %s, %d needed" % (of_model, res.gpu_model, res.gpus)
+        free = free_gpus_for(job, capability)
+        if res.gpu_milli and not free:
+            return False, "not_enough_gpus", "no GPU with %d milli free" % res.gpu_milli
+        if len(free) < res.gpus:
+            return False, "not_enough_gpus", "%d free, %d needed" % (len(free), res.gpus)
         if len(fitting) < res.gpus:
             return False, "not_enough_gpu_memory", "%d GPUs with %d MiB free, %d needed" % (
                 len(fitting), res.gpu_mem_mib, res.gpus)
@@ -244,6 +270,16 @@ def rank_key(strategy: str, instance: bytes, facts: BidFacts) -> tuple:
     return (strain, -gpus, -gpu_mem, -cpu, facts.bid.rtt_us, tie)
 
 
+def pack_rank_key(job: JobManifest, instance: bytes, facts: BidFacts) -> tuple:
+    """SPEC.md P4c, strategy ``pack``: least fragmentation growth over the mesh's reference
+    workload, then least GPU milli and CPU left free (fill a started node, keep whole GPUs
+    and nodes free), then strain, RTT and the tie hash."""
+    cap = facts.capability
+    healthy = {g.index for g in cap.gpus if gpu_healthy(g)}
+    score = pack_score(job.resources, cap, healthy, facts.bid.reserved_gpus)
+    return score + (bid_strain(facts), facts.bid.rtt_us, tie_break(instance, facts.signer))
+
+
 def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> list[BidFacts]:
     """Eligible bids, best first, one per signer (a duplicate signer makes the input invalid)."""
     eligible = []
@@ -257,7 +293,10 @@ def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> li
         ok, _reason, _detail = capability_check(job, facts.capability, facts.attested_map, facts.bid.reserved_gpus)
         if ok:
             eligible.append(facts)
-    eligible.sort(key=lambda f: rank_key(job.strategy, instance, f))
+    if job.strategy == "pack":
+        eligible.sort(key=lambda f: pack_rank_key(job, instance, f))
+    else:
+        eligible.sort(key=lambda f: rank_key(job.strategy, instance, f))
     return eligible
 
 

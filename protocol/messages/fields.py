@@ -18,11 +18,11 @@ MAX_SLOT_JOBS = 128         # placements one slot decides (SPEC.md P7)
 MAX_BIDS_PER_SLOT_JOB = 5   # a slot proposal carries the bids of each primary and its <= 4 backups
 MAX_JUSTIFICATION = MAX_SLOT_JOBS * MAX_BIDS_PER_SLOT_JOB
 MAX_STATE_BYTES = 900 * 1024  # checkpoint state; leaves room in the 1 MiB frame
-STRATEGIES = ("latency", "throughput", "sovereign")
+STRATEGIES = ("latency", "throughput", "sovereign", "pack")
 DECLINE_REASONS = ("owner_not_allowed", "entrypoint_not_allowed", "not_enough_gpus",
                    "not_enough_gpu_memory", "not_enough_cpu", "not_enough_memory",
                    "zone_not_allowed", "labels_missing", "attestation_missing",
-                   "node_unhealthy", "fenced")
+                   "node_unhealthy", "fenced", "gpu_model_missing")
 VALUE_KINDS = ("placement", "eviction", "membership", "placement_slot")
 ENVELOPE = Bytes(1, codec.MAX_FRAME_BYTES)  # a nested signed envelope, as its wire bytes
 MILLI_PERCENT = Int(0, 100_000)

@@ -68,11 +68,15 @@ class CapabilityVector(Record):
     labels: tuple
     simulated: bool
     running: tuple
+    # Free thousandths of GPU index i at position i (SPEC.md P1, P4c): what a share may use.
+    # Empty: GPU i has 1000 free if it is in ``gpus_free``, else none.
+    gpu_milli_free: tuple = ()
     SCHEMA: ClassVar = {
         "node": Key(), "epoch": Int(), "seq": Int(), "taken_ms": Int(), "zone": Text(1, 64),
         "rail_group": Text(0, 64), "gpus": List(Nested(GpuState), 64), "gpus_free": List(Int(0, 63), 64),
         "cpu_milli_free": Int(), "mem_mib_free": Int(), "labels": TextMap(), "simulated": Bool(),
         "running": List(Nested(RunningJob), MAX_RUNNING_LISTED),
+        "gpu_milli_free": List(Int(0, MILLI_PER_GPU), 64),
     }
 
 
