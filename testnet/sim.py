@@ -28,6 +28,7 @@ from protocol.caches import CoreCaches
 from protocol.certificate import verify_commit_certificate
 from protocol.drain import ReadyDrain
 from protocol.errors import MeshError, RemoteProtocolError
+from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
@@ -82,6 +83,9 @@ class SimConfig:
     job_ms: int = 0
     job_fail_per_mille: int = 0
     cancel_per_mille: int = 0
+    # That share of the jobs asks for a share of one GPU (SPEC.md P4c), some with strategy
+    # ``pack``, so shares of several jobs pile onto one GPU (0: the worlds of before).
+    fractional_per_mille: int = 0
 
     @property
     def workloads(self) -> bool:
@@ -105,6 +109,8 @@ class SimConfig:
             line += " --fail %s" % (self.job_fail_per_mille / 1000)
         if self.cancel_per_mille:
             line += " --cancel %s" % (self.cancel_per_mille / 1000)
+        if self.fractional_per_mille:
+            line += " --fractional %s" % (self.fractional_per_mille / 1000)
         return line
 
 
@@ -163,7 +169,8 @@ class Simulation:
         self.heal_ms = config.safety_ms if faulty else 0
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms,
-                                        replace(SIM_PARAMS, placement_slot_ms=config.slot_ms))
+                                        replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
+                                        fractional_per_mille=config.fractional_per_mille)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -709,6 +716,9 @@ class Simulation:
             gpus, cpu, mem = ledger.held_totals()
             if gpus > len(ledger.gpu_mem_total_mib) or cpu > ledger.cpu_milli or mem > ledger.mem_mib:
                 self.checker.fail("ledger", index, None, "node %d ledger holds %s" % (index, ledger.held_totals()))
+            over = [(gpu, milli) for gpu, milli in enumerate(ledger.held_gpu_milli()) if milli > MILLI_PER_GPU]
+            if over:
+                self.checker.fail("ledger", index, None, "node %d ledger holds (GPU, milli) %s" % (index, over))
             stale = [key for key, claim in ledger.reservations().items()
                      if claim.expires_ms is None and key in core.instance_table.applied]
             if stale:

@@ -29,6 +29,7 @@ from typing import Callable
 from keys.identity import short_id
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
+from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
                                decode_value, job_id, placement_attempt, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
@@ -61,11 +62,16 @@ class NodeFacts:
     honest: bool
 
 
+def milli_each(resources) -> int:
+    """The thousandths a job holds on each GPU it runs on (SPEC.md P4c)."""
+    return resources.gpu_milli or MILLI_PER_GPU
+
+
 @dataclass
 class _Load:
     cpu_milli: int = 0
     mem_mib: int = 0
-    gpu_mem_mib: dict = field(default_factory=dict)  # gpu index -> MiB committed
+    gpu_milli: dict = field(default_factory=dict)    # gpu index -> thousandths committed (SPEC.md P4c)
     jobs: dict = field(default_factory=dict)         # job id -> (Resources, gpus)
 
 
@@ -264,18 +270,20 @@ class DecisionChecker:
         load.cpu_milli += resources.cpu_milli
         load.mem_mib += resources.mem_mib
         for index in gpus:
-            load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) + resources.gpu_mem_mib
+            load.gpu_milli[index] = load.gpu_milli.get(index, 0) + milli_each(resources)
 
     def check_running(self, node: int, runs: tuple, started: tuple) -> None:
         """No over-commit (SPEC.md R1), on what an honest node's core orders its driver to
         run, the truth of what it holds: after every "run" order (``started``), the workloads
         it runs (``runs``, every WorkloadRun not stopped, exited or lost in a crash since)
-        fit its true capacity: CPU and memory sums, each GPU held by one workload (whole
-        GPUs), every GPU one that exists, with the memory and the count the job asks for."""
+        fit its true capacity: CPU and memory sums, on each GPU the workloads' thousandths at
+        most 1000 (a whole GPU holds 1000, a share its ``gpu_milli``: SPEC.md P4c), every GPU
+        one that exists, with the memory and the count the job asks for."""
         capacity = self.facts[node].capacity
         gpu_totals = capacity.gpu_mem_total_mib
         where = started[0].job_id if started else None
-        held: dict[int, bytes] = {}
+        held: dict[int, list[bytes]] = {}
+        held_milli: dict[int, int] = {}
         for run in runs:
             resources = run.manifest.resources
             if len(run.gpus) != resources.gpus:
@@ -285,10 +293,13 @@ class DecisionChecker:
                 if index >= len(gpu_totals) or gpu_totals[index] < resources.gpu_mem_mib:
                     self.fail("overcommit", node, where, "node %d runs job %s on GPU %d, which it lacks"
                               % (node, run.job_id.hex()[:12], index))
-                elif index in held:
-                    self.fail("overcommit", node, where, "node %d runs jobs %s and %s on GPU %d"
-                              % (node, held[index].hex()[:12], run.job_id.hex()[:12], index))
-                held[index] = run.job_id
+                    continue
+                held.setdefault(index, []).append(run.job_id)
+                held_milli[index] = held_milli.get(index, 0) + milli_each(resources)
+        for index, milli in sorted(held_milli.items()):
+            if milli > MILLI_PER_GPU:
+                self.fail("overcommit", node, where, "node %d runs jobs %s on GPU %d: %d of 1000 milli"
+                          % (node, " and ".join(j.hex()[:12] for j in held[index]), index, milli))
         cpu = sum(run.manifest.resources.cpu_milli for run in runs)
         mem = sum(run.manifest.resources.mem_mib for run in runs)
         if cpu > capacity.cpu_milli:
@@ -318,7 +329,7 @@ class DecisionChecker:
         load.cpu_milli -= resources.cpu_milli
         load.mem_mib -= resources.mem_mib
         for index in gpus:
-            load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
+            load.gpu_milli[index] = load.gpu_milli.get(index, 0) - milli_each(resources)
 
     def _apply_eviction(self, node: int, instance: bytes, eviction: Eviction) -> None:
         evicted = self.index_of.get(eviction.node)
@@ -361,7 +372,7 @@ class DecisionChecker:
             load.cpu_milli -= resources.cpu_milli
             load.mem_mib -= resources.mem_mib
             for index in gpus:
-                load.gpu_mem_mib[index] = load.gpu_mem_mib.get(index, 0) - resources.gpu_mem_mib
+                load.gpu_milli[index] = load.gpu_milli.get(index, 0) - milli_each(resources)
         if resources is None:
             self.job_home[jid] = target
             return
@@ -371,7 +382,7 @@ class DecisionChecker:
         self._commit(target, jid, resources, arrival)
 
     def _least_loaded_gpus(self, holder: int, count: int) -> tuple:
-        used = self.loads[holder].gpu_mem_mib
+        used = self.loads[holder].gpu_milli
         indices = range(len(self.facts[holder].capacity.gpu_mem_total_mib))
         chosen = sorted(indices, key=lambda i: (used.get(i, 0), i))[:count]
         # Too few GPUs: indices past the end (the target refuses such a job, R1).
@@ -391,7 +402,8 @@ class DecisionChecker:
             return False
         load, capacity = self.loads[holder], facts.capacity
         free_gpus = [i for i, total in enumerate(capacity.gpu_mem_total_mib)
-                     if load.gpu_mem_mib.get(i, 0) <= 0 and total >= resources.gpu_mem_mib]
+                     if load.gpu_milli.get(i, 0) + milli_each(resources) <= MILLI_PER_GPU
+                     and total >= resources.gpu_mem_mib]
         return (len(free_gpus) >= resources.gpus and load.cpu_milli + resources.cpu_milli <= capacity.cpu_milli
                 and load.mem_mib + resources.mem_mib <= capacity.mem_mib)
 

@@ -126,6 +126,7 @@ class RunRecord:
     checkpoints: int = 0
     last_checkpoint: tuple | None = None   # (seq, progress, taken_ms)
     exit_reached: tuple = ()   # nodes its exit could reach: members its node broadcast to, not cut off
+    gpus: tuple = ()           # the GPU indices its node ran it on
 
     def progress_at(self, at_ms: int) -> int:
         """The work this run had done at ``at_ms`` (its model: one unit per unit_ms)."""
@@ -208,7 +209,7 @@ class SimRunner:
         record = RunRecord(job=job_id.hex(), node=self.node, incarnation=self.incarnation, fence=fence,
                            start_ms=now_ms(), start_progress=progress,
                            restore_seq=None if restore is None else restore[2], restore_origin=origin,
-                           held=None, units=units, unit_ms=unit_ms)
+                           held=None, units=units, unit_ms=unit_ms, gpus=tuple(gpus))
         job = _SimJob(info, record)
         self._jobs[job_id] = job
         if self.recorder is not None:
@@ -300,6 +301,10 @@ class NodeSimConfig:
     gap_ms: tuple = (100, 700)        # quiet time between two episodes
     liveness_bound_ms: int = 8000     # after heal_ms plus the longest job's work
     broken_runner: str | None = None  # "ignore_restore": a runner the checkers must catch
+    # Every job asks for these resources with this strategy instead of drawn ones (tests:
+    # shares of one GPU, SPEC.md P4c); None: drawn as always.
+    job_resources: Resources | None = None
+    job_strategy: str = "throughput"
     # Scripted faults instead of drawn ones (tests): (at_ms, kind, target, duration_ms), in
     # time order; target is a node index, a tuple of them (partition), or "primary" or
     # "backup": the primary or first backup of the first job submitted, as the
@@ -721,8 +726,9 @@ class NodeSimulation(RunChecks):
             manifest = JobManifest(
                 owner=self.owner.public_key, name="sim-%d" % k, nonce=rng.getrandbits(32), entrypoint="counter",
                 args=("--units", str(units), "--unit-ms", str(cfg.unit_ms)),
-                resources=Resources(gpus=gpus, gpu_mem_mib=1000 * gpus, cpu_milli=100, mem_mib=64),
-                strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
+                resources=cfg.job_resources or Resources(gpus=gpus, gpu_mem_mib=1000 * gpus, cpu_milli=100,
+                                                         mem_mib=64),
+                strategy=cfg.job_strategy, constraints=Constraints(zones=(), labels=(), attested=()),
                 priority=0, backups=rng.randint(1, min(2, cfg.nodes - 1)), max_retries=2, created_ms=0, epoch=0)
             jobs.append((at, manifest))
         return sorted(jobs, key=lambda item: item[0])

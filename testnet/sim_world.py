@@ -97,7 +97,7 @@ def choose_byzantine(rng: random.Random, stakes: list[int], fraction_milli: int)
 
 
 def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, submit_window_ms: int,
-                params: ProtocolParams = SIM_PARAMS) -> World:
+                params: ProtocolParams = SIM_PARAMS, fractional_per_mille: int = 0) -> World:
     if n < 1:
         raise ValueError("a mesh needs at least one node")
     authority = _identity(rng)
@@ -133,7 +133,8 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
     honest = [s for s in nodes if s.index not in byzantine]
     mesh_id = genesis.mesh_id  # a property that hashes the whole genesis: compute it once
     job_specs = [make_job(rng, mesh_id, owners, nodes, honest, index, jobs, submit_window_ms,
-                          stamp_submit_time=params.placement_slot_ms > 0) for index in range(jobs)]
+                          stamp_submit_time=params.placement_slot_ms > 0, fractional_per_mille=fractional_per_mille)
+                 for index in range(jobs)]
     job_specs.sort(key=lambda j: j.submit_ms)
     return World(genesis, nodes, authority, owners, job_specs, byzantine)
 
@@ -157,7 +158,7 @@ def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
 
 def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], nodes: list[NodeSpec],
              honest: list[NodeSpec], index: int, total_jobs: int, submit_window_ms: int,
-             stamp_submit_time: bool = False) -> JobSpec:
+             stamp_submit_time: bool = False, fractional_per_mille: int = 0) -> JobSpec:
     """A signed job that at least one honest node accepts; sized so all jobs fit together.
     ``stamp_submit_time``: its owner stamps ``created_ms`` when it submits the job, as real
     clients do (which slot places it depends on it, SPEC.md P7); otherwise the job's index.
@@ -167,6 +168,8 @@ def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], 
     liveness check.
     """
     job = _draw_job(rng, owners, nodes, index, total_jobs)
+    if fractional_per_mille and rng.randrange(1000) < fractional_per_mille:
+        job = _as_share_job(rng, job, nodes, total_jobs)
     if honest and not any(honest_fit(job, s) for s in honest):
         host = rng.choice(honest)
         owner_key = job.owner
@@ -182,6 +185,22 @@ def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], 
     if stamp_submit_time:
         job = replace(job, created_ms=GENESIS_MS + submit_ms)
     return JobSpec(job, encode_message(owner, mesh_id, job), job_id(job), submit_ms)
+
+
+# Shares a fractional job asks for (SPEC.md P4c): sizes the Alibaba trace's sharing tasks use.
+SHARE_SIZES_MILLI = (100, 250, 250, 500, 750)
+
+
+def _as_share_job(rng: random.Random, job: JobManifest, nodes: list[NodeSpec], total_jobs: int) -> JobManifest:
+    """The job asking for a share of one GPU instead, while the mesh's GPUs can hold every
+    job at its largest share (so all jobs still fit together); a third of them pack."""
+    gpus_total = sum(len(s.capacity.gpu_mem_total_mib) for s in nodes)
+    if total_jobs * max(SHARE_SIZES_MILLI) > gpus_total * 1000:
+        return job
+    resources = replace(job.resources, gpus=1, gpu_milli=rng.choice(SHARE_SIZES_MILLI), gpu_mem_mib=1024,
+                        gpu_model=rng.choice(("", "sim-h100")))
+    strategy = "pack" if job.strategy != "sovereign" and rng.randrange(3) else job.strategy
+    return replace(job, resources=resources, strategy=strategy)
 
 
 def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[NodeSpec], index: int,

@@ -208,6 +208,14 @@ def test_checker_catches_an_over_committing_node_by_what_it_runs():
     checker.check_running(index, (first, second), (second,))   # two workloads on GPU 0
     assert [v.check for v in checker.violations] == ["overcommit"] * 2, [v.line() for v in checker.violations]
     assert "GPU 0" in checker.violations[-1].detail
+    # Shares (SPEC.md P4c): 600 + 400 milli fit one GPU, 600 + 500 do not.
+    def share_run(n, milli):
+        resources = replace(job.resources, gpus=1, gpu_milli=milli, gpu_mem_mib=1, cpu_milli=1, mem_mib=1)
+        return WorkloadRun(bytes([n]) * 32, 1, (0,), resume=False, manifest=replace(job, resources=resources))
+    checker.check_running(index, (share_run(3, 600), share_run(4, 400)), ())
+    assert len(checker.violations) == 2
+    checker.check_running(index, (share_run(3, 600), share_run(5, 500)), ())
+    assert len(checker.violations) == 3 and "1100 of 1000 milli" in checker.violations[-1].detail
 
 
 def test_checker_moves_a_job_its_eviction_plan_did_not_name_to_the_first_live_backup():
