@@ -218,3 +218,31 @@ def test_four_quarter_jobs_share_one_gpu_on_real_nodes_and_a_fifth_waits():
     assert max(run.start_ms for run in first) < min(run.end_ms for run in first)   # four at once
     assert fifth.start_ms >= min(run.end_ms for run in first)                      # the fifth waited
     assert len(result.completed_ms) == 5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_mesh_pack_score_is_replays_pack_policy_on_the_bids_gpu(seed):
+    """`meshnode replay --policy pack` and the mesh score with one function: for a node state
+    and the GPU option replay's pack policy picks, a bid naming a GPU with that free milli
+    scores exactly what the policy scored (SPEC.md P4c, G1)."""
+    import random
+
+    from protocol.gpu_shares import NodeShares, TaskDemand
+    from protocol.pack_scoring import PACK_POLICY
+    rng = random.Random(seed)
+    for _ in range(50):
+        frees = [rng.choice((0, 100, 250, 500, 750, 900, 1000)) for _ in range(rng.choice((1, 2, 4, 8)))]
+        cpu = rng.choice((0, 4000, 32000))
+        node = NodeShares("n", "", len(frees), 64000, 1 << 20)
+        node.gpu_milli_free, node.cpu_milli_free = list(frees), cpu
+        milli = rng.choice((100, 250, 500, 0))
+        manifest = share_job(milli=milli, gpus=1 if milli else rng.choice((1, 2)))
+        resources = manifest.resources
+        demand = (TaskDemand.fractional(resources.cpu_milli, resources.mem_mib, milli) if milli
+                  else TaskDemand.whole(resources.cpu_milli, resources.mem_mib, resources.gpus))
+        if not node.fits(demand):
+            continue
+        score, option = PACK_POLICY.score(node, demand)
+        gpus = node.default_gpus(demand, option)
+        vector = cap(b"\x01" * 32, tuple(frees), cpu=cpu)
+        assert pack_score(resources, vector, set(range(len(frees))), gpus) == score
