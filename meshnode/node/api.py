@@ -93,7 +93,9 @@ class ControlApi:
                 "dropped": dict(core.counters), "transport": dict(node.transport.counters),
                 "telemetry": dict(node.telemetry.describe_source(), failing=core.capability.telemetry_fault,
                                   read_errors=node.telemetry_errors),
-                "metrics": node.metrics_url}
+                "metrics": node.metrics_url,
+                # Thousandths of each of this node's GPUs its bids and jobs hold (SPEC.md R1, P4c).
+                "gpu_milli_held": list(core.ledger.held_gpu_milli())}
 
     async def nodes(self, args) -> dict:
         node = self.node
@@ -113,7 +115,7 @@ class ControlApi:
         if cap is None:
             return None
         return {"gpus": [gpu.to_body() for gpu in cap.gpus], "gpus_free": list(cap.gpus_free),
-                "cpu_milli_free": cap.cpu_milli_free, "mem_mib_free": cap.mem_mib_free,
+                "gpu_milli_free": list(cap.gpu_milli_free), "cpu_milli_free": cap.cpu_milli_free, "mem_mib_free": cap.mem_mib_free,
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
@@ -130,6 +132,8 @@ class ControlApi:
             "submitted_ms": job.get("submitted_ms", 0),
             "declines": {reason: len(nodes) for reason, nodes in job.get("declines", {}).items()},
             "hint": job.get("hint"), "exit_code": job.get("exit_code"),
+            # Where it runs at its primary, and its share of that GPU (0: whole GPUs; SPEC.md P4c).
+            "gpus": list(job.get("gpus", ())), "gpu_milli": job["manifest"].resources.gpu_milli,
         }
 
     def _find_job(self, args) -> dict:

@@ -89,13 +89,34 @@ def throttle_text(reasons: int) -> str:
     return names[0] if names else "-"
 
 
+def gpu_free_text(cap: dict) -> str:
+    """Free GPUs: whole ones, or in GPUs to two decimals when shares hold part of one
+    (``gpu_milli_free``, SPEC.md P4c): ``2`` or ``1.75``."""
+    milli = cap.get("gpu_milli_free") or ()
+    if not milli or all(m in (0, 1000) for m in milli):
+        return str(len(cap.get("gpus_free", ())))
+    return ("%d.%02d" % divmod(sum(milli) // 10, 100)).rstrip("0").rstrip(".")
+
+
+def gpu_shares_caption(jobs: list[dict]) -> str:
+    """Each GPU that shares hold, at the node its jobs name as primary: its milli held and
+    by how many jobs (``meshnode jobs``: fractional jobs sharing one GPU, SPEC.md P4c)."""
+    held: dict[tuple, list[int]] = {}
+    for job in jobs:
+        if job.get("gpu_milli") and job.get("state") in ("placed", "running", "migrating") and job.get("gpus"):
+            held.setdefault((node_label(job.get("primary")), job["gpus"][0]), []).append(job["gpu_milli"])
+    return "; ".join("%s gpu%d %d/1000 milli, %d jobs" % (node, gpu, sum(shares), len(shares))
+                     for (node, gpu), shares in sorted(held.items())[:4])
+
+
 def mesh_row(node: dict) -> tuple[str, ...]:
     cap = node.get("capability") or {}
     gpus = cap.get("gpus", ())
     rtt = node.get("rtt_us")
     if gpus:
         models = sorted({g["model"] for g in gpus})
-        gpu_cell = "%d/%d %s" % (len(cap.get("gpus_free", ())), len(gpus), "+".join(models)[:10])
+        free = gpu_free_text(cap)
+        gpu_cell = "%s/%d %s" % (free, len(gpus), "+".join(models)[:max(3, 10 - len(free) + 1)])
         util = "%d%%" % (sum(g["util_milli"] for g in gpus) // len(gpus) // 1000)
         temp = "%dC" % (max(g["temp_milli_c"] for g in gpus) // 1000)
         throttled = 0
@@ -193,9 +214,15 @@ def mesh_table(nodes: list[dict]) -> Table:
 def jobs_table(jobs: list[dict]) -> Table:
     table = compact_table("jobs: %d" % len(jobs), JOB_COLUMNS, [job_row(j) for j in jobs], STATE_STYLE, 2)
     pending = [j for j in jobs if j.get("state") == "pending" and j.get("declines")]
+    captions = []
     if pending:
-        table.caption = "; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
-                                  for j in pending[:3])
+        captions.append("; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
+                                  for j in pending[:3]))
+    shares = gpu_shares_caption(jobs)
+    if shares:
+        captions.append("shares: " + shares)
+    if captions:
+        table.caption = "\n".join(captions)
     return table
 
 
