@@ -431,3 +431,14 @@ def test_liveness_excuses_only_the_time_spent_in_rounds_a_byzantine_member_led()
     assert sim.excused_ms[jid] == 100 + 1600 and sim.longest_excuse_ms == 1700 + 1600
     sim._close_open_rounds()
     assert sim.excused_ms[jid] == 3300 and len(sim.excused_rounds) == 3
+
+
+# A failed exit replayed at a restart (MeshCore's job_outcomes) started the job's next
+# placement instance before the node's own votes were restored: an honest leader proposed
+# twice in one round (own_votes). Found by the fractional sweep of issue 20.
+@pytest.mark.parametrize("seed", [1068, 1115, 1183])
+def test_a_restarted_leader_resumes_a_retry_instance_from_its_own_votes(seed):
+    config = SimConfig(nodes=5, jobs=12, seed=seed, byzantine_milli=300, faults=FAULTS, job_ms=300,
+                       job_fail_per_mille=200, cancel_per_mille=200, fractional_per_mille=700)
+    result = run_simulation(config)
+    assert result.ok, [v.line() for v in result.violations[:3]]
