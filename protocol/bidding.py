@@ -14,7 +14,7 @@ import hashlib
 from protocol.errors import RemoteProtocolError
 from protocol.job_table import TERMINAL
 from protocol.messages import Bid, Decline, decode_message
-from protocol.placement import eligibility, parse_bid, reservable_gpu_mem_mib
+from protocol.placement import eligibility, pack_share_choice, parse_bid, reservable_gpu_mem_mib
 from protocol.ready import Outbound, Ready
 
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
@@ -124,7 +124,8 @@ class Bidding:
             # bid may be decided in any later round. Persisted before the bid is sent.
             # Unhealthy GPUs (and other models') read -1 MiB free, so the reservation takes
             # only healthy ones of the job's model (P4, P4c).
-            claim = self.ledger.reserve(key, job.resources, free_mem_mib=reservable_gpu_mem_mib(cap, job))
+            claim = self.ledger.reserve(key, job.resources, free_mem_mib=reservable_gpu_mem_mib(cap, job),
+                                        prefer=pack_share_choice(job, cap))
             if claim is None:
                 reason, detail = "not_enough_gpus", "capacity reserved by concurrent bids"
         if claim is None:

@@ -44,6 +44,18 @@ def shares_view(capability: CapabilityVector, healthy: set[int]) -> NodeShares:
     return node
 
 
+def pack_share_gpu(resources: Resources, capability: CapabilityVector, healthy: set[int],
+                   candidates: list[int]) -> int | None:
+    """The GPU a node bidding for a ``pack`` share reserves, among ``candidates`` (the GPUs
+    that fit it): the one replay's pack policy would pick, least score, then the least free
+    milli, then the lowest index (SPEC.md P4c). None without candidates."""
+    node = shares_view(capability, healthy)
+    demand = demand_of(resources)
+    scored = [(PACK_POLICY.score_at(node, demand, node.gpu_milli_free[i]), node.gpu_milli_free[i], i)
+              for i in candidates if 0 <= i < node.gpu_count]
+    return min(scored)[2] if scored else None
+
+
 def pack_score(resources: Resources, capability: CapabilityVector, healthy: set[int],
                reserved_gpus: tuple) -> tuple[int, int, int]:
     """(fragmentation growth, GPU milli free after, CPU milli free after) of placing the job

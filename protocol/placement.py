@@ -20,9 +20,9 @@ from typing import Iterable
 
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
-from protocol.pack_scoring import gpu_milli_free_map, pack_score
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Attestation, Bid, CapabilityVector, GpuState,
                                JobManifest, Placement, decode_message)
+from protocol.pack_scoring import gpu_milli_free_map, pack_score, pack_share_gpu
 from protocol.policy import NodePolicy
 
 MAX_BACKUPS = 4  # Placement.backups holds at most 4 keys (messages/jobs.py)
@@ -278,6 +278,16 @@ def pack_rank_key(job: JobManifest, instance: bytes, facts: BidFacts) -> tuple:
     healthy = {g.index for g in cap.gpus if gpu_healthy(g)}
     score = pack_score(job.resources, cap, healthy, facts.bid.reserved_gpus)
     return score + (bid_strain(facts), facts.bid.rtt_us, tie_break(instance, facts.signer))
+
+
+def pack_share_choice(job: JobManifest, capability: CapabilityVector) -> tuple[int, ...]:
+    """SPEC.md P4c: the GPU a ``pack`` share's bid reserves (replay's pack policy choice among
+    the healthy fitting GPUs); () for any other job (the ledger's own choice)."""
+    if job.strategy != "pack" or not job.resources.gpu_milli:
+        return ()
+    healthy = {g.index for g in capability.gpus if gpu_healthy(g)}
+    choice = pack_share_gpu(job.resources, capability, healthy, healthy_fitting_gpus(job, capability))
+    return () if choice is None else (choice,)
 
 
 def rank_bids(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> list[BidFacts]:

@@ -14,7 +14,7 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.ledger import ResourceLedger
 from protocol.messages import (Bid, CapabilityVector, Constraints, GpuState, JobManifest, Resources, encode_message,
                                job_id)
-from protocol.pack_scoring import MESH_WORKLOAD, pack_score
+from protocol.pack_scoring import MESH_WORKLOAD, pack_score, pack_share_gpu
 from protocol.placement import BidFacts, capability_check, choose_placement, eligibility, reservable_gpu_mem_mib
 from protocol.policy import NodePolicy
 from testnet.sim import SimConfig, Simulation
@@ -246,3 +246,6 @@ def test_the_mesh_pack_score_is_replays_pack_policy_on_the_bids_gpu(seed):
         gpus = node.default_gpus(demand, option)
         vector = cap(b"\x01" * 32, tuple(frees), cpu=cpu)
         assert pack_score(resources, vector, set(range(len(frees))), gpus) == score
+        if milli:   # and a node bidding for it reserves a GPU replay's policy would have picked
+            fitting = [i for i, free in enumerate(frees) if free >= milli]
+            assert frees[pack_share_gpu(resources, vector, set(range(len(frees))), fitting)] == option
