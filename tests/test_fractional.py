@@ -249,3 +249,30 @@ def test_the_mesh_pack_score_is_replays_pack_policy_on_the_bids_gpu(seed):
         if milli:   # and a node bidding for it reserves a GPU replay's policy would have picked
             fitting = [i for i, free in enumerate(frees) if free >= milli]
             assert frees[pack_share_gpu(resources, vector, set(range(len(frees))), fitting)] == option
+
+
+def test_a_restarted_node_holds_its_persisted_share_reservation_again():
+    """R1 after a restart: a share's reservation comes back from its persisted record on the
+    same GPU with the same milli, so the node never promises that quarter twice."""
+    import random
+
+    from protocol.mesh import MeshCore
+    from protocol.policy import LocalCapacity
+    from tests.test_single_member import SOLO, genesis_of
+
+    genesis, _ = genesis_of(100)
+
+    def core(records=()):
+        return MeshCore(identity=SOLO, genesis=genesis, policy=NodePolicy(zone="zone-a"),
+                        capacity=LocalCapacity(gpu_mem_total_mib=(80_000, 80_000)), rng=random.Random(7),
+                        now_ms=0, safety_records=records)
+    before = core()
+    before.ledger.reserve(b"w" * 32, share(1000 - 250))        # GPU 0 holds 750
+    claim = before.ledger.reserve(b"k" * 32, share(250))       # the fullest fit: GPU 0 again
+    assert claim.gpus == (0,)
+    records = tuple(MeshCore._reservation_record(key, held, None)
+                    for key, held in before.ledger.reservations().items())
+    after = core(records)
+    restored = after.ledger.reserved(b"k" * 32)
+    assert (restored.gpus, restored.gpu_milli) == ((0,), 250)
+    assert after.ledger.gpu_milli_free() == (0, 1000)
