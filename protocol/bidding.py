@@ -15,6 +15,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.job_table import TERMINAL
 from protocol.messages import Bid, Decline, decode_message
 from protocol.placement import eligibility, parse_bid, reservable_gpu_mem_mib
+from protocol.pool_scheduling import PoolScheduling
 from protocol.ready import Outbound, Ready
 
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
@@ -37,6 +38,7 @@ class Bidding:
         self.windows_open: dict[bytes, int] = {}                # instance -> round whose bid window is open
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
+        self.scheduling = PoolScheduling(ctx, jobs, ledger)     # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:
@@ -117,6 +119,8 @@ class Bidding:
         if ok and job.resources.gpus and self.capability.telemetry_fault:
             # Our vector holds stale readings: only we know, so only we can refuse (P3).
             ok, reason, detail = False, "node_unhealthy", "GPU telemetry failing: " + self.capability.telemetry_fault
+        if ok:
+            ok, reason, detail = self.scheduling.bid_check(record, now_ms)
         claim = None
         if ok:
             # Held until this node applies the instance's decision, the instance gives up or
