@@ -218,3 +218,19 @@ def test_a_job_naming_an_unknown_pool_is_refused_at_submit():
     net = Net(genesis=POOLED)
     with pytest.raises(LocalProtocolError, match="scheduling.pool: unknown pool 'serving'"):
         submit(net, KEYS[0], manifest(1, pool="serving"))
+
+
+def test_spec_5_5_vector_genesis_with_pools():
+    """SPEC.md 5.5's vector: the sample genesis of 4.4 with pools and reservations."""
+    import hashlib
+    import pathlib
+    import re
+    from testnet.spec_tables import vector_genesis, vector_key
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "SPEC.md").read_text(encoding="utf-8")
+    encoded = bytes.fromhex(re.search(r"genesis_with_pools: ([0-9a-f]+)", spec).group(1))
+    mesh_id = re.search(r"mesh_id_with_pools: ([0-9a-f]{64})", spec).group(1)
+    expected = dataclasses.replace(vector_genesis(), reservations=True, pools=(
+        Pool("", Quota()), Pool("training", Quota(gpu_milli=2000, cpu_milli=16000, mem_mib=65536),
+                                (OwnerQuota(vector_key(), Quota(gpu_milli=4000)),))))
+    assert Genesis.decode(encoded) == expected and expected.encode() == encoded
+    assert mesh_id == hashlib.sha256(b"meshnode/v1/genesis\x00" + encoded).hexdigest() == expected.mesh_id.hex()
