@@ -234,3 +234,55 @@ def test_spec_5_5_vector_genesis_with_pools():
                                 (OwnerQuota(vector_key(), Quota(gpu_milli=4000)),))))
     assert Genesis.decode(encoded) == expected and expected.encode() == encoded
     assert mesh_id == hashlib.sha256(b"meshnode/v1/genesis\x00" + encoded).hexdigest() == expected.mesh_id.hex()
+
+
+# --- four cores with reservations on (Q5) ------------------------------------------------------------
+def fill_and_wait_for_a_big_job(reservations: bool):
+    """Four 2-GPU nodes, each running a 1-GPU job for at most 10 s; then a 2-GPU job every
+    member declines for want of GPUs."""
+    genesis = dataclasses.replace(GENESIS, reservations=reservations)
+    net = Net(genesis=genesis)
+    fillers = []
+    for nonce in range(4):
+        job = manifest(10 + nonce, pool="", runtime_ms=10_000, created_ms=nonce)
+        fillers.append(job_id(job))
+        net.submit(KEYS[0], encode_message(OWNER, genesis.mesh_id, job))
+        net.run(60)
+    assert sorted(net.cores[KEYS[0]].job_view(jid)["primary"] for jid in fillers) == sorted(KEYS)
+    big = manifest(20, gpus=2, pool="", created_ms=10)
+    net.submit(KEYS[0], encode_message(OWNER, genesis.mesh_id, big))
+    net.run(100)
+    assert net.cores[KEYS[0]].job_view(job_id(big))["state"] == "pending"
+    return net, genesis, fillers, job_id(big)
+
+
+def submit_small(net, genesis, nonce, runtime_ms, created_ms):
+    job = manifest(nonce, pool="", runtime_ms=runtime_ms, created_ms=created_ms)
+    net.submit(KEYS[0], encode_message(OWNER, genesis.mesh_id, job))
+    net.run(100)
+    return job_id(job)
+
+
+def test_q5_a_small_job_backfills_only_if_it_ends_before_the_big_one_could_start():
+    net, genesis, fillers, big = fill_and_wait_for_a_big_job(reservations=True)
+    long_small = submit_small(net, genesis, 30, runtime_ms=20_000, created_ms=20)
+    view = net.cores[KEYS[0]].job_view(long_small)
+    assert view["state"] == "pending" and sorted(view["declines"]["reserved"]) == sorted(KEYS)
+    short_small = submit_small(net, genesis, 31, runtime_ms=5_000, created_ms=30)
+    assert net.cores[KEYS[0]].job_view(short_small)["state"] == "placed"    # backfilled
+    # One filler ends: its node has 2 GPUs free (unless the short job backfilled it) and the
+    # big job is placed; the long small job is decided afresh once the big one is not waiting.
+    free_node = next(jid for jid in fillers
+                     if net.cores[KEYS[0]].job_view(jid)["primary"] != net.cores[KEYS[0]].job_view(short_small)["primary"])
+    primary = net.cores[KEYS[0]].job_view(free_node)["primary"]
+    net.emit(primary, net.cores[primary].job_exited(free_node, 0, net.now))
+    net.run(300)
+    assert all(core.job_view(big)["state"] == "placed" for core in net.cores.values())
+    assert net.cores[KEYS[0]].job_view(big)["primary"] == primary
+    assert net.cores[KEYS[0]].job_view(long_small)["state"] == "placed"
+
+
+def test_q5_without_reservations_a_small_job_takes_what_the_big_one_waits_for():
+    net, genesis, _fillers, _big = fill_and_wait_for_a_big_job(reservations=False)
+    long_small = submit_small(net, genesis, 30, runtime_ms=20_000, created_ms=20)
+    assert net.cores[KEYS[0]].job_view(long_small)["state"] == "placed"
