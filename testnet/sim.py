@@ -31,7 +31,7 @@ from protocol.errors import MeshError, RemoteProtocolError
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.messages import Cancel, CommitCertificate, decode_message, encode_message, job_id
+from protocol.messages import Cancel, CommitCertificate, Decline, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
@@ -82,6 +82,11 @@ class SimConfig:
     job_ms: int = 0
     job_fail_per_mille: int = 0
     cancel_per_mille: int = 0
+    # > 0: the genesis declares the default pool with this many GPUs per owner (SPEC.md
+    # 5.5, Q2), and ``reservations`` turns Q5 on; a job every honest member holds back by
+    # those rules at the end is counted (``quota_held_jobs``), not a stall.
+    quota_gpus: int = 0
+    reservations: bool = False
 
     @property
     def workloads(self) -> bool:
@@ -105,6 +110,10 @@ class SimConfig:
             line += " --fail %s" % (self.job_fail_per_mille / 1000)
         if self.cancel_per_mille:
             line += " --cancel %s" % (self.cancel_per_mille / 1000)
+        if self.quota_gpus:
+            line += " --quota-gpus %d" % self.quota_gpus
+        if self.reservations:
+            line += " --reservations"
         return line
 
 
@@ -163,7 +172,8 @@ class Simulation:
         self.heal_ms = config.safety_ms if faulty else 0
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms,
-                                        replace(SIM_PARAMS, placement_slot_ms=config.slot_ms))
+                                        replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
+                                        quota_gpus=config.quota_gpus, reservations=config.reservations)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -664,6 +674,8 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs if job.job_id not in self.cancelled}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
+        quota_held = self._held_by_scheduling_rules(deciders) - unplaceable
+        unplaceable |= quota_held
         self._close_open_rounds()
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
@@ -685,7 +697,9 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable) - len(quota_held),
+                          quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
+                          liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))
 
     def _check_ledgers(self) -> None:
@@ -763,6 +777,54 @@ class Simulation:
         return frozenset(spec.job_id for spec in self.world.jobs if spec.job_id not in self.checker.placement_of
                          and all(self._declined(n, spec.job_id) and not self.checker.could_host(n, spec.job)
                                  for n in deciders))
+
+    def _held_by_scheduling_rules(self, deciders: list[int]) -> frozenset:
+        """Jobs not placed that every honest member declines, those that could host them (by
+        the checker's own accounting) for the owner's quota or a reservation (SPEC.md Q2,
+        Q5): waiting by design, not a stall."""
+        if not deciders or not (self.config.quota_gpus or self.config.reservations):
+            return frozenset()
+        held = set()
+        for spec in self.world.jobs:
+            if spec.job_id in self.checker.placement_of:
+                continue
+            reasons = [self._decline_reason(n, spec.job_id) for n in deciders]
+            if None in reasons:
+                continue
+            over_quota_everywhere = all(self._over_quota(n, spec.job) for n in deciders)
+            if over_quota_everywhere or all(reason in ("over_quota", "reserved") or not self.checker.could_host(n, spec.job)
+                                            for n, reason in zip(deciders, reasons)):
+                held.add(spec.job_id)
+        return frozenset(held)
+
+    def _over_quota(self, index: int, job) -> bool:
+        """Whether node ``index``'s job table puts ``job`` over its owner's quota (Q2), whatever
+        else the node would answer: capacity freed there would not place it."""
+        core = self.nodes[index].core
+        return core is not None and core.bidding.scheduling.quotas.over_quota(job, core.job_table) is not None
+
+    def _decline_reason(self, index: int, jid: bytes) -> str | None:
+        core = self.nodes[index].core
+        record = core.job_table.get(jid) if core is not None else None
+        answer = core.bidding.mine.get(record.instance, core.bidding.mine.get(jid)) if record is not None else None
+        if answer is None or answer[0] != "decline":
+            return None
+        return decode_message(answer[1], self.mesh_id, expect=Decline)[1].reason
+
+    def _quota_overshoot(self, deciders: list[int]) -> int:
+        """The most any owner's live jobs exceed the GPU quota at the end, in GPU thousandths,
+        by any honest member's table (SPEC.md Q2 allows concurrent placements to)."""
+        quotas = self.nodes[deciders[0]].core.bidding.scheduling.quotas if deciders else None
+        if quotas is None or not quotas.enabled:
+            return 0
+        worst = 0
+        for index in deciders:
+            table = self.nodes[index].core.job_table
+            for owner in {spec.job.owner for spec in self.world.jobs}:
+                limit = quotas.limit("", owner)
+                if limit is not None:
+                    worst = max(worst, quotas.usage(table, owner, "").gpu_milli - limit.gpu_milli)
+        return worst
 
     def _declined(self, index: int, jid: bytes) -> bool:
         """Whether node ``index`` answered the job's current placement instance with a decline
