@@ -814,12 +814,13 @@ class Simulation:
     def _quota_overshoot(self, deciders: list[int]) -> int:
         """The most any owner's live jobs exceed the GPU quota at the end, in GPU thousandths,
         by any honest member's table (SPEC.md Q2 allows concurrent placements to)."""
-        quotas = self.nodes[deciders[0]].core.bidding.scheduling.quotas if deciders else None
+        cores = [self.nodes[index].core for index in deciders if self.nodes[index].core is not None]
+        quotas = cores[0].bidding.scheduling.quotas if cores else None
         if quotas is None or not quotas.enabled:
             return 0
         worst = 0
-        for index in deciders:
-            table = self.nodes[index].core.job_table
+        for core in cores:
+            table = core.job_table
             for owner in {spec.job.owner for spec in self.world.jobs}:
                 limit = quotas.limit("", owner)
                 if limit is not None:
