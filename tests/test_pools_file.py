@@ -11,7 +11,7 @@ from meshnode.cli.pools_file import pools_from_toml
 from protocol.errors import MeshError
 from tests.test_quota import OWNER
 
-REPO_POOLS = "jobs/pools.toml"
+REPO_POOLS = "jobs/pools/lab.toml"
 
 
 def test_the_example_pools_file_makes_a_genesis_with_pools(tmp_path, capsys):

@@ -29,7 +29,7 @@ def register(subparsers) -> None:
     init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id", epilog=examples(
         "meshnode mesh init --name lab --member node-a.key:100 --member 12D3KooW...:100:zone-b \\\n"
         "      --member-addr 0:/ip4/10.0.0.5/tcp/4001 --heartbeat-ms 50 --out genesis.bin",
-        "meshnode mesh init --name lab --member node-a.key:100 --pools jobs/pools.toml --out genesis.bin"))
+        "meshnode mesh init --name lab --member node-a.key:100 --pools jobs/pools/lab.toml --out genesis.bin"))
     init.add_argument("--name", required=True, help="the mesh's name (part of the genesis, so of the mesh id)")
     init.add_argument("--member", action="append", required=True, metavar="KEY:STAKE[:ZONE]",
                       help="a member (repeatable): KEY is a keystore file, 64 hex digits or a peer ID")
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                           help="protocol parameter, %s (default %d)" % (ftype.describe(), getattr(DEFAULT_PARAMS, name)))
     init.add_argument("--pools", metavar="FILE",
                       help="a TOML file naming pools, per-owner quotas and reservations (SPEC.md 5.5; "
-                           "example: jobs/pools.toml)")
+                           "example: jobs/pools/lab.toml)")
     init.add_argument("--out", required=True, metavar="FILE", help="the genesis file to write")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     add_json_flag(init)
@@ -138,7 +138,7 @@ def render_genesis(console, view: dict) -> None:
     # folded id cannot be copied; each gets a line of its own under its node's label.
     console.print(key_value_table("peer ids", [(m["short_id"], m["peer_id"]) for m in view["members"]]))
     console.print(key_value_table("protocol parameters", sorted(view["params"].items())))
-    if view["pools"] or view["reservations"]:
+    if view.get("pools") or view.get("reservations"):
         console.print(key_value_table("pools (SPEC 5.5; reservations %s)" % ("on" if view["reservations"] else "off"), [
             (repr(pool["name"]) + (" " + owner if owner else ""), _quota_text(quota))
             for pool in view["pools"]
