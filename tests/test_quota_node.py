@@ -5,19 +5,17 @@ trio's autojumping MockClock; the CLI runs as from a shell, over the real contro
 
 import json
 
+import pytest
 import trio
 
 from keys.genesis import Pool, Quota
 from keys.keystore import load_identity
 from meshnode.cli import main
-from meshnode.net.memory_transport import MemoryNetwork
-from meshnode.node.driver import Node
 from protocol.errors import MeshError
 from protocol.messages import Cancel, Constraints, JobManifest, Resources, Scheduling, encode_message
 from testnet import launcher
-from tests.test_failover_node import memory_factory
+from tests.test_job_output import NODES, run_mesh
 
-NODES = 4
 POOLS = (Pool(name="training", default=Quota(gpu_milli=1000)),)   # one GPU per owner
 
 
@@ -35,43 +33,32 @@ async def test_a_job_over_its_owners_quota_waits_and_why_says_which_quota(tmp_pa
     layout = launcher.create_testnet(tmp_path / "net", NODES, owners=1, run_workloads=False, pools=POOLS)
     owner = load_identity(layout["owners"][0]["key_file"], None)
     mesh_id = bytes.fromhex(layout["mesh_id"])
-    network = MemoryNetwork()
-    nodes = [Node(tmp_path / "net" / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
-             for i in range(NODES)]
-    try:
-        async with trio.open_nursery() as nursery:
-            for node in nodes:
-                await nursery.start(node.run)
-            await trio.sleep(1.0)
-            first = await nodes[0].submit(pooled_job(owner, mesh_id, 1))
-            await trio.sleep(1.0)
-            assert nodes[0].core.job_view(first)["state"] == "placed"
-            second = await nodes[0].submit(pooled_job(owner, mesh_id, 2))
-            await trio.sleep(1.0)
-            assert all(node.core.job_view(second)["state"] == "pending" for node in nodes)
 
-            capsys.readouterr()
-            argv = ["why", second.hex()[:10], "--node", str(nodes[0].paths.root), "--json"]
-            assert await trio.to_thread.run_sync(main, argv) == 0
-            why = json.loads(capsys.readouterr().out)
-            assert sorted(why["declines"]) == ["over_quota"] and len(why["declines"]["over_quota"]) == NODES
-            queue = why["queue"]
-            assert (queue["pool"], queue["position"], queue["queue_length"]) == ("training", 1, 1)
-            assert queue["quota"] == "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)"
-            assert queue["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
-            assert 55_000 < queue["estimate"]["in_ms"] <= 60_000
+    async def test(nodes):
+        first = await nodes[0].submit(pooled_job(owner, mesh_id, 1))
+        await trio.sleep(1.0)
+        assert nodes[0].core.job_view(first)["state"] == "placed"
+        second = await nodes[0].submit(pooled_job(owner, mesh_id, 2))
+        await trio.sleep(1.0)
+        assert all(node.core.job_view(second)["state"] == "pending" for node in nodes)
 
-            with_unknown_pool = pooled_job(owner, mesh_id, 3, pool="serving")
-            try:
-                await nodes[1].submit(with_unknown_pool)
-                raise AssertionError("a job naming an unknown pool was taken")
-            except MeshError as exc:
-                assert "scheduling.pool: unknown pool 'serving' (the mesh's pools: 'training')" in str(exc)
+        capsys.readouterr()
+        argv = ["why", second.hex()[:10], "--node", str(nodes[0].paths.root), "--json"]
+        assert await trio.to_thread.run_sync(main, argv) == 0
+        why = json.loads(capsys.readouterr().out)
+        assert sorted(why["declines"]) == ["over_quota"] and len(why["declines"]["over_quota"]) == NODES
+        queue = why["queue"]
+        assert (queue["pool"], queue["position"], queue["queue_length"]) == ("training", 1, 1)
+        assert queue["quota"] == "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)"
+        assert queue["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
+        assert 55_000 < queue["estimate"]["in_ms"] <= 60_000
 
-            await nodes[0].cancel(encode_message(owner, mesh_id, Cancel(job_id=first, requested_ms=0)))
-            await trio.sleep(1.0)
-            assert all(node.core.job_view(second)["state"] == "placed" for node in nodes)
-            nursery.cancel_scope.cancel()
-    finally:
-        for node in nodes:
-            node.close()
+        with_unknown_pool = pooled_job(owner, mesh_id, 3, pool="serving")
+        with pytest.raises(MeshError, match=r"scheduling.pool: unknown pool 'serving' \(the mesh's pools: 'training'\)"):
+            await nodes[1].submit(with_unknown_pool)
+
+        await nodes[0].cancel(encode_message(owner, mesh_id, Cancel(job_id=first, requested_ms=0)))
+        await trio.sleep(1.0)
+        assert all(node.core.job_view(second)["state"] == "placed" for node in nodes)
+
+    await run_mesh(tmp_path / "net", test)
