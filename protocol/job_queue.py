@@ -155,10 +155,12 @@ def start_estimate(record, jobs, quotas, free_by_node: dict, now_ms: int) -> Est
 # --- reservations and backfill (Q5) -----------------------------------------------------------
 def reservation_holder(record, jobs, me: bytes, total: Room):
     """Q5: the job this member holds capacity for against ``record``: the first pending job
-    ahead of it in queue order (any pool) that this member declined for want of capacity
-    and that fits this member's total capacity. None: nothing ahead waits here."""
+    ahead of it in queue order (any pool), with a placement running, that this member
+    declined for want of capacity and that fits this member's total capacity. None:
+    nothing ahead waits here."""
     mine = queue_key(record)
-    ahead = sorted((r for r in jobs if r.state == "pending" and queue_key(r) < mine), key=queue_key)
+    # A job whose placement gave up (no instance runs it) waits for nothing: it holds nothing.
+    ahead = sorted((r for r in jobs if r.state == "pending" and r.instance and queue_key(r) < mine), key=queue_key)
     for other in ahead:
         answer = other.declines.get(me)
         if answer is not None and answer[0] in CAPACITY_REASONS and total.holds(Room.of(other.manifest.resources)):

@@ -49,7 +49,8 @@ class PoolScheduling:
         A change makes held placements be decided afresh (P3a). None when the rules are off."""
         if not self.enabled:
             return None
-        return sum(hash((r.job_id, r.state)) for r in self.jobs if r.state == "pending" or r.state in LIVE_JOB_STATES)
+        return sum(hash((r.job_id, r.state, r.instance)) for r in self.jobs
+                   if r.state == "pending" or r.state in LIVE_JOB_STATES)
 
     def _total(self) -> Room:
         ledger = self.ledger

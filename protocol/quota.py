@@ -65,6 +65,15 @@ class Quotas:
         known = ", ".join(repr(n) for n in sorted(self.pools) if n) or "none"
         return "unknown pool %r (the mesh's pools: %s)" % (name, known)
 
+    def never_fits_error(self, job) -> str | None:
+        """Q1: a job that asks more than its owner's whole quota could never be placed."""
+        limit = self.limit(job.scheduling.pool, job.owner)
+        over = demand(job.resources).exceeds(limit) if limit is not None else []
+        if not over:
+            return None
+        return "the job asks more than its owner's whole quota in pool %r: %s" % (job.scheduling.pool, ", ".join(
+            "%s %d > %d" % entry for entry in over))
+
     def limit(self, pool: str, owner: bytes):
         """The owner's quota in ``pool``, or None for no limit (the default pool when the
         genesis does not list it)."""

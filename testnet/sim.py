@@ -194,7 +194,7 @@ class Simulation:
         self.messages = 0
         self.node_decisions = 0
         self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0,
-                                         "submit_refused_epoch": 0}
+                                         "submit_refused_epoch": 0, "submit_refused_over_whole_quota": 0}
         self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
         self.complete = 0                          # placement instances decided at every honest node
         # Liveness after the heal is owed only in rounds an honest member leads: a Byzantine
@@ -402,6 +402,11 @@ class Simulation:
         if job.epoch > node.core.epoch or job.epoch not in node.core.views:
             # The node refuses it (SPEC.md P2): an owner would sign the job again, as a new job.
             self.counters["submit_refused_epoch"] += 1
+            return
+        if node.core.bidding.scheduling.quotas.never_fits_error(job) is not None:
+            # Refused at submit (SPEC.md Q1: more than the owner's whole quota): it owes no placement.
+            self.counters["submit_refused_over_whole_quota"] += 1
+            self.cancelled.add(self.world.jobs[number].job_id)
             return
         self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
 

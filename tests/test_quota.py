@@ -31,7 +31,9 @@ def manifest(nonce=1, gpus=1, gpu_milli=0, pool="training", priority=0, created_
 
 
 def record(job, state="pending", primary=None, placed_ms=None):
-    return JobRecord(job_id(job), b"", job, 0, state=state, primary=primary, placed_ms=placed_ms)
+    """A job record as a member holds it; a pending one has its placement instance running."""
+    return JobRecord(job_id(job), b"", job, 0, state=state, primary=primary, placed_ms=placed_ms,
+                     instance=b"\x01" * 32)
 
 
 # --- the genesis (5.5) -------------------------------------------------------------------------
@@ -307,3 +309,22 @@ def test_sim_sweep_with_quotas_and_reservations_has_no_violations_and_holds_jobs
                         if any(reason == "over_quota" for reason, _ in record.declines.values()))
     assert not failures, "\n".join(failures)
     assert held + declined > 0
+
+
+def test_a_job_over_its_owners_whole_quota_is_refused_at_submit():
+    net = Net(genesis=POOLED)
+    with pytest.raises(LocalProtocolError, match="asks more than its owner's whole quota in pool 'training': "
+                                                 "gpu_milli 2000 > 1000"):
+        submit(net, KEYS[0], manifest(1, gpus=2))
+
+
+def test_q5_a_job_whose_placement_gave_up_reserves_nothing():
+    me = KEYS[0]
+    big = record(manifest(1, gpus=4, created_ms=0))
+    big.declines[me] = ("not_enough_gpus", "")
+    small = record(manifest(2, gpus=1, created_ms=5))
+    total = Room(4, 8000, 32768)
+    big.instance = b""            # placement gave up (P3a hint: resubmit)
+    assert reservation_holder(small, [big, small], me, total) is None
+    big.instance = b"\x01" * 32
+    assert reservation_holder(small, [big, small], me, total) is big

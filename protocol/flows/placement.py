@@ -77,7 +77,8 @@ class PlacementFlow(ValueFlow):
             raise LocalProtocolError(
                 "the job names epoch %d, which this node %s (it is at epoch %d): sign it again for the "
                 "current epoch" % (job.epoch, "has not reached" if job.epoch > epoch else "no longer holds", epoch))
-        pool_error = self.bidding.scheduling.quotas.unknown_pool_error(job)
+        quotas = self.bidding.scheduling.quotas
+        pool_error = quotas.unknown_pool_error(job) or quotas.never_fits_error(job)
         if pool_error is not None:
             raise LocalProtocolError("scheduling.pool: " + pool_error)   # Q1: refused before it is sent
         self.on_job(envelope, job, job_envelope, now_ms, out, entry=self.ctx.me)
