@@ -38,7 +38,7 @@ class Bidding:
         self.windows_open: dict[bytes, int] = {}                # instance -> round whose bid window is open
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
-        self.scheduling = PoolScheduling(ctx, jobs, ledger)     # quotas and reservations (Q2, Q5)
+        self.scheduling = PoolScheduling(ctx, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:
@@ -48,6 +48,19 @@ class Bidding:
         self.windows_open.pop(key, None)
         self.windows_extended.discard(key)
         self.declined.pop(key, None)
+
+    def jobs_bid_for(self) -> list:
+        """Records of the pending jobs this node holds a live bid for (Q2 counts them)."""
+        out = []
+        for key, (kind, _data) in self.mine.items():
+            if kind != "bid":
+                continue
+            role = self.instances.role(key)
+            jid = role.flow.bid_job(role.subject) if role is not None else key   # a slot's bids: by job id
+            record = self.jobs.get(jid) if jid is not None else None
+            if record is not None and record.state == "pending":
+                out.append(record)
+        return out
 
     def sampled(self, key: bytes, round: int, members: int, member: bytes | None = None) -> bool:
         """SPEC P3: about ``bid_sample << round`` of the ``members`` bid in ``round``. The sample

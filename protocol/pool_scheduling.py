@@ -17,10 +17,11 @@ from protocol.quota import Quotas
 
 
 class PoolScheduling:
-    def __init__(self, ctx, jobs, ledger) -> None:
+    def __init__(self, ctx, jobs, ledger, jobs_bid_for=lambda: ()) -> None:
         self.ctx = ctx
         self.jobs = jobs
         self.ledger = ledger
+        self.jobs_bid_for = jobs_bid_for   # the pending jobs this member holds a bid for (Q2)
         self.quotas = Quotas(getattr(ctx.genesis, "pools", ()))
         self.reservations = bool(getattr(ctx.genesis, "reservations", False))
 
@@ -32,7 +33,7 @@ class PoolScheduling:
         """Q2 then Q5, for a job that passed the policy and capability checks (P3)."""
         if not self.enabled:
             return True, None, ""
-        problem = self.quotas.over_quota(record.manifest, self.jobs)
+        problem = self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for())
         if problem is not None:
             reason = "unknown_pool" if self.quotas.unknown_pool_error(record.manifest) else "over_quota"
             return False, reason, problem

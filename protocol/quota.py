@@ -92,9 +92,11 @@ class Quotas:
                 total = total + demand(job.resources)
         return total
 
-    def over_quota(self, job, jobs) -> str | None:
+    def over_quota(self, job, jobs, bid_for=()) -> str | None:
         """Q2: why ``job`` may not be placed now under its owner's quota, or None. Names the
-        pool, each dimension over, and by how much."""
+        pool, each dimension over, and by how much. ``bid_for``: the records of the pending
+        jobs this member holds a bid for, counted as held too (so one member never bids for
+        two jobs that only together exceed the quota)."""
         problem = self.unknown_pool_error(job)
         if problem is not None:
             return problem
@@ -103,9 +105,14 @@ class Quotas:
         if limit is None:
             return None
         held = self.usage(jobs, job.owner, pool)
+        bids = [other for other in bid_for if other.manifest.owner == job.owner
+                and other.manifest.scheduling.pool == pool and other.manifest != job]
+        for other in bids:
+            held = held + demand(other.manifest.resources)
         over = (held + demand(job.resources)).exceeds(limit)
         if not over:
             return None
-        return "pool %r quota: %s" % (pool, ", ".join(
+        return "pool %r quota: %s%s" % (pool, ", ".join(
             "%s %d held + %d asked > %d (over by %d)" % (name, getattr(held, name), getattr(demand(job.resources), name),
-                                                          cap, total - cap) for name, total, cap in over))
+                                                          cap, total - cap) for name, total, cap in over),
+            "; held counts %d job(s) this node bid for" % len(bids) if bids else "")

@@ -328,3 +328,26 @@ def test_q5_a_job_whose_placement_gave_up_reserves_nothing():
     assert reservation_holder(small, [big, small], me, total) is None
     big.instance = b"\x01" * 32
     assert reservation_holder(small, [big, small], me, total) is big
+
+
+def test_q2_counts_the_jobs_this_member_bid_for_as_held():
+    quotas = Quotas(POOLS)
+    bid_for = record(manifest(1))                     # pending, this member holds a bid for it
+    assert quotas.over_quota(manifest(2), [], bid_for=[bid_for]) == (
+        "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000); "
+        "held counts 1 job(s) this node bid for")
+    assert quotas.over_quota(manifest(1), [], bid_for=[bid_for]) is None    # not itself
+    other_pool = record(manifest(3, pool=""))
+    assert quotas.over_quota(manifest(2), [], bid_for=[other_pool]) is None
+
+
+def test_q2_one_member_does_not_bid_for_two_jobs_that_only_together_exceed_the_quota():
+    net = Net(genesis=POOLED)
+    core = net.cores[KEYS[0]]
+    first, second = manifest(1), manifest(2, created_ms=1)
+    for job in (first, second):   # both arrive before either is decided
+        core.step(encode_message(OWNER, POOLED.mesh_id, job), net.now, KEYS[1])
+    answers = {jid: core.bidding.mine.get(jid) or core.bidding.mine.get(core.job_table.get(jid).instance)
+               for jid in (job_id(first), job_id(second))}
+    kinds = sorted(answer[0] for answer in answers.values())
+    assert kinds == ["bid", "decline"]
