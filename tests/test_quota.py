@@ -351,3 +351,16 @@ def test_q2_one_member_does_not_bid_for_two_jobs_that_only_together_exceed_the_q
                for jid in (job_id(first), job_id(second))}
     kinds = sorted(answer[0] for answer in answers.values())
     assert kinds == ["bid", "decline"]
+
+
+def test_sim_liveness_counts_a_later_attempt_decided_at_a_node_that_missed_the_first():
+    """Seed 177 (quotas on): node 2 was down while the job's first attempt was decided; the job
+    failed, and node 2 decided its second attempt at 1,186 ms. The job was decided there: the
+    liveness check once asked for the first attempt's certificate only."""
+    from testnet.sim import FAULTS, SimConfig, Simulation
+    sim = Simulation(SimConfig(nodes=7, jobs=6, seed=177, byzantine_milli=200, faults=FAULTS, job_ms=300,
+                               job_fail_per_mille=100, cancel_per_mille=100, quota_gpus=2))
+    result = sim.run()
+    assert result.ok, [v.line() for v in result.violations]
+    retried = [jid for jid, instances in sim.checker.placing_instances.items() if len(instances) > 1]
+    assert retried
