@@ -148,6 +148,9 @@ def test_the_reservation_holder_is_the_first_job_ahead_declined_here_for_capacit
     assert reservation_holder(small, [big, small], me, total) is big
     assert reservation_holder(big, [big, small], me, total) is None        # nothing ahead of it
     assert reservation_holder(small, [big, small], me, Room(2, 8000, 32768)) is None   # never fits here
+    big.instance = b""            # its placement gave up (P3a hint: resubmit): it reserves nothing
+    assert reservation_holder(small, [big, small], me, total) is None
+    big.instance = b"\x01" * 32
     big.declines[me] = ("zone_not_allowed", "")
     assert reservation_holder(small, [big, small], me, total) is None
 
@@ -317,17 +320,6 @@ def test_a_job_over_its_owners_whole_quota_is_refused_at_submit():
                                                  "gpu_milli 2000 > 1000"):
         submit(net, KEYS[0], manifest(1, gpus=2))
 
-
-def test_q5_a_job_whose_placement_gave_up_reserves_nothing():
-    me = KEYS[0]
-    big = record(manifest(1, gpus=4, created_ms=0))
-    big.declines[me] = ("not_enough_gpus", "")
-    small = record(manifest(2, gpus=1, created_ms=5))
-    total = Room(4, 8000, 32768)
-    big.instance = b""            # placement gave up (P3a hint: resubmit)
-    assert reservation_holder(small, [big, small], me, total) is None
-    big.instance = b"\x01" * 32
-    assert reservation_holder(small, [big, small], me, total) is big
 
 
 def test_q2_counts_the_jobs_this_member_bid_for_as_held():
