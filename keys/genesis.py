@@ -17,7 +17,7 @@ from keys.errors import ConfigError
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Member, record
-from protocol.schema import Int, Key, List, Nested, Record, Text
+from protocol.schema import Bool, Int, Key, List, Nested, Record, Text
 
 GENESIS_DOMAIN = b"meshnode/v1/genesis\x00"
 
@@ -48,6 +48,45 @@ DEFAULT_PARAMS = ProtocolParams(
 )
 
 
+UNLIMITED = 1 << 40   # a quota dimension with no limit (SPEC.md 5.5)
+MAX_POOLS = 64
+MAX_POOL_OWNERS = 1024
+
+
+@record
+class Quota(Record):
+    """How much one owner may hold in a pool at once (SPEC.md 5.5). GPUs in thousandths:
+    a whole-GPU job counts 1000 per GPU, a shared-GPU job its ``gpu_milli``."""
+    gpu_milli: int = UNLIMITED
+    cpu_milli: int = UNLIMITED
+    mem_mib: int = UNLIMITED
+    SCHEMA: ClassVar = {"gpu_milli": Int(0, UNLIMITED), "cpu_milli": Int(0, UNLIMITED), "mem_mib": Int(0, UNLIMITED)}
+
+
+@record
+class OwnerQuota(Record):
+    owner: bytes
+    quota: Quota
+    SCHEMA: ClassVar = {"owner": Key(), "quota": Nested(Quota)}
+
+
+@record
+class Pool(Record):
+    """A named share of the mesh (SPEC.md 5.5): jobs name it in ``[scheduling] pool``; an
+    owner's live jobs in it may hold at most its quota: the owner's own, else ``default``."""
+    name: str
+    default: Quota
+    owners: tuple = ()
+    SCHEMA: ClassVar = {"name": Text(0, 64), "default": Nested(Quota),
+                        "owners": List(Nested(OwnerQuota), MAX_POOL_OWNERS)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        keys = [entry.owner for entry in self.owners]
+        if len(set(keys)) != len(keys):
+            raise ValueError("Pool %r: an owner is listed twice" % self.name)
+
+
 @record
 class Genesis(Record):
     name: str
@@ -55,10 +94,16 @@ class Genesis(Record):
     members: tuple
     params: ProtocolParams
     authorities: tuple
+    # The scheduling fields (SPEC.md 5.5) are left out of the encoding at their defaults,
+    # so a genesis without them keeps its bytes and its mesh id.
+    pools: tuple = ()
+    reservations: bool = False   # a waiting job holds capacity against later ones (Q5)
     SCHEMA: ClassVar = {
         "name": Text(1, 64), "created_ms": Int(), "members": List(Nested(Member), 4096),
-        "params": Nested(ProtocolParams), "authorities": List(Key(), 16),
+        "params": Nested(ProtocolParams), "authorities": List(Key(), 16), "pools": List(Nested(Pool), MAX_POOLS),
+        "reservations": Bool(),
     }
+    OMITTED_AT_DEFAULT: ClassVar = {"pools": [], "reservations": False}
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,6 +112,26 @@ class Genesis(Record):
             raise ValueError("Genesis.members: a mesh needs at least one member")
         if len(set(keys)) != len(keys):
             raise ValueError("Genesis.members: a public key is listed twice")
+        names = [pool.name for pool in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("Genesis.pools: a pool name is listed twice")
+
+    @classmethod
+    def from_body(cls, body, where=None):
+        if isinstance(body, dict):
+            for name, default in cls.OMITTED_AT_DEFAULT.items():
+                if name in body and body[name] == default:
+                    # One encoding per genesis: a default written out would name another mesh.
+                    raise RemoteProtocolError("Genesis.%s: must be left out at its default" % name)
+            body = dict(cls.OMITTED_AT_DEFAULT, **body)
+        return super().from_body(body, where)
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        for name, default in self.OMITTED_AT_DEFAULT.items():
+            if body[name] == default:
+                del body[name]
+        return body
 
     @cached_property  # immutable record; packing 1000 members costs ~130 ms (measured by the simulator)
     def mesh_id(self) -> bytes:

@@ -15,6 +15,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.job_table import TERMINAL
 from protocol.messages import Bid, Decline, decode_message
 from protocol.placement import eligibility, pack_share_choice, parse_bid, reservable_gpu_mem_mib
+from protocol.pool_scheduling import PoolScheduling
 from protocol.ready import Outbound, Ready
 
 MAX_BIDS_HELD = 128              # bids a leader holds per instance (it proposes the best 32)
@@ -37,6 +38,7 @@ class Bidding:
         self.windows_open: dict[bytes, int] = {}                # instance -> round whose bid window is open
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
+        self.scheduling = PoolScheduling(ctx, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:
@@ -46,6 +48,19 @@ class Bidding:
         self.windows_open.pop(key, None)
         self.windows_extended.discard(key)
         self.declined.pop(key, None)
+
+    def jobs_bid_for(self) -> list:
+        """Records of the pending jobs this node holds a live bid for (Q2 counts them)."""
+        out = []
+        for key, (kind, _data) in self.mine.items():
+            if kind != "bid":
+                continue
+            role = self.instances.role(key)
+            jid = role.flow.bid_job(role.subject) if role is not None else key   # a slot's bids: by job id
+            record = self.jobs.get(jid) if jid is not None else None
+            if record is not None and record.state == "pending":
+                out.append(record)
+        return out
 
     def sampled(self, key: bytes, round: int, members: int, member: bytes | None = None) -> bool:
         """SPEC P3: about ``bid_sample << round`` of the ``members`` bid in ``round``. The sample
@@ -117,6 +132,8 @@ class Bidding:
         if ok and job.resources.gpus and self.capability.telemetry_fault:
             # Our vector holds stale readings: only we know, so only we can refuse (P3).
             ok, reason, detail = False, "node_unhealthy", "GPU telemetry failing: " + self.capability.telemetry_fault
+        if ok:
+            ok, reason, detail = self.scheduling.bid_check(record, now_ms)
         claim = None
         if ok:
             # Held until this node applies the instance's decision, the instance gives up or

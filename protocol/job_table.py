@@ -66,6 +66,9 @@ class JobRecord:
     # refusal"). Memory only: a restart forgets it (the run then starts without it).
     checkpoint_envelope: bytes | None = None
     checkpoint_fence: int | None = None
+    # When this node applied the job's newest placement, on its clock: with the declared
+    # max_runtime_ms, when the job ends at the latest (SPEC.md Q4, Q5).
+    placed_ms: int | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}

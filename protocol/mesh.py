@@ -46,6 +46,7 @@ from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
 from protocol.job_lifecycle import JobLifecycle
+from protocol.job_queue import Room
 from protocol.job_table import LIVE_JOB_STATES, JobTable
 from protocol.joins import Joins
 from protocol.ledger import ResourceLedger
@@ -203,6 +204,19 @@ class MeshCore:
     def job_view(self, jid: bytes) -> dict | None:
         record = self.job_table.get(jid)
         return None if record is None else record.as_dict()
+
+    def pending_report(self, jid: bytes, now_ms: int) -> dict | None:
+        """SPEC.md Q4: a job's pool, queue position, holding quota and estimated start, from
+        this node's job table and the capability vectors it holds."""
+        record = self.job_table.get(jid)
+        if record is None:
+            return None
+        vectors = dict(self.capability.peers)
+        if self.capability.vector is not None:
+            vectors[self.me] = self.capability.vector
+        free = {key: Room(len(cap.gpus_free), cap.cpu_milli_free, cap.mem_mib_free) for key, cap in vectors.items()
+                if key in self.view.stakes}
+        return self.bidding.scheduling.pending_report(record, free, now_ms)
 
     def members(self) -> list[dict]:
         out = []

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("sim", help="run the deterministic fault-injecting simulator",
                                    description=__doc__.splitlines()[0], epilog=examples(
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
-        "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver"))
+        "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
+        "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
@@ -61,6 +62,11 @@ def register(subparsers) -> None:
     parser.add_argument("--fractional", type=float, default=0.0, metavar="P",
                         help="the share of jobs asking for a share of one GPU (resources.gpu_milli), "
                              "most with strategy pack (default 0)")
+    parser.add_argument("--quota-gpus", type=int, default=0, metavar="N",
+                        help="the genesis limits each owner to N GPUs in the default pool (SPEC.md 5.5, Q2; "
+                             "default 0: no quotas); jobs held by it at the end are counted, not stalls")
+    parser.add_argument("--reservations", action="store_true",
+                        help="genesis reservations on: waiting jobs hold capacity, others backfill (SPEC.md Q5)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -109,6 +115,11 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         # Seeds whose newest epoch has 1/3 or more Byzantine stake (honest members evicted):
         # BFT promises no liveness there; their undecided jobs are counted, not violations.
         "liveness_unpromised_seeds": sum(1 for r in results if r.counters.get("liveness_unpromised_jobs")),
+        # --quota-gpus / --reservations (SPEC.md Q2, Q5): jobs waiting by those rules at the
+        # end, and the most an owner held beyond its GPU quota (concurrent placements, Q2).
+        "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
+        "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
+                                             default=0),
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
@@ -134,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
+    if args.quota_gpus < 0:
+        raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
     if args.job_ms < 0 or not 0.0 <= args.fail <= 1.0 or not 0.0 <= args.cancel <= 1.0 \
             or not 0.0 <= args.fractional <= 1.0:
         raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel and --fractional in [0, 1]")
@@ -146,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                          heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms,
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000),
-                         fractional_per_mille=round(args.fractional * 1000))
+                         fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
+                         reservations=args.reservations)
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

@@ -7,6 +7,7 @@ import shutil
 import signal
 
 from meshnode.cli.output import add_json_flag, emit, examples, print_command, progress
+from meshnode.cli.pools_file import load_pools
 from meshnode.control.client import ControlClient
 from meshnode.tui.tables import compact_table, plain_text
 from protocol.errors import MeshError
@@ -33,13 +34,16 @@ def register(subparsers) -> None:
     sub.required = True
     up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected", epilog=examples(
         "meshnode testnet up --nodes 4 --dir net",
-        "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores"))
+        "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores",
+        "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)"))
     up.add_argument("--nodes", type=int, default=4, metavar="N", help="how many nodes (default 4)")
     up.add_argument("--owners", type=int, default=1, metavar="N",
                     help="workload owner keys to create, in DIR/owners/ (default 1)")
     up.add_argument("--no-workloads", action="store_true", help="place jobs but start no processes")
     up.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
                     help="heartbeat period; the detection bound scales with it (6 periods; default 50)")
+    up.add_argument("--pools", metavar="FILE",
+                    help="pools, per-owner quotas and reservations for the genesis (TOML, as jobs/pools/lab.toml)")
     up.add_argument("--netns", action="store_true",
                     help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
     _common(up)
@@ -111,9 +115,12 @@ def render_rows(rows):
 
 def cmd_up(args) -> int:
     params = launcher.params_with_heartbeat(args.heartbeat_ms)
+    scheduling = {}
+    if args.pools:
+        scheduling["pools"], scheduling["reservations"] = load_pools(args.pools)
     with progress(args, "creating the testnet in %s" % args.dir) as shown:
         rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
-                           netns=args.netns, on_step=shown.update)
+                           netns=args.netns, on_step=shown.update, **scheduling)
     layout = launcher.load_layout(args.dir)
 
     def render(console):

@@ -96,7 +96,7 @@ def save_layout(root: Path, layout: dict) -> None:
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
                    rng: random.Random | None = None, metrics: bool = False,
-                   hosts: list[str] | None = None) -> dict:
+                   hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -104,6 +104,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     (same mesh id, keys and attestations); its nodes are not meant for TCP then.
     With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
     nodes run in one process (driver tests) leave it off and bind nothing.
+    ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5).
     With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
     netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
     """
@@ -144,7 +145,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
                               labels={"testnet": name}, addrs=("/ip4/%s/tcp/%d" % (hosts[i], ports[i]),)))
     genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members),
-                      params=params, authorities=(authority.public_key,))
+                      params=params, authorities=(authority.public_key,), pools=pools, reservations=reservations)
     entries = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
@@ -383,7 +384,8 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 
 
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
-       params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None) -> list[dict]:
+       params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None,
+       pools: tuple = (), reservations: bool = False) -> list[dict]:
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
     own; ``on_step(text)`` hears of each step (a CLI's progress line)."""
     if netns:
@@ -391,7 +393,7 @@ def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
     on_step("writing keys, genesis and configs for %d nodes" % nodes)
     hosts = [netns_mod.node_address(i) for i in range(nodes)] if netns else None
     layout = create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True,
-                            hosts=hosts)
+                            hosts=hosts, pools=pools, reservations=reservations)
     try:
         if netns:
             layout["netns"] = netns_mod.plan(layout["mesh_id"], nodes)

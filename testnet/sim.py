@@ -32,7 +32,7 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.messages import Cancel, CommitCertificate, decode_message, encode_message, job_id
+from protocol.messages import Cancel, CommitCertificate, Decline, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
@@ -86,6 +86,11 @@ class SimConfig:
     # That share of the jobs asks for a share of one GPU (SPEC.md P4c), some with strategy
     # ``pack``, so shares of several jobs pile onto one GPU (0: the worlds of before).
     fractional_per_mille: int = 0
+    # > 0: the genesis declares the default pool with this many GPUs per owner (SPEC.md
+    # 5.5, Q2), and ``reservations`` turns Q5 on; a job every honest member holds back by
+    # those rules at the end is counted (``quota_held_jobs``), not a stall.
+    quota_gpus: int = 0
+    reservations: bool = False
 
     @property
     def workloads(self) -> bool:
@@ -111,6 +116,10 @@ class SimConfig:
             line += " --cancel %s" % (self.cancel_per_mille / 1000)
         if self.fractional_per_mille:
             line += " --fractional %s" % (self.fractional_per_mille / 1000)
+        if self.quota_gpus:
+            line += " --quota-gpus %d" % self.quota_gpus
+        if self.reservations:
+            line += " --reservations"
         return line
 
 
@@ -170,7 +179,8 @@ class Simulation:
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
-                                        fractional_per_mille=config.fractional_per_mille)
+                                        fractional_per_mille=config.fractional_per_mille,
+                                        quota_gpus=config.quota_gpus, reservations=config.reservations)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -191,7 +201,7 @@ class Simulation:
         self.messages = 0
         self.node_decisions = 0
         self.counters: dict[str, int] = {"dropped_down": 0, "crashes": 0, "restarts": 0, "resubmits": 0,
-                                         "submit_refused_epoch": 0}
+                                         "submit_refused_epoch": 0, "submit_refused_over_whole_quota": 0}
         self.honest_done: dict[bytes, int] = {}   # instance -> honest nodes that decided it
         self.complete = 0                          # placement instances decided at every honest node
         # Liveness after the heal is owed only in rounds an honest member leads: a Byzantine
@@ -399,6 +409,11 @@ class Simulation:
         if job.epoch > node.core.epoch or job.epoch not in node.core.views:
             # The node refuses it (SPEC.md P2): an owner would sign the job again, as a new job.
             self.counters["submit_refused_epoch"] += 1
+            return
+        if node.core.bidding.scheduling.quotas.never_fits_error(job) is not None:
+            # Refused at submit (SPEC.md Q1: more than the owner's whole quota): it owes no placement.
+            self.counters["submit_refused_over_whole_quota"] += 1
+            self.cancelled.add(self.world.jobs[number].job_id)
             return
         self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
 
@@ -671,6 +686,8 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs if job.job_id not in self.cancelled}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
+        quota_held = self._held_by_scheduling_rules(deciders) - unplaceable
+        unplaceable |= quota_held
         self._close_open_rounds()
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
@@ -692,7 +709,9 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
+            counters=dict(self.counters, unplaceable_jobs=len(unplaceable) - len(quota_held),
+                          quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
+                          liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))
 
     def _check_ledgers(self) -> None:
@@ -773,6 +792,55 @@ class Simulation:
         return frozenset(spec.job_id for spec in self.world.jobs if spec.job_id not in self.checker.placement_of
                          and all(self._declined(n, spec.job_id) and not self.checker.could_host(n, spec.job)
                                  for n in deciders))
+
+    def _held_by_scheduling_rules(self, deciders: list[int]) -> frozenset:
+        """Jobs not placed that every honest member declines, those that could host them (by
+        the checker's own accounting) for the owner's quota or a reservation (SPEC.md Q2,
+        Q5): waiting by design, not a stall."""
+        if not deciders or not (self.config.quota_gpus or self.config.reservations):
+            return frozenset()
+        held = set()
+        for spec in self.world.jobs:
+            if spec.job_id in self.checker.placement_of:
+                continue
+            reasons = [self._decline_reason(n, spec.job_id) for n in deciders]
+            if None in reasons:
+                continue
+            over_quota_everywhere = all(self._over_quota(n, spec.job) for n in deciders)
+            if over_quota_everywhere or all(reason in ("over_quota", "reserved") or not self.checker.could_host(n, spec.job)
+                                            for n, reason in zip(deciders, reasons)):
+                held.add(spec.job_id)
+        return frozenset(held)
+
+    def _over_quota(self, index: int, job) -> bool:
+        """Whether node ``index``'s job table puts ``job`` over its owner's quota (Q2), whatever
+        else the node would answer: capacity freed there would not place it."""
+        core = self.nodes[index].core
+        return core is not None and core.bidding.scheduling.quotas.over_quota(job, core.job_table) is not None
+
+    def _decline_reason(self, index: int, jid: bytes) -> str | None:
+        core = self.nodes[index].core
+        record = core.job_table.get(jid) if core is not None else None
+        answer = core.bidding.mine.get(record.instance, core.bidding.mine.get(jid)) if record is not None else None
+        if answer is None or answer[0] != "decline":
+            return None
+        return decode_message(answer[1], self.mesh_id, expect=Decline)[1].reason
+
+    def _quota_overshoot(self, deciders: list[int]) -> int:
+        """The most any owner's live jobs exceed the GPU quota at the end, in GPU thousandths,
+        by any honest member's table (SPEC.md Q2 allows concurrent placements to)."""
+        cores = [self.nodes[index].core for index in deciders if self.nodes[index].core is not None]
+        quotas = cores[0].bidding.scheduling.quotas if cores else None
+        if quotas is None or not quotas.enabled:
+            return 0
+        worst = 0
+        for core in cores:
+            table = core.job_table
+            for owner in {spec.job.owner for spec in self.world.jobs}:
+                limit = quotas.limit("", owner)
+                if limit is not None:
+                    worst = max(worst, quotas.usage(table, owner, "").gpu_milli - limit.gpu_milli)
+        return worst
 
     def _declined(self, index: int, jid: bytes) -> bool:
         """Whether node ``index`` answered the job's current placement instance with a decline

@@ -92,6 +92,7 @@ class DecisionChecker:
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
         self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
+        self.placing_instances: dict[bytes, list] = {}       # job id -> every instance that placed it (attempts)
         self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
@@ -209,6 +210,7 @@ class DecisionChecker:
             self.first_placement_of.setdefault(jid, instance)
             self.attempt_of.setdefault(jid, placement_attempt(instance, job) or 0)
         self.placement_of[jid] = instance
+        self.placing_instances.setdefault(jid, []).append(instance)
         primary = self.index_of.get(placement.primary)
         backups = [self.index_of.get(b) for b in placement.backups]
         if primary is None or None in backups:
@@ -418,8 +420,10 @@ class DecisionChecker:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
             instance = self.first_placement_of.get(jid)
-            seen = self.decided_at.get(instance, {}) if instance is not None else {}
-            late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
+            # Decided at a node once any attempt's placement is: a node down while the first
+            # attempt was decided, which then failed, learns the job from the next one.
+            seen = [self.decided_at.get(i, {}) for i in self.placing_instances.get(jid, ())]
+            late = [n for n in deciders if all(at.get(n, due_ms + 1) > due_ms for at in seen)]
             if late:
                 late_jobs.append((jid, instance, submitted_ms, late, due_ms))
         return late_jobs

@@ -10,10 +10,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
+from keys.genesis import DEFAULT_PARAMS, Genesis, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity
 from protocol.messages import (Attestation, Constraints, JobManifest, Member, Resources, encode_message,
                                job_id)
+from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.policy import LocalCapacity, NodePolicy
 
 ZONES = ("eu-west", "eu-central", "us-east")
@@ -97,7 +98,10 @@ def choose_byzantine(rng: random.Random, stakes: list[int], fraction_milli: int)
 
 
 def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, submit_window_ms: int,
-                params: ProtocolParams = SIM_PARAMS, fractional_per_mille: int = 0) -> World:
+                params: ProtocolParams = SIM_PARAMS, fractional_per_mille: int = 0, quota_gpus: int = 0,
+                reservations: bool = False) -> World:
+    """``quota_gpus`` > 0: the default pool limits each owner to that many GPUs (SPEC.md 5.5);
+    ``reservations``: Q5 on. Neither draws from ``rng``: a seed's world is the same with them."""
     if n < 1:
         raise ValueError("a mesh needs at least one node")
     authority = _identity(rng)
@@ -127,8 +131,9 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
         nodes.append(NodeSpec(i, identity, stakes[i], zones[i], labels, policy, capacity, attested))
     members = tuple(Member(public_key=s.identity.public_key, stake=s.stake, zone=s.zone, labels=s.labels,
                            addrs=("/sim/%d" % s.index,)) for s in nodes)
+    pools = (Pool(name="", default=Quota(gpu_milli=quota_gpus * MILLI_PER_GPU)),) if quota_gpus else ()
     genesis = Genesis(name="sim-%d" % n, created_ms=GENESIS_MS, members=members, params=params,
-                      authorities=(authority.public_key,))
+                      authorities=(authority.public_key,), pools=pools, reservations=reservations)
     byzantine = choose_byzantine(rng, stakes, byzantine_milli) if byzantine_milli else set()
     honest = [s for s in nodes if s.index not in byzantine]
     mesh_id = genesis.mesh_id  # a property that hashes the whole genesis: compute it once

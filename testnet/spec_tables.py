@@ -22,7 +22,7 @@ import hashlib
 import sys
 from functools import lru_cache
 
-from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams
+from keys.genesis import DEFAULT_PARAMS, Genesis, OwnerQuota, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity, peer_id_bytes
 from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
@@ -41,7 +41,7 @@ VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carr
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis, OutputFile)
+                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and

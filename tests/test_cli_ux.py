@@ -58,7 +58,10 @@ def scripted_node_api() -> ControlApi:
     jobs = [{"job_id": bytes.fromhex(RUNNING_JOB), "name": "train", "state": "running", "declines": {}},
             {"job_id": bytes.fromhex(PENDING_JOB), "name": "eu-only", "state": "pending",
              "declines": {"labels_missing": [bytes([1]) * 32, bytes([2]) * 32]}, "hint": "no eligible bid yet"}]
-    return ControlApi(SimpleNamespace(core=SimpleNamespace(jobs=lambda: jobs)))
+    queue = {"pool": "training", "position": 2, "queue_length": 3, "ahead_with_higher_priority": 1,
+             "quota": "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)",
+             "estimate": {"start_ms": 70_000, "in_ms": 12_500, "reason": "quota frees when job abababab ends"}}
+    return ControlApi(SimpleNamespace(core=SimpleNamespace(jobs=lambda: jobs, pending_report=lambda jid, now: queue)))
 
 
 async def _status(args):
@@ -128,9 +131,13 @@ def test_why_on_a_running_job_says_it_is_running_not_pending(node_dir, capsys):
     assert code == 0 and "is running, not pending" in out and "is pending" not in out
 
 
-def test_why_on_a_pending_job_groups_declines_by_reason(node_dir, capsys):
+def test_why_on_a_pending_job_groups_declines_by_reason(node_dir, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")   # one row per line
     code, out, _err = run(capsys, "why", PENDING_JOB[:8], "--node", node_dir)
     assert code == 0 and "why job cdcdcdcd is pending" in out and "2 nodes: labels missing" in out
+    # SPEC Q3/Q4: the queue position in its pool, the quota holding it, the estimated start
+    assert "2 of 3 in pool 'training' (1 ahead with higher priority)" in out
+    assert "over by 1000" in out and "in 12.5 s (quota frees when job abababab ends)" in out
 
 
 def test_why_on_an_unknown_job_names_the_op_once(node_dir, capsys):

@@ -123,7 +123,10 @@ class FakeNode:
             row["state"] = "cancelled"
             return {"job_id": cancel.job_id.hex()}
         if op == "why":
-            return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory"}
+            return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory",
+                    "queue": {"pool": "", "position": 1, "queue_length": 2, "ahead_with_higher_priority": 0,
+                              "quota": None, "estimate": {"start_ms": None, "in_ms": None,
+                                                          "reason": "unknown: no node frees enough by declared runtimes"}}}
         raise KeyError("unknown op " + op)
 
     async def _serve(self, reader, writer) -> None:
@@ -409,6 +412,7 @@ def test_why_screen_shows_groups_and_hint():
             text = text_of(app, "#why-text")
             assert "1 node: not enough GPU memory (bbbb0002)" in text
             assert "node says: lower gpu memory" in text
+            assert "queue: 1 of 2 in pool default" in text and "estimated start: unknown" in text   # SPEC Q3, Q4
             assert "resources.gpu_mem_mib: lower to <= 24576 MiB (asked 60000)" in text
             await pilot.press("escape")
             await pilot.press("x")  # an owner-signed Cancel, verified by the node

@@ -9,11 +9,12 @@ from rich import box
 from rich.table import Table
 
 from keys.errors import ConfigError
-from keys.genesis import DEFAULT_PARAMS, Genesis, ProtocolParams, load_genesis
+from keys.genesis import DEFAULT_PARAMS, UNLIMITED, Genesis, ProtocolParams, load_genesis
 from keys.identity import peer_id_from_public_key, short_id
 from keys.keystore import write_file_atomic
 from meshnode.cli.keys import parse_key_value, parse_public_key
 from meshnode.cli.output import add_json_flag, emit, examples, key_value_table
+from meshnode.cli.pools_file import load_pools
 from protocol.messages import Member
 
 DEFAULT_ZONE = "zone-a"
@@ -27,7 +28,8 @@ def register(subparsers) -> None:
 
     init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id", epilog=examples(
         "meshnode mesh init --name lab --member node-a.key:100 --member 12D3KooW...:100:zone-b \\\n"
-        "      --member-addr 0:/ip4/10.0.0.5/tcp/4001 --heartbeat-ms 50 --out genesis.bin"))
+        "      --member-addr 0:/ip4/10.0.0.5/tcp/4001 --heartbeat-ms 50 --out genesis.bin",
+        "meshnode mesh init --name lab --member node-a.key:100 --pools jobs/pools/lab.toml --out genesis.bin"))
     init.add_argument("--name", required=True, help="the mesh's name (part of the genesis, so of the mesh id)")
     init.add_argument("--member", action="append", required=True, metavar="KEY:STAKE[:ZONE]",
                       help="a member (repeatable): KEY is a keystore file, 64 hex digits or a peer ID")
@@ -42,6 +44,9 @@ def register(subparsers) -> None:
     for name, ftype in ProtocolParams.SCHEMA.items():
         init.add_argument("--" + name.replace("_", "-"), dest="param_" + name, type=int, default=None,
                           help="protocol parameter, %s (default %d)" % (ftype.describe(), getattr(DEFAULT_PARAMS, name)))
+    init.add_argument("--pools", metavar="FILE",
+                      help="a TOML file naming pools, per-owner quotas and reservations (SPEC.md 5.5; "
+                           "example: jobs/pools/lab.toml)")
     init.add_argument("--out", required=True, metavar="FILE", help="the genesis file to write")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     add_json_flag(init)
@@ -87,13 +92,15 @@ def build_genesis(args: argparse.Namespace) -> Genesis:
     overrides = {name: getattr(args, "param_" + name) for name in ProtocolParams.SCHEMA
                  if getattr(args, "param_" + name) is not None}
     created_ms = args.created_ms if args.created_ms is not None else time.time_ns() // 1_000_000
+    pools, reservations = load_pools(args.pools) if args.pools else ((), False)
     try:
         members = tuple(Member(public_key=parse_public_key(key), stake=stake, zone=zone,
                                labels=tuple(sorted(labels[i].items())), addrs=tuple(addrs[i]))
                         for i, (key, stake, zone) in enumerate(specs))
         params = ProtocolParams(**{**DEFAULT_PARAMS.to_body(), **overrides})
         return Genesis(name=args.name, created_ms=created_ms, members=members, params=params,
-                       authorities=tuple(parse_public_key(a) for a in args.authority))
+                       authorities=tuple(parse_public_key(a) for a in args.authority), pools=pools,
+                       reservations=reservations)
     except ValueError as exc:  # a record's SCHEMA or invariant check names the field
         raise ConfigError("invalid genesis: %s" % exc) from None
 
@@ -107,6 +114,9 @@ def genesis_view(genesis: Genesis) -> dict:
                      "labels": dict(m.labels), "addrs": list(m.addrs)} for m in genesis.members],
         "params": genesis.params.to_body(),
         "authorities": [a.hex() for a in genesis.authorities],
+        "pools": [{"name": pool.name, "default": pool.default.to_body(),
+                   "owners": {short_id(o.owner): o.quota.to_body() for o in pool.owners}} for pool in genesis.pools],
+        "reservations": genesis.reservations,
     }
 
 
@@ -128,6 +138,16 @@ def render_genesis(console, view: dict) -> None:
     # folded id cannot be copied; each gets a line of its own under its node's label.
     console.print(key_value_table("peer ids", [(m["short_id"], m["peer_id"]) for m in view["members"]]))
     console.print(key_value_table("protocol parameters", sorted(view["params"].items())))
+    if view.get("pools") or view.get("reservations"):
+        console.print(key_value_table("pools (SPEC 5.5; reservations %s)" % ("on" if view["reservations"] else "off"), [
+            (repr(pool["name"]) + (" " + owner if owner else ""), _quota_text(quota))
+            for pool in view["pools"]
+            for owner, quota in [("", pool["default"])] + sorted(pool["owners"].items())]))
+
+
+def _quota_text(quota: dict) -> str:
+    parts = ["%s %s" % (name, "unlimited" if value >= UNLIMITED else value) for name, value in sorted(quota.items())]
+    return ", ".join(parts)
 
 
 def cmd_init(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examp
 from meshnode.control.client import ControlClient
 from meshnode.tui.tables import (consensus_table, event_line, evidence_table, format_ms, jobs_table, mesh_table,
                                  node_label, short_job_id)
-from meshnode.tui.why import format_declines, group_declines
+from meshnode.tui.why import format_declines, group_declines, queue_rows
 from protocol.errors import MeshError
 
 COMMANDS = ("run", "status", "nodes", "jobs", "events", "submit", "why", "consensus", "join")
@@ -270,7 +270,8 @@ def render_why(console, result: dict) -> None:
         return
     groups = group_declines(result.get("declines", {}))
     console.print(key_value_table("why job %s is pending" % job, [
-        (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]))
+        (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]
+        + queue_rows(result.get("queue"))))
 
 
 def cmd_join(args) -> int:

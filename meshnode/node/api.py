@@ -199,9 +199,10 @@ class ControlApi:
 
     async def why(self, args) -> dict:
         job = self._one_job(_text_arg(args, "job_id"))
+        queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint")}
+                "hint": job.get("hint"), "queue": queue}
 
     async def certificates(self, args) -> dict:
         """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or

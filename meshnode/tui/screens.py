@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Label, Select, Static
 
 from meshnode.tui.form import DEFAULT_VALUES, FORM_FIELDS, check_form
 from meshnode.tui.tables import short_job_id
-from meshnode.tui.why import format_declines, group_declines, placeable_hint
+from meshnode.tui.why import format_declines, group_declines, placeable_hint, queue_rows
 from protocol.messages import STRATEGIES
 
 HELP_TEXT = """\
@@ -89,6 +89,7 @@ class WhyScreen(ModalScreen):
         node_hint = (self.why or {}).get("hint") or self.job.get("hint")
         if node_hint:
             lines.append("node says: %s" % node_hint)
+        lines.extend("%s: %s" % row for row in queue_rows((self.why or {}).get("queue")))
         lines.append("to place it: %s" % placeable_hint(declines, self.manifest_body, self.nodes))
         with VerticalScroll(classes="dialog"):
             yield Static("\n".join(lines), id="why-text", markup=True)

@@ -27,6 +27,9 @@ REASON_TEXT = {
     "attestation_missing": "attestation missing",
     "node_unhealthy": "node unhealthy",
     "fenced": "node fenced",
+    "over_quota": "owner over its quota in the pool",
+    "unknown_pool": "pool unknown to the mesh",
+    "reserved": "capacity reserved for a job ahead",
 }
 MAX_SHOWN_NODES = 8  # node ids listed per reason; the count says how many more
 
@@ -129,6 +132,13 @@ def _suggest(group: DeclineGroup, job: dict, nodes: list[dict]) -> Suggestion:
         return Suggestion("entrypoint", "use one these nodes allow (not %r)" % job.get("entrypoint", "?"), count)
     if reason == "owner_not_allowed":
         return Suggestion("owner", "ask these operators to allow your key", count)
+    if reason == "over_quota":
+        return Suggestion("", "wait: your jobs in pool %r hold your quota (see queue)"
+                          % job.get("scheduling", {}).get("pool", ""), 0)
+    if reason == "unknown_pool":
+        return Suggestion("scheduling.pool", "name a pool of the mesh (`meshnode mesh show`)", count)
+    if reason == "reserved":
+        return Suggestion("scheduling.max_runtime_ms", "declare a runtime short enough to backfill", count)
     # node_unhealthy, fenced and unknown reasons: nothing in the job can change them
     return Suggestion("", "wait: the nodes themselves are not available", 0)
 
@@ -161,3 +171,22 @@ def placeable_hint(declines: dict, job: dict, nodes: list[dict] = ()) -> str:
     best = suggestions[0]
     noun = "node" if best.unblocks == 1 else "nodes"
     return "%s: %s (would unblock %d %s)" % (best.field, best.change, best.unblocks, noun)
+
+
+def queue_rows(queue: dict | None) -> list[tuple[str, str]]:
+    """Rows for the why-pending view (SPEC.md Q3, Q4): the job's queue position in its
+    pool, the quota that holds it, and its estimated start."""
+    if not queue:
+        return []
+    pool = repr(queue["pool"]) if queue["pool"] else "default"
+    position = "%d of %d in pool %s" % (queue["position"], queue["queue_length"], pool)
+    if queue.get("ahead_with_higher_priority"):
+        position += " (%d ahead with higher priority)" % queue["ahead_with_higher_priority"]
+    estimate = queue["estimate"]
+    if estimate["start_ms"] is None:
+        start = estimate["reason"] if estimate["reason"].startswith(("unknown", "never")) else "unknown: " + estimate["reason"]
+    elif estimate["in_ms"] == 0:
+        start = "now (%s)" % estimate["reason"]
+    else:
+        start = "in %.1f s (%s)" % (estimate["in_ms"] / 1000, estimate["reason"])
+    return [("queue", position), ("quota", queue.get("quota") or "within quota"), ("estimated start", start)]

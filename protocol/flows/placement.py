@@ -77,6 +77,10 @@ class PlacementFlow(ValueFlow):
             raise LocalProtocolError(
                 "the job names epoch %d, which this node %s (it is at epoch %d): sign it again for the "
                 "current epoch" % (job.epoch, "has not reached" if job.epoch > epoch else "no longer holds", epoch))
+        quotas = self.bidding.scheduling.quotas
+        pool_error = quotas.unknown_pool_error(job) or quotas.never_fits_error(job)
+        if pool_error is not None:
+            raise LocalProtocolError("scheduling.pool: " + pool_error)   # Q1: refused before it is sent
         self.on_job(envelope, job, job_envelope, now_ms, out, entry=self.ctx.me)
         record = self.jobs.get(job_id(job))
         out.messages[0:0] = [Outbound(to, job_envelope) for to in self._job_recipients(record)]
@@ -322,7 +326,7 @@ class PlacementFlow(ValueFlow):
         """P3a: capacity or health changed here (an exit, a cancel, a migration, a reservation
         let go, a GPU healthy again): each held placement this node declined is decided afresh,
         and a bid now goes to every member (it ends their hold; the leader proposes with it)."""
-        stamp = (self.ledger.version, self.bidding.capability.health_stamp())
+        stamp = (self.ledger.version, self.bidding.capability.health_stamp(), self.bidding.scheduling.stamp())
         if stamp == self.reconsidered_at_stamp:
             return
         self.reconsidered_at_stamp = stamp
@@ -426,6 +430,7 @@ class PlacementFlow(ValueFlow):
                          fence=attempt * FENCE_PER_ATTEMPT + 1)
         record.state = "placed"
         record.hint = None
+        record.placed_ms = now_ms
         out.events.append(self.ctx.event("placed", now_ms, job_id=jid.hex(), primary=placement.primary.hex(),
                                          fence=record.fence))
         self._replay_evictions_since(record, certificate_epoch, now_ms, out)
