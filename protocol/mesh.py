@@ -231,13 +231,15 @@ class MeshCore:
         job's first deliverer is its entry node, the one that hears its declines, SPEC P3)."""
         out = Ready()
         try:
-            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True, caches=self.ctx.caches)
+            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True, caches=self.ctx.caches,
+                                               channel_sender=sender)
         except RemoteProtocolError:
             self.counters["undecodable"] += 1
             return out
         if envelope.mesh_id != self.mesh_id and not isinstance(message, JobManifest):
             self.counters["any_mesh_not_a_job"] += 1
             return out
+        self.liveness.note_heard(sender if sender is not None else envelope.signer)
         handler = self._handlers.get(type(message))
         if handler is None:
             self.counters["unexpected_kind"] += 1
