@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from protocol.failure_detector import FailureDetector
 from protocol.messages import Heartbeat, Suspicion, SyncRequest
-from protocol.monitors import monitors_of, subjects_of
+from protocol.monitors import monitor_assignment, subjects_in
 from protocol.ready import Outbound, Ready, local_decision
 
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
@@ -84,8 +84,8 @@ class Liveness:
         view = self.epochs.view
         digest, monitors, subjects = self._monitor_cache
         if digest != view.digest:
-            monitors = monitors_of(view.members, self.ctx.me)
-            subjects = subjects_of(view.members, self.ctx.me)
+            assignment = monitor_assignment(view.members)
+            monitors, subjects = assignment.get(self.ctx.me, ()), subjects_in(assignment, self.ctx.me)
             self._monitor_cache = (view.digest, monitors, subjects)
         return monitors, subjects
 

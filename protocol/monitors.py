@@ -25,9 +25,6 @@ import hashlib
 
 MONITORS_PER_MEMBER = 4
 RING_DOMAIN = b"meshnode/monitor-ring"
-_CACHE_LIMIT = 16   # memberships whose assignment is kept (a core holds at most a few views)
-
-_assignments: dict[tuple, dict[bytes, tuple]] = {}
 
 
 def ring_position(ring: int, key: bytes) -> bytes:
@@ -35,12 +32,9 @@ def ring_position(ring: int, key: bytes) -> bytes:
 
 
 def monitor_assignment(members, k: int = MONITORS_PER_MEMBER) -> dict[bytes, tuple]:
-    """Subject -> its monitors (in ring order), for every member of ``members``."""
+    """Subject -> its monitors (in ring order), for every member of ``members``. O(k n log n):
+    a caller keeps the result for as long as the membership holds (liveness.py, per view)."""
     members = tuple(sorted(members))
-    cache_key = (members, k)
-    cached = _assignments.get(cache_key)
-    if cached is not None:
-        return cached
     n = len(members)
     k = max(0, min(k, n - 1))
     chosen: dict[bytes, list] = {key: [] for key in members}
@@ -53,19 +47,9 @@ def monitor_assignment(members, k: int = MONITORS_PER_MEMBER) -> dict[bytes, tup
                 if candidate not in picked:
                     picked.append(candidate)
                     break
-    assignment = {key: tuple(picked) for key, picked in chosen.items()}
-    if len(_assignments) >= _CACHE_LIMIT:
-        _assignments.clear()
-    _assignments[cache_key] = assignment
-    return assignment
+    return {key: tuple(picked) for key, picked in chosen.items()}
 
 
-def monitors_of(members, subject: bytes, k: int = MONITORS_PER_MEMBER) -> tuple:
-    """The members that watch ``subject`` (empty if it is no member)."""
-    return monitor_assignment(members, k).get(subject, ())
-
-
-def subjects_of(members, monitor: bytes, k: int = MONITORS_PER_MEMBER) -> tuple:
-    """The members ``monitor`` watches, sorted by key."""
-    assignment = monitor_assignment(members, k)
+def subjects_in(assignment: dict, monitor: bytes) -> tuple:
+    """The members ``monitor`` watches under ``assignment``, sorted by key."""
     return tuple(subject for subject in sorted(assignment) if monitor in assignment[subject])
