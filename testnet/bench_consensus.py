@@ -213,8 +213,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     """Start a testnet, measure, tear it down; one JSON-ready result.
 
     ``heartbeat_ms``: run the testnet with that heartbeat period and a detection bound of
-    the same multiple of it as the defaults (6x). Every member heartbeats every other, so
-    idle cost grows with n^2; larger meshes on few cores need a longer period.
+    the same multiple of it as the defaults (6x).
     ``slot_ms``: the genesis ``placement_slot_ms`` (SPEC.md P7); jobs are then signed as
     they are submitted, so their creation times fall in the slots of their submission."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
