@@ -12,9 +12,7 @@ is always torn down (try/finally, Ctrl-C included).
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ import trio
 from protocol.errors import MeshError
 from protocol.monitors import MONITORS_PER_MEMBER
 from testnet import launcher
-from testnet.bench_consensus import process_cpu_s, subscribe
+from testnet.bench_consensus import process_cpu_s, subscribe, tear_down
 from testnet.bench_stats import machine_info
 
 WARMUP_S = 5.0
@@ -86,12 +84,7 @@ def run_idle_bench(nodes: int, seconds: float, *, root=None, keep: bool = False,
         raw = trio.run(measure_idle, launcher.load_layout(root), seconds)
         failed = False
     finally:
-        if (root / launcher.LAYOUT_FILE).exists():
-            launcher.down(root)
-        if failed or keep:
-            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        tear_down(root, failed, keep)
     cpu = raw["cpu_s"]
     per_s = [c / raw["elapsed_s"] for c in cpu]
     return {

@@ -250,3 +250,27 @@ def test_a_heartbeat_counts_only_unsigned_and_from_its_sender():
     core.step(unsigned, 0, b)
     assert core.detector.is_watched(b)
     assert decode_message(unsigned, mesh.genesis.mesh_id, channel_sender=b)[0].signature == b""
+
+
+def test_after_a_pause_a_non_subjects_first_heartbeat_does_not_end_the_halt():
+    """F3: a member we watch no heartbeats of may have one waiting in our sockets (an answer
+    to our last sync): its first one read after the halt is only the reference."""
+    mesh = Mesh(16)
+    mesh.run(500)
+    sleeper = mesh.keys[2]
+    core = mesh.cores[sleeper]
+    mesh.paused.add(sleeper)
+    mesh.run(400)
+    mesh.held[sleeper].clear()   # its subjects' heartbeats sent late in the pause would count (F3)
+    mesh.resume(sleeper)
+    assert core.halted
+    gap = core.liveness.halt_gap_ms
+    # A member it never read a heartbeat from (not a subject, and no sync answer came from it).
+    stranger = next(k for k in mesh.keys if k != sleeper and k not in core.liveness.subjects()
+                    and k not in core.liveness.peer_beat_sent_ms)
+    beat = lambda sent_ms: mesh.cores[stranger].ctx.unsigned(Heartbeat(epoch=0, seq=sent_ms, sent_ms=sent_ms))
+    core.step(beat(mesh.now), mesh.now, stranger)
+    assert core.halted
+    later = mesh.now + gap - PERIOD
+    ready = core.step(beat(later), later, stranger)
+    assert not core.halted and any(d.value_kind == "resume" for d in ready.decisions)
