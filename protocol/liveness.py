@@ -73,7 +73,6 @@ class Liveness:
         # Since when members never heard from count as unresponsive leaders (SPEC F4): our
         # start or our entry into the current epoch, whichever came last.
         self.unheard_since_ms = now_ms
-        self.heard: set[bytes] = set()          # members any message came from (F4: the others are "unheard")
         self.watched_on_suspicion: set[bytes] = set()   # non-subjects watched because a member suspects them
         self.refute_until_ms: int | None = None  # while suspected: heartbeat every member until then (F1)
         self.refuted_ms: int | None = None
@@ -96,11 +95,6 @@ class Liveness:
     def subjects(self) -> tuple:
         """The members whose heartbeats we receive and watch."""
         return self._monitoring()[1]
-
-    def note_heard(self, key: bytes) -> None:
-        """Any valid message came from ``key`` (F4: a member never heard at all is unresponsive)."""
-        if key not in self.heard and key in self.epochs.view.stakes:
-            self.heard.add(key)
 
     def is_suspected(self, key: bytes) -> bool:
         return self.ctx.heartbeats and self.detector.is_suspected(key, self.last_tick_ms)
@@ -226,7 +220,9 @@ class Liveness:
         # A halted node suspects nobody (F3): after its pause every peer looks silent to it.
         view = self.epochs.view
         suspected = {peer for peer, _silent in self.detector.suspects(now_ms)}
-        unheard = {key for key in view.members if key != self.ctx.me and key not in self.heard}
+        # Never heard: a subject (F1a) whose heartbeat never came. Other members send us no
+        # heartbeat at all; their silence is their monitors' to notice.
+        unheard = {key for key in self.subjects() if not self.detector.is_watched(key)}
         heard_stake = view.total_stake - view.stake_of(suspected | unheard)
         if not view.is_quorum_stake(heard_stake):
             # We hear less than a quorum: most likely we are the one cut off, and skipping
@@ -372,8 +368,8 @@ class Liveness:
         as if last heard when the suspicion says, but at least CONFIRM_PERIODS periods from
         now: time for the suspect, if alive, to hear the suspicion and refute it to us."""
         suspect = suspicion.suspect
-        if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect):
-            return
+        if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
+            return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
         confirm_ms = CONFIRM_PERIODS * self.ctx.params.heartbeat_ms
         silent_ms = min(suspicion.silent_ms, max(0, self.detector.suspect_by_ms - confirm_ms))
         self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms)
@@ -437,7 +433,6 @@ class Liveness:
             if key not in self.epochs.view.stakes:
                 self.detector.forget(key)
                 self.peer_beat_sent_ms.pop(key, None)
-                self.heard.discard(key)
         # F1a: the new membership may give us other subjects; the ones we no longer watch stop
         # heartbeating us, and their silence means nothing now.
         subjects = set(self.subjects())

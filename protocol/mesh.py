@@ -239,7 +239,6 @@ class MeshCore:
         if envelope.mesh_id != self.mesh_id and not isinstance(message, JobManifest):
             self.counters["any_mesh_not_a_job"] += 1
             return out
-        self.liveness.note_heard(sender if sender is not None else envelope.signer)
         handler = self._handlers.get(type(message))
         if handler is None:
             self.counters["unexpected_kind"] += 1
