@@ -179,7 +179,8 @@ class Liveness:
         if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
             self.heartbeat_sent_ms = now_ms
             self.heartbeat_seq += 1
-            self._send_heartbeat(now_ms, out, refuting=self.refute_until_ms is not None and now_ms < self.refute_until_ms)
+            refuting = self.refute_until_ms is not None and now_ms < self.refute_until_ms
+            self._send_heartbeat(now_ms, out, refuting)
         if self.halted or paused:
             # A node that may be stale suspects nobody; nor does one just back from a pause
             # it need not halt for: the heartbeats that waited in its sockets are not read yet.

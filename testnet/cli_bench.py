@@ -134,7 +134,8 @@ def cmd_failover(args) -> int:
 def cmd_idle(args) -> int:
     from testnet.bench_idle import run_idle_bench
     _interrupt_on_sigterm()
-    result = run_idle_bench(args.nodes, args.seconds, root=args.dir, keep=args.keep, heartbeat_ms=args.heartbeat_ms)
+    result = run_idle_bench(args.nodes, args.seconds, root=args.dir, keep=args.keep,
+                            heartbeat_ms=args.heartbeat_ms)
     _print(result)
     return 0 if result["evictions"] == 0 else 1
 
