@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from protocol.caches import CoreCaches
-from protocol.messages import encode_message
+from protocol.messages import encode_message, encode_unsigned
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Event
 
@@ -40,6 +40,10 @@ class NodeContext:
     def sign(self, message) -> bytes:
         """``message`` in a signed envelope of this mesh, ready for the wire."""
         return encode_message(self.identity, self.mesh_id, message, caches=self.caches)
+
+    def unsigned(self, message) -> bytes:
+        """``message`` (a channel-authenticated kind: a heartbeat) with no signature (SPEC.md F1)."""
+        return encode_unsigned(self.me, self.mesh_id, message)
 
     @staticmethod
     def event(kind: str, now_ms: int, **detail) -> Event:

@@ -19,6 +19,10 @@ from protocol.errors import RemoteProtocolError
 PROTOCOL_VERSION = 1
 SIGNATURE_DOMAIN = b"meshnode/v1/sig\x00"
 ANY_MESH = bytes(32)  # a job signed without a genesis at hand (SPEC.md 4.2)
+# Kinds the transport's handshake authenticates (SPEC.md 2.2, F1): they travel with an
+# empty signature and count only from the peer that delivered them. A heartbeat is never
+# forwarded as evidence, so an Ed25519 signature on it bought nothing but CPU.
+CHANNEL_AUTHENTICATED_KINDS = frozenset({"heartbeat"})
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,15 @@ def seal(identity: SigningIdentity, mesh_id: bytes, kind: str, body: dict, *,
     return envelope
 
 
+def seal_unsigned(public_key: bytes, mesh_id: bytes, kind: str, body: dict) -> Envelope:
+    """An envelope of a channel-authenticated kind: ``signer`` names the sender, the
+    signature is empty, and only the peer the channel authenticated as ``signer`` may
+    deliver it (open_envelope's ``channel_sender``)."""
+    if kind not in CHANNEL_AUTHENTICATED_KINDS:
+        raise ValueError("only %s travel unsigned" % ", ".join(sorted(CHANNEL_AUTHENTICATED_KINDS)))
+    return Envelope(mesh_id, kind, body, public_key, b"")
+
+
 def _verify(signer: bytes, message: bytes, signature: bytes, caches: CoreCaches | None) -> None:
     """Raise RemoteProtocolError unless ``signature`` is ``signer``'s over ``message``.
     A verdict is a pure function of its inputs: ``caches.signatures`` remembers the valid
@@ -101,8 +114,11 @@ def _signed_part(data: bytes, version: int, mesh_id: bytes, kind: str, body: dic
 
 
 def open_envelope(data: bytes, mesh_id: bytes, max_bytes: int = codec.MAX_FRAME_BYTES,
-                  allow_any_mesh: bool = False, *, caches: CoreCaches | None = None) -> Envelope:
-    """Decode and verify an envelope for ``mesh_id``. Raises RemoteProtocolError on any fault."""
+                  allow_any_mesh: bool = False, *, caches: CoreCaches | None = None,
+                  channel_sender: bytes | None = None) -> Envelope:
+    """Decode and verify an envelope for ``mesh_id``. Raises RemoteProtocolError on any fault.
+    ``channel_sender``: the key the transport authenticated the delivering peer as; an
+    envelope of a channel-authenticated kind is accepted only unsigned and from that peer."""
     value = codec.unpack(data, max_bytes)
     data = bytes(data)
     if not isinstance(value, list) or len(value) != 6:
@@ -118,8 +134,14 @@ def open_envelope(data: bytes, mesh_id: bytes, max_bytes: int = codec.MAX_FRAME_
         raise RemoteProtocolError("envelope: kind must be text and body a map")
     if not isinstance(signer, bytes) or not isinstance(signature, bytes):
         raise RemoteProtocolError("envelope: signer and signature must be bin")
-    message = _signed_part(data, version, env_mesh, kind, body, signer, signature)
-    _verify(signer, message, signature, caches)
+    if kind in CHANNEL_AUTHENTICATED_KINDS:
+        if signature != b"":
+            raise RemoteProtocolError("envelope: a %s carries no signature (the channel authenticates it)" % kind)
+        if channel_sender is None or signer != channel_sender:
+            raise RemoteProtocolError("envelope: a %s counts only from the peer that sent it" % kind)
+    else:
+        message = _signed_part(data, version, env_mesh, kind, body, signer, signature)
+        _verify(signer, message, signature, caches)
     envelope = Envelope(env_mesh, kind, body, signer, signature, version)
     object.__setattr__(envelope, "_wire", data)  # canonical: unpack re-encoded it to these bytes
     return envelope

@@ -71,10 +71,12 @@ class FailureDetector:
         self.min_silence_ms = min_silence_ms
         self._peers: dict[bytes, _PeerHistory] = {}
 
-    def track(self, peer: bytes, now_ms: int) -> None:
-        """Start watching ``peer`` as if it had just been heard (it joined, or we started)."""
+    def track(self, peer: bytes, now_ms: int, last_heard_ms: int | None = None) -> None:
+        """Start watching ``peer`` as if it had just been heard (it joined, or we started), or,
+        with ``last_heard_ms``, as if it had been heard then (a member another one suspects)."""
         if peer not in self._peers:
-            self._peers[peer] = _PeerHistory(last_ms=now_ms, threshold_ms=self.suspect_by_ms)
+            heard = now_ms if last_heard_ms is None else min(now_ms, last_heard_ms)
+            self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=self.suspect_by_ms)
 
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)

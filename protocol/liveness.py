@@ -1,17 +1,23 @@
 """Liveness: heartbeats, failure detection, suspicion, self-fencing and catch-up sync
 (SPEC.md 7, rules F1-F4, F6).
 
-Every member heartbeats every HEARTBEAT_MS; the failure detector (failure_detector.py)
-turns silence into suspicion; a signed suspicion from more than a third of the stake
-starts the epoch's change (flows/epoch_change.py), which decides the eviction. A node
-that was itself paused past the detection bound halts its workloads (F3) until a current
-member's fresh heartbeat shows it was not evicted.
+Every member heartbeats its k monitors (monitors.py) every heartbeat_ms, unsigned (the
+channel authenticates them); the failure detector (failure_detector.py) turns a subject's
+silence into suspicion. A member that receives a suspicion of a member it does not watch
+watches it from then on, counting it silent since the suspicion said (but for at least
+CONFIRM_PERIODS heartbeat periods of its own), and the suspect, if alive, answers every
+suspicion of itself by heartbeating every member for a while (a refutation, as in SWIM):
+so a suspicion from more than a third of the stake, which starts the epoch's change
+(flows/epoch_change.py), still means that much stake found the member silent itself. A
+node that was itself paused past the detection bound halts its workloads (F3) until a
+current member's fresh heartbeat shows it was not evicted.
 """
 
 from __future__ import annotations
 
 from protocol.failure_detector import FailureDetector
 from protocol.messages import Heartbeat, Suspicion, SyncRequest
+from protocol.monitors import monitor_assignment, subjects_in
 from protocol.ready import Outbound, Ready, local_decision
 
 SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
@@ -22,6 +28,7 @@ SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is n
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
+CONFIRM_PERIODS = 2            # a member told of a suspicion watches the suspect itself this many periods first
 
 
 class Liveness:
@@ -62,9 +69,32 @@ class Liveness:
         self.sync_sent_ms = now_ms
         self.peer_beat_sent_ms: dict[bytes, int] = {}    # member -> sent_ms of its latest heartbeat
         self.fresh_beat_after_ms: dict[bytes, int] = {}  # while halted: member -> sent_ms that proves news
+        self.halt_gap_ms: int | None = None   # the pause that halted us (None: not halted, or the restart hold)
         # Since when members never heard from count as unresponsive leaders (SPEC F4): our
         # start or our entry into the current epoch, whichever came last.
         self.unheard_since_ms = now_ms
+        self.watched_on_suspicion: set[bytes] = set()   # non-subjects watched because a member suspects them
+        self.refute_until_ms: int | None = None  # while suspected: heartbeat every member until then (F1)
+        self.refuted_ms: int | None = None
+        self._monitor_cache: tuple = (None, (), ())   # (view digest, my monitors, my subjects)
+
+    # --- who watches whom (SPEC F1a) --------------------------------------------------------------
+    def _monitoring(self) -> tuple:
+        view = self.epochs.view
+        digest, monitors, subjects = self._monitor_cache
+        if digest != view.digest:
+            assignment = monitor_assignment(view.members)
+            monitors, subjects = assignment.get(self.ctx.me, ()), subjects_in(assignment, self.ctx.me)
+            self._monitor_cache = (view.digest, monitors, subjects)
+        return monitors, subjects
+
+    def monitors(self) -> tuple:
+        """The members our heartbeats go to: they watch us."""
+        return self._monitoring()[0]
+
+    def subjects(self) -> tuple:
+        """The members whose heartbeats we receive and watch."""
+        return self._monitoring()[1]
 
     def is_suspected(self, key: bytes) -> bool:
         return self.ctx.heartbeats and self.detector.is_suspected(key, self.last_tick_ms)
@@ -142,14 +172,15 @@ class Liveness:
             # one we had seen: i.e. after we resumed and asked for a sync.
             self.fresh_beat_after_ms = {peer: sent + gap - params.heartbeat_ms
                                         for peer, sent in self.peer_beat_sent_ms.items()}
+            self.halt_gap_ms = gap
             out.decisions.append(local_decision("halt", ()))
             out.events.append(ctx.event("self_fence_check", now_ms, gap_ms=gap, epoch=epochs.epoch))
             out.messages.append(Outbound(None, ctx.sign(SyncRequest(epoch=epochs.epoch))))
         if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
             self.heartbeat_sent_ms = now_ms
             self.heartbeat_seq += 1
-            beat = Heartbeat(epoch=epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
-            out.messages.append(Outbound(None, ctx.sign(beat)))
+            refuting = self.refute_until_ms is not None and now_ms < self.refute_until_ms
+            self._send_heartbeat(now_ms, out, refuting)
         if self.halted or paused:
             # A node that may be stale suspects nobody; nor does one just back from a pause
             # it need not halt for: the heartbeats that waited in its sockets are not read yet.
@@ -172,6 +203,15 @@ class Liveness:
             self.epoch_changes.start(epochs.view, now_ms, out)
         self._skip_unresponsive_leaders(now_ms, out)
 
+    def _send_heartbeat(self, now_ms: int, out: Ready, refuting: bool) -> None:
+        """SPEC F1: to our monitors; to every member while a suspicion of us is fresh."""
+        data = self.ctx.unsigned(Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms))
+        monitors = self.monitors()
+        if refuting or len(monitors) >= len(self.epochs.view.members) - 1:
+            out.messages.append(Outbound(None, data))
+        else:
+            out.messages.extend(Outbound(monitor, data) for monitor in monitors)
+
     def unresponsive_members(self, now_ms: int) -> set[bytes]:
         """SPEC F4: the members whose rounds we skip: suspected ones, and, once a suspicion
         threshold has passed since we started or entered this epoch, the ones never heard at all
@@ -181,7 +221,9 @@ class Liveness:
         # A halted node suspects nobody (F3): after its pause every peer looks silent to it.
         view = self.epochs.view
         suspected = {peer for peer, _silent in self.detector.suspects(now_ms)}
-        unheard = {key for key in view.members if key != self.ctx.me and not self.detector.is_watched(key)}
+        # Never heard: a subject (F1a) whose heartbeat never came. Other members send us no
+        # heartbeat at all; their silence is their monitors' to notice.
+        unheard = {key for key in self.subjects() if not self.detector.is_watched(key)}
         heard_stake = view.total_stake - view.stake_of(suspected | unheard)
         if not view.is_quorum_stake(heard_stake):
             # We hear less than a quorum: most likely we are the one cut off, and skipping
@@ -218,27 +260,44 @@ class Liveness:
             self.answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
             return
         was_silent = self.ctx.heartbeats and self.detector.is_suspected(signer, now_ms)
-        self.detector.heartbeat(signer, now_ms)
+        if self.detector.is_watched(signer) or signer in self.subjects():
+            # Only those we watch: another member's heartbeat (a sync answer, a refutation after
+            # its suspicions lapsed) would start a watch that its silence then turns into suspicion.
+            self.detector.heartbeat(signer, now_ms)
         if was_silent and epochs.is_member() and not self.halted:
             # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
             # either side missed meanwhile (decisions, exits) is asked for now, not at the
             # next anti-entropy round.
             out.messages.append(Outbound(signer, self.ctx.sign(SyncRequest(epoch=epochs.epoch))))
-        fresh = beat.sent_ms >= self.fresh_beat_after_ms.get(signer, beat.sent_ms)
+        fresh = self.halted and self._fresh_after_halt(signer, beat.sent_ms)
         # The latest, not the greatest: a restarted peer's clock may start anywhere.
         self.peer_beat_sent_ms[signer] = beat.sent_ms
         if self.halted and fresh and beat.epoch >= epochs.epoch and epochs.is_member():
             # SPEC F3: a current peer's heartbeat after catching up: we were not evicted.
             self.halted = False
             self.fresh_beat_after_ms = {}
+            self.halt_gap_ms = None
             out.decisions.append(local_decision("resume", self._my_live_jobs()))
             out.events.append(self.ctx.event("self_fence_clear", now_ms, epoch=epochs.epoch))
+
+    def _fresh_after_halt(self, member: bytes, sent_ms: int) -> bool:
+        """SPEC F3: whether a heartbeat read while halted was sent after we resumed. A member
+        we had no heartbeat from before the pause (not one of our subjects, F1a) may have one
+        waiting in our sockets all the same (an answer to our last sync): its first one read
+        now is its reference, as if it had been read before the pause."""
+        after = self.fresh_beat_after_ms.get(member)
+        if after is None:
+            if self.halt_gap_ms is None:
+                return True   # the restart hold: nothing sent to our previous run reaches this one
+            self.fresh_beat_after_ms[member] = sent_ms + self.halt_gap_ms - self.ctx.params.heartbeat_ms
+            return False
+        return sent_ms >= after
 
     def on_sync_request(self, envelope, request: SyncRequest, data, now_ms: int, out: Ready) -> None:
         self.answer_sync(envelope.signer, request.epoch, now_ms, out)
         if envelope.signer in self.epochs.view.stakes and request.epoch >= self.epochs.epoch:
             beat = Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
-            out.messages.append(Outbound(envelope.signer, self.ctx.sign(beat)))
+            out.messages.append(Outbound(envelope.signer, self.ctx.unsigned(beat)))
 
     def answer_sync(self, peer: bytes, since_epoch: int, now_ms: int, out: Ready) -> None:
         last = self.sync_answered_ms.get(peer)
@@ -289,7 +348,33 @@ class Liveness:
         if envelope.signer not in self.epochs.view.stakes or suspicion.epoch != self.epochs.epoch:
             self.ctx.counters["suspicion_stale"] += 1
             return
+        if self.ctx.heartbeats and self.epochs.is_member():
+            if suspicion.suspect == self.ctx.me:
+                self._refute(now_ms, out)
+            else:
+                self._watch_suspect(suspicion, now_ms)
         self._record_suspicion(envelope.signer, suspicion, data, now_ms, out)
+
+    def _refute(self, now_ms: int, out: Ready) -> None:
+        """SPEC F1: we are suspected, so we are alive and heard by too few: heartbeat every
+        member now (at most once a period) and each period while the suspicion may count."""
+        params = self.ctx.params
+        self.refute_until_ms = now_ms + SUSPICION_FRESH_BOUNDS * params.detection_bound_ms
+        if self.refuted_ms is None or now_ms - self.refuted_ms >= params.heartbeat_ms:
+            self.refuted_ms = now_ms
+            self._send_heartbeat(now_ms, out, refuting=True)
+
+    def _watch_suspect(self, suspicion: Suspicion, now_ms: int) -> None:
+        """SPEC F4: a member another one suspects, that we do not watch, we watch from now on,
+        as if last heard when the suspicion says, but at least CONFIRM_PERIODS periods from
+        now: time for the suspect, if alive, to hear the suspicion and refute it to us."""
+        suspect = suspicion.suspect
+        if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
+            return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
+        confirm_ms = CONFIRM_PERIODS * self.ctx.params.heartbeat_ms
+        silent_ms = min(suspicion.silent_ms, max(0, self.detector.suspect_by_ms - confirm_ms))
+        self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms)
+        self.watched_on_suspicion.add(suspect)
 
     def _record_suspicion(self, signer: bytes, suspicion: Suspicion, data: bytes, now_ms: int, out: Ready) -> None:
         suspect, view = suspicion.suspect, self.epochs.view
@@ -311,6 +396,13 @@ class Liveness:
             if not heard:
                 del self.suspicion_heard_ms[suspect]
                 self.suspicions.pop(suspect, None)
+                self._unwatch_unless_subject(suspect)
+
+    def _unwatch_unless_subject(self, member: bytes) -> None:
+        if member in self.watched_on_suspicion:
+            self.watched_on_suspicion.discard(member)
+            if member not in self.subjects():
+                self.detector.forget(member)
 
     def suspicion_justification(self, suspect: bytes) -> tuple:
         by = self.suspicions.get(suspect, {})
@@ -342,11 +434,20 @@ class Liveness:
             if key not in self.epochs.view.stakes:
                 self.detector.forget(key)
                 self.peer_beat_sent_ms.pop(key, None)
+        # F1a: the new membership may give us other subjects; the ones we no longer watch stop
+        # heartbeating us, and their silence means nothing now.
+        subjects = set(self.subjects())
+        for key in self.detector.peers():
+            if key not in subjects:
+                self.detector.forget(key)
+        self.watched_on_suspicion.clear()
+        self.refute_until_ms = None
         self.suspicions.clear()
         self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
 
     def on_evicted(self) -> None:
         self.halted, self.fresh_beat_after_ms = False, {}  # nothing left to hold: its jobs moved
+        self.halt_gap_ms = None
         for key in self.detector.peers():  # their silence towards a non-member means nothing
             self.detector.forget(key)

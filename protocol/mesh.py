@@ -249,7 +249,8 @@ class MeshCore:
         job's first deliverer is its entry node, the one that hears its declines, SPEC P3)."""
         out = Ready()
         try:
-            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True, caches=self.ctx.caches)
+            envelope, message = decode_message(data, self.mesh_id, allow_any_mesh=True, caches=self.ctx.caches,
+                                               channel_sender=sender)
         except RemoteProtocolError:
             self.counters["undecodable"] += 1
             return out

@@ -207,14 +207,23 @@ async def measure(layout: dict, signed: list, concurrency: int,
             "node_idle_cpu_cores": idle_cores}
 
 
+def tear_down(root: Path, failed: bool, keep: bool) -> None:
+    """Stop the testnet in ``root``; keep its directory (node logs) if the run failed or ``keep``."""
+    if (root / launcher.LAYOUT_FILE).exists():
+        launcher.down(root)
+    if failed or keep:
+        print("bench: testnet directory kept at %s" % root, file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
                         seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
                         heartbeat_ms: int | None = None, slot_ms: int = 0) -> dict:
     """Start a testnet, measure, tear it down; one JSON-ready result.
 
     ``heartbeat_ms``: run the testnet with that heartbeat period and a detection bound of
-    the same multiple of it as the defaults (6x). Every member heartbeats every other, so
-    idle cost grows with n^2; larger meshes on few cores need a longer period.
+    the same multiple of it as the defaults (6x).
     ``slot_ms``: the genesis ``placement_slot_ms`` (SPEC.md P7); jobs are then signed as
     they are submitted, so their creation times fall in the slots of their submission."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
@@ -242,12 +251,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         raw = trio.run(measure, layout, signed, concurrency, job_timeout_s, bool(slot_ms))
         failed = False
     finally:
-        if (root / launcher.LAYOUT_FILE).exists():
-            launcher.down(root)
-        if failed or keep:
-            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        tear_down(root, failed, keep)
     decided = len(raw["latencies_ms"])
     return {
         "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,

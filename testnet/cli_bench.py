@@ -53,6 +53,20 @@ def register(subparsers) -> None:
     _common(failover)
     failover.set_defaults(func=cmd_failover)
 
+    idle = sub.add_parser("idle", help="idle CPU per node process, and suspicions or evictions while idle",
+                          epilog=examples(
+        "meshnode bench idle --nodes 16 --seconds 60 --json",
+        "meshnode bench idle --nodes 4 --seconds 60 --heartbeat-ms 100 --json"))
+    idle.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+    idle.add_argument("--seconds", type=float, default=60.0, metavar="S",
+                      help="how long CPU is measured, after a 5 s warm-up (default 60)")
+    idle.add_argument("--heartbeat-ms", type=int, default=None, metavar="MS",
+                      help="genesis heartbeat period (detection bound scales with it; default 50)")
+    idle.add_argument("--dir", default=None, metavar="DIR", help="testnet directory (default: a new temporary one)")
+    idle.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
+    idle.add_argument("--json", action="store_true", help="accepted for symmetry: the result is always one JSON object")
+    idle.set_defaults(func=cmd_idle)
+
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
                              epilog=examples("meshnode testnet up --nodes 4 --dir net",
@@ -115,6 +129,15 @@ def cmd_failover(args) -> int:
     _print(result)
     clean = result["lost_workloads"] == 0 and result["double_runs"] == 0 and result["aborted"] is None
     return 0 if clean else 1
+
+
+def cmd_idle(args) -> int:
+    from testnet.bench_idle import run_idle_bench
+    _interrupt_on_sigterm()
+    result = run_idle_bench(args.nodes, args.seconds, root=args.dir, keep=args.keep,
+                            heartbeat_ms=args.heartbeat_ms)
+    _print(result)
+    return 0 if result["evictions"] == 0 else 1
 
 
 def cmd_hostile(args) -> int:

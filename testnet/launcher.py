@@ -373,8 +373,8 @@ def wait_ready(root, timeout_s: float = READY_TIMEOUT_S, indices=None) -> list[d
 
 def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEFAULT_PARAMS) -> ProtocolParams:
     """``params`` with a heartbeat period of ``heartbeat_ms`` and a detection bound the same
-    multiple of it as the defaults' (6x). Every member heartbeats every other, so a mesh's
-    idle cost grows with n^2: a larger testnet on few cores needs a longer period."""
+    multiple of it as the defaults' (6x): a lighter idle load on few cores, at the price of
+    slower detection."""
     if heartbeat_ms is None:
         return params
     if not 10 <= heartbeat_ms <= 10_000:

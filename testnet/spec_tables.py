@@ -26,7 +26,7 @@ from keys.genesis import DEFAULT_PARAMS, Genesis, OwnerQuota, Pool, ProtocolPara
 from keys.identity import SigningIdentity, peer_id_bytes
 from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
-from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
+from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, GpuState, Join, Member, MembershipChange, Migration,
@@ -281,6 +281,9 @@ def render_nested_envelopes() -> str:
 def vector_for(kind: str) -> dict[str, str]:
     identity = vector_identity()
     body = sample_message(kind).to_body()
+    if kind in CHANNEL_AUTHENTICATED_KINDS:   # no signing input, an empty signature (2.2)
+        envelope = seal_unsigned(identity.public_key, vector_mesh_id(), kind, body)
+        return {"kind": kind, "body": codec.pack(body).hex(), "envelope": envelope.encode().hex()}
     envelope = seal(identity, vector_mesh_id(), kind, body)
     return {
         "kind": kind,

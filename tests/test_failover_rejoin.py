@@ -26,7 +26,7 @@ from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (Constraints, Eviction, Heartbeat, Join, JobManifest, Member, Proposal, Resources,
-                               Suspicion, decode_message, encode_message, job_id)
+                               Suspicion, decode_message, encode_message, encode_unsigned, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 
 IDS = [SigningIdentity(hashlib.sha256(b"failover-node-%d" % i).digest()) for i in range(4)]
@@ -98,17 +98,18 @@ class Net:
             if self.lose(src, message.data):
                 continue
             for target in self.cores[src].broadcast_targets() if message.to is None else [message.to]:
-                self.queue.append((target, message.data))
+                self.queue.append((target, message.data, src))
 
     def deliver(self):
         while self.queue:
-            target, data = self.queue.popleft()
+            target, data, *sender = self.queue.popleft()   # (the sender, as a channel knows it)
+            src = sender[0] if sender else None
             if target not in self.cores:
                 continue  # a newly admitted key this net runs no core for
             if target in self.paused:
-                self.held[target].append(data)  # waits in the socket buffer
+                self.held[target].append((data, src))  # waits in the socket buffer
             else:
-                self.emit(target, self.cores[target].step(data, self.now))
+                self.emit(target, self.cores[target].step(data, self.now, src))
 
     def run(self, ms, step_ms=5):
         for _ in range(ms // step_ms):
@@ -123,8 +124,9 @@ class Net:
         """SIGCONT: the tick timer fires first (it is overdue), then the buffered frames are read."""
         self.paused.discard(key)
         self.emit(key, self.cores[key].tick(self.now))
-        for data in self.held[key]:
-            self.emit(key, self.cores[key].step(data, self.now))
+        for item in self.held[key]:
+            data, src = item if isinstance(item, tuple) else (item, None)
+            self.emit(key, self.cores[key].step(data, self.now, src))
         self.held[key].clear()
 
     def kinds(self, key, since=0, orders=False):
@@ -326,8 +328,8 @@ def test_a_restarted_primary_resumes_only_after_a_member_confirms_its_epoch():
     assert not first.decisions and restarted.halted
     assert any(e.kind == "restart_sync" for e in first.events)
     assert sum(b"sync_request" in m.data for m in first.messages) == 3
-    beat = encode_message(IDS[KEYS.index(_backup)], MESH, Heartbeat(epoch=0, seq=1, sent_ms=net.now))
-    resume, run = restarted.step(beat, net.now).decisions
+    beat = encode_unsigned(_backup, MESH, Heartbeat(epoch=0, seq=1, sent_ms=net.now))
+    resume, run = restarted.step(beat, net.now, _backup).decisions
     assert (resume.value_kind, resume.value) == ("resume", (jid,))
     assert (run.value_kind, [r.job_id for r in run.value]) == ("run", [jid])
 
@@ -382,7 +384,7 @@ def test_two_members_suspected_at_once_are_evicted_one_epoch_at_a_time():
     # member it still hears (SPEC F5).
     net = Net()
     silent = (KEYS[0], KEYS[1])
-    net.lose = lambda src, data: src in silent and isinstance(decode_message(data, MESH)[1], Heartbeat)
+    net.lose = lambda src, data: src in silent and isinstance(decode_message(data, MESH, channel_sender=src)[1], Heartbeat)
     net.run(200)
     for suspect in (0, 1):
         for by in (2, 3):

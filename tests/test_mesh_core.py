@@ -16,7 +16,8 @@ from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
 from protocol.messages import (Bid, Cancel, Checkpoint, CommitCertificate, Heartbeat, Constraints, Eviction, JobExit,
                                JobManifest, Member, Placement, Precommit, Proposal, Resources, RoundChange,
-                               decode_message, decode_value, encode_message, job_id, placement_instance_id,
+                               decode_message, decode_value, encode_message, encode_unsigned, job_id,
+                               placement_instance_id,
                                value_hash)
 from protocol.placement import choose_placement, parse_bid
 from protocol.policy import LocalCapacity, NodePolicy
@@ -267,12 +268,12 @@ def test_paused_node_halts_then_resumes_when_not_evicted():
     assert [(d.value_kind, d.value) for d in out.decisions] == [("halt", ()), ("stop", (job_id(job),))]
     assert any(e.kind == "self_fence_check" for e in out.events)
     assert any(m.to is None and b"sync_request" in m.data for m in out.messages)
-    beat = encode_message(IDS[1], MESH, Heartbeat(epoch=0, seq=999, sent_ms=later))
-    ready = paused.step(beat, later)
+    beat = encode_unsigned(KEYS[1], MESH, Heartbeat(epoch=0, seq=999, sent_ms=later))
+    ready = paused.step(beat, later, KEYS[1])
     resume, run = ready.decisions
     assert (resume.value_kind, resume.value) == ("resume", (job_id(job),))
     assert run.value_kind == "run" and [(r.job_id, r.fence, r.resume) for r in run.value] == [(job_id(job), 1, True)]
-    assert not paused.step(beat, later).decisions  # resumed once
+    assert not paused.step(beat, later, KEYS[1]).decisions  # resumed once
 
 
 def test_bad_input_is_counted_never_raised():

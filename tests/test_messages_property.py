@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from keys.identity import SigningIdentity
 from protocol import codec
-from protocol.envelope import ANY_MESH, Envelope, seal
+from protocol.envelope import ANY_MESH, CHANNEL_AUTHENTICATED_KINDS, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MESSAGE_TYPES, Checkpoint, Resources, decode_message, encode_message
+from protocol.messages import MESSAGE_TYPES, Checkpoint, Resources, decode_message, encode_message, encode_unsigned
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
 SIGNER = SigningIdentity(bytes(range(32)))
@@ -79,11 +79,17 @@ def test_every_kind_round_trips(kind):
     @given(body_strategy(MESSAGE_TYPES[kind]))
     def check(body):
         message = MESSAGE_TYPES[kind].from_body(body)
-        data = encode_message(SIGNER, MESH_ID, message)
-        envelope, decoded = decode_message(data, MESH_ID)
+        if kind in CHANNEL_AUTHENTICATED_KINDS:   # unsigned; valid from its signer's channel only (2.2)
+            data = encode_unsigned(SIGNER.public_key, MESH_ID, message)
+            envelope, decoded = decode_message(data, MESH_ID, channel_sender=SIGNER.public_key)
+            assert encode_unsigned(SIGNER.public_key, MESH_ID, decoded) == data
+            assert_rejected(data)
+        else:
+            data = encode_message(SIGNER, MESH_ID, message)
+            envelope, decoded = decode_message(data, MESH_ID)
+            assert encode_message(SIGNER, MESH_ID, decoded) == data  # deterministic signing, one encoding
         assert decoded == message
         assert envelope.kind == kind and envelope.signer == SIGNER.public_key
-        assert encode_message(SIGNER, MESH_ID, decoded) == data  # deterministic signing, one encoding
     check()
 
 

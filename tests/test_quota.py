@@ -346,13 +346,19 @@ def test_q2_one_member_does_not_bid_for_two_jobs_that_only_together_exceed_the_q
 
 
 def test_sim_liveness_counts_a_later_attempt_decided_at_a_node_that_missed_the_first():
-    """Seed 177 (quotas on): node 2 was down while the job's first attempt was decided; the job
-    failed, and node 2 decided its second attempt at 1,186 ms. The job was decided there: the
-    liveness check once asked for the first attempt's certificate only."""
-    from testnet.sim import FAULTS, SimConfig, Simulation
-    sim = Simulation(SimConfig(nodes=7, jobs=6, seed=177, byzantine_milli=200, faults=FAULTS, job_ms=300,
-                               job_fail_per_mille=100, cancel_per_mille=100, quota_gpus=2))
-    result = sim.run()
-    assert result.ok, [v.line() for v in result.violations]
-    retried = [jid for jid, instances in sim.checker.placing_instances.items() if len(instances) > 1]
-    assert retried
+    """Seed 177 (quotas on, before the O(k) detector changed its history): node 2 was down
+    while the job's first attempt was decided; the job failed, and node 2 decided its second
+    attempt at 1,186 ms. The job was decided there: the liveness check once asked for the
+    first attempt's certificate only."""
+    from testnet.sim_checks import DecisionChecker
+    checker = DecisionChecker(b"m" * 32, [], lambda data, views: None)
+    jid, first, second = b"j" * 32, b"1" * 32, b"2" * 32
+    checker.first_placement_of[jid] = first
+    checker.placing_instances[jid] = [first]
+    checker.decided_at[first] = {0: 300, 1: 310}
+    assert [late for _, _, _, late, _ in checker.late_jobs({jid: 0}, [0, 1, 2], 5000)] == [[2]]
+    checker.placing_instances[jid].append(second)
+    checker.decided_at[second] = {2: 1186}
+    assert checker.late_jobs({jid: 0}, [0, 1, 2], 5000) == []
+    assert [late for _, _, _, late, _ in checker.late_jobs({jid: 0}, [0, 1, 2], 1000)] == [[2]]
+

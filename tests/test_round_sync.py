@@ -34,7 +34,7 @@ from test_mesh_core import GENESIS, IDS, KEYS, MESH, ZONES, Net as MeshNet, make
 from protocol.mesh import MeshCore
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (Heartbeat, Prevote, RoundChange, RoundSync, Suspicion, SyncRequest, decode_message,
-                               encode_message, job_id, sign_message)
+                               encode_message, encode_unsigned, job_id, sign_message)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.quorum import EpochView
 
@@ -445,7 +445,7 @@ HEARTBEAT_MS = GENESIS.params.heartbeat_ms
 
 
 def beat(index: int, now_ms: int) -> bytes:
-    return encode_message(IDS[index], MESH, Heartbeat(epoch=0, seq=now_ms + 1, sent_ms=now_ms))
+    return encode_unsigned(KEYS[index], MESH, Heartbeat(epoch=0, seq=now_ms + 1, sent_ms=now_ms))
 
 
 def drive(core: MeshCore, until: int, heard=(), step_ms: int = 5) -> list:
@@ -455,12 +455,12 @@ def drive(core: MeshCore, until: int, heard=(), step_ms: int = 5) -> list:
     now = core.last_tick_ms
     if now == 0:
         for index in heard:
-            core.step(beat(index, 0), 0)
+            core.step(beat(index, 0), 0, KEYS[index])
     while now < until:
         now = min(now + step_ms, until)
         if now % HEARTBEAT_MS == 0:
             for index in heard:
-                core.step(beat(index, now), now)
+                core.step(beat(index, now), now, KEYS[index])
         readies.append(core.tick(now))
     return readies
 
@@ -567,7 +567,7 @@ def test_f4_a_never_heard_member_is_never_suspected(heard_once):
     eviction of a slow starter (SPEC.md F2). Its rounds are skipped, but no Suspicion goes out."""
     core = MeshNet().cores[KEYS[0]]
     if heard_once:
-        core.step(beat(3, 0), 0)
+        core.step(beat(3, 0), 0, KEYS[3])
     readies = drive(core, 4 * GENESIS.params.detection_bound_ms, heard=(1, 2))
     suspicions = [decode_message(m.data, MESH)[1].suspect for r in readies for m in r.messages
                   if kind_of(m.data) == "suspicion"]

@@ -18,7 +18,8 @@ from meshnode.workload.manifest import verify_signed_job
 from protocol import codec
 from protocol.certificate import decode_prevote_certificate, verify_commit_certificate
 from protocol.consensus.checks import proof_of_lock_error, reported_lock
-from protocol.envelope import PROTOCOL_VERSION, SIGNATURE_DOMAIN, seal, signing_input
+from protocol.envelope import (CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, SIGNATURE_DOMAIN, seal, seal_unsigned,
+                               signing_input)
 from protocol.errors import RemoteProtocolError
 from protocol.flows.binding import certificate_binding_error
 from protocol.flows.epoch_change import epoch_change_instance_id
@@ -50,7 +51,9 @@ GENESIS = Genesis.decode(bytes.fromhex(DERIVED["genesis"]))
 
 def opened(kind: str):
     """The (envelope, message) of the SPEC.md vector of ``kind``, decoded by the node's code."""
-    return decode_message(bytes.fromhex(BY_KIND[kind]["envelope"]), MESH_ID)
+    # A channel-authenticated kind (2.2) as delivered by its signer's own channel.
+    return decode_message(bytes.fromhex(BY_KIND[kind]["envelope"]), MESH_ID, channel_sender=bytes.fromhex(
+        HEADER["public_key"]))
 
 
 @pytest.mark.parametrize("name", list(spec_tables.GENERATED))
@@ -89,6 +92,9 @@ def test_vector_signs_and_decodes_byte_for_byte(vector):
     body_bytes = bytes.fromhex(vector["body"])
     body = codec.unpack(body_bytes)
     assert codec.pack(body) == body_bytes
+    if vector["kind"] in CHANNEL_AUTHENTICATED_KINDS:
+        check_channel_authenticated_vector(identity, vector, body)
+        return
     signing = signing_input(PROTOCOL_VERSION, MESH_ID, vector["kind"], body)
     assert signing.hex() == vector["signing_input"]
     assert signing.startswith(SIGNATURE_DOMAIN)
@@ -97,6 +103,24 @@ def test_vector_signs_and_decodes_byte_for_byte(vector):
     envelope, message = decode_message(bytes.fromhex(vector["envelope"]), MESH_ID)
     assert envelope.signer == identity.public_key and envelope.kind == vector["kind"]
     assert codec.pack(message.to_body()) == body_bytes
+
+
+def check_channel_authenticated_vector(identity, vector, body) -> None:
+    """2.2, F1: an empty signature; accepted only from the peer the channel authenticated
+    as its signer; a signed one is refused."""
+    data = bytes.fromhex(vector["envelope"])
+    assert seal_unsigned(identity.public_key, MESH_ID, vector["kind"], body).encode() == data
+    assert data.endswith(identity.public_key + b"\xc4\x00")
+    envelope, message = decode_message(data, MESH_ID, channel_sender=identity.public_key)
+    assert envelope.signer == identity.public_key and envelope.signature == b""
+    assert codec.pack(message.to_body()) == bytes.fromhex(vector["body"])
+    other = SigningIdentity(bytes(32)).public_key
+    for sender in (None, other):
+        with pytest.raises(RemoteProtocolError):
+            decode_message(data, MESH_ID, channel_sender=sender)
+    signed = seal(identity, MESH_ID, vector["kind"], body).encode()
+    with pytest.raises(RemoteProtocolError):
+        decode_message(signed, MESH_ID, channel_sender=identity.public_key)
 
 
 def test_vectors_keep_the_cross_field_rules_of_4_1():

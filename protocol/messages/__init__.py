@@ -38,7 +38,8 @@ from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, 
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
-from protocol.messages.wire import MESSAGE_TYPES, decode_message, decode_value, encode_message, sign_message
+from protocol.messages.wire import (MESSAGE_TYPES, decode_message, decode_value, encode_message, encode_unsigned,
+                                   sign_message)
 
 __all__ = [
     # fields
@@ -62,6 +63,6 @@ __all__ = [
     "CommitCertificate", "Evidence", "Precommit", "Prevote", "PrevoteCertificate", "Proposal", "RoundChange",
     "RoundSync", "value_hash",
     # wire
-    "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message",
+    "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message", "encode_unsigned",
     "sign_message",
 ]

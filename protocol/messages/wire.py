@@ -6,7 +6,7 @@ from __future__ import annotations
 from protocol.signing import SigningIdentity
 from protocol import codec
 from protocol.caches import CoreCaches
-from protocol.envelope import Envelope, open_envelope, seal
+from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, Envelope, open_envelope, seal, seal_unsigned
 from protocol.errors import RemoteProtocolError
 from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobExit, JobManifest, JobRefusal,
                                     Placement, PlacementSlot)
@@ -48,9 +48,17 @@ def encode_message(identity, mesh_id: bytes, message: Record, *, caches: CoreCac
     return sign_message(identity, mesh_id, message, caches=caches).encode()
 
 
+def encode_unsigned(public_key: bytes, mesh_id: bytes, message: Record) -> bytes:
+    """A channel-authenticated message (a heartbeat, SPEC.md F1): no signature."""
+    return seal_unsigned(public_key, mesh_id, type(message).KIND, message.to_body()).encode()
+
+
 def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
-                   allow_any_mesh: bool = False, *, caches: CoreCaches | None = None) -> tuple[Envelope, Record]:
+                   allow_any_mesh: bool = False, *, caches: CoreCaches | None = None,
+                   channel_sender: bytes | None = None) -> tuple[Envelope, Record]:
     """Verify an envelope and parse its body strictly. Raises RemoteProtocolError.
+    ``channel_sender``: the peer that delivered ``data`` (needed for a heartbeat, which is
+    unsigned and counts only from its sender; such messages are never remembered).
 
     Decoding is a pure function of (bytes, mesh id) and its results are immutable, so
     ``caches.decoded`` remembers verified decodes: one node meets the same bytes many
@@ -67,7 +75,10 @@ def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
         if expect is not None and type(hit[1]) is not expect:
             raise RemoteProtocolError("expected a %s, got %r" % (expect.KIND, hit[0].kind))
         return hit
-    envelope = open_envelope(data, mesh_id, allow_any_mesh=allow_any_mesh, caches=caches)
+    envelope = open_envelope(data, mesh_id, allow_any_mesh=allow_any_mesh, caches=caches,
+                             channel_sender=channel_sender)
+    if envelope.kind in CHANNEL_AUTHENTICATED_KINDS:
+        key = None   # valid only from its sender: a cache hit must not skip that check
     cls = MESSAGE_TYPES.get(envelope.kind)
     if cls is None:
         raise RemoteProtocolError("unknown message kind %r" % envelope.kind)
