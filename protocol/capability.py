@@ -39,6 +39,7 @@ class CapabilityBook:
         self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
+        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: a move value carries one (R2)
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -50,6 +51,14 @@ class CapabilityBook:
                 "gpus_free": list(cap.gpus_free), "cpu_milli_free": cap.cpu_milli_free,
                 "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
                 "gpu_models": sorted({g.model for g in cap.gpus})}
+
+    def signed_vector(self, key: bytes, now_ms: int) -> tuple[bytes, CapabilityVector] | None:
+        """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector)."""
+        if key == self.ctx.me:
+            envelope, cap, _signed = self.current(now_ms)
+            return envelope, cap
+        cap = self.peers.get(key)
+        return None if cap is None else (self.peer_envelopes[key], cap)
 
     def _gpu_states(self) -> tuple:
         if self.telemetry_gpus:
@@ -168,6 +177,7 @@ class CapabilityBook:
         known = self.peers.get(envelope.signer)
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
+            self.peer_envelopes[envelope.signer] = data
             self._learn_running(envelope.signer, cap, now_ms)
 
     def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:

@@ -66,6 +66,9 @@ class JobRecord:
     # refusal"). Memory only: a restart forgets it (the run then starts without it).
     checkpoint_envelope: bytes | None = None
     checkpoint_fence: int | None = None
+    # (fence, node): the job's last owner-requested move (R2) took it from ``node``, its
+    # primary at ``fence``; that node's final checkpoint at ``fence`` is handed to the new one.
+    moved_from: tuple | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
