@@ -20,7 +20,7 @@ from rich.table import Table
 from meshnode.cli.output import examples
 from testnet import launcher
 from testnet.sim import FAULTS, SimConfig, SimResult, run_simulation
-from testnet.sim_nodes import NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
+from testnet.sim_nodes import NODE_FAULT_KINDS, NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
 from testnet.sim_nodes import summarize as summarize_nodes
 
 MAX_SEEDS = 1_000_000
@@ -43,8 +43,8 @@ def register(subparsers) -> None:
                         help="Byzantine share of the stake, 0..1 (under 1/3: bound never reached; "
                              ">= 0.334: at least that much, expect stalls)")
     parser.add_argument("--faults", default=None, metavar="LIST",
-                        help="comma-separated faults from %s (node driver: %s), or 'none' (default: all)"
-                             % (",".join(FAULTS), ",".join(NODE_FAULTS)))
+                        help="comma-separated faults from %s (node driver: %s; move only when named), "
+                             "or 'none' (default: all)" % (",".join(FAULTS), ",".join(NODE_FAULT_KINDS)))
     parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
     parser.add_argument("--bid-sample", type=int, default=None, metavar="K",
                         help="only about K members bid per job (MeshCore bid_sample; for large meshes)")
@@ -207,7 +207,7 @@ def run_node_driver(args: argparse.Namespace) -> int:
     if not 1 <= args.jobs <= 64:
         raise SystemExit("meshnode sim: --driver node runs 1..64 jobs")
     try:
-        faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULTS)
+        faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULT_KINDS)
     except argparse.ArgumentTypeError as exc:
         raise SystemExit("meshnode sim: %s" % exc)
     configs = [NodeSimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k, faults=faults)

@@ -77,7 +77,7 @@ class ControlApi:
 
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
-                "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
+                "submit": self.submit, "cancel": self.cancel, "move": self.move, "why": self.why, "join": self.join,
                 "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
                 "job_status": self.job_status, "job_output": self.job_output,
                 "set_simulated_telemetry": self.set_simulated_telemetry}
@@ -192,6 +192,12 @@ class ControlApi:
         if not isinstance(request, bytes):
             raise MeshError("args.request must be an owner-signed cancel envelope (bytes)")
         return {"job_id": (await self.node.cancel(request)).hex()}
+
+    async def move(self, args) -> dict:
+        request = args.get("request")
+        if not isinstance(request, bytes):
+            raise MeshError("args.request must be an owner-signed move_request envelope (bytes)")
+        return {"job_id": (await self.node.move(request)).hex()}
 
     async def why(self, args) -> dict:
         job = self._one_job(_text_arg(args, "job_id"))
