@@ -58,6 +58,9 @@ def register(subparsers) -> None:
                         help="with --job-ms, the share of exits that fail (exit 1, the job is retried)")
     parser.add_argument("--cancel", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner cancels, at a drawn time after submitting")
+    parser.add_argument("--move", type=float, default=0.0, metavar="F",
+                        help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
+                             "after submitting")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -131,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
-    if args.job_ms < 0 or not 0.0 <= args.fail <= 1.0 or not 0.0 <= args.cancel <= 1.0:
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail and --cancel in [0, 1]")
+    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move)):
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel and --move in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
                          heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms,
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
-                         cancel_per_mille=round(args.cancel * 1000))
+                         cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

@@ -6,8 +6,10 @@ import hashlib
 import pytest
 
 from protocol.errors import RemoteProtocolError
+from protocol.flows.binding import certificate_binding_error
 from protocol.flows.move import move_backups
-from protocol.messages import Checkpoint, JobMove, MoveRequest, encode_message, job_id, move_instance_id
+from protocol.messages import (Checkpoint, JobMove, MoveRequest, decode_message, encode_message, job_id,
+                               move_instance_id)
 from tests.test_mesh_core import IDS, KEYS, MESH, OWNER, Net, make_job
 
 
@@ -163,3 +165,17 @@ def test_r2_validators_refuse_a_move_that_breaks_the_rule():
     assert "another node's capability vector" in error(KEYS[2], vector_of=KEYS[1])
     assert "backups do not follow" in error(KEYS[2], backups=(KEYS[3],))
     assert "its own primary" in error(primary)
+
+
+def test_r2_a_move_certificate_binds_its_instance_for_cert_verify():
+    """flows/binding.py: `meshnode cert verify` accepts a job_move certificate only under the
+    instance its request names (votes sign only the value's hash)."""
+    net, jid, primary = running_job()
+    ask(net, primary, move_request(jid, 1))
+    net.run(30)
+    data = net.certificates[KEYS[2]][-1]
+    _envelope, cert = decode_message(data, MESH)
+    assert cert.value_kind == "job_move"
+    assert certificate_binding_error("job_move", cert.instance, cert.value, cert.epoch, MESH, 0) is None
+    assert "another instance" in certificate_binding_error("job_move", move_instance_id(jid, 2), cert.value,
+                                                           cert.epoch, MESH, 0)

@@ -14,7 +14,7 @@ from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
-from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
+from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
                                placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
 
 if TYPE_CHECKING:
@@ -239,8 +239,8 @@ class ControlApi:
 
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt: retries and
-        refusals, P2, R1), its slot's if that lists it (P7), and the evictions whose
-        migrations name it (F5)."""
+        refusals, P2, R1), its slot's if that lists it (P7), the evictions whose
+        migrations name it (F5) and its owner's moves (R2)."""
         manifest, jid = job["manifest"], job["job_id"]
         instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
@@ -252,12 +252,17 @@ class ControlApi:
                      if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
         rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
+        rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
+                 if self._moved_job_id(self._decided(row)) == jid]
         return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):
         """The value a stored (so already verified) certificate decided."""
         _envelope, cert = decode_message(row["certificate"], self.node.genesis.mesh_id, expect=CommitCertificate)
         return decode_value(cert.value_kind, cert.value)
+
+    def _moved_job_id(self, move) -> bytes:
+        return decode_message(move.request, self.node.genesis.mesh_id, expect=MoveRequest)[1].job_id
 
     def _placed_job_id(self, job_envelope: bytes) -> bytes:
         return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])

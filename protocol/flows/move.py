@@ -224,17 +224,26 @@ class MoveFlow(ValueFlow):
 
     # --- applying a decided move --------------------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, move, epoch: int) -> str | None:
-        """Votes sign only the value's hash: the instance must be the one its request names."""
+        error = self.value_binding_error(iid, value_kind, move, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
+        if error is not None:
+            return error
+        envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest, caches=self.ctx.caches)
+        record = self.jobs.get(request.job_id)
+        if record is not None and envelope.signer != record.manifest.owner:
+            return "the move's request is not signed by the job's owner"
+        return None
+
+    @staticmethod
+    def value_binding_error(iid: bytes, value_kind: str, move, epoch: int, mesh_id: bytes, slot_ms: int,
+                            caches=None) -> str | None:
+        """R2 (flows/binding.py): votes sign only the value's hash, so the instance must be the
+        one its request names, and the request a valid envelope of this mesh."""
         try:
-            envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest,
-                                               caches=self.ctx.caches)
+            _envelope, request = decode_message(move.request, mesh_id, expect=MoveRequest, caches=caches)
         except RemoteProtocolError as exc:
             return "the move's request is not valid: %s" % exc
         if move_instance_id(request.job_id, request.fence) != iid:
             return "the move's request is for another instance"
-        record = self.jobs.get(request.job_id)
-        if record is not None and envelope.signer != record.manifest.owner:
-            return "the move's request is not signed by the job's owner"
         return None
 
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
