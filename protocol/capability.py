@@ -52,10 +52,15 @@ class CapabilityBook:
                 "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
                 "gpu_models": sorted({g.model for g in cap.gpus})}
 
-    def signed_vector(self, key: bytes, now_ms: int) -> tuple[bytes, CapabilityVector] | None:
-        """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector)."""
+    def signed_vector(self, key: bytes, now_ms: int, out: Ready) -> tuple[bytes, CapabilityVector] | None:
+        """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector).
+        Our own, signed anew for it, is broadcast too: what it says (the jobs running here
+        above all) would otherwise reach peers only at the next refresh."""
         if key == self.ctx.me:
-            envelope, cap, _signed = self.current(now_ms)
+            envelope, cap, signed = self.current(now_ms)
+            if signed and self.epochs.is_member():
+                self.broadcast_ms = now_ms
+                out.messages.append(Outbound(None, envelope))
             return envelope, cap
         cap = self.peers.get(key)
         return None if cap is None else (self.peer_envelopes[key], cap)

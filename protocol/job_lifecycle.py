@@ -188,9 +188,11 @@ class JobLifecycle:
         if record is None:
             counters["checkpoint_unknown_job"] += 1
             return
-        if envelope.signer != record.primary and (self._handed_off(envelope.signer, checkpoint, record)
-                                                  or self._handed_over_after_move(envelope.signer, checkpoint, record)):
+        if envelope.signer != record.primary and self._handed_off(envelope.signer, checkpoint, record):
             self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
+            return
+        if envelope.signer != record.primary and self._handed_over_after_move(envelope, checkpoint, data, record,
+                                                                              now_ms, out):
             return
         if envelope.signer != record.primary or checkpoint.fence < record.fence:
             counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
@@ -230,17 +232,24 @@ class JobLifecycle:
         return (held is None or not same_work(held, record.attempt, record.manifest)
                 or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0))
 
-    def _handed_over_after_move(self, signer: bytes, checkpoint: Checkpoint, record) -> bool:
+    def _handed_over_after_move(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int,
+                                out: Ready) -> bool:
         """R2: the final checkpoint of the primary a move took the job from, at the fence it
         ran under, to the new primary or a backup, while the new run has not started (after
-        that it is a late checkpoint of a fenced primary), and newer than any held."""
+        that it is a late checkpoint of a fenced primary). Taken if newer than any held; if
+        not (a backup holds it already), it still ends the new primary's wait. False: not one."""
         me = self.ctx.me
-        if record.moved_from != (checkpoint.fence, signer) or record.fence != checkpoint.fence + 1:
+        if record.moved_from != (checkpoint.fence, envelope.signer) or record.fence != checkpoint.fence + 1:
             return False
         if record.state != "migrating" or (record.primary != me and me not in record.backups):
             return False
         held = record.checkpoint_fence
-        return held is None or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0)
+        if held is None or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0):
+            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
+        elif self.handoff_waits.pop(checkpoint.job_id, None) is not None:
+            out.events.append(self.ctx.event("checkpoint_handed_off", now_ms, job_id=checkpoint.job_id.hex(),
+                                             fence=checkpoint.fence, seq=checkpoint.seq, held=True))
+        return True
 
     def hand_over_moved(self, jid: bytes, fence: int, final: tuple | None, now_ms: int) -> Ready:
         """R2: this node's run of ``jid`` under ``fence`` stopped because a move took the job

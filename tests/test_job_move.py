@@ -8,6 +8,7 @@ import pytest
 from protocol.errors import RemoteProtocolError
 from protocol.flows.binding import certificate_binding_error
 from protocol.flows.move import move_backups
+from protocol.ready import Ready
 from protocol.messages import (Checkpoint, JobMove, MoveRequest, decode_message, encode_message, job_id,
                                move_instance_id)
 from tests.test_mesh_core import IDS, KEYS, MESH, OWNER, Net, make_job
@@ -154,7 +155,7 @@ def test_r2_validators_refuse_a_move_that_breaks_the_rule():
     iid = move_instance_id(jid, 1)
 
     def error(to_node, backups=None, vector_of=None):
-        vector_envelope, vector = core.capability.signed_vector(vector_of or to_node, net.now)
+        vector_envelope, vector = core.capability.signed_vector(vector_of or to_node, net.now, Ready())
         move = JobMove(request=envelope, from_node=primary, to_node=to_node,
                        backups=move_backups(record, to_node, core.view.stakes) if backups is None else backups,
                        capability=vector_envelope)
@@ -179,3 +180,19 @@ def test_r2_a_move_certificate_binds_its_instance_for_cert_verify():
     assert certificate_binding_error("job_move", cert.instance, cert.value, cert.epoch, MESH, 0) is None
     assert "another instance" in certificate_binding_error("job_move", move_instance_id(jid, 2), cert.value,
                                                            cert.epoch, MESH, 0)
+
+
+def test_r2_a_hand_over_the_new_primary_already_holds_ends_its_wait():
+    """The old run offered nothing after its last checkpoint, which the new primary (a
+    backup) already holds: the old primary re-sends it, and the run starts from it at once."""
+    net, jid, primary = running_job()
+    backup = net.cores[primary].job_view(jid)["backups"][0]
+    assert net.cores[backup].job_view(jid)["last_checkpoint_seq"] == 1
+    ask(net, primary, move_request(jid, 1, to_node=backup))
+    net.run(30)
+    assert not orders(net, backup, "run")
+    net.emit(primary, net.cores[primary].hand_over_moved(jid, 1, None, net.now))
+    net.run(10)
+    run, = orders(net, backup, "run")[-1]
+    assert (run.fence, run.resume) == (2, True) and net.cores[backup].job_view(jid)["last_checkpoint_seq"] == 1
+    assert net.cores[backup].counters["checkpoint_handoff_timeout"] == 0
