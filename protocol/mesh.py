@@ -107,7 +107,7 @@ class MeshCore:
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
         placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = lifecycle
-        epoch_changes.placement = placement
+        epoch_changes.placement = moves.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
         self.flows = FlowRegistry((placement, slots, epoch_changes, moves))

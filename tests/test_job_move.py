@@ -2,6 +2,7 @@
 the old primary's final checkpoint is handed to the new one, which resumes from it."""
 
 import hashlib
+import random
 
 import pytest
 
@@ -11,7 +12,9 @@ from protocol.flows.move import move_backups
 from protocol.ready import Ready
 from protocol.messages import (Checkpoint, JobMove, MoveRequest, decode_message, encode_message, job_id,
                                move_instance_id)
-from tests.test_mesh_core import IDS, KEYS, MESH, OWNER, Net, make_job
+from protocol.mesh import MeshCore
+from protocol.policy import LocalCapacity, NodePolicy
+from tests.test_mesh_core import GENESIS, IDS, KEYS, MESH, OWNER, Net, make_job
 
 
 def running_job(gpus=(4, 2, 2, 2)):
@@ -196,3 +199,29 @@ def test_r2_a_hand_over_the_new_primary_already_holds_ends_its_wait():
     run, = orders(net, backup, "run")[-1]
     assert (run.fence, run.resume) == (2, True) and net.cores[backup].job_view(jid)["last_checkpoint_seq"] == 1
     assert net.cores[backup].counters["checkpoint_handoff_timeout"] == 0
+
+
+def test_r2_a_move_learnt_after_an_eviction_ends_where_it_ends_when_learnt_before():
+    """The owner moves the job off a primary that is dead; the eviction of that primary is
+    decided after the move. A node that applies the two in the other order (here: a restart
+    replaying its certificates eviction first) still ends with the job where the move put
+    it, at the same fence (as P5 replays evictions for a late placement)."""
+    net, jid, primary = running_job()
+    backup = net.cores[primary].job_view(jid)["backups"][0]
+    target = next(k for k in KEYS if k not in (primary, backup))
+    net.down.add(primary)
+    ask(net, KEYS[3] if target != KEYS[3] else KEYS[2], move_request(jid, 1, to_node=target))
+    net.run(600)
+    witness = next(k for k in KEYS if k not in (primary, target))
+    kinds = [decode_message(c, MESH)[1].value_kind for c in net.certificates[witness]]
+    assert "job_move" in kinds and "eviction" in kinds and kinds.index("job_move") < kinds.index("eviction")
+    in_order = net.cores[witness].job_view(jid)
+    assert (in_order["primary"], in_order["fence"]) == (target, 2)
+    placement, *later = net.certificates[witness]
+    swapped = [placement] + sorted(later, key=lambda c: kinds[net.certificates[witness].index(c)] != "eviction")
+    replayed = MeshCore(identity=IDS[KEYS.index(witness)], genesis=GENESIS, policy=NodePolicy(zone="zone-a"),
+                        capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(9), now_ms=net.now,
+                        history=swapped)
+    view = replayed.job_view(jid)
+    assert (view["primary"], view["backups"], view["fence"]) == (target, in_order["backups"], 2)
+    assert replayed.counters["move_after_evictions"] == 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
-from protocol.job_table import TERMINAL
+from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import CapabilityVector, JobMove, MoveRequest, decode_message, move_instance_id
 from protocol.placement import capability_check, gpu_healthy, gpu_strain, healthy_fitting_gpus, tie_break
 from protocol.ready import Outbound, Ready
@@ -66,6 +66,7 @@ class MoveFlow(ValueFlow):
         self.instances = instances
         self.capability = capability
         self.lifecycle = None   # the JobLifecycle, set by the core: the new primary admits the job (R1)
+        self.placement = None   # the PlacementFlow, set by the core: its P5 replay of evictions
         self.requests: dict[bytes, bytes] = {}   # instance -> the owner's request envelope
 
     def validators(self, iid: bytes) -> tuple:
@@ -259,20 +260,18 @@ class MoveFlow(ValueFlow):
         _envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest,
                                             caches=self.ctx.caches)
         record = self.jobs.get(request.job_id)
+        if record is not None and record.state not in TERMINAL and self._moved_on_by_evictions(record, move, request,
+                                                                                            epoch):
+            self._apply_after_evictions(record, move, request, epoch, now_ms, out)
+            return
         if (record is None or record.state in TERMINAL or record.fence != request.fence
                 or record.primary != move.from_node):
-            # The job ended, or moved on by an eviction this node applied first: nothing moves.
+            # The job ended, or it moved on otherwise (a refusal placed it afresh): nothing moves.
             self.ctx.counters["move_stale"] += 1
             out.events.append(self.ctx.event("move_stale", now_ms, job_id=request.job_id.hex(), fence=request.fence))
             return
         me, jid = self.ctx.me, record.job_id
-        self.jobs.assign(record, move.to_node, move.backups, fence=request.fence + 1)
-        record.migrations += 1
-        record.state = "migrating"
-        record.moved_from = (request.fence, move.from_node)
-        record.lost_work_ms = None
-        out.events.append(self.ctx.event("moved", now_ms, job_id=jid.hex(), from_node=move.from_node.hex(),
-                                         to_node=move.to_node.hex(), fence=record.fence))
+        self._move_record(record, move, request, now_ms, out)
         if move.from_node == me:
             self.ledger.free(jid)   # the workload orders stop the run; its final checkpoint goes to the new primary
         if move.to_node == me:
@@ -281,3 +280,36 @@ class MoveFlow(ValueFlow):
             # will: the run resumes from what the store holds, as after an eviction.
             if self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred:
                 self.lifecycle.handoff_waits[jid] = now_ms + MOVE_HANDOFF_WAIT_MS
+
+    def _move_record(self, record, move: JobMove, request: MoveRequest, now_ms: int, out: Ready) -> None:
+        self.jobs.assign(record, move.to_node, move.backups, fence=request.fence + 1)
+        record.migrations += 1
+        record.state = "migrating"
+        record.moved_from = (request.fence, move.from_node)
+        record.lost_work_ms = None
+        out.events.append(self.ctx.event("moved", now_ms, job_id=record.job_id.hex(), from_node=move.from_node.hex(),
+                                         to_node=move.to_node.hex(), fence=record.fence))
+
+    def _moved_on_by_evictions(self, record, move: JobMove, request: MoveRequest, epoch: int) -> bool:
+        """R2, late move: decided in an epoch this node has left, for a job that was at
+        (``from_node``, the request's fence) then and has moved on since within its attempt:
+        by the evictions that ended those epochs (the only moves a later epoch brings)."""
+        return (epoch < self.epochs.epoch and record.fence > request.fence
+                and record.primaries.get(request.fence) == move.from_node
+                and record.fence // FENCE_PER_ATTEMPT == request.fence // FENCE_PER_ATTEMPT)
+
+    def _apply_after_evictions(self, record, move: JobMove, request: MoveRequest, epoch: int, now_ms: int,
+                               out: Ready) -> None:
+        """As P5 for a late placement: the move first, then each eviction since its epoch by
+        the rule F5 applied to the jobs known then, so this node ends where the nodes that
+        applied the move in its epoch do."""
+        me, jid = self.ctx.me, record.job_id
+        held_here = record.primary == me
+        self._move_record(record, move, request, now_ms, out)
+        self.placement._replay_evictions_since(record, epoch, now_ms, out)   # the P5 replay, shared
+        self.ctx.counters["move_after_evictions"] += 1
+        if held_here and record.primary != me:
+            self.ledger.free(jid)
+        elif record.primary == me and not held_here:
+            record.gpus = ()
+            self.lifecycle.admit(record, None, now_ms, out)
