@@ -19,8 +19,6 @@ progress logs, workload starts under a superseded fence). The testnet is always 
 from __future__ import annotations
 
 import random
-import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +29,7 @@ from keys.keystore import load_identity
 from meshnode.control.client import ControlError
 from protocol.errors import MeshError
 from protocol.messages import MoveRequest, encode_message
-from testnet import launcher
-from testnet.bench_failover import STARTED_KINDS, FailoverRun, _detail_names, read_progress, start_counter_testnet
+from testnet.bench_failover import STARTED_KINDS, FailoverRun, _detail_names, read_progress, run_on_counter_testnet
 from testnet.bench_stats import lost_work, machine_info, summary_ms
 
 MOVE_PHASE_MS = 500        # the request lands uniformly in this window after the job is ready
@@ -129,23 +126,7 @@ def run_move_bench(nodes: int, moves: int, *, root=None, keep: bool = False, see
     root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-move-"))
     seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
     rng = random.Random(seed)
-    failed, run = True, None
-    log_double_runs, stale_starts = 0, []
-    try:
-        layout, signed = start_counter_testnet(root, nodes, 1, rng)
-        run = MoveRun(root, layout, signed, rng)
-        trio.run(run.run, moves)
-        failed = run.aborted is not None
-    finally:
-        if (root / launcher.LAYOUT_FILE).exists():
-            launcher.down(root)
-        if run is not None and run.moves:
-            log_double_runs = run.double_runs_from_logs()
-            stale_starts = run.stale_fence_starts()
-        if failed or keep:
-            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, 1, rng, MoveRun, moves, keep)
     per_move = run.moves
     return {
         "bench": "move", "nodes": nodes, "moves": len(per_move), "seed": seed, "unit_ms": 1,
