@@ -40,6 +40,7 @@ class CapabilityBook:
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
         self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: a move value carries one (R2)
+        self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -52,15 +53,14 @@ class CapabilityBook:
                 "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
                 "gpu_models": sorted({g.model for g in cap.gpus})}
 
-    def signed_vector(self, key: bytes, now_ms: int, out: Ready) -> tuple[bytes, CapabilityVector] | None:
+    def signed_vector(self, key: bytes, now_ms: int) -> tuple[bytes, CapabilityVector] | None:
         """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector).
-        Our own, signed anew for it, is broadcast too: what it says (the jobs running here
-        above all) would otherwise reach peers only at the next refresh."""
+        Our own, when signed anew for it, goes out with the next Ready (``broadcast_unsent``):
+        what it says (the jobs running here above all) would otherwise reach peers only at
+        the next refresh, since a change already signed is not broadcast again."""
         if key == self.ctx.me:
             envelope, cap, signed = self.current(now_ms)
-            if signed and self.epochs.is_member():
-                self.broadcast_ms = now_ms
-                out.messages.append(Outbound(None, envelope))
+            self.unsent = self.unsent or signed
             return envelope, cap
         cap = self.peers.get(key)
         return None if cap is None else (self.peer_envelopes[key], cap)
@@ -165,6 +165,11 @@ class CapabilityBook:
         its vector goes out now, at most every RUNNING_REPORT_GAP_MS, not at the next
         telemetry reading, so every member shows a job running (not `migrating`) within
         moments of its primary."""
+        if self.unsent and self.epochs.is_member():
+            self.unsent = False
+            self.broadcast_ms = now_ms
+            out.messages.append(Outbound(None, self.envelope))
+            return
         if self.facts is None or not self.epochs.is_member() or not self.jobs.may_have_mine():
             return
         running = self._running_here()

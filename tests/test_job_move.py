@@ -9,7 +9,6 @@ import pytest
 from protocol.errors import RemoteProtocolError
 from protocol.flows.binding import certificate_binding_error
 from protocol.flows.move import move_backups
-from protocol.ready import Ready
 from protocol.messages import (Checkpoint, JobMove, MoveRequest, decode_message, encode_message, job_id,
                                move_instance_id)
 from protocol.mesh import MeshCore
@@ -158,7 +157,7 @@ def test_r2_validators_refuse_a_move_that_breaks_the_rule():
     iid = move_instance_id(jid, 1)
 
     def error(to_node, backups=None, vector_of=None):
-        vector_envelope, vector = core.capability.signed_vector(vector_of or to_node, net.now, Ready())
+        vector_envelope, vector = core.capability.signed_vector(vector_of or to_node, net.now)
         move = JobMove(request=envelope, from_node=primary, to_node=to_node,
                        backups=move_backups(record, to_node, core.view.stakes) if backups is None else backups,
                        capability=vector_envelope)

@@ -80,13 +80,13 @@ class MoveFlow(ValueFlow):
         view = self.epochs.view
         error = self.request_error(envelope.signer, request, view, running=True)
         record = self.jobs.get(request.job_id)
-        out = Ready()
         if error is None:
-            target = self._target(record, request, view, now_ms, out)
+            target = self._target(record, request, view, now_ms)
             if isinstance(target, str):
                 error = target
         if error is not None:
             raise RemoteProtocolError("move: %s" % error)
+        out = Ready()
         out.messages.append(Outbound(None, data))
         self._start(request, data, now_ms, out)
         return request.job_id, out
@@ -153,7 +153,7 @@ class MoveFlow(ValueFlow):
         if self.request_error(envelope.signer, request, view) is not None:
             return
         record = self.jobs.get(request.job_id)
-        target = self._target(record, request, view, now_ms, out)
+        target = self._target(record, request, view, now_ms)
         if isinstance(target, str):
             out.events.append(self.ctx.event("move_no_target", now_ms, job_id=request.job_id.hex(), why=target))
             return
@@ -162,7 +162,7 @@ class MoveFlow(ValueFlow):
                        backups=move_backups(record, to_node, view.stakes), capability=vector)
         self.instances.drive(inst, inst.propose(codec.pack(move.to_body()), (), now_ms, "job_move"), now_ms, out)
 
-    def _target(self, record, request: MoveRequest, view, now_ms: int, out: Ready):
+    def _target(self, record, request: MoveRequest, view, now_ms: int):
         """(node, its signed vector): the named node if its vector shows room, else the best
         member with room by ``move_rank``; or why there is none (a string)."""
         job = record.manifest
@@ -170,7 +170,7 @@ class MoveFlow(ValueFlow):
         names = [request.to_node] if request.to_node else [k for k in view.members if k != record.primary]
         best, why = None, "no other member has room for it"
         for node in names:
-            known = self.capability.signed_vector(node, now_ms, out)
+            known = self.capability.signed_vector(node, now_ms)
             if known is None:
                 why = "no capability vector of %s known here" % node.hex()[:12]
                 continue
