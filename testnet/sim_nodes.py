@@ -1080,6 +1080,8 @@ def summarize(results: list[NodeSimResult], wall_s: float) -> dict:
         "runs": sum(len(r.runs) for r in results),
         "crashes": sum(r.counters["crashes"] for r in results),
         "partitions": sum(r.counters["partitions"] for r in results),
+        "moves": sum(r.counters["moves"] for r in results),
+        "moves_refused": sum(r.counters["move_refused"] for r in results),
         "resumes": sum(r.resumes for r in results),
         "failovers": sum(r.failovers for r in results),
         "lost_work_ms": {"max": lost[-1] if lost else None, "p50": percentile(lost, 0.5),
