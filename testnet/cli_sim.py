@@ -60,7 +60,7 @@ def register(subparsers) -> None:
                         help="the share of jobs their owner cancels, at a drawn time after submitting")
     parser.add_argument("--move", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
-                             "after submitting")
+                             "in the fault window (a refused request is retried)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
