@@ -235,8 +235,8 @@ class SimRunner:
             return None
         self._end(job, "stopped")
         info, record = job.info, job.record
-        if record.end_progress == info.progress:
-            return None
+        if record.end_progress == record.start_progress and info.last_taken_ms is None:
+            return None   # it offered nothing yet
         info.seq += 1
         info.progress, info.last_taken_ms = record.end_progress, record.end_ms
         record.checkpoints += 1

@@ -338,9 +338,10 @@ class Node:
         try:
             ready = self.core.local_checkpoint(job_id, seq, progress, taken_ms, state, now_ms())
         except LocalProtocolError as exc:
-            # The core no longer sees us as this job's primary: we were fenced.
+            # The core no longer sees us as this job's primary: we were fenced, or a move took
+            # the job away (its final checkpoint, this state included, is handed over, R2).
             log.warning("job %s fenced: %s", job_id.hex()[:12], exc)
-            await self._stop_workload(job_id, "fenced")
+            await self._stop_workload(job_id, "fenced", hand_over=True)
             return
         await self._handle(ready)
 

@@ -141,6 +141,7 @@ class _Job:
         self.in_callback = False           # the tick is awaiting on_checkpoint
         self.read_final = False            # stop_for_handover: read the slot once the process is gone
         self.final_offer: tuple | None = None
+        self.last_offer: tuple | None = None   # (progress, taken_ms, state) the last tick read
 
 
 class WorkloadRunner:
@@ -392,12 +393,14 @@ class WorkloadRunner:
 
     @staticmethod
     def _read_final_offer(job: _Job) -> tuple | None:
-        """The state the (dead) workload offered after the last checkpoint taken, as the
-        checkpoint after it: (seq, progress, taken_ms, state), or None."""
+        """The newest state the (dead) workload offered, as the checkpoint after the last one
+        read: (seq, progress, taken_ms, state), or None if it offered none. With nothing new
+        in the slot it is the state the last tick read: that tick's checkpoint may never have
+        been taken (the core refuses one of a job that was just moved away)."""
         try:
-            offered = job.slot.read()
+            offered = job.slot.read() or job.last_offer
         except RemoteProtocolError:
-            return None   # a slot broken by the workload: the last good checkpoint stands
+            offered = job.last_offer   # a slot broken by the workload: the last good state stands
         if offered is None:
             return None
         progress, taken_ms, state = offered
@@ -417,6 +420,7 @@ class WorkloadRunner:
         if offered is None:
             return
         progress, taken_ms, state = offered
+        job.last_offer = offered
         job.info.seq += 1
         job.info.progress = progress
         job.info.last_taken_ms = taken_ms
