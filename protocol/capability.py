@@ -55,7 +55,7 @@ class CapabilityBook:
 
     def signed_vector(self, key: bytes, now_ms: int) -> tuple[bytes, CapabilityVector] | None:
         """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector).
-        Our own, when signed anew for it, goes out with the next Ready (``broadcast_unsent``):
+        Our own, when signed anew for it, goes out with the next Ready (broadcast_if_running_changed):
         what it says (the jobs running here above all) would otherwise reach peers only at
         the next refresh, since a change already signed is not broadcast again."""
         if key == self.ctx.me:

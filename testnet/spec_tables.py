@@ -30,8 +30,8 @@ from protocol.envelope import PROTOCOL_VERSION, seal, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, GpuState, Join, JobMove, Member, MembershipChange, Migration,
-                               MoveRequest, OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate, Resources, RoundChange,
-                               RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
+                               MoveRequest, OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate,
+                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
                                placement_slot_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 

@@ -255,11 +255,11 @@ class WorkloadRunner:
         return job.popen.returncode
 
     async def stop_for_handover(self, job_id: bytes) -> tuple | None:
-        """``stop``, and what the workload offered after its last checkpoint, read once its
-        process is gone (so it can offer nothing later): (seq, progress, taken_ms, state), or
-        None when it offered nothing newer. A move hands it to the job's new primary (SPEC.md
-        R2). Like ``stop``, it waits for nothing but the process, so it may be awaited while
-        the job's own checkpoint callback is waiting for this node's core."""
+        """``stop``, and the newest state the workload offered, read once its process is gone
+        (so it can offer nothing later) as the checkpoint after the last one read: (seq,
+        progress, taken_ms, state), or None if it offered none. A move hands it to the job's
+        new primary (SPEC.md R2). Like ``stop``, it waits for nothing but the process, so it
+        may be awaited while the job's own checkpoint callback is waiting for this node's core."""
         job = self._jobs.get(job_id)
         if job is None:
             return None
