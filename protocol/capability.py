@@ -39,6 +39,8 @@ class CapabilityBook:
         self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
+        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: a move value carries one (R2)
+        self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -51,6 +53,18 @@ class CapabilityBook:
                 "cpu_milli_free": cap.cpu_milli_free,
                 "mem_mib_free": cap.mem_mib_free, "simulated": cap.simulated,
                 "gpu_models": sorted({g.model for g in cap.gpus})}
+
+    def signed_vector(self, key: bytes, now_ms: int) -> tuple[bytes, CapabilityVector] | None:
+        """The newest signed vector of ``key`` (this node's own, current), as (envelope, vector).
+        Our own, when signed anew for it, goes out with the next Ready (broadcast_if_running_changed):
+        what it says (the jobs running here above all) would otherwise reach peers only at
+        the next refresh, since a change already signed is not broadcast again."""
+        if key == self.ctx.me:
+            envelope, cap, signed = self.current(now_ms)
+            self.unsent = self.unsent or signed
+            return envelope, cap
+        cap = self.peers.get(key)
+        return None if cap is None else (self.peer_envelopes[key], cap)
 
     def _gpu_states(self) -> tuple:
         if self.telemetry_gpus:
@@ -152,6 +166,11 @@ class CapabilityBook:
         its vector goes out now, at most every RUNNING_REPORT_GAP_MS, not at the next
         telemetry reading, so every member shows a job running (not `migrating`) within
         moments of its primary."""
+        if self.unsent and self.epochs.is_member():
+            self.unsent = False
+            self.broadcast_ms = now_ms
+            out.messages.append(Outbound(None, self.envelope))
+            return
         if self.facts is None or not self.epochs.is_member() or not self.jobs.may_have_mine():
             return
         running = self._running_here()
@@ -169,6 +188,7 @@ class CapabilityBook:
         known = self.peers.get(envelope.signer)
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
+            self.peer_envelopes[envelope.signer] = data
             self._learn_running(envelope.signer, cap, now_ms)
 
     def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:

@@ -191,6 +191,9 @@ class JobLifecycle:
         if envelope.signer != record.primary and self._handed_off(envelope.signer, checkpoint, record):
             self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
             return
+        if envelope.signer != record.primary and self._handed_over_after_move(envelope, checkpoint, data, record,
+                                                                              now_ms, out):
+            return
         if envelope.signer != record.primary or checkpoint.fence < record.fence:
             counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
             out.events.append(self.ctx.event("checkpoint_refused", now_ms, job_id=checkpoint.job_id.hex(),
@@ -228,6 +231,53 @@ class JobLifecycle:
             return False
         return (held is None or not same_work(held, record.attempt, record.manifest)
                 or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0))
+
+    def _handed_over_after_move(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int,
+                                out: Ready) -> bool:
+        """R2: the final checkpoint of the primary a move took the job from, at the fence it
+        ran under, to the new primary or a backup, while the new run has not started (after
+        that it is a late checkpoint of a fenced primary). Taken if newer than any held; if
+        not (a backup holds it already), it still ends the new primary's wait. False: not one."""
+        me = self.ctx.me
+        if record.moved_from != (checkpoint.fence, envelope.signer) or record.fence != checkpoint.fence + 1:
+            return False
+        if record.state != "migrating" or (record.primary != me and me not in record.backups):
+            return False
+        held = record.checkpoint_fence
+        if held is None or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0):
+            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
+        elif self.handoff_waits.pop(checkpoint.job_id, None) is not None:
+            out.events.append(self.ctx.event("checkpoint_handed_off", now_ms, job_id=checkpoint.job_id.hex(),
+                                             fence=checkpoint.fence, seq=checkpoint.seq, held=True))
+        return True
+
+    def hand_over_moved(self, jid: bytes, fence: int, final: tuple | None, now_ms: int) -> Ready:
+        """R2: this node's run of ``jid`` under ``fence`` stopped because a move took the job
+        away. Its final checkpoint (``final``: seq, progress, taken_ms, state, read as the run
+        stopped; None: nothing newer than the last one taken) goes to the new primary and its
+        backups. Nothing for any other stop."""
+        out = Ready()
+        record = self.jobs.get(jid)
+        if record is None or record.moved_from != (fence, self.ctx.me) or record.primary == self.ctx.me:
+            return out
+        if final is not None:
+            seq, progress, taken_ms, state = final
+            checkpoint = Checkpoint(job_id=jid, fence=fence, seq=seq, progress=progress, taken_ms=taken_ms,
+                                    state=state, state_hash=hashlib.sha256(state).digest())
+            data = self.ctx.sign(checkpoint)
+            out.persist.append(self._checkpoint_record(checkpoint, self.ctx.me))
+            record.checkpoint_envelope, record.checkpoint_fence = data, fence
+        elif record.checkpoint_fence == fence and record.checkpoint_envelope is not None:
+            data = record.checkpoint_envelope
+        else:
+            return out
+        self.ctx.counters["checkpoint_handed_over"] += 1
+        out.events.append(self.ctx.event("checkpoint_handed_over", now_ms, job_id=jid.hex(), fence=fence,
+                                         final=final is not None))
+        for target in (record.primary, *record.backups):
+            if target != self.ctx.me:
+                out.messages.append(Outbound(target, data))
+        return out
 
     def _take_handed_off(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int, out: Ready) -> None:
         """The first one ends the primary's wait; the run resumes from it (no ack: the

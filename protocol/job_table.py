@@ -69,6 +69,9 @@ class JobRecord:
     # When this node applied the job's newest placement, on its clock: with the declared
     # max_runtime_ms, when the job ends at the latest (SPEC.md Q4, Q5).
     placed_ms: int | None = None
+    # (fence, node): the job's last owner-requested move (R2) took it from ``node``, its
+    # primary at ``fence``; that node's final checkpoint at ``fence`` is handed to the new one.
+    moved_from: tuple | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}

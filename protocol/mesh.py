@@ -10,8 +10,8 @@ their own file and see only what their constructor is given:
 
     state     epochs.py (membership and views), job_table.py, ledger.py (capacity),
               instances.py (consensus instances and their timers)
-    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py: one per kind
-              of decided value, found through flows/base.py's FlowRegistry
+    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/move.py: one
+              per kind of decided value, found through flows/base.py's FlowRegistry
     the rest  bidding.py (bids, declines), capability.py (capability vectors),
               liveness.py (heartbeats, suspicion, self-fencing, sync), joins.py,
               job_lifecycle.py (checkpoints, exits, cancels)
@@ -20,7 +20,7 @@ Bad remote input never raises: it is dropped and counted in ``counters`` under a
 reason (the consensus instances count into the same Counter).
 
 Decisions: certified ones carry a decoded Placement / PlacementSlot / Eviction /
-MembershipChange and the commit certificate. Local, uncertified ones
+MembershipChange / JobMove and the commit certificate. Local, uncertified ones
 (``certificate == b""``) are about this node's workloads. Two are orders, and the
 driver acts on nothing else (workload_orders.py): "stop" (value: job ids) and "run"
 (value: ``WorkloadRun`` items). Three say why, for logs and tools: "halt" (value ``()``:
@@ -42,6 +42,7 @@ from protocol.epochs import Epochs
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
+from protocol.flows.move import MoveFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
@@ -52,9 +53,9 @@ from protocol.joins import Joins
 from protocol.ledger import ResourceLedger
 from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
-                               CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join, Precommit,
-                               Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync, Resources, Suspicion,
-                               SyncRequest, decode_message, decode_value)
+                               CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join,
+                               MoveRequest, Precommit, Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync,
+                               Resources, Suspicion, SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.workload_orders import WorkloadOrders
@@ -103,21 +104,22 @@ class MeshCore:
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
+        self.moves = moves = MoveFlow(ctx, epochs, jobs, ledger, instances, capability)
         self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits)
         bidding.slots = placement.slots = slots
         placement.epoch_changes = epoch_changes
-        placement.lifecycle = epoch_changes.lifecycle = lifecycle
-        epoch_changes.placement = placement
+        placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = lifecycle
+        epoch_changes.placement = moves.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
-        self.flows = FlowRegistry((placement, slots, epoch_changes))
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
             RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: placement.on_job,
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
-            JobRefusal: lifecycle.on_job_refusal,
+            JobRefusal: lifecycle.on_job_refusal, MoveRequest: moves.on_move_request,
             CapabilityVector: capability.on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
         safety_records = tuple(safety_records)
@@ -306,6 +308,17 @@ class MeshCore:
         """An owner-signed Cancel envelope: stop and forget the job everywhere."""
         jid, out = self.lifecycle.cancel(request, now_ms)
         return jid, self._with_orders(out)
+
+    def request_move(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
+        """An owner-signed MoveRequest envelope (SPEC.md R2): refused with its reason
+        (RemoteProtocolError) when the move cannot happen, else broadcast and decided."""
+        jid, out = self.moves.request(request, now_ms)
+        return jid, self._with_orders(out)
+
+    def hand_over_moved(self, jid: bytes, fence: int, final: tuple | None, now_ms: int) -> Ready:
+        """The driver stopped the run of ``jid`` under ``fence`` (``final``: the state it read
+        as it stopped): if a move took the job away, its final checkpoint goes to the new primary."""
+        return self._with_orders(self.lifecycle.hand_over_moved(jid, fence, final, now_ms))
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
                          fault: str = "") -> Ready:

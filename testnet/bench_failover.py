@@ -361,6 +361,31 @@ def start_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random)
     return layout, signed
 
 
+def run_on_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random, make_run, count: int,
+                           keep: bool) -> tuple:
+    """Start a counter testnet, run ``make_run(root, layout, jobs, rng).run(count)`` on it and
+    always tear it down: (the run, double runs in the progress logs, starts under a
+    superseded fence). The directory is kept if the run aborted (its logs) or ``keep``."""
+    failed, run = True, None
+    log_double_runs, stale_starts = 0, []
+    try:
+        layout, signed = start_counter_testnet(root, nodes, jobs, rng)
+        run = make_run(root, layout, signed, rng)
+        trio.run(run.run, count)
+        failed = run.aborted is not None  # keep the logs of an aborted run
+    finally:
+        if (root / launcher.LAYOUT_FILE).exists():
+            launcher.down(root)
+        if run is not None:
+            log_double_runs = run.double_runs_from_logs()
+            stale_starts = run.stale_fence_starts()
+        if failed or keep:
+            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return run, log_double_runs, stale_starts
+
+
 def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep: bool = False,
                        seed: int | None = None) -> dict:
     if not 1 <= kills <= MAX_KILLS or not 1 <= jobs <= 16 or nodes < 3:
@@ -369,24 +394,7 @@ def run_failover_bench(nodes: int, kills: int, *, jobs: int = 1, root=None, keep
     root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-failover-"))
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
     rng = random.Random(seed)
-    failed = True
-    run = None
-    log_double_runs, stale_starts = 0, []
-    try:
-        layout, signed = start_counter_testnet(root, nodes, jobs, rng)
-        run = FailoverRun(root, layout, signed, rng)
-        trio.run(run.run, kills)
-        failed = run.aborted is not None  # keep the logs of an aborted run
-    finally:
-        if (root / launcher.LAYOUT_FILE).exists():
-            launcher.down(root)
-        if run is not None and run.kills:
-            log_double_runs = run.double_runs_from_logs()
-            stale_starts = run.stale_fence_starts()
-        if failed or keep:
-            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, jobs, rng, FailoverRun, kills, keep)
     per_kill = run.kills
     return {
         "bench": "failover", "nodes": nodes, "kills": len(per_kill), "jobs": jobs, "seed": seed,

@@ -16,7 +16,8 @@ from meshnode.cli.output import examples
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet", epilog=examples(
         "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
-        "meshnode bench failover --nodes 5 --kills 30 --json"))
+        "meshnode bench failover --nodes 5 --kills 30 --json",
+        "meshnode bench move --nodes 4 --moves 20 --json"))
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -66,6 +67,13 @@ def register(subparsers) -> None:
     idle.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
     idle.add_argument("--json", action="store_true", help="accepted for symmetry: the result is always one JSON object")
     idle.set_defaults(func=cmd_idle)
+    move = sub.add_parser("move", help="move a running job by its owner's request: latency, lost work, "
+                                       "double runs (SPEC.md R2)",
+                          epilog=examples("meshnode bench move --nodes 4 --moves 20 --json"))
+    move.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+    move.add_argument("--moves", type=int, default=20, metavar="N", help="moves of the running job (default 20)")
+    _common(move)
+    move.set_defaults(func=cmd_move)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
@@ -138,6 +146,16 @@ def cmd_idle(args) -> int:
                             heartbeat_ms=args.heartbeat_ms)
     _print(result)
     return 0 if result["evictions"] == 0 else 1
+
+
+def cmd_move(args) -> int:
+    from testnet.bench_move import run_move_bench
+    _interrupt_on_sigterm()
+    result = run_move_bench(args.nodes, args.moves, root=args.dir, keep=args.keep, seed=args.seed)
+    _print(result)
+    clean = (result["not_moved"] == 0 and result["lost_workloads"] == 0 and result["double_runs"] == 0
+             and result["aborted"] is None)
+    return 0 if clean else 1
 
 
 def cmd_hostile(args) -> int:

@@ -20,7 +20,7 @@ from rich.table import Table
 from meshnode.cli.output import examples
 from testnet import launcher
 from testnet.sim import FAULTS, SimConfig, SimResult, run_simulation
-from testnet.sim_nodes import NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
+from testnet.sim_nodes import NODE_FAULT_KINDS, NODE_FAULTS, NodeSimConfig, NodeSimResult, run_config
 from testnet.sim_nodes import summarize as summarize_nodes
 
 MAX_SEEDS = 1_000_000
@@ -44,8 +44,8 @@ def register(subparsers) -> None:
                         help="Byzantine share of the stake, 0..1 (under 1/3: bound never reached; "
                              ">= 0.334: at least that much, expect stalls)")
     parser.add_argument("--faults", default=None, metavar="LIST",
-                        help="comma-separated faults from %s (node driver: %s), or 'none' (default: all)"
-                             % (",".join(FAULTS), ",".join(NODE_FAULTS)))
+                        help="comma-separated faults from %s (node driver: %s; move only when named), "
+                             "or 'none' (default: all)" % (",".join(FAULTS), ",".join(NODE_FAULT_KINDS)))
     parser.add_argument("--no-heartbeats", action="store_true", help="run cores without heartbeats (scale runs)")
     parser.add_argument("--bid-sample", type=int, default=None, metavar="K",
                         help="only about K members bid per job (MeshCore bid_sample; for large meshes)")
@@ -67,6 +67,9 @@ def register(subparsers) -> None:
                              "default 0: no quotas); jobs held by it at the end are counted, not stalls")
     parser.add_argument("--reservations", action="store_true",
                         help="genesis reservations on: waiting jobs hold capacity, others backfill (SPEC.md Q5)")
+    parser.add_argument("--move", type=float, default=0.0, metavar="F",
+                        help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
+                             "in the fault window (a refused request is retried)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -147,9 +150,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
-    if args.job_ms < 0 or not 0.0 <= args.fail <= 1.0 or not 0.0 <= args.cancel <= 1.0 \
-            or not 0.0 <= args.fractional <= 1.0:
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel and --fractional in [0, 1]")
+    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move, args.fractional)):
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move and --fractional in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
                          heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms,
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
-                         cancel_per_mille=round(args.cancel * 1000),
+                         cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
                          reservations=args.reservations)
                for k in range(args.seeds)]
@@ -226,7 +228,7 @@ def run_node_driver(args: argparse.Namespace) -> int:
     if not 1 <= args.jobs <= 64:
         raise SystemExit("meshnode sim: --driver node runs 1..64 jobs")
     try:
-        faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULTS)
+        faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULT_KINDS)
     except argparse.ArgumentTypeError as exc:
         raise SystemExit("meshnode sim: %s" % exc)
     configs = [NodeSimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k, faults=faults)

@@ -32,7 +32,7 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.messages import Cancel, CommitCertificate, Decline, decode_message, encode_message, job_id
+from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
@@ -40,7 +40,7 @@ from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL = range(8)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE = range(9)
 CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
 MAX_CRASHES = 8
@@ -91,11 +91,15 @@ class SimConfig:
     # those rules at the end is counted (``quota_held_jobs``), not a stall.
     quota_gpus: int = 0
     reservations: bool = False
+    # ``move_per_mille``: that share of the jobs is moved by its owner (SPEC.md R2) at a drawn
+    # time after its submission, to where the mesh picks; a run ordered then reports that
+    # it started, as the node driver does (a job is moved only once it runs).
+    move_per_mille: int = 0
 
     @property
     def workloads(self) -> bool:
         """Whether jobs end in this run (exits or cancels)."""
-        return self.job_ms > 0 or self.cancel_per_mille > 0
+        return self.job_ms > 0 or self.cancel_per_mille > 0 or self.move_per_mille > 0
 
     def reproduce(self) -> str:
         line = "meshnode sim --nodes %d --jobs %d --seed %d" % (self.nodes, self.jobs, self.seed)
@@ -120,6 +124,8 @@ class SimConfig:
             line += " --quota-gpus %d" % self.quota_gpus
         if self.reservations:
             line += " --reservations"
+        if self.move_per_mille:
+            line += " --move %s" % (self.move_per_mille / 1000)
         return line
 
 
@@ -336,6 +342,7 @@ class Simulation:
             self.push(job.submit_ms, SUBMIT, number, None)
         self._schedule_faults()
         self._schedule_cancels()
+        self._schedule_moves()
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
         deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
@@ -361,6 +368,8 @@ class Simulation:
                 self._exit(target, payload)
             elif kind == CANCEL:
                 self._cancel(target, payload)
+            elif kind == MOVE:
+                self._move(target, payload)
             if self.complete >= total_jobs and at_ms >= self.heal_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
@@ -470,6 +479,39 @@ class Simulation:
         self.counters["cancels"] = self.counters.get("cancels", 0) + 1
         self._call(node, lambda: node.core.cancel(request, self.now_ms)[1])
 
+    def _schedule_moves(self) -> None:
+        cfg, rng = self.config, self.workload_rng
+        if not cfg.move_per_mille:
+            return
+        span = max(1, cfg.safety_ms)   # while faults are on, where moves race evictions
+        for number, job in enumerate(self.world.jobs):
+            if rng.randrange(1000) < cfg.move_per_mille:
+                self.push(job.submit_ms + rng.randint(0, span), MOVE, number, 0)
+
+    def _move(self, number: int, tries: int) -> None:
+        """The job's owner asks an honest node that is up to move it (SPEC.md R2); a node that
+        refuses (it has not seen the job run, or no node has room) is tried again a little later."""
+        spec = self.world.jobs[number]
+        up = [i for i in self.honest if self.nodes[i].up]
+        node = self.nodes[self.workload_rng.choice(up)] if up else None
+        record = node.core.job_table.get(spec.job_id) if node is not None else None
+        if record is None or record.state in TERMINAL:
+            if record is None and tries + 1 < CANCEL_TRIES:
+                self.push(self.now_ms + RETRY_SUBMIT_MS, MOVE, number, tries + 1)
+            return
+        owner = next(o for o in self.world.owners if o.public_key == spec.job.owner)
+        request = encode_message(owner, self.mesh_id, MoveRequest(job_id=spec.job_id, fence=record.fence, to_node=b"",
+                                                                  requested_ms=GENESIS_MS + self.now_ms))
+        try:
+            _jid, ready = node.core.request_move(request, self.now_ms)
+        except RemoteProtocolError:
+            self.counters["moves_refused"] = self.counters.get("moves_refused", 0) + 1
+            if tries + 1 < CANCEL_TRIES:
+                self.push(self.now_ms + RETRY_SUBMIT_MS, MOVE, number, tries + 1)
+            return
+        self.counters["moves"] = self.counters.get("moves", 0) + 1
+        self._emit(node, ready)
+
     def _workload_orders(self, node: SimNode, decision) -> None:
         """The driver's side of a core's "run" and "stop" orders: what it runs, and when each
         run ends (SimConfig.job_ms)."""
@@ -485,6 +527,9 @@ class Simulation:
                     self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
             if node.behaviour is None:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
+            if cfg.move_per_mille:
+                for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
+                    self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
 
     def _exit(self, index: int, payload) -> None:
         incarnation, jid, fence = payload

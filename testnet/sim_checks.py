@@ -30,8 +30,8 @@ from keys.identity import short_id
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
 from protocol.gpu_shares import MILLI_PER_GPU
-from protocol.messages import (Eviction, JobManifest, MembershipChange, Placement, PlacementSlot, decode_message,
-                               decode_value, job_id, placement_attempt, value_hash)
+from protocol.messages import (Eviction, JobManifest, JobMove, MembershipChange, Placement, PlacementSlot,
+                               decode_message, decode_value, job_id, placement_attempt, value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -183,6 +183,8 @@ class DecisionChecker:
                 self._check_placement(node, instance, placement)
         elif isinstance(value, Eviction):
             self._apply_eviction(node, instance, value)
+        elif isinstance(value, JobMove):
+            self._apply_job_move(value)
         elif isinstance(value, MembershipChange) and value.change == "join":
             joined = self.index_of.get(value.member.public_key)
             if joined is not None:
@@ -362,6 +364,16 @@ class DecisionChecker:
         if live:
             self.job_backups[jid] = tuple(b for b in live[1:])
             self._move(jid, gone, live[0])
+
+    def _apply_job_move(self, move: JobMove) -> None:
+        """An owner's move (SPEC.md R2): the load goes with the job when it is still where the
+        move takes it from (nodes where an eviction moved it first apply nothing)."""
+        _envelope, request = decode_message(move.request, self.mesh_id, caches=self.caches)
+        source, target = self.index_of.get(move.from_node), self.index_of.get(move.to_node)
+        if source is None or target is None or self.job_home.get(request.job_id) != source:
+            return
+        self.job_backups[request.job_id] = tuple(self.index_of[b] for b in move.backups if b in self.index_of)
+        self._move(request.job_id, source, target)
 
     def _move(self, jid: bytes, evicted: int, target: int) -> None:
         """Move a job's load from ``evicted`` to ``target``, which takes it on or refuses it

@@ -16,7 +16,9 @@ in this process or another.
 Faults (a modest set, one episode at a time, in ``[fault_start_ms, heal_ms)``):
 ``crash`` cancels a node's task (its data directory survives) and starts a new ``Node``
 on the same directory later; ``partition`` cuts a group of nodes off from the rest
-(``MemoryNetwork.cut``) and heals it later. From ``heal_ms`` on, nothing fails.
+(``MemoryNetwork.cut``) and heals it later; ``move`` (only when named) has the owner ask
+a live member to move a running job elsewhere (SPEC.md R2). From ``heal_ms`` on,
+nothing fails.
 
 Checks (each failure is a ``Violation``, as in testnet/sim_checks.py; SPEC.md 11 "Node
 mode" states them in full):
@@ -72,11 +74,14 @@ from meshnode.node.runner import RunningWorkload
 from meshnode.workload.builtin import BUILTIN_KINDS
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.job_table import LIVE_JOB_STATES
-from protocol.messages import Constraints, JobManifest, Resources, encode_message
+from protocol.messages import Constraints, JobManifest, MoveRequest, Resources, encode_message
 from testnet import launcher
 from testnet.sim_checks import MAX_VIOLATIONS_KEPT, Violation
 
 NODE_FAULTS = ("crash", "partition")
+# Asked for by name only (``--faults crash,partition,move``): not a fault but an owner's
+# move of a running job (SPEC.md R2), drawn between the faults.
+NODE_FAULT_KINDS = NODE_FAULTS + ("move",)
 SIM_STATE = struct.Struct(">4sQQQQ")   # magic, progress, fence, seq, node: what a checkpoint holds
 SIM_STATE_MAGIC = b"SIM1"
 POLL_MS = 50                           # how often the end phase looks for completed jobs
@@ -224,6 +229,22 @@ class SimRunner:
         self._end(job, "stopped")
         return -9
 
+    async def stop_for_handover(self, job_id: bytes) -> tuple | None:
+        """``stop``, and the state it had reached since its last checkpoint (runner.py)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        self._end(job, "stopped")
+        info, record = job.info, job.record
+        if record.end_progress == record.start_progress and info.last_taken_ms is None:
+            return None   # it offered nothing yet
+        info.seq += 1
+        info.progress, info.last_taken_ms = record.end_progress, record.end_ms
+        record.checkpoints += 1
+        record.last_checkpoint = (info.seq, record.end_progress, record.end_ms)
+        state = SIM_STATE.pack(SIM_STATE_MAGIC, record.end_progress, info.fence, info.seq, self.node)
+        return info.seq, record.end_progress, record.end_ms, state
+
     def workdir(self, job_id: bytes) -> str:
         return os.path.join(self.data_dir, "workloads", job_id.hex())
 
@@ -321,8 +342,8 @@ class NodeSimConfig:
 
 @dataclass
 class Episode:
-    kind: str          # crash | partition
-    nodes: tuple       # the crashed node, or the group cut off from the rest
+    kind: str          # crash | partition | move
+    nodes: tuple       # the crashed node, or the group cut off from the rest (move: ())
     start_ms: int
     end_ms: int
 
@@ -617,7 +638,8 @@ class NodeSimulation(RunChecks):
         self.job_ids: list[bytes] = []
         self.job_units: dict[str, int] = {}
         self.completed_ms: dict[str, int] = {}
-        self.counters = {"crashes": 0, "restarts": 0, "partitions": 0, "submit_refused": 0}
+        self.counters = {"crashes": 0, "restarts": 0, "partitions": 0, "submit_refused": 0, "moves": 0,
+                         "move_refused": 0}
         self.decided: set[bytes] = set()
         self.last_change_ms = 0          # the last certified decision applied, or exit, at any node
         self.agreement_checked = 0       # samples at which every member was compared
@@ -735,6 +757,8 @@ class NodeSimulation(RunChecks):
 
     def _scripted_episode(self, _at_ms: int, kind: str, target, duration_ms: int) -> Episode:
         start = now_ms()
+        if kind == "move":
+            return Episode("move", (), start, start)
         if target in ("primary", "backup"):
             viewer = next(node for node in self.live if node is not None and node.core.is_member())
             view = viewer.core.job_view(self.job_ids[0])
@@ -747,6 +771,8 @@ class NodeSimulation(RunChecks):
         kind = rng.choice(cfg.faults)
         duration = rng.randint(*cfg.episode_ms)
         end = min(cfg.heal_ms, start + duration)
+        if kind == "move":
+            return Episode("move", (), start, start)
         if kind == "crash":
             # Mostly a primary of a running job: the failover path is what this mode is for.
             primaries = sorted({i for node in self.live if node is not None for job in node.core.jobs()
@@ -836,7 +862,9 @@ class NodeSimulation(RunChecks):
 
     async def _run_episode(self, nursery, episode: Episode) -> None:
         self.episodes.append(episode)
-        if episode.kind == "crash":
+        if episode.kind == "move":
+            await self._move_a_job()
+        elif episode.kind == "crash":
             await self.crash(episode.nodes[0])
             await trio.sleep_until(episode.end_ms / 1000)
             await self.restart(nursery, episode.nodes[0])
@@ -845,6 +873,26 @@ class NodeSimulation(RunChecks):
             self._cut(episode.nodes, heal=False)
             await trio.sleep_until(episode.end_ms / 1000)
             self._cut(episode.nodes, heal=True)
+
+    async def _move_a_job(self) -> None:
+        """The owner asks a live member to move a running job (the first submitted one
+        still running, as that member sees it) to wherever the mesh picks (SPEC.md R2)."""
+        up = [node for i, node in enumerate(self.live) if node is not None and node.core.is_member()
+              and not self._isolated(i, now_ms())]
+        if not up:
+            return
+        node = self.rng.choice(up)
+        running = [view for jid in self.job_ids for view in [node.core.job_view(jid)]
+                   if view is not None and view["state"] == "running"]
+        if not running:
+            return
+        request = MoveRequest(job_id=running[0]["job_id"], fence=running[0]["fence"], to_node=b"",
+                              requested_ms=now_ms())
+        try:
+            await node.move(encode_message(self.owner, self.mesh_id, request))
+            self.counters["moves"] += 1
+        except MeshError:
+            self.counters["move_refused"] += 1
 
     async def _watch_agreement(self) -> None:
         """After the heal: whenever AGREEMENT_MS have passed since the last decision or exit
@@ -980,9 +1028,9 @@ def run_node_simulation(nodes: int = 4, jobs: int = 4, seed: int = 0, faults: tu
 
 
 def run_config(config: NodeSimConfig) -> NodeSimResult:
-    unknown = [f for f in config.faults if f not in NODE_FAULTS]
+    unknown = [f for f in config.faults if f not in NODE_FAULT_KINDS]
     if unknown:
-        raise ValueError("node mode knows the faults %s, not %s" % (",".join(NODE_FAULTS), unknown))
+        raise ValueError("node mode knows the faults %s, not %s" % (",".join(NODE_FAULT_KINDS), unknown))
     started = time.perf_counter()
     warnings = _WarningCounter()
     node_log = logging.getLogger("meshnode.node")
@@ -1038,6 +1086,8 @@ def summarize(results: list[NodeSimResult], wall_s: float) -> dict:
         "runs": sum(len(r.runs) for r in results),
         "crashes": sum(r.counters["crashes"] for r in results),
         "partitions": sum(r.counters["partitions"] for r in results),
+        "moves": sum(r.counters["moves"] for r in results),
+        "moves_refused": sum(r.counters["move_refused"] for r in results),
         "resumes": sum(r.resumes for r in results),
         "failovers": sum(r.failovers for r in results),
         "lost_work_ms": {"max": lost[-1] if lost else None, "p50": percentile(lost, 0.5),

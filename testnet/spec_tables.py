@@ -29,10 +29,10 @@ from protocol import codec
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
-                               Constraints, Evidence, GpuState, Join, Member, MembershipChange, Migration,
-                               OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate, Resources, RoundChange,
-                               RoundSync, RunningJob, job_id, placement_instance_id, placement_slot_id,
-                               value_hash)
+                               Constraints, Evidence, GpuState, Join, JobMove, Member, MembershipChange, Migration,
+                               MoveRequest, OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate,
+                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
+                               placement_slot_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
@@ -41,7 +41,7 @@ VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carr
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile)
+                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -79,6 +79,8 @@ NESTED_ENVELOPES = {
                          "by members (this mesh); others are ignored (F7)"),
     (Placement, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P2, P4b); in a certificate, 6.7"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
+    (JobMove, "request"): (("move_request",), "this mesh, signed by the job's owner, for this instance (R2)"),
+    (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
 }
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"
@@ -229,6 +231,12 @@ def _coherent(cls, body: dict) -> dict:
                                                   "stake": body["member"]["stake"], "epoch": VECTOR_EPOCH})]
     elif cls is Member:
         body["public_key"] = me
+    elif cls is MoveRequest:
+        body["to_node"] = b""   # R2: the mesh picks the node
+    elif cls is JobMove:
+        request = {"job_id": sample_job_id(), "fence": 1, "to_node": b"", "requested_ms": VECTOR_TIME_MS}
+        body.update(request=_seal("move_request", request), from_node=me, to_node=me, backups=[],
+                    capability=_seal("cap", sample_body(CapabilityVector)))
     return body
 
 
@@ -344,6 +352,16 @@ def render_instance_ids() -> str:
     return "\n".join(lines)
 
 
+def render_move_vectors() -> str:
+    """R2: the instance that may move the sample job away from fence 1, and a JobMove value
+    (its owner's request and the target's vector signed by the vector key; samples only: a
+    real move goes to another node than its primary)."""
+    value = codec.pack(sample_body(JobMove))
+    return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "fence: 1",
+                      "move_instance: %s" % move_instance_id(sample_job_id(), 1).hex(),
+                      "job_move_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
+
+
 VECTOR_PASSPHRASE = b"meshnode test vector"
 VECTOR_SALT = bytes(range(16))
 VECTOR_NONCE = bytes(range(24))
@@ -358,7 +376,8 @@ def render_keystore_vector() -> str:
 
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
-             "instance ids": render_instance_ids, "keystore vector": render_keystore_vector}
+             "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
+             "move vectors": render_move_vectors}
 
 
 def generated_block(text: str, name: str) -> str:

@@ -1,4 +1,4 @@
-"""`meshnode job list|status|cancel|logs|output` against four real node drivers.
+"""`meshnode job list|status|cancel|move|logs|output` against four real node drivers.
 
 The drivers run on the in-memory network under trio's autojumping MockClock; the CLI runs
 as it does from a shell (``meshnode.cli.main``), in a worker thread, over the nodes' real
@@ -141,12 +141,21 @@ async def test_logs_follow_until_the_job_ends_then_output_copies_its_files(mesh_
     await with_placed_job(root, layout, test)
 
 
-async def test_cancel_is_signed_by_the_owner_only_and_only_once(mesh_dir, mock_clock, capsys):
+async def test_move_and_cancel_are_signed_by_the_owner_only(mesh_dir, mock_clock, capsys):
+    """`job move` (SPEC.md R2; its refusals are in tests/test_job_move.py) and `job cancel`
+    (only once), in one mesh: each CLI call runs the mesh through seconds of virtual time."""
     mock_clock.autojump_threshold = 0
     root, layout = mesh_dir
     owner_key, other_key = layout["owners"][0]["key_file"], layout["owners"][1]["key_file"]
 
     async def test(jid, primary, bystander):
+        await primary._handle(primary.core.workload_started(jid, 1, 0, primary.core.last_tick_ms))
+        await trio.sleep(0.5)
+        code, out, _ = await cli(capsys, "job", "move", jid.hex(), "--node", bystander.paths.root,
+                                 "--key", owner_key, "--json")
+        moved, me = json.loads(out), primary.identity.public_key.hex()
+        assert code == 0 and moved["moved"] and (moved["from"], moved["fence"]) == (me, 2) and moved["to"] != me
+        assert primary.core.job_view(jid)["primary"].hex() == moved["to"]   # decided everywhere
         code, _, err = await cli(capsys, "job", "cancel", jid.hex(), "--node", bystander.paths.root, "--key", other_key)
         one_line_error(code, err, "only the owner may cancel it")
         code, out, _ = await cli(capsys, "job", "cancel", jid.hex(), "--node", bystander.paths.root,
@@ -220,3 +229,4 @@ def test_job_tables_fit_80_columns_without_wrapping_ids():
         assert max(len(line) for line in lines) <= 80
         # The id whole on one line, as a word of its own: copied, it names the job.
         assert sum(shown_id in line.split() for line in lines) == 1
+

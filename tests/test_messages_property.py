@@ -14,7 +14,7 @@ from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.envelope import ANY_MESH, CHANNEL_AUTHENTICATED_KINDS, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MESSAGE_TYPES, Checkpoint, Resources, decode_message, encode_message, encode_unsigned
+from protocol.messages import MESSAGE_TYPES, Checkpoint, MoveRequest, Resources, decode_message, encode_message, encode_unsigned
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
 SIGNER = SigningIdentity(bytes(range(32)))
@@ -60,6 +60,8 @@ def body_strategy(cls):
         body = body.map(lambda b: {**b, "state_hash": hashlib.sha256(b["state"]).digest()})
     if cls is Resources:  # cross-field rule, SPEC.md 4.1: a GPU share is a share of one GPU
         body = body.map(lambda b: {**b, "gpus": 1} if b["gpu_milli"] else b)
+    if cls is MoveRequest:  # cross-field rule, SPEC.md R2: no target, or a 32-byte key
+        body = body.map(lambda b: {**b, "to_node": b["to_node"].ljust(32, b"\x01") if b["to_node"] else b""})
     return body
 
 

@@ -442,3 +442,18 @@ def test_a_restarted_leader_resumes_a_retry_instance_from_its_own_votes(seed):
                        job_fail_per_mille=200, cancel_per_mille=200, fractional_per_mille=700)
     result = run_simulation(config)
     assert result.ok, [v.line() for v in result.violations[:3]]
+
+
+def test_owner_moves_among_faults_and_byzantine_stake_keep_the_safety_checks():
+    """SPEC.md R2 in the core simulator (`--move`): moves race crashes, partitions and
+    evictions, with 0.3 Byzantine stake in two of the seeds. Liveness is not asserted:
+    in the third seed one placement (not a moved job) decides at 6.1 s, its rounds out of
+    step across the honest nodes, past the 6 s bound (BENCHMARKS.md)."""
+    moves = 0
+    for seed in (0, 1, 2):
+        result = run_simulation(SimConfig(nodes=4 + seed, jobs=8, seed=seed, byzantine_milli=300 if seed else 0,
+                                          faults=FAULTS, move_per_mille=600, job_ms=800 if seed % 2 else 0))
+        broken = [v.line() for v in result.violations if v.check in SAFETY_CHECKS]
+        assert not broken, broken[:3]
+        moves += result.counters.get("moves", 0)
+    assert moves >= 3

@@ -146,3 +146,29 @@ def test_a_restart_whose_history_ends_in_its_readmission_still_holds_its_jobs(se
     # and the node ran a job under a fence the mesh had moved on from (double_run).
     result = run_node_simulation(seed=seed, nodes=4, jobs=4)
     assert result.ok, [v.line() for v in result.violations]
+
+
+def test_r2_a_moved_job_resumes_on_its_new_node_from_the_final_checkpoint_with_no_double_run():
+    """The owner moves the running job at 900 ms: the old run stops, its final state (taken
+    as it stopped, between two checkpoints) is handed over, and the new run starts from it
+    after the old one ended, under the next fence; the run checks (double run, resume, lost
+    work) pass and nothing is lost."""
+    result = run_node_simulation(seed=3, script=((900, "move", None, 0),), faults=(), **ONE_JOB)
+    assert result.ok, [v.line() for v in result.violations]
+    assert result.counters["moves"] == 1
+    moved, resumed = job_runs(result)
+    assert moved.end == "stopped" and resumed.node != moved.node and resumed.fence == moved.fence + 1
+    assert resumed.start_ms >= moved.end_ms   # never two runs at once
+    assert resumed.restore_origin == (moved.node, moved.fence)
+    assert resumed.start_progress == moved.end_progress   # the final state: no work lost
+    assert moved.last_checkpoint[1] == moved.end_progress
+    assert resumed.end == "exit" and resumed.end_progress == resumed.units
+    assert result.lost_work_ms == [0]
+
+
+@pytest.mark.parametrize("seed", [1, 3])   # 5 and 1 moves among crashes and partitions
+def test_r2_seeds_with_moves_among_the_faults_pass_every_check(seed):
+    result = run_node_simulation(seed=seed, faults=("crash", "partition", "move"))
+    assert result.ok, [v.line() for v in result.violations]
+    assert result.counters["moves"] >= 1
+    assert len(result.completed_ms) == result.config.jobs

@@ -202,6 +202,7 @@ def test_nested_samples_are_the_kind_their_field_holds():
     seen = []
     for kind in MESSAGE_TYPES:
         nested_kinds_seen(opened(kind)[1], seen)
+    nested_kinds_seen(decode_value("job_move", bytes.fromhex(move_vectors()["job_move_value"])), seen)   # R2
     for record, field, kind in seen:
         assert kind in table[(record, field)], (record, field, kind)
     # Every documented field is exercised by some vector, apart from MembershipChange's
@@ -297,6 +298,28 @@ def test_keystore_vector_opens_and_reencodes(tmp_path):
     again = encode_keystore(identity, passphrase, KdfLimits(kdf["opslimit"], kdf["memlimit"]),
                             salt=bytes.fromhex(kdf["salt"]), nonce=bytes.fromhex(document["nonce"]))
     assert again.decode() == document_text
+
+
+def move_vectors() -> dict:
+    block = spec_tables.generated_block(SPEC, "move vectors").strip("`\n")
+    return dict(line.split(": ", 1) for line in block.splitlines())
+
+
+def test_move_vectors_of_r2_follow_the_formulas_and_hang_together():
+    """R2's instance id from the formula with hashlib alone; the JobMove value decodes, its
+    request is the owner's for that job and fence, and its hash is 6.4's."""
+    vectors = move_vectors()
+    jid, fence = bytes.fromhex(vectors["job_id"]), int(vectors["fence"])
+    assert jid.hex() == DERIVED["job_id"]
+    instance = hashlib.sha256(b"job-move" + jid + fence.to_bytes(8, "big")).digest()
+    assert vectors["move_instance"] == instance.hex()
+    value = bytes.fromhex(vectors["job_move_value"])
+    expected_hash = hashlib.sha256(b"meshnode/v1/value\x00" + value).hexdigest()
+    assert vectors["value_hash"] == expected_hash == value_hash(value).hex()
+    move = decode_value("job_move", value)
+    envelope, request = decode_message(move.request, MESH_ID)
+    assert (request.job_id, request.fence, request.to_node) == (jid, fence, b"")
+    assert envelope.signer == opened("job")[1].owner
 
 
 def test_instance_id_vectors_follow_the_formulas_of_p2_and_p7():

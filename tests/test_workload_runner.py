@@ -384,3 +384,22 @@ async def test_train_prints_its_loss_to_the_log_when_asked(tmp_path):
         nursery.cancel_scope.cancel()
     lines = OutputLog(runner.workdir(JOB)).read(0, 1000)[2].decode().splitlines()
     assert [line.split()[:2] for line in lines] == [["step", "2"], ["step", "4"]]
+
+
+async def test_stop_for_handover_returns_the_newest_state_offered_even_once_a_tick_read_it(tmp_path):
+    """SPEC.md R2: the final checkpoint a move hands over is the newest state the workload
+    offered. A tick may have read it already and its checkpoint been refused (the core no
+    longer sees the node as primary), so with nothing newer the runner gives that one again,
+    under the next seq."""
+    stopper = [sys.executable, "-c", OFFER_THEN_STOP]
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path, commands={"stopper": stopper})
+        pid = await runner.start(JOB, "stopper", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            while process_state(pid) != "T":
+                await trio.sleep(0.01)
+            _, seq, progress, taken_ms, state = await recorder.checkpoints.receive()
+            final = await runner.stop_for_handover(JOB)
+        assert final == (seq + 1, progress, taken_ms, state) == (2, 7, taken_ms, b"offered before the stop")
+        assert process_gone(pid) and await runner.stop_for_handover(JOB) is None
+        nursery.cancel_scope.cancel()

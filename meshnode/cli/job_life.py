@@ -1,4 +1,4 @@
-"""`meshnode job list|status|cancel|logs|output`: a job's life, from any node of the mesh.
+"""`meshnode job list|status|cancel|move|logs|output`: a job's life, from any node of the mesh.
 
 Every command is a client of one node's control socket (``--node DIR``). A job is named
 by its id or any unambiguous prefix of it (the 12 digits the tables show). Reading a
@@ -22,7 +22,8 @@ from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examp
 from meshnode.control.client import ControlClient, ControlError, ControlUnavailable
 from meshnode.tui.tables import format_ms, node_label, short_job_id
 from protocol.errors import MeshError
-from protocol.messages import MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, Cancel, OutputRead, encode_message
+from protocol.messages import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, Cancel, MoveRequest, OutputRead,
+                               encode_message)
 
 TERMINAL = ("completed", "failed", "cancelled")
 CALL_TIMEOUT_S = 20.0            # a read from another node may take the transport's 10 s
@@ -30,6 +31,7 @@ FOLLOW_POLL_S = 0.25
 FOLLOW_RETRY_S = 15.0            # a followed log survives this long without an answer (a failover)
 OUTPUT_MAX_BYTES_DEFAULT = 1 << 30
 NAME_COLUMN_MAX = 16
+MOVE_WAIT_S = 10.0               # `job move` waits this long for the decision, to show where the job went
 LIST_COLUMN_WIDTHS = {"job": 8, "state": 9, "primary": 8, "checkpoint": 10}
 
 
@@ -65,6 +67,22 @@ def register(sub) -> None:
     key_arg(cancel, True, "the job owner's keystore (only the owner may cancel)")
     add_json_flag(cancel)
     cancel.set_defaults(func=cmd_cancel)
+
+    move = sub.add_parser("move", help="move a running job to another node (signed with the owner's key)",
+                          description="Sign a move request with the owner's key: the mesh decides by vote to "
+                                      "move the running job to --to NODE, or to the node with room that "
+                                      "placement scoring ranks best. Its primary stops it after a final "
+                                      "checkpoint, which the new node resumes from (SPEC.md R2). Waits up to "
+                                      "%d s for the decision, to show where it went." % MOVE_WAIT_S,
+                          epilog=examples("meshnode job move 51d37e04 --key owner.key --node net/node-0",
+                                          "meshnode job move 51d37e04 --to 9c1e --key owner.key --node net/node-0"))
+    move.add_argument("job", metavar="JOB", help="job id or a unique prefix of it")
+    move.add_argument("--to", metavar="NODE", help="the member to move it to: its key in hex, or a unique prefix "
+                                                   "(`meshnode nodes` lists them); default: the mesh picks")
+    node_arg(move)
+    key_arg(move, True, "the job owner's keystore (only the owner may move it)")
+    add_json_flag(move)
+    move.set_defaults(func=cmd_move)
 
     logs = sub.add_parser("logs", help="the workload's stdout and stderr, from the node that runs it",
                           description="Print the job's output (stdout and stderr) that its node keeps (the newest "
@@ -179,6 +197,52 @@ def cmd_cancel(args) -> int:
     result = {"job_id": job["job_id"], "cancelled": True, "state": after["state"]}
     emit(args, result, lambda console: console.print(
         "job %s: cancel signed and sent; state here: %s" % (_short_job(job["job_id"]), after["state"])))
+    return 0
+
+
+# --- move -----------------------------------------------------------------------------------------
+
+def _member_key(client, text: str) -> bytes:
+    """The member whose key (hex) starts with ``text``."""
+    text = text.lower()
+    keys = [row["key"] for row in client.call("nodes")["nodes"] if row["key"].startswith(text)]
+    if len(keys) != 1:
+        raise MeshError("--to %s names %s: give a member's key or a unique prefix (`meshnode nodes`)"
+                        % (text, "no member" if not keys else "%d members" % len(keys)))
+    return bytes.fromhex(keys[0])
+
+
+def cmd_move(args) -> int:
+    with ControlClient(args.node) as client:
+        node = client.call("status")
+        job = client.call("job_status", job_id=args.job)
+        short = _short_job(job["job_id"])
+        if job["state"] != "running":
+            raise MeshError("job %s is %s, not running: only a running job can be moved" % (short, job["state"]))
+        identity = _owner_identity(args)
+        if identity.public_key.hex() != job["owner"]:
+            raise MeshError("%s is not the key of job %s's owner (%s): only the owner may move it"
+                            % (args.key, short, short_id(bytes.fromhex(job["owner"]))))
+        to_node = _member_key(client, args.to) if args.to else b""
+        request = encode_message(identity, bytes.fromhex(node["mesh_id"]),
+                                 MoveRequest(job_id=bytes.fromhex(job["job_id"]), fence=job["fence"], to_node=to_node,
+                                             requested_ms=time.time_ns() // 1_000_000))
+        client.call("move", request=request)
+        after = job
+        deadline = time.monotonic() + MOVE_WAIT_S
+        while time.monotonic() < deadline:
+            after = client.call("job_status", job_id=job["job_id"])
+            if after["fence"] != job["fence"]:
+                break
+            time.sleep(FOLLOW_POLL_S)
+    moved = after["fence"] != job["fence"]
+    result = {"job_id": job["job_id"], "moved": moved, "from": job["primary"], "to": after["primary"],
+              "fence": after["fence"], "state": after["state"]}
+    emit(args, result, lambda console: console.print(
+        "job %s: moved from %s to %s (fence %d), %s" % (short, job["primary"][:12], after["primary"][:12],
+                                                          after["fence"], after["state"]) if moved else
+        "job %s: move requested; not decided yet after %d s (state %s, fence %d)"
+        % (short, MOVE_WAIT_S, after["state"], after["fence"])))
     return 0
 
 

@@ -14,7 +14,7 @@ from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
-from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
+from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
                                placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class ControlApi:
 
     def handlers(self) -> dict:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
-                "submit": self.submit, "cancel": self.cancel, "why": self.why, "join": self.join,
+                "submit": self.submit, "cancel": self.cancel, "move": self.move, "why": self.why, "join": self.join,
                 "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
                 "job_status": self.job_status, "job_output": self.job_output,
                 "set_simulated_telemetry": self.set_simulated_telemetry}
@@ -197,6 +197,12 @@ class ControlApi:
             raise MeshError("args.request must be an owner-signed cancel envelope (bytes)")
         return {"job_id": (await self.node.cancel(request)).hex()}
 
+    async def move(self, args) -> dict:
+        request = args.get("request")
+        if not isinstance(request, bytes):
+            raise MeshError("args.request must be an owner-signed move_request envelope (bytes)")
+        return {"job_id": (await self.node.move(request)).hex()}
+
     async def why(self, args) -> dict:
         job = self._one_job(_text_arg(args, "job_id"))
         queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
@@ -238,8 +244,8 @@ class ControlApi:
 
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt: retries and
-        refusals, P2, R1), its slot's if that lists it (P7), and the evictions whose
-        migrations name it (F5)."""
+        refusals, P2, R1), its slot's if that lists it (P7), the evictions whose
+        migrations name it (F5) and its owner's moves (R2)."""
         manifest, jid = job["manifest"], job["job_id"]
         instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
@@ -251,12 +257,17 @@ class ControlApi:
                      if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
         rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
+        rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
+                 if self._moved_job_id(self._decided(row)) == jid]
         return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):
         """The value a stored (so already verified) certificate decided."""
         _envelope, cert = decode_message(row["certificate"], self.node.genesis.mesh_id, expect=CommitCertificate)
         return decode_value(cert.value_kind, cert.value)
+
+    def _moved_job_id(self, move) -> bytes:
+        return decode_message(move.request, self.node.genesis.mesh_id, expect=MoveRequest)[1].job_id
 
     def _placed_job_id(self, job_envelope: bytes) -> bytes:
         return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])

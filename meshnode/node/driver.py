@@ -68,7 +68,7 @@ class Node:
         self._transport_factory = transport_factory
         # Injection points for the node-mode simulator (testnet/sim_nodes.py); the defaults
         # are what `meshnode run` uses. runner_factory is called like WorkloadRunner and
-        # returns an object with its interface (serve, start, stop, running, jobs_info,
+        # returns an object with its interface (serve, start, stop, stop_for_handover, running, jobs_info,
         # workdir); rng seeds the core (default: 16 bytes from the OS).
         self._runner_factory = runner_factory or WorkloadRunner
         self._rng = rng
@@ -276,7 +276,7 @@ class Node:
         kind = decision.value_kind
         if kind == "stop":
             for job_id in decision.value:
-                await self._stop_workload(job_id, "ordered by the core")
+                await self._stop_workload(job_id, "ordered by the core", hand_over=True)
         elif kind == "run":
             for run in decision.value:
                 await self._start_workload(run)
@@ -313,11 +313,18 @@ class Node:
         log.info("started job %s pid %d fence %d from %s", job_id.hex()[:12], pid, fence,
                  "checkpoint seq %d" % restore[2] if restore else "scratch")
 
-    async def _stop_workload(self, job_id: bytes, why: str) -> None:
+    async def _stop_workload(self, job_id: bytes, why: str, hand_over: bool = False) -> None:
+        """``hand_over``: the core ordered the stop; if a move took the job away (SPEC.md R2),
+        the core sends the run's final checkpoint, read as it stopped, to the new primary."""
+        fence, final = self.job_fences.pop(job_id, None), None
         if job_id in self.runner.running():
-            await self.runner.stop(job_id)
+            if hand_over:
+                final = await self.runner.stop_for_handover(job_id)
+            else:
+                await self.runner.stop(job_id)
             log.info("stopped job %s: %s", job_id.hex()[:12], why)
-        self.job_fences.pop(job_id, None)
+        if hand_over and fence is not None:
+            await self._handle(self.core.hand_over_moved(job_id, fence, final, now_ms()))
 
     async def _stop_all(self, why: str) -> None:
         for job_id in list(self.runner.running()):
@@ -331,9 +338,10 @@ class Node:
         try:
             ready = self.core.local_checkpoint(job_id, seq, progress, taken_ms, state, now_ms())
         except LocalProtocolError as exc:
-            # The core no longer sees us as this job's primary: we were fenced.
+            # The core no longer sees us as this job's primary: we were fenced, or a move took
+            # the job away (its final checkpoint, this state included, is handed over, R2).
             log.warning("job %s fenced: %s", job_id.hex()[:12], exc)
-            await self._stop_workload(job_id, "fenced")
+            await self._stop_workload(job_id, "fenced", hand_over=True)
             return
         await self._handle(ready)
 
@@ -354,6 +362,13 @@ class Node:
         envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True)
         await self._handle(self.core.submit(job_envelope, now_ms()))
         return compute_job_id(job)
+
+    async def move(self, request: bytes) -> bytes:
+        """An owner-signed MoveRequest (SPEC.md R2): refused with its reason, or on its way."""
+        self._refuse_if_evicted()
+        job_id, ready = self.core.request_move(request, now_ms())
+        await self._handle(ready)
+        return job_id
 
     async def cancel(self, request: bytes) -> bytes:
         self._refuse_if_evicted()

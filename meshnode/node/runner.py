@@ -139,6 +139,9 @@ class _Job:
         self.tick_scope = trio.CancelScope()
         self.process_gone = False          # set when the pidfd reports the exit
         self.in_callback = False           # the tick is awaiting on_checkpoint
+        self.read_final = False            # stop_for_handover: read the slot once the process is gone
+        self.final_offer: tuple | None = None
+        self.last_offer: tuple | None = None   # (progress, taken_ms, state) the last tick read
 
 
 class WorkloadRunner:
@@ -251,6 +254,19 @@ class WorkloadRunner:
         await job.exited.wait()
         return job.popen.returncode
 
+    async def stop_for_handover(self, job_id: bytes) -> tuple | None:
+        """``stop``, and the newest state the workload offered, read once its process is gone
+        (so it can offer nothing later) as the checkpoint after the last one read: (seq,
+        progress, taken_ms, state), or None if it offered none. A move hands it to the job's
+        new primary (SPEC.md R2). Like ``stop``, it waits for nothing but the process, so it
+        may be awaited while the job's own checkpoint callback is waiting for this node's core."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        job.read_final = True
+        await self.stop(job_id)
+        return job.final_offer
+
     def workdir(self, job_id: bytes) -> str:
         """The job's working directory (absolute; manifests name it as ``{workdir}``)."""
         return job_workdir(self.data_dir, job_id)
@@ -342,6 +358,8 @@ class WorkloadRunner:
     def _reap(self, job: _Job) -> None:
         _kill_group(job.popen)   # its children too
         job.popen.wait()         # exited or SIGKILLed: returns at once
+        if job.read_final and not job.exited.is_set():
+            job.final_offer = self._read_final_offer(job)
         # Reaped twice (on exit, then in _supervise's finally); by the second time a new run
         # of the same job may hold the entry (stop then run in one batch): leave that one.
         if self._jobs.get(job.info.job_id) is job:
@@ -373,6 +391,23 @@ class WorkloadRunner:
                 next_tick = now + period_s - (now - next_tick) % period_s
             await self._take_checkpoint(job)
 
+    @staticmethod
+    def _read_final_offer(job: _Job) -> tuple | None:
+        """The newest state the (dead) workload offered, as the checkpoint after the last one
+        read: (seq, progress, taken_ms, state), or None if it offered none. With nothing new
+        in the slot it is the state the last tick read: that tick's checkpoint may never have
+        been taken (the core refuses one of a job that was just moved away)."""
+        try:
+            offered = job.slot.read() or job.last_offer
+        except RemoteProtocolError:
+            offered = job.last_offer   # a slot broken by the workload: the last good state stands
+        if offered is None:
+            return None
+        progress, taken_ms, state = offered
+        job.info.seq += 1
+        job.info.progress, job.info.last_taken_ms = progress, taken_ms
+        return job.info.seq, progress, taken_ms, state
+
     async def _take_checkpoint(self, job: _Job) -> None:
         if job.stopping:
             return  # after stop() no callback may report this job again
@@ -385,6 +420,7 @@ class WorkloadRunner:
         if offered is None:
             return
         progress, taken_ms, state = offered
+        job.last_offer = offered
         job.info.seq += 1
         job.info.progress = progress
         job.info.last_taken_ms = taken_ms

@@ -4,7 +4,7 @@ Votes sign only the value's hash (SPEC.md 6.4), so a certificate's ``value_kind`
 signed by its voters: anyone can relabel a real placement certificate as an eviction.
 A certificate counts only if its value decodes as the stated kind AND its instance id is
 the one that kind's flow decides that value in (a job's attempt, a slot, an epoch's
-change). The node checks this before applying a decision (protocol/mesh.py), and the
+change, a job's move from a fence). The node checks this before applying a decision (protocol/mesh.py), and the
 offline verifier (``meshnode cert verify``) runs the same function.
 """
 
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from protocol.errors import RemoteProtocolError
 from protocol.flows.epoch_change import EpochChangeFlow
+from protocol.flows.move import MoveFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
-BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow)
+BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, MoveFlow)
             for kind in flow.value_kinds}
 
 

@@ -16,6 +16,7 @@ import from ``protocol.messages`` and never need to know which file holds a reco
   syncs, equivocation evidence, ``value_hash``;
 - ``liveness``: heartbeats, suspicions, evictions and their migrations, checkpoints,
   checkpoint acks, the epoch catch-up request;
+- ``moves``: an owner's request to move a running job, and the move value (SPEC.md R2);
 - ``membership``: members, membership changes, attestations, endorsements, joins, leaves;
 - ``output``: reading a job's output from its primary (requests and answers);
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
@@ -32,6 +33,7 @@ from protocol.messages.jobs import (MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, Capab
                                     placement_slot, placement_slot_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
+from protocol.messages.moves import JobMove, MoveRequest, move_instance_id
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
 from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
@@ -52,6 +54,8 @@ __all__ = [
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
+    # moves
+    "JobMove", "MoveRequest", "move_instance_id",
     # membership
     "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
     # output
