@@ -39,6 +39,7 @@ class CapabilityBook:
         self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
+        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed (a preemption's proof, P8)
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -168,6 +169,7 @@ class CapabilityBook:
         known = self.peers.get(envelope.signer)
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
+            self.peer_envelopes[envelope.signer] = data
             self._learn_running(envelope.signer, cap, now_ms)
 
     def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:

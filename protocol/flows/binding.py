@@ -13,10 +13,11 @@ from __future__ import annotations
 from protocol.errors import RemoteProtocolError
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.placement import PlacementFlow
+from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
-BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow)
+BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, PreemptionFlow)
             for kind in flow.value_kinds}
 
 

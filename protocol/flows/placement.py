@@ -326,17 +326,25 @@ class PlacementFlow(ValueFlow):
         if stamp == self.reconsidered_at_stamp:
             return
         self.reconsidered_at_stamp = stamp
+        held = []
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
-            if role is None or role.flow is not self or not self.round_on_hold(inst, now_ms):
-                continue
-            record = self._pending_record(inst)
-            if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
-                                                                                       key=inst.instance_id):
-                continue
-            _kind, data = self.bidding.mine[inst.instance_id]
-            out.messages.append(Outbound(None, data))
-            self.bidding.send_mine(inst.instance_id, now_ms, out)
+            if role is not None and role.flow is self and self.round_on_hold(inst, now_ms):
+                held.append((self._pending_record(inst), inst))
+        # Higher priority first (a stable sort): freed room goes to the job that would preempt for it (P8).
+        for record, inst in sorted(held, key=lambda pair: -pair[0].manifest.priority):
+            self.bid_again(inst, record, now_ms, out)
+
+    def bid_again(self, inst, record, now_ms: int, out: Ready) -> bool:
+        """P3a: decide this node's decline of a held placement afresh; a bid now goes to every
+        member (it ends their hold; the leader proposes with it). True if it bid."""
+        if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
+                                                                                   key=inst.instance_id):
+            return False
+        _kind, data = self.bidding.mine[inst.instance_id]
+        out.messages.append(Outbound(None, data))
+        self.bidding.send_mine(inst.instance_id, now_ms, out)
+        return True
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
         """SPEC P3: the job goes with our round change to a new round's leader, once per round

@@ -13,6 +13,7 @@ from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobE
 from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
+from protocol.messages.preemption import Preemption
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync)
 from protocol.schema import Record, scalars_only
@@ -90,7 +91,7 @@ def _remember_decoded(caches: CoreCaches, key: tuple, decoded: tuple) -> None:
 
 
 _VALUE_TYPES = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
-                "placement_slot": PlacementSlot}
+                "placement_slot": PlacementSlot, "preemption": Preemption}
 
 
 def decode_value(value_kind: str, data: bytes, *, caches: CoreCaches | None = None):
