@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("sim", help="run the deterministic fault-injecting simulator",
                                    description=__doc__.splitlines()[0], epilog=examples(
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
-        "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver"))
+        "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
+        "meshnode sim --nodes 4 --jobs 12 --seeds 20 --preempt --job-ms 1500 --json   # priorities, preemption"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
@@ -58,6 +59,9 @@ def register(subparsers) -> None:
                         help="with --job-ms, the share of exits that fail (exit 1, the job is retried)")
     parser.add_argument("--cancel", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner cancels, at a drawn time after submitting")
+    parser.add_argument("--preempt", action="store_true",
+                        help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
+                             "(SPEC.md P8; use with --job-ms so room returns)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -110,6 +114,7 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
+        "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
                          heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms,
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
-                         cancel_per_mille=round(args.cancel * 1000))
+                         cancel_per_mille=round(args.cancel * 1000), preempt=args.preempt)
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:
