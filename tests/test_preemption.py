@@ -205,6 +205,33 @@ def test_validators_reject_a_preemption_that_breaks_the_victim_rule(monkeypatch)
     assert check(dataclasses.replace(value, job=same_envelope)) is not None
 
 
+def test_the_spec_vector_decodes_and_its_hash_and_instance_follow_p8a():
+    import hashlib
+    import pathlib
+
+    from protocol.messages import decode_message, decode_value, value_hash
+    from testnet import spec_tables
+    spec = (pathlib.Path(__file__).parent.parent / "SPEC.md").read_text()
+    lines = dict(line.split(": ", 1) for line in spec_tables.generated_block(spec, "preemption vector")
+                 .strip("`\n").splitlines())
+    data = bytes.fromhex(lines["preemption_value"])
+    value = decode_value("preemption", data)
+    assert len(value.victims) == 2 and value.attempt == 0
+    envelope, job = decode_message(value.job, spec_tables.vector_mesh_id(), allow_any_mesh=True)
+    assert envelope.signer == job.owner
+    assert lines["value_hash"] == value_hash(data).hex()
+    assert lines["instance"] == hashlib.sha256(b"preempt" + job_id(job)).hexdigest()
+    reordered = value.to_body()
+    reordered["victims"] = reordered["victims"][::-1]
+    with pytest.raises(Exception):
+        decode_value("preemption", encode_value_body(reordered))   # victims out of order: no Preemption
+
+
+def encode_value_body(body):
+    from protocol import codec
+    return codec.pack(body)
+
+
 def encode_value(value):
     from protocol import codec
     return codec.pack(value.to_body())
