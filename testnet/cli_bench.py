@@ -16,7 +16,8 @@ from meshnode.cli.output import examples
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet", epilog=examples(
         "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
-        "meshnode bench failover --nodes 5 --kills 30 --json"))
+        "meshnode bench failover --nodes 5 --kills 30 --json",
+        "meshnode bench preempt --rounds 10 --json"))
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -52,6 +53,14 @@ def register(subparsers) -> None:
                                "workloads; 0 = as urgent as the nodes)")
     _common(failover)
     failover.set_defaults(func=cmd_failover)
+
+    preempt = sub.add_parser("preempt", help="a high-priority job into a full 4-node mesh: preemption, lost "
+                                             "work, time to place, resume (SPEC.md P8)", epilog=examples(
+        "meshnode bench preempt --rounds 10 --json"))
+    preempt.add_argument("--rounds", type=int, default=10, metavar="N",
+                         help="high-priority jobs submitted one after another (default 10)")
+    _common(preempt)
+    preempt.set_defaults(func=cmd_preempt)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
@@ -114,6 +123,16 @@ def cmd_failover(args) -> int:
                                 seed=args.seed)
     _print(result)
     clean = result["lost_workloads"] == 0 and result["double_runs"] == 0 and result["aborted"] is None
+    return 0 if clean else 1
+
+
+def cmd_preempt(args) -> int:
+    from testnet.bench_preempt import run_preempt_bench
+    _interrupt_on_sigterm()
+    result = run_preempt_bench(args.rounds, root=args.dir, keep=args.keep, seed=args.seed)
+    _print(result)
+    clean = (result["aborted"] is None and result["double_runs"] == 0
+             and result["resumed"] == result["preemptions"] == result["rounds"])
     return 0 if clean else 1
 
 

@@ -197,7 +197,8 @@ class ControlApi:
         job = self._one_job(_text_arg(args, "job_id"))
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint")}
+                "hint": job.get("hint"),
+                "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
 
     async def certificates(self, args) -> dict:
         """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or

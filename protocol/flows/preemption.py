@@ -22,13 +22,14 @@ from __future__ import annotations
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
-from protocol.instances import HOLD_RECHECK_MS
 from protocol.job_table import FENCE_PER_ATTEMPT, LIVE_JOB_STATES
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, Decline, JobManifest, decode_message,
                                decode_value, job_id, placement_instance_id, preemption_binding_error,
                                preemption_instance_id)
 from protocol.preemption import CAPACITY_DECLINES, choose_preemption
 from protocol.ready import Ready
+
+SCAN_MS = 50   # how often a member looks for held placements it could preempt for (P8b)
 
 
 class PreemptionFlow(ValueFlow):
@@ -48,7 +49,7 @@ class PreemptionFlow(ValueFlow):
         self.placement = placement
         self.lifecycle = lifecycle
         self.next_scan_ms = 0
-        self.looked_at: dict[bytes, int] = {}   # held placement instance -> the round last looked at
+        self.looked_at: dict[bytes, tuple] = {}   # held placement instance -> (round, vectors) last looked at
 
     def bid_job(self, subject) -> None:
         return None   # nobody bids on a preemption
@@ -61,23 +62,32 @@ class PreemptionFlow(ValueFlow):
 
     # --- when a preemption starts --------------------------------------------------------------
     def consider(self, now_ms: int, out: Ready) -> None:
-        """Tick: start the preemption instance of each held placement (P3a) of a job with a
-        priority above 0 for which the rule finds victims here, once per held round."""
+        """Tick, every SCAN_MS: start the preemption instance of each held placement (P3a) of a
+        job with a priority above 0 for which the rule finds victims here (looked at again
+        only when the round or a vector changed), and let a leader still awaiting a value
+        for one try again (a vector it lacked may have come)."""
         if now_ms < self.next_scan_ms:
             return
-        self.next_scan_ms = now_ms + HOLD_RECHECK_MS
+        self.next_scan_ms = now_ms + SCAN_MS
+        stamp_of_vectors = (self.capability.peers_version, self.capability.seq)
         looked_at, self.looked_at = self.looked_at, {}
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
-            if role is None or role.flow is not self.placement:
+            if role is None:
+                continue
+            if role.flow is self:
+                if inst.awaiting_value:
+                    self.on_awaiting_value(inst, now_ms, out)
+                continue
+            if role.flow is not self.placement:
                 continue
             record = self.jobs.get(role.subject)
             if record is None or record.manifest.priority == 0 or not self.placement.round_on_hold(inst, now_ms):
                 continue
             piid = inst.instance_id
-            self.looked_at[piid] = inst.round
+            stamp = self.looked_at[piid] = (inst.round, stamp_of_vectors)
             iid = preemption_instance_id(piid)
-            if looked_at.get(piid) == inst.round or self.instances.is_done(iid):
+            if looked_at.get(piid) == stamp or self.instances.is_done(iid):
                 continue
             if self._proposal_value(inst, record, now_ms) is not None:
                 self.instances.start(iid, self, (record.job_id, piid), inst.view, now_ms, out)
@@ -230,7 +240,8 @@ class PreemptionFlow(ValueFlow):
             self.ledger.free(victim.job_id)
         self.placement.bid_again(placement_inst, record, now_ms, out)
         for victim in victims:
-            lost = None if victim.last_checkpoint_taken_ms is None else max(0, now_ms - victim.last_checkpoint_taken_ms)
+            # On this node's clock (a checkpoint's taken_ms is the workload's): since it took it.
+            lost = None if victim.known_checkpoint is None else max(0, now_ms - victim.known_checkpoint[1])
             fence = victim.fence
             self.ctx.counters["jobs_preempted"] += 1
             self.lifecycle.refuse(victim, now_ms, out)
