@@ -136,7 +136,7 @@ class PreemptRun:
         self.highs.append(job_hex)
         submitted_ns = time.monotonic_ns()
         await self._call(number % len(self.layout["nodes"]), "submit", job=envelope)
-        record = {"round": number, "job": job_hex[:12]}
+        record = {"round": number, "job": job_hex}
         _, placed = await self._wait(_is("placed", job_hex, submitted_ns), "J not placed")
         record["time_to_place_ms"] = (placed["detail"]["mono_ns"] - submitted_ns) / 1e6
         node, started = await self._wait(_is("job_started", job_hex, submitted_ns), "J not started")
@@ -154,7 +154,7 @@ class PreemptRun:
         victim_node, preempted = found
         victim_hex = preempted["detail"]["job_id"]
         preempted_wall_us = time.time_ns() // 1000
-        record.update(preempted=victim_hex[:12], victim_node=victim_node,
+        record.update(preempted=victim_hex, victim_node=victim_node,
                       lost_work_core_ms=preempted["detail"].get("lost_work_ms"))
         _, exited = await self._wait(_is("job_exited", job_hex, submitted_ns), "J did not end")
         successor, resumed = await self._wait(_is("job_started", victim_hex, exited["detail"]["mono_ns"]),
@@ -202,7 +202,10 @@ class PreemptRun:
                    for job_hex in self.fillers + self.highs)
 
 
-def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int | None = None) -> dict:
+def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int | None = None,
+                      before_teardown=None) -> dict:
+    """``before_teardown(layout, run)``: called while the testnet still runs (tests look
+    at what the nodes say: `why`, certificates)."""
     if not 1 <= rounds <= MAX_ROUNDS:
         raise MeshError("--rounds must be 1..%d" % MAX_ROUNDS)
     nodes = len(launcher.GPU_PROFILES)
@@ -215,6 +218,8 @@ def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int |
         run = PreemptRun(root, launcher.load_layout(root), random.Random(seed), rounds)
         trio.run(run.run)
         failed = run.aborted is not None
+        if before_teardown is not None:
+            before_teardown(run.layout, run)
     finally:
         if (root / launcher.LAYOUT_FILE).exists():
             launcher.down(root)

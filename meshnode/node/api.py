@@ -15,7 +15,8 @@ from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
-                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
+                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id,
+                               preemption_instance_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
@@ -247,6 +248,10 @@ class ControlApi:
                      if any(self._placed_job_id(p.job) == jid for p in self._decided(row).placements)]
         rows += [row for row in self._certificate_rows("value_kind = 'eviction'", [])
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
+        # Preemptions (P8) that placed it (one per attempt) or stopped it.
+        preempting = {preemption_instance_id(bytes.fromhex(instance)).hex() for instance in instances}
+        rows += [row for row in self._certificate_rows("value_kind = 'preemption'", [])
+                 if row["instance"] in preempting or any(v.job_id == jid for v in self._decided(row).victims)]
         return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):
