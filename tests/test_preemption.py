@@ -235,3 +235,27 @@ def encode_value_body(body):
 def encode_value(value):
     from protocol import codec
     return codec.pack(value.to_body())
+
+
+# --- the simulator, `meshnode sim --preempt` ---------------------------------------------------------
+
+SAFETY_CHECKS = ("agreement", "validity", "certificate", "overcommit", "own_votes", "evidence", "ledger",
+                 "core_error")
+
+
+def test_sim_preempt_without_faults_preempts_and_every_check_holds():
+    from testnet.sim import SimConfig, run_simulation
+    results = [run_simulation(SimConfig(nodes=4, jobs=20, seed=seed, faults=(), job_ms=1500, preempt=True))
+               for seed in (0, 1)]
+    assert [r.violation_count for r in results] == [0, 0], [v.line() for r in results for v in r.violations]
+    assert sum(r.counters.get("preemptions", 0) for r in results) > 0
+
+
+def test_sim_preempt_with_faults_and_byzantine_stake_keeps_safety():
+    """Over capacity with faults, some jobs wait past the liveness bound (as they do with
+    preemption off: BENCHMARKS.md); no safety check may fail."""
+    from testnet.sim import FAULTS, SimConfig, run_simulation
+    results = [run_simulation(SimConfig(nodes=4, jobs=20, seed=seed, faults=FAULTS, byzantine_milli=200,
+                                        job_ms=1500, preempt=True)) for seed in (6,)]
+    assert not [v.line() for r in results for v in r.violations if v.check != "liveness"]
+    assert sum(r.counters.get("preemptions", 0) for r in results) > 0
