@@ -38,14 +38,13 @@ from meshnode.control.client import AsyncControlClient, ControlError
 from protocol.errors import MeshError
 from testnet import launcher
 from testnet.bench_consensus import sign_jobs, subscribe
-from testnet.bench_failover import EventLog, read_progress, workload_processes
+from testnet.bench_failover import EventLog, read_progress, sample_double_runs
 from testnet.bench_stats import lost_work, machine_info, overlapping_runs, segments, summary_ms
 
 UNIT_MS = 2
 HIGH_UNITS = 750               # J runs about 1.5 s
 STEP_TIMEOUT_S = 30.0
 SETTLE_S = 1.0                 # after the fill, and between rounds: checkpoints flow, vectors go out
-PROC_SAMPLE_S = 0.25
 OVERLAP_TOLERANCE_US = 2 * UNIT_MS * 1000
 MAX_ROUNDS = 100
 PROGRESS_LOG = "{{workdir}}/progress.log"  # doubled braces: the manifest text goes through str.format
@@ -110,13 +109,6 @@ class PreemptRun:
         if found is None:
             raise trio.TooSlowError(what)
         return found
-
-    async def _proc_sampler(self) -> None:
-        while True:
-            for job_hex, pids in (await trio.to_thread.run_sync(workload_processes, self.root)).items():
-                if len(pids) > 1:
-                    self.proc_double_runs.add(job_hex)
-            await trio.sleep(PROC_SAMPLE_S)
 
     async def fill(self) -> None:
         """One preemptible job per node, as many GPUs as it has, largest first."""
@@ -187,7 +179,7 @@ class PreemptRun:
         async with trio.open_nursery() as nursery:
             for node in self.layout["nodes"]:
                 await nursery.start(subscribe, node["dir"], node["index"], self.events.on_event)
-            nursery.start_soon(self._proc_sampler)
+            nursery.start_soon(sample_double_runs, self.root, self.proc_double_runs)
             try:
                 await self.fill()
                 for number in range(self.rounds):
@@ -212,7 +204,7 @@ def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int |
     machine = machine_info()
     root = Path(root or tempfile.mkdtemp(prefix="meshnode-bench-preempt-"))
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "big")
-    run, failed, log_double_runs = None, True, 0
+    run, failed = None, True
     try:
         launcher.up(root, nodes, owners=1, run_workloads=True)
         run = PreemptRun(root, launcher.load_layout(root), random.Random(seed), rounds)
@@ -223,12 +215,8 @@ def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int |
     finally:
         if (root / launcher.LAYOUT_FILE).exists():
             launcher.down(root)
-        if run is not None:
-            log_double_runs = run.double_runs_from_logs()
-        if failed or keep:
-            print("bench: testnet directory kept at %s" % root, file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        log_double_runs = 0 if run is None else run.double_runs_from_logs()
+        _keep_or_remove(root, failed or keep)
     rows = run.per_round
     preempted = [r for r in rows if r.get("preempted")]
     return {
@@ -244,3 +232,10 @@ def run_preempt_bench(rounds: int, *, root=None, keep: bool = False, seed: int |
         "double_runs": len(run.proc_double_runs) + log_double_runs,
         "aborted": run.aborted, "per_round": rows, "machine": machine,
     }
+
+
+def _keep_or_remove(root: Path, keep: bool) -> None:
+    if keep:
+        print("bench: testnet directory kept at %s" % root, file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)

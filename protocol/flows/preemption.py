@@ -50,6 +50,7 @@ class PreemptionFlow(ValueFlow):
         self.lifecycle = lifecycle
         self.next_scan_ms = 0
         self.looked_at: dict[bytes, tuple] = {}   # held placement instance -> (round, vectors) last looked at
+        self.live: set[bytes] = set()             # preemption instances running here (a leader may retry)
 
     def bid_job(self, subject) -> None:
         return None   # nobody bids on a preemption
@@ -65,32 +66,39 @@ class PreemptionFlow(ValueFlow):
         """Tick, every SCAN_MS: start the preemption instance of each held placement (P3a) of a
         job with a priority above 0 for which the rule finds victims here (looked at again
         only when the round or a vector changed), and let a leader still awaiting a value
-        for one try again (a vector it lacked may have come)."""
+        for one try again (a vector it lacked may have come). Only placements this node
+        holds a decline of every member for are looked at: most nodes hold none."""
         if now_ms < self.next_scan_ms:
             return
         self.next_scan_ms = now_ms + SCAN_MS
+        for iid in list(self.live):
+            inst = self.instances.get(iid)
+            if inst is None:
+                self.live.discard(iid)
+            elif inst.awaiting_value:
+                self.on_awaiting_value(inst, now_ms, out)
         stamp_of_vectors = (self.capability.peers_version, self.capability.seq)
         looked_at, self.looked_at = self.looked_at, {}
-        for inst in list(self.instances.instances.values()):
-            role = self.instances.role(inst.instance_id)
-            if role is None:
+        for piid, declines in list(self.bidding.declined.items()):
+            inst = self.instances.get(piid)
+            if inst is None or len(declines) < len(inst.view.members):
                 continue
-            if role.flow is self:
-                if inst.awaiting_value:
-                    self.on_awaiting_value(inst, now_ms, out)
-                continue
-            if role.flow is not self.placement:
-                continue
-            record = self.jobs.get(role.subject)
+            role = self.instances.role(piid)
+            record = self.jobs.get(role.subject) if role is not None and role.flow is self.placement else None
             if record is None or record.manifest.priority == 0 or not self.placement.round_on_hold(inst, now_ms):
                 continue
-            piid = inst.instance_id
             stamp = self.looked_at[piid] = (inst.round, stamp_of_vectors)
             iid = preemption_instance_id(piid)
             if looked_at.get(piid) == stamp or self.instances.is_done(iid):
                 continue
             if self._proposal_value(inst, record, now_ms) is not None:
-                self.instances.start(iid, self, (record.job_id, piid), inst.view, now_ms, out)
+                self._start(iid, (record.job_id, piid), inst.view, now_ms, out)
+
+    def _start(self, iid: bytes, subject: tuple, view, now_ms: int, out: Ready):
+        inst = self.instances.start(iid, self, subject, view, now_ms, out)
+        if inst is not None and inst.decision is None:
+            self.live.add(iid)
+        return inst
 
     def _proposal_value(self, placement_inst, record, now_ms: int):
         """(Preemption, justification) by the rule over what this node holds, or None."""
@@ -128,7 +136,7 @@ class PreemptionFlow(ValueFlow):
             self.ctx.counters["preemption_unbound"] += 1
             return None
         piid = placement_instance_id(jid, value.attempt)
-        return self.instances.start(proposal.instance, self, (jid, piid), view, now_ms, out)
+        return self._start(proposal.instance, (jid, piid), view, now_ms, out)
 
     def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
         jid, piid = self.instances.role(inst.instance_id).subject
@@ -221,7 +229,7 @@ class PreemptionFlow(ValueFlow):
                     and record.state in LIVE_JOB_STATES):
                 record.preempted_by = (jid, victim.fence)   # for `why`: shown once its attempt ended
                 victims.append(record)
-        if value.node == self.ctx.me:
+        if value.node == self.ctx.me and not self.lifecycle.deferred:   # never while replaying history
             self._preempt_here(jid, placement_instance_id(jid, value.attempt), victims, now_ms, out)
 
     def _preempt_here(self, jid: bytes, piid: bytes, victims: list, now_ms: int, out: Ready) -> None:
