@@ -259,3 +259,15 @@ def test_sim_preempt_with_faults_and_byzantine_stake_keeps_safety():
                                         job_ms=1500, preempt=True)) for seed in (6,)]
     assert not [v.line() for r in results for v in r.violations if v.check != "liveness"]
     assert sum(r.counters.get("preemptions", 0) for r in results) > 0
+
+
+def test_why_says_which_job_preempted_a_job():
+    from rich.console import Console
+
+    from meshnode.cli.node import render_why
+    for state, said in (("pending", "preempted by"), ("running", "it was preempted by job")):
+        console = Console(record=True, width=200)
+        render_why(console, {"job_id": "ab" * 32, "state": state, "declines": {}, "hint": None,
+                             "preempted_by": "cd" * 32})
+        text = console.export_text()
+        assert said in text and "cdcdcdcd" in text
