@@ -271,3 +271,23 @@ def test_why_says_which_job_preempted_a_job():
                              "preempted_by": "cd" * 32})
         text = console.export_text()
         assert said in text and "cdcdcdcd" in text
+
+
+def test_a_bid_arriving_after_the_last_bid_window_closed_is_proposed_at_once():
+    """Room freed mid-round (an exit, a preemption) brings a bid after the leader's bid
+    window closed, while a member stays silent: the leader proposes with it then, not a
+    round timeout later (seed 35 of the --preempt sweep waited round after round)."""
+    net = Net(gpus=(0, 0, 1, 0))
+    late, silent = KEYS[2], KEYS[3]
+    for nonce in range(1, 50):
+        job, envelope = job_of(nonce)
+        if net.cores[KEYS[0]].view.leader(job_id(job), 0) in KEYS[:2]:
+            break
+    net.down.update((late, silent))
+    net.submit(KEYS[0], envelope)
+    net.run(150)   # the window and its extension closed with two declines and no bid
+    assert net.cores[KEYS[0]].job_view(job_id(job))["state"] == "pending"
+    net.down.discard(late)
+    net.emit(late, net.cores[late].step(envelope, net.now, KEYS[0]))
+    net.run(20)    # far less than a round's timeout (200 ms)
+    assert net.cores[KEYS[0]].job_view(job_id(job))["primary"] == late

@@ -183,7 +183,10 @@ class PlacementFlow(ValueFlow):
         self._maybe_propose(inst, now_ms, out, window_closed=False)
 
     def on_answer(self, inst, now_ms: int, out: Ready) -> None:
-        self._maybe_propose(inst, now_ms, out, window_closed=False)
+        # A bid after the round's last bid window closed (room freed since: an exit, a
+        # preemption, P3a, P8) is proposed with at once, not when the round times out.
+        closed = self.bidding.windows_closed.get(inst.instance_id) == inst.round
+        self._maybe_propose(inst, now_ms, out, window_closed=closed)
         self.forward_unanimous_declines(inst, out)
 
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
@@ -207,6 +210,8 @@ class PlacementFlow(ValueFlow):
             bidding.windows_extended.add(iid)
             self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
             return
+        if window_closed:
+            bidding.windows_closed[iid] = inst.round
         # A placement may run in an older epoch (P2): members evicted since are fenced, and
         # placing a job on one would only strand it.
         live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
