@@ -34,10 +34,13 @@ from pathlib import Path
 
 import trio
 
+from keys.keystore import load_identity
 from meshnode.control.client import AsyncControlClient, ControlError
+from meshnode.workload.manifest import parse_manifest
 from protocol.errors import MeshError
+from protocol.messages import encode_message, job_id
 from testnet import launcher
-from testnet.bench_consensus import sign_jobs, subscribe
+from testnet.bench_consensus import subscribe
 from testnet.bench_failover import EventLog, read_progress, sample_double_runs
 from testnet.bench_stats import lost_work, machine_info, overlapping_runs, segments, summary_ms
 
@@ -101,8 +104,22 @@ class PreemptRun:
         async with AsyncControlClient(self.layout["nodes"][index]["dir"], timeout_s=None) as client:
             return await client.call(op, **args)
 
-    def _sign(self, manifest: str) -> tuple[bytes, bytes]:
-        return sign_jobs(self.owner_key, self.mesh_id, 1, self.rng, manifest, time.time_ns() // 1_000_000)[0]
+    async def _submit(self, manifest: str, first: int) -> bytes:
+        """Sign the job for the epoch a member is in and submit it there (a node the load
+        got evicted refuses it: the next one is tried). Returns the job id."""
+        owner = load_identity(self.owner_key, None)
+        problems = []
+        for k in range(len(self.layout["nodes"])):
+            index = (first + k) % len(self.layout["nodes"])
+            try:
+                epoch = (await self._call(index, "status"))["epoch"]
+                job = parse_manifest(manifest.format(nonce=self.rng.getrandbits(40)), owner.public_key,
+                                     time.time_ns() // 1_000_000, epoch=epoch)
+                await self._call(index, "submit", job=encode_message(owner, self.mesh_id, job))
+                return job_id(job)
+            except (ControlError, MeshError, OSError) as exc:
+                problems.append("node %d: %s" % (index, exc))
+        raise trio.TooSlowError("no node took the job (%s)" % "; ".join(problems))
 
     async def _wait(self, predicate, what: str):
         found = await self.events.first(predicate, STEP_TIMEOUT_S)
@@ -115,19 +132,17 @@ class PreemptRun:
         sizes = sorted((launcher.GPU_PROFILES[n["index"] % len(launcher.GPU_PROFILES)][1]
                         for n in self.layout["nodes"]), reverse=True)
         for gpus in sizes:
-            jid, envelope = self._sign(filler_manifest(gpus))
-            await self._call(0, "submit", job=envelope)
+            jid = await self._submit(filler_manifest(gpus), 0)
             await self._wait(_is("job_started", jid.hex()), "filler job of %d GPUs did not start" % gpus)
             self.fillers.append(jid.hex())
         await trio.sleep(SETTLE_S)
 
     async def one_round(self, number: int) -> None:
         self.events.clear()
-        jid, envelope = self._sign(high_manifest())
+        submitted_ns = time.monotonic_ns()
+        jid = await self._submit(high_manifest(), number % len(self.layout["nodes"]))
         job_hex = jid.hex()
         self.highs.append(job_hex)
-        submitted_ns = time.monotonic_ns()
-        await self._call(number % len(self.layout["nodes"]), "submit", job=envelope)
         record = {"round": number, "job": job_hex}
         _, placed = await self._wait(_is("placed", job_hex, submitted_ns), "J not placed")
         record["time_to_place_ms"] = (placed["detail"]["mono_ns"] - submitted_ns) / 1e6
