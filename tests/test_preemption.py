@@ -291,3 +291,20 @@ def test_a_bid_arriving_after_the_last_bid_window_closed_is_proposed_at_once():
     net.emit(late, net.cores[late].step(envelope, net.now, KEYS[0]))
     net.run(20)    # far less than a round's timeout (200 ms)
     assert net.cores[KEYS[0]].job_view(job_id(job))["primary"] == late
+
+
+def test_a_held_decline_of_ours_from_before_a_restart_is_answered_afresh_not_raised():
+    """P3a: the leader forwards every decline it holds, ours too; a node that restarted
+    since holds no answer of its own for the instance (a sweep raised KeyError here)."""
+    from protocol.ready import Ready
+    net = Net(gpus=(0, 0, 0, 0))
+    job, envelope = job_of(1)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    core = net.cores[KEYS[1]]
+    inst = core.instances[job_id(job)]
+    assert core.placement.round_on_hold(inst, net.now)
+    del core.bidding.mine[job_id(job)]          # as after a restart: our decline came back forwarded
+    out = Ready()
+    assert core.placement.bid_again(inst, core.job_table.get(job_id(job)), net.now, out) is False
+    assert core.bidding.mine[job_id(job)][0] == "decline"   # answered afresh: still no room

@@ -343,12 +343,17 @@ class PlacementFlow(ValueFlow):
     def bid_again(self, inst, record, now_ms: int, out: Ready) -> bool:
         """P3a: decide this node's decline of a held placement afresh; a bid now goes to every
         member (it ends their hold; the leader proposes with it). True if it bid."""
-        if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
-                                                                                   key=inst.instance_id):
+        iid = inst.instance_id
+        if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms, key=iid):
             return False
-        _kind, data = self.bidding.mine[inst.instance_id]
-        out.messages.append(Outbound(None, data))
-        self.bidding.send_mine(inst.instance_id, now_ms, out)
+        if iid not in self.bidding.mine:
+            # Our decline from before a restart, forwarded back to us (P3a): we answer afresh.
+            self.bidding.send_mine(iid, now_ms, out)
+        mine = self.bidding.mine.get(iid)
+        if mine is None or mine[0] != "bid":
+            return False
+        out.messages.append(Outbound(None, mine[1]))
+        self.bidding.send_mine(iid, now_ms, out)
         return True
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
