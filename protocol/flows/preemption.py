@@ -27,7 +27,7 @@ from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, Decline,
                                decode_value, job_id, placement_instance_id, preemption_binding_error,
                                preemption_instance_id)
 from protocol.preemption import CAPACITY_DECLINES, choose_preemption
-from protocol.ready import Ready
+from protocol.ready import Outbound, Ready
 
 SCAN_MS = 50   # how often a member looks for held placements it could preempt for (P8b)
 
@@ -92,6 +92,9 @@ class PreemptionFlow(ValueFlow):
             if looked_at.get(piid) == stamp or self.instances.is_done(iid):
                 continue
             if self._proposal_value(inst, record, now_ms) is not None:
+                # Every member gets the declines too: the preemption's leader proposes from
+                # them, and a member that lacked one holds the round (P3a) only with them.
+                out.messages.extend(Outbound(None, data) for data in declines.values())
                 self._start(iid, (record.job_id, piid), inst.view, now_ms, out)
 
     def _start(self, iid: bytes, subject: tuple, view, now_ms: int, out: Ready):
