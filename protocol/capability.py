@@ -39,8 +39,9 @@ class CapabilityBook:
         self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
-        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: a move value carries one (R2)
+        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
         self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
+        self.peers_version = 0                         # bumps with every newer peer vector kept
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -189,6 +190,7 @@ class CapabilityBook:
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
             self.peer_envelopes[envelope.signer] = data
+            self.peers_version += 1
             self._learn_running(envelope.signer, cap, now_ms)
 
     def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:

@@ -10,8 +10,9 @@ their own file and see only what their constructor is given:
 
     state     epochs.py (membership and views), job_table.py, ledger.py (capacity),
               instances.py (consensus instances and their timers)
-    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/move.py: one
-              per kind of decided value, found through flows/base.py's FlowRegistry
+    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/move.py,
+              flows/preemption.py: one per kind of decided value, found through flows/base.py's
+              FlowRegistry
     the rest  bidding.py (bids, declines), capability.py (capability vectors),
               liveness.py (heartbeats, suspicion, self-fencing, sync), joins.py,
               job_lifecycle.py (checkpoints, exits, cancels)
@@ -44,6 +45,7 @@ from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
 from protocol.flows.placement import PlacementFlow
+from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
 from protocol.job_lifecycle import JobLifecycle
@@ -112,7 +114,9 @@ class MeshCore:
         epoch_changes.placement = moves.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves))
+        self.preemptions = preemptions = PreemptionFlow(ctx, epochs, jobs, ledger, instances, bidding, capability,
+                                                        placement, lifecycle)
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
@@ -291,6 +295,7 @@ class MeshCore:
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
         self.placement.reconsider_held(now_ms, out)
+        self.preemptions.consider(now_ms, out)
         for key in self.ledger.expire(now_ms):
             self.bidding.mine.pop(key, None)   # its bid holds nothing any more: never re-sent
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))

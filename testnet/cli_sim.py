@@ -32,7 +32,8 @@ def register(subparsers) -> None:
                                    description=__doc__.splitlines()[0], epilog=examples(
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
         "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
-        "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json"))
+        "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json",
+        "meshnode sim --nodes 4 --jobs 12 --seeds 20 --preempt --job-ms 1500 --json   # priorities, preemption"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
@@ -70,6 +71,9 @@ def register(subparsers) -> None:
     parser.add_argument("--move", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
                              "in the fault window (a refused request is retried)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
+                             "(SPEC.md P8; use with --job-ms so room returns)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -127,6 +131,7 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
+        "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations)
+                         reservations=args.reservations, preempt=args.preempt)
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

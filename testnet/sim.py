@@ -40,7 +40,8 @@ from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE = range(9)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT = range(10)
+CHECKPOINT_MS = 100             # with --preempt, a run reports its start, then checkpoints this often
 CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
 MAX_CRASHES = 8
@@ -95,6 +96,9 @@ class SimConfig:
     # time after its submission, to where the mesh picks; a run ordered then reports that
     # it started, as the node driver does (a job is moved only once it runs).
     move_per_mille: int = 0
+    # A preemption workload (SPEC.md P8): GPU jobs, more than fit, of mixed priorities, about
+    # half preemptible (testnet/sim_world.py); with ``job_ms`` the room returns as jobs end.
+    preempt: bool = False
 
     @property
     def workloads(self) -> bool:
@@ -126,6 +130,8 @@ class SimConfig:
             line += " --reservations"
         if self.move_per_mille:
             line += " --move %s" % (self.move_per_mille / 1000)
+        if self.preempt:
+            line += " --preempt"
         return line
 
 
@@ -186,7 +192,8 @@ class Simulation:
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
                                         fractional_per_mille=config.fractional_per_mille,
-                                        quota_gpus=config.quota_gpus, reservations=config.reservations)
+                                        quota_gpus=config.quota_gpus, reservations=config.reservations,
+                                        preempt=config.preempt)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -228,6 +235,7 @@ class Simulation:
         # Workloads that end (SimConfig.job_ms, cancel_per_mille): their own rng, so the
         # draws above (world, faults, network, cores) are the same with them or without.
         self.workload_rng = random.Random(config.seed * 1_000_003 + 0x5EED) if config.workloads else None
+        self.checkpoint_seq = 0                     # the last checkpoint seq a run took (--preempt)
         self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
         self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (workload runs)
         for index in sorted(self.world.byzantine):
@@ -370,6 +378,8 @@ class Simulation:
                 self._cancel(target, payload)
             elif kind == MOVE:
                 self._move(target, payload)
+            elif kind == CHECKPOINT:
+                self._checkpoint(target, payload)
             if self.complete >= total_jobs and at_ms >= self.heal_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
@@ -525,11 +535,34 @@ class Simulation:
                 if cfg.job_ms:
                     duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
                     self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
+                if cfg.preempt:   # victims are chosen from running jobs' checkpoint ages (P8)
+                    self.push(self.now_ms + 1, CHECKPOINT, node.index, (node.incarnation, run.job_id, run.fence, 0))
             if node.behaviour is None:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
             if cfg.move_per_mille:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
+
+    def _checkpoint(self, index: int, payload) -> None:
+        """With --preempt: the run reports its start (``step`` 0), then a checkpoint every
+        CHECKPOINT_MS (seqs from one counter, so a resumed run's are newer), while it runs."""
+        incarnation, jid, fence, step = payload
+        node = self.nodes[index]
+        run = node.running.get(jid)
+        if not node.up or node.incarnation != incarnation or run is None or run.fence != fence:
+            return
+        core = node.core
+        record = core.job_table.get(jid)
+        if (record is None or record.primary != core.me or record.fence != fence or not core.is_member()
+                or record.state in TERMINAL):
+            return
+        if step == 0:
+            self._call(node, core.workload_started, jid, fence, 0, self.now_ms)
+        else:
+            self.checkpoint_seq += 1
+            seq = self.checkpoint_seq
+            self._call(node, core.local_checkpoint, jid, seq, seq, self.now_ms, b"%d" % seq, self.now_ms)
+        self.push(self.now_ms + CHECKPOINT_MS, CHECKPOINT, index, (incarnation, jid, fence, step + 1))
 
     def _exit(self, index: int, payload) -> None:
         incarnation, jid, fence = payload
@@ -633,6 +666,8 @@ class Simulation:
             return
         self.node_decisions += 1
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
+        if decision.value_kind == "preemption" and node.behaviour is None and decision.value.node == node.core.me:
+            self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
             done = self.honest_done.get(decision.instance, 0) + 1
             self.honest_done[decision.instance] = done

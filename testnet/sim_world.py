@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from keys.genesis import DEFAULT_PARAMS, Genesis, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity
-from protocol.messages import (Attestation, Constraints, JobManifest, Member, Resources, encode_message,
+from protocol.messages import (Attestation, Constraints, JobManifest, Member, Resources, Scheduling, encode_message,
                                job_id)
 from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.policy import LocalCapacity, NodePolicy
@@ -99,9 +99,11 @@ def choose_byzantine(rng: random.Random, stakes: list[int], fraction_milli: int)
 
 def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, submit_window_ms: int,
                 params: ProtocolParams = SIM_PARAMS, fractional_per_mille: int = 0, quota_gpus: int = 0,
-                reservations: bool = False) -> World:
+                reservations: bool = False, preempt: bool = False) -> World:
     """``quota_gpus`` > 0: the default pool limits each owner to that many GPUs (SPEC.md 5.5);
-    ``reservations``: Q5 on. Neither draws from ``rng``: a seed's world is the same with them."""
+    ``reservations``: Q5 on. Neither draws from ``rng``: a seed's world is the same with them.
+    ``preempt``: a preemption workload (``meshnode sim --preempt``): every job asks for
+    GPUs, more than fit at once, with mixed priorities, and about half are preemptible."""
     if n < 1:
         raise ValueError("a mesh needs at least one node")
     authority = _identity(rng)
@@ -138,7 +140,8 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
     honest = [s for s in nodes if s.index not in byzantine]
     mesh_id = genesis.mesh_id  # a property that hashes the whole genesis: compute it once
     job_specs = [make_job(rng, mesh_id, owners, nodes, honest, index, jobs, submit_window_ms,
-                          stamp_submit_time=params.placement_slot_ms > 0, fractional_per_mille=fractional_per_mille)
+                          stamp_submit_time=params.placement_slot_ms > 0, fractional_per_mille=fractional_per_mille,
+                          preempt=preempt)
                  for index in range(jobs)]
     job_specs.sort(key=lambda j: j.submit_ms)
     return World(genesis, nodes, authority, owners, job_specs, byzantine)
@@ -163,7 +166,7 @@ def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
 
 def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], nodes: list[NodeSpec],
              honest: list[NodeSpec], index: int, total_jobs: int, submit_window_ms: int,
-             stamp_submit_time: bool = False, fractional_per_mille: int = 0) -> JobSpec:
+             stamp_submit_time: bool = False, fractional_per_mille: int = 0, preempt: bool = False) -> JobSpec:
     """A signed job that at least one honest node accepts; sized so all jobs fit together.
     ``stamp_submit_time``: its owner stamps ``created_ms`` when it submits the job, as real
     clients do (which slot places it depends on it, SPEC.md P7); otherwise the job's index.
@@ -173,6 +176,8 @@ def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], 
     liveness check.
     """
     job = _draw_job(rng, owners, nodes, index, total_jobs)
+    if preempt:
+        job = _preemption_job(rng, job)
     if fractional_per_mille and rng.randrange(1000) < fractional_per_mille:
         job = _as_share_job(rng, job, nodes, total_jobs)
     if honest and not any(honest_fit(job, s) for s in honest):
@@ -206,6 +211,18 @@ def _as_share_job(rng: random.Random, job: JobManifest, nodes: list[NodeSpec], t
                         gpu_model=rng.choice(("", "sim-h100")))
     strategy = "pack" if job.strategy != "sovereign" and rng.randrange(3) else job.strategy
     return replace(job, resources=resources, strategy=strategy)
+
+
+PREEMPT_PRIORITIES = (0, 100, 500, 900)
+
+
+def _preemption_job(rng: random.Random, job: JobManifest) -> JobManifest:
+    """The job with GPUs whatever the mesh holds, a priority from PREEMPT_PRIORITIES and,
+    one time in two, preemptible (SPEC.md P8): draws made only with ``--preempt``, so
+    the other runs keep their seeds' worlds."""
+    resources = replace(job.resources, gpus=rng.choice((1, 1, 2)), gpu_mem_mib=rng.choice((8192, 16384, 40960)))
+    return replace(job, resources=resources, priority=rng.choice(PREEMPT_PRIORITIES),
+                   scheduling=Scheduling(preemptible=rng.randrange(2) == 0))
 
 
 def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[NodeSpec], index: int,

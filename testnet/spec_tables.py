@@ -30,9 +30,9 @@ from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, sea
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, GpuState, Join, JobMove, Member, MembershipChange, Migration,
-                               MoveRequest, OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate,
-                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
-                               placement_slot_id, value_hash)
+                               MoveRequest, OutputFile, Placement, PlacementSlot, Preemption, PreemptionVictim, Proposal,
+                               PrevoteCertificate, Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
+                               placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
@@ -41,7 +41,8 @@ VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carr
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove)
+                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
+                  Preemption, PreemptionVictim)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -53,13 +54,14 @@ NESTED_ENVELOPES = {
     (Bid, "attestations"): (("attestation",), "this mesh or ANY_MESH; one that fails to verify, is not by a "
                                               "genesis authority, not about the bidder or not valid at the "
                                               "vector's `taken_ms` is ignored (P4, 5.3)"),
-    (Proposal, "justification"): (("bid", "suspicion", "commit"),
+    (Proposal, "justification"): (("bid", "suspicion", "commit", "decline", "cap"),
                                   "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
                                   "and in a slot mesh's late attempt-0 placement the slot's `commit` last (P4b, "
                                   "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
-                                  "validator ignores any). For the other kinds one that fails makes the "
-                                  "proposal invalid"),
+                                  "validator ignores any); `preemption`: every member's `decline` and the "
+                                  "candidate nodes' `cap`s (at most 64, P8b). For the other kinds one that fails "
+                                  "makes the proposal invalid"),
     (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
                                                        "else the proposal is invalid (6.3)"),
     (PrevoteCertificate, "prevotes"): (("prevote",), "one bad entry invalidates the certificate (6.1, 6.7)"),
@@ -78,6 +80,7 @@ NESTED_ENVELOPES = {
                          "an `attestation` by a genesis authority (this mesh or ANY_MESH) or `endorsement`s "
                          "by members (this mesh); others are ignored (F7)"),
     (Placement, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P2, P4b); in a certificate, 6.7"),
+    (Preemption, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P8b); in a certificate, 6.7"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
     (JobMove, "request"): (("move_request",), "this mesh, signed by the job's owner, for this instance (R2)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
@@ -348,6 +351,9 @@ def render_instance_ids() -> str:
         lines.append("retry_instance attempt=%d: %s" % (attempt, placement_instance_id(VECTOR_JOB_ID, attempt).hex()))
     for epoch, slot in VECTOR_SLOTS:
         lines.append("slot_instance epoch=%d slot=%d: %s" % (epoch, slot, placement_slot_id(epoch, slot).hex()))
+    for attempt in (0, 1):
+        lines.append("preemption_instance attempt=%d: %s" % (
+            attempt, preemption_instance_id(placement_instance_id(VECTOR_JOB_ID, attempt)).hex()))
     lines.append("```")
     return "\n".join(lines)
 
@@ -360,6 +366,20 @@ def render_move_vectors() -> str:
     return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "fence: 1",
                       "move_instance: %s" % move_instance_id(sample_job_id(), 1).hex(),
                       "job_move_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
+
+
+def sample_preemption() -> Preemption:
+    """P8: the sample job (attempt 0) placed by preempting two jobs on the vector key's node."""
+    victims = tuple(PreemptionVictim(job_id=bytes([b]) * 32, fence=65_537) for b in (0x11, 0x22))
+    return Preemption(job=_job_envelope(), attempt=0, node=vector_key(), victims=victims)
+
+
+def render_preemption_vector() -> str:
+    """A preemption value (P8a) as it is decided: its canonical bytes, hash and instance."""
+    value = codec.pack(sample_preemption().to_body())
+    return "\n".join(["```", "preemption_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(),
+                      "instance: %s" % preemption_instance_id(placement_instance_id(sample_job_id(), 0)).hex(),
+                      "```"])
 
 
 VECTOR_PASSPHRASE = b"meshnode test vector"
@@ -377,7 +397,8 @@ def render_keystore_vector() -> str:
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
-             "move vectors": render_move_vectors}
+             "move vectors": render_move_vectors,
+             "preemption vector": render_preemption_vector}
 
 
 def generated_block(text: str, name: str) -> str:

@@ -15,7 +15,8 @@ from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
-                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
+                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id,
+                               preemption_instance_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
@@ -208,7 +209,8 @@ class ControlApi:
         queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint"), "queue": queue}
+                "hint": job.get("hint"), "queue": queue,
+                "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
 
     async def certificates(self, args) -> dict:
         """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or
@@ -259,6 +261,10 @@ class ControlApi:
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
         rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
                  if self._moved_job_id(self._decided(row)) == jid]
+        # Preemptions (P8) that placed it (one per attempt) or stopped it.
+        preempting = {preemption_instance_id(bytes.fromhex(instance)).hex() for instance in instances}
+        rows += [row for row in self._certificate_rows("value_kind = 'preemption'", [])
+                 if row["instance"] in preempting or any(v.job_id == jid for v in self._decided(row).victims)]
         return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):

@@ -187,7 +187,10 @@ class PlacementFlow(ValueFlow):
         self._maybe_propose(inst, now_ms, out, window_closed=False)
 
     def on_answer(self, inst, now_ms: int, out: Ready) -> None:
-        self._maybe_propose(inst, now_ms, out, window_closed=False)
+        # A bid after the round's last bid window closed (room freed since: an exit, a
+        # preemption, P3a, P8) is proposed with at once, not when the round times out.
+        closed = self.bidding.windows_closed.get(inst.instance_id) == inst.round
+        self._maybe_propose(inst, now_ms, out, window_closed=closed)
         self.forward_unanimous_declines(inst, out)
 
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
@@ -211,6 +214,8 @@ class PlacementFlow(ValueFlow):
             bidding.windows_extended.add(iid)
             self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
             return
+        if window_closed:
+            bidding.windows_closed[iid] = inst.round
         # A placement may run in an older epoch (P2): members evicted since are fenced, and
         # placing a job on one would only strand it.
         live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
@@ -330,17 +335,30 @@ class PlacementFlow(ValueFlow):
         if stamp == self.reconsidered_at_stamp:
             return
         self.reconsidered_at_stamp = stamp
+        held = []
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
-            if role is None or role.flow is not self or not self.round_on_hold(inst, now_ms):
-                continue
-            record = self._pending_record(inst)
-            if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
-                                                                                       key=inst.instance_id):
-                continue
-            _kind, data = self.bidding.mine[inst.instance_id]
-            out.messages.append(Outbound(None, data))
-            self.bidding.send_mine(inst.instance_id, now_ms, out)
+            if role is not None and role.flow is self and self.round_on_hold(inst, now_ms):
+                held.append((self._pending_record(inst), inst))
+        # Higher priority first (a stable sort): freed room goes to the job that would preempt for it (P8).
+        for record, inst in sorted(held, key=lambda pair: -pair[0].manifest.priority):
+            self.bid_again(inst, record, now_ms, out)
+
+    def bid_again(self, inst, record, now_ms: int, out: Ready) -> bool:
+        """P3a: decide this node's decline of a held placement afresh; a bid now goes to every
+        member (it ends their hold; the leader proposes with it). True if it bid."""
+        iid = inst.instance_id
+        if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms, key=iid):
+            return False
+        if iid not in self.bidding.mine:
+            # Our decline from before a restart, forwarded back to us (P3a): we answer afresh.
+            self.bidding.send_mine(iid, now_ms, out)
+        mine = self.bidding.mine.get(iid)
+        if mine is None or mine[0] != "bid":
+            return False
+        out.messages.append(Outbound(None, mine[1]))
+        self.bidding.send_mine(iid, now_ms, out)
+        return True
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
         """SPEC P3: the job goes with our round change to a new round's leader, once per round

@@ -20,7 +20,8 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``membership``: members, membership changes, attestations, endorsements, joins, leaves;
 - ``output``: reading a job's output from its primary (requests and answers);
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
-- ``slots``: checks of a placement slot's value (SPEC.md P7).
+- ``slots``: checks of a placement slot's value (SPEC.md P7);
+- ``preemption``: the value a preemption instance decides (SPEC.md P8).
 """
 
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
@@ -37,6 +38,8 @@ from protocol.messages.moves import JobMove, MoveRequest, move_instance_id
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
 from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
+from protocol.messages.preemption import (MAX_VICTIMS, Preemption, PreemptionVictim, preemption_binding_error,
+                                          preemption_instance_id)
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
@@ -61,6 +64,8 @@ __all__ = [
     # output
     "MAX_OUTPUT_CHUNK_BYTES", "MAX_OUTPUT_FILES", "MAX_OUTPUT_PATH_BYTES", "OUTPUT_TARGETS", "OutputData",
     "OutputFile", "OutputRead",
+    # preemption
+    "MAX_VICTIMS", "Preemption", "PreemptionVictim", "preemption_binding_error", "preemption_instance_id",
     # slots
     "slot_binding_error", "slot_placements",
     # votes
