@@ -42,6 +42,7 @@ from protocol.epochs import Epochs
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
+from protocol.flows.gang import GangFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
@@ -97,18 +98,20 @@ class MeshCore:
         self.joins = joins = Joins(ctx, epochs)
         self.placement = placement = PlacementFlow(ctx, epochs, jobs, ledger, instances, bidding,
                                                    self._apply_certificate_bytes)
+        self.gangs = gangs = GangFlow(ctx, epochs, jobs, ledger, instances, bidding, self._apply_certificate_bytes)
         self.slots = slots = SlotFlow(ctx, epochs, jobs, ledger, instances, bidding, placement)
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
-        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits)
-        bidding.slots = placement.slots = slots
-        placement.epoch_changes = epoch_changes
-        placement.lifecycle = epoch_changes.lifecycle = lifecycle
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of)
+        bidding.slots = placement.slots = gangs.slots = slots
+        placement.epoch_changes = gangs.epoch_changes = epoch_changes
+        placement.lifecycle = epoch_changes.lifecycle = gangs.lifecycle = lifecycle
+        placement.gangs = lifecycle.gangs = gangs
         epoch_changes.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
-        self.flows = FlowRegistry((placement, slots, epoch_changes))
+        self.flows = FlowRegistry((placement, slots, epoch_changes, gangs))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
@@ -270,6 +273,7 @@ class MeshCore:
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
         self.placement.reconsider_held(now_ms, out)
+        self.gangs.reconsider_held(now_ms, out)
         for key in self.ledger.expire(now_ms):
             self.bidding.mine.pop(key, None)   # its bid holds nothing any more: never re-sent
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))

@@ -26,15 +26,17 @@ class WorkloadRun:
     gpus: tuple          # GPU indices the ledger allocated to it here
     resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6, R1)
     manifest: object     # the owner-signed JobManifest: entrypoint, args, resources
+    gang: object = None  # a gang's rank: flows/gang.py GangRank (rank, world size, peers), else None
 
 
 class WorkloadOrders:
-    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict) -> None:
+    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict, gang_rank=lambda jid: None) -> None:
         self.epochs = epochs
         self.jobs = jobs
         self.liveness = liveness
         self.ledger = ledger
         self.handoff_waits = handoff_waits   # jobs waiting for a checkpoint to resume from (R1): not yet
+        self.gang_rank = gang_rank           # job id -> its GangRank, if it is a gang's worker
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
 
     def exited(self, jid: bytes) -> None:
@@ -54,7 +56,7 @@ class WorkloadOrders:
         stops = tuple(jid for jid, fence in self.ordered.items()
                       if jid not in wanted or wanted[jid].fence != fence)
         runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=resumes_from_checkpoint(r),
-                                 manifest=r.manifest)
+                                 manifest=r.manifest, gang=self.gang_rank(r.job_id))
                      for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
         if not stops and not runs:
             return

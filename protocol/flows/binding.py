@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from protocol.errors import RemoteProtocolError
 from protocol.flows.epoch_change import EpochChangeFlow
+from protocol.flows.gang import GangFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
-BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow)
+BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, GangFlow)
             for kind in flow.value_kinds}
 
 

@@ -36,6 +36,7 @@ class PlacementFlow(ValueFlow):
     value_kind = "placement"
     places_jobs = True
     value_kinds = ("placement",)
+    gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (G3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
         self.ctx = ctx
@@ -118,6 +119,9 @@ class PlacementFlow(ValueFlow):
     def start(self, record, now_ms: int, out: Ready) -> None:
         """Start the job's placement in the one epoch it runs in (SPEC.md P2), if this node
         holds that epoch's view; a job of a later epoch waits until this node enters it."""
+        if self.gangs is not None and record.manifest.gang.is_gang:
+            self.gangs.start(record, now_ms, out)
+            return
         epoch = record.manifest.epoch
         record.state = "pending"
         view = self.epochs.view_for(epoch)
@@ -391,6 +395,8 @@ class PlacementFlow(ValueFlow):
                                        caches=caches)
         if envelope.signer != job.owner:   # honest validators checked it (P4b); a forged quorum may not have
             return "a job that is not signed by its owner"
+        if job.gang.is_gang:
+            return "a gang is placed by a gang_placement (G3), not a placement"
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,

@@ -1,0 +1,118 @@
+"""Gangs (SPEC.md G1-G5): manifests, the topology rule and diameter choice, one decision
+placing every rank, and a refusal ending the whole attempt. Cores in a small FIFO Net
+(tests/test_mesh_core.py's), an integer clock."""
+
+import random
+
+import pytest
+
+from protocol.gang_placement import choose_gang, diameter, gang_worker_id, topology_error
+from protocol.mesh import MeshCore
+from protocol.messages import Gang, GangPlacement, GangWorker, JobManifest, encode_message, job_id
+from protocol.policy import LocalCapacity, NodePolicy
+from protocol.ready import Ready
+from test_no_overcommit import running
+from test_mesh_core import IDS, KEYS, MESH, OWNER, ZONES, Net, make_job
+
+RAILS = ["rail-1", "rail-2", "rail-3", "rail-3"]   # zone-a holds rails 1 and 2, zone-b rail 3
+
+
+class GangNet(Net):
+    def __init__(self, gpus=(2, 2, 2, 2), rails=RAILS):
+        super().__init__(gpus=gpus)
+        for index, identity in enumerate(IDS):
+            self.cores[identity.public_key] = MeshCore(
+                identity=identity, genesis=self.cores[identity.public_key].genesis,
+                policy=NodePolicy(zone=ZONES[index]), rng=random.Random(index), now_ms=0,
+                capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * gpus[index], rail_group=rails[index]))
+
+
+def make_gang(gang: Gang, nonce=1, gpus=1, backups=1, max_retries=0):
+    job, _ = make_job(nonce=nonce, gpus=gpus, backups=backups, max_retries=max_retries)
+    job = JobManifest(**{**{f: getattr(job, f) for f in JobManifest.SCHEMA}, "gang": gang})
+    return job, encode_message(OWNER, MESH, job)
+
+
+def workers_of(net, key, job):
+    core = net.cores[key]
+    return [core.job_table.get(gang_worker_id(job_id(job), rank)) for rank in range(len(KEYS))]
+
+
+def test_one_decision_places_every_rank_in_one_zone():
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="zone"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    decided = [net.certified(k, "gang_placement") for k in KEYS]
+    assert all(len(d) == 1 for d in decided) and len({d[0].value for d in decided}) == 1
+    gang = decided[0][0].value
+    nodes = [w.node for w in gang.workers]
+    assert len(nodes) == 2 and {ZONES[KEYS.index(n)] for n in nodes} in ({"zone-a"}, {"zone-b"})
+    assert gang.backups and not set(gang.backups) & set(nodes)
+    for key in KEYS:
+        ranks = workers_of(net, key, job)[:2]
+        assert [w.primary for w in ranks] == nodes and {w.fence for w in ranks} == {1}
+        assert net.cores[key].job_view(job_id(job))["state"] == "placed"
+        # Only the two ranks' nodes hold capacity: every bid's reservation elsewhere went back.
+        assert net.cores[key].ledger.held_totals()[0] == (1 if key in nodes else 0)
+    # Each rank's node is ordered to run it, told its rank and its peer.
+    for rank, node in enumerate(nodes):
+        runs = [r for d in net.decisions[node] if d.value_kind == "run" for r in d.value]
+        assert [(r.gang.rank, r.gang.world_size, [p[0] for p in r.gang.peers]) for r in runs] == [(rank, 2, nodes)]
+
+
+def test_rail_group_prefers_the_smallest_diameter_and_never_spans_two():
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="rail_group"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    gang = net.certified(KEYS[1], "gang_placement")[0].value
+    assert {w.node for w in gang.workers} == {KEYS[2], KEYS[3]}   # the only rail group with two nodes
+
+
+def test_a_gang_that_fits_no_rail_group_waits_and_says_why():
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=3, topology="rail_group"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    assert not net.certified(KEYS[0], "gang_placement")
+    view = net.cores[KEYS[0]].job_view(job_id(job))
+    assert view["state"] == "pending" and "gang of 3 needs one rail group" in (view["hint"] or "")
+
+
+def test_an_elastic_gang_takes_the_largest_size_that_fits():
+    net = GangNet(gpus=(2, 2, 0, 2))     # three nodes can host a 1-GPU worker
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    gang = net.certified(KEYS[1], "gang_placement")[0].value
+    assert sorted(w.node for w in gang.workers) == sorted([KEYS[0], KEYS[1], KEYS[3]])
+
+
+def test_a_refused_rank_ends_the_attempt_and_the_gang_is_placed_afresh():
+    """G4: a rank's node that cannot allocate it refuses it; every rank stops, none runs
+    alone, and the next attempt places the whole gang again."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=0, max_retries=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    first = net.certified(KEYS[0], "gang_placement")[0].value
+    victim = first.workers[1].node
+    rank1 = gang_worker_id(job_id(job), 1)
+    core = net.cores[victim]
+    core.ledger.free(rank1)                 # its GPU is taken by something else meanwhile
+    core.ledger.allocate_now(b"x" * 32, job.resources)
+    ready = Ready()
+    core.lifecycle.refuse(core.job_table.get(rank1), net.now, ready)
+    net.emit(victim, ready)
+    net.run(400)
+    survivor = first.workers[0].node
+    assert all(run.fence != 1 for run in running(net, survivor).values())   # rank 0 stopped with it
+    decided = net.certified(KEYS[0], "gang_placement")
+    assert len(decided) == 2
+    second = decided[1].value
+    assert victim not in [w.node for w in second.workers]
+    for key in KEYS:
+        ranks = workers_of(net, key, job)[:2]
+        assert [w.primary for w in ranks] == [w.node for w in second.workers]
+        assert {w.fence for w in ranks} == {net.cores[key].job_view(job_id(job))["fence"]} and ranks[0].fence > 1
