@@ -20,6 +20,7 @@ RAILS = ["rail-1", "rail-2", "rail-3", "rail-3"]   # zone-a holds rails 1 and 2,
 class GangNet(Net):
     def __init__(self, gpus=(2, 2, 2, 2), rails=RAILS):
         super().__init__(gpus=gpus)
+        self.restarted_at = {key: 0 for key in KEYS}   # for test_no_overcommit.running: none restarts
         for index, identity in enumerate(IDS):
             self.cores[identity.public_key] = MeshCore(
                 identity=identity, genesis=self.cores[identity.public_key].genesis,
