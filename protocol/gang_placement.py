@@ -1,4 +1,4 @@
-"""Where a gang's workers go (SPEC.md G2): the topology rule, network distance and
+"""Where a gang's workers go (SPEC.md GA2): the topology rule, network distance and
 diameter, and the one deterministic choice every validator recomputes from the bids.
 
 A gang is placed all at once: ``choose_gang`` takes the verified bids of its placement
@@ -15,17 +15,17 @@ from typing import Iterable
 from protocol.messages import GangPlacement, GangWorker, JobManifest
 from protocol.placement import BidFacts, rank_bids, wanted_backups
 
-SAME_NODE, SAME_RAIL_GROUP, SAME_ZONE, OTHER_ZONE = 0, 1, 2, 3   # network distance between two nodes (G2)
-GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 40000                     # where a rank listens for its peers (G5)
+SAME_NODE, SAME_RAIL_GROUP, SAME_ZONE, OTHER_ZONE = 0, 1, 2, 3   # network distance between two nodes (GA2
+GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 40000                     # where a rank listens for its peers (GA5
 
 
 def gang_worker_id(gang_id: bytes, rank: int) -> bytes:
-    """SPEC.md G4: the job-table key of a gang's rank (its checkpoints, exits, allocation)."""
+    """SPEC.md GA4: the job-table key of a gang's rank (its checkpoints, exits, allocation)."""
     return hashlib.sha256(b"gang-worker" + gang_id + rank.to_bytes(2, "big")).digest()
 
 
 def gang_port(worker_id: bytes, fence: int) -> int:
-    """SPEC.md G5: the TCP port rank ``worker_id`` listens on for its peers under ``fence``."""
+    """SPEC.md GA5: the TCP port rank ``worker_id`` listens on for its peers under ``fence``."""
     digest = hashlib.sha256(b"gang-port" + worker_id + fence.to_bytes(8, "big")).digest()
     return GANG_PORT_BASE + int.from_bytes(digest[:4], "big") % GANG_PORT_SPAN
 
@@ -92,7 +92,7 @@ def _spread(ranked: list[BidFacts], size: int) -> list[BidFacts]:
 
 
 def candidate_sets(topology: str, ranked: list[BidFacts], size: int) -> list[list[BidFacts]]:
-    """Every set of ``size`` bidders the rule allows that the choice compares (G2): the
+    """Every set of ``size`` bidders the rule allows that the choice compares (GA2: the
     best-ranked ``size`` of each group (spread_zones: the one greedy set)."""
     if topology == "spread_zones":
         chosen = _spread(ranked, size)
@@ -100,28 +100,41 @@ def candidate_sets(topology: str, ranked: list[BidFacts], size: int) -> list[lis
     return [group[:size] for group in _groups(topology, ranked) if len(group) >= size]
 
 
+def pick_gang(topology: str, sizes, ranked: list) -> list | None:
+    """SPEC.md GA2 over bidders in rank order (anything with ``signer`` and ``capability``):
+    the workers in rank order of the gang (ring order), or None when no size fits."""
+    position = {facts.signer: i for i, facts in enumerate(ranked)}
+    for size in sizes:
+        sets = candidate_sets(topology, ranked, size)
+        if sets:
+            best = min(sets, key=lambda s: (diameter(f.capability for f in s), sum(position[f.signer] for f in s),
+                                            sorted(f.signer for f in s)))
+            # Ring order: neighbours by zone and rail group, so a ring all-reduce crosses each boundary once.
+            return sorted(best, key=lambda f: (f.capability.zone, f.capability.rail_group, position[f.signer]))
+    return None
+
+
+def pick_backups(workers: list, ranked: list, count: int) -> list:
+    """The ``count`` other bidders a failed rank may move to: those that keep the gang's
+    diameter smallest first (the largest distance to a worker), then by rank."""
+    chosen = {f.signer for f in workers}
+    position = {facts.signer: i for i, facts in enumerate(ranked)}
+    others = [f for f in ranked if f.signer not in chosen]
+    others.sort(key=lambda f: (max(distance(f.capability, w.capability) for w in workers), position[f.signer]))
+    return others[:count]
+
+
 def choose_gang(job_envelope: bytes, job: JobManifest, instance: bytes,
                 bids: Iterable[BidFacts]) -> GangPlacement | None:
-    """SPEC.md G2: the gang placement every correct node computes from the same bids."""
+    """SPEC.md GA2: the gang placement every correct node computes from the same bids."""
     ranked = rank_bids(job, instance, bids)
-    position = {facts.signer: i for i, facts in enumerate(ranked)}
-    for size in job.gang.sizes():
-        sets = candidate_sets(job.gang.topology, ranked, size)
-        if not sets:
-            continue
-        best = min(sets, key=lambda s: (diameter(f.capability for f in s), sum(position[f.signer] for f in s),
-                                        sorted(f.signer for f in s)))
-        # Ring order: neighbours by zone and rail group, so a ring all-reduce crosses each boundary once.
-        workers = sorted(best, key=lambda f: (f.capability.zone, f.capability.rail_group, position[f.signer]))
-        chosen = {f.signer for f in best}
-        others = [f for f in ranked if f.signer not in chosen]
-        # Backups a failed rank moves to: those that keep the gang's diameter smallest first.
-        others.sort(key=lambda f: (max(distance(f.capability, w.capability) for w in best), position[f.signer]))
-        return GangPlacement(job=job_envelope,
-                             workers=tuple(GangWorker(node=f.signer, gpus=tuple(sorted(f.bid.reserved_gpus)))
-                                           for f in workers),
-                             backups=tuple(f.signer for f in others[:wanted_backups(job)]))
-    return None
+    workers = pick_gang(job.gang.topology, job.gang.sizes(), ranked)
+    if workers is None:
+        return None
+    return GangPlacement(job=job_envelope,
+                         workers=tuple(GangWorker(node=f.signer, gpus=tuple(sorted(f.bid.reserved_gpus)))
+                                       for f in workers),
+                         backups=tuple(f.signer for f in pick_backups(workers, ranked, wanted_backups(job))))
 
 
 def gang_shortfall(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> str:

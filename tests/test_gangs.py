@@ -1,16 +1,20 @@
-"""Gangs (SPEC.md G1-G5): manifests, the topology rule and diameter choice, one decision
+"""Gangs (SPEC.md GA1-GA5): manifests, the topology rule and diameter choice, one decision
 placing every rank, and a refusal ending the whole attempt. Cores in a small FIFO Net
 (tests/test_mesh_core.py's), an integer clock."""
 
+import hashlib
+import pathlib
 import random
 
-import pytest
-
-from protocol.gang_placement import choose_gang, diameter, gang_worker_id, topology_error
+from consensus_net import kind_of
+from protocol import codec
+from protocol.gang_placement import gang_worker_id
 from protocol.mesh import MeshCore
-from protocol.messages import Gang, GangPlacement, GangWorker, JobManifest, encode_message, job_id
+from protocol.messages import (Gang, GangPlacement, GangWorker, JobManifest, Proposal, decode_message, encode_message,
+                               job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
+from testnet import spec_tables
 from test_no_overcommit import running
 from test_mesh_core import IDS, KEYS, MESH, OWNER, ZONES, Net, make_job
 
@@ -91,7 +95,7 @@ def test_an_elastic_gang_takes_the_largest_size_that_fits():
 
 
 def test_a_refused_rank_ends_the_attempt_and_the_gang_is_placed_afresh():
-    """G4: a rank's node that cannot allocate it refuses it; every rank stops, none runs
+    """GA4: a rank's node that cannot allocate it refuses it; every rank stops, none runs
     alone, and the next attempt places the whole gang again."""
     net = GangNet(gpus=(1, 1, 1, 1))
     job, envelope = make_gang(Gang(workers=2, topology="none"), backups=0, max_retries=1)
@@ -117,3 +121,41 @@ def test_a_refused_rank_ends_the_attempt_and_the_gang_is_placed_afresh():
         ranks = workers_of(net, key, job)[:2]
         assert [w.primary for w in ranks] == [w.node for w in second.workers]
         assert {w.fence for w in ranks} == {net.cores[key].job_view(job_id(job))["fence"]} and ranks[0].fence > 1
+
+
+def test_spec_gang_ids_follow_the_stated_formulas():
+    """SPEC.md GA4/GA5 vectors, recomputed with hashlib and the formulas alone."""
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "SPEC.md").read_text(encoding="utf-8")
+    lines = dict(line.split(": ", 1) for line in spec_tables.generated_block(spec, "gang vectors").strip("`\n").splitlines())
+    jid = bytes.fromhex(lines["job_id"])
+    for rank in (0, 1):
+        worker = hashlib.sha256(b"gang-worker" + jid + rank.to_bytes(2, "big")).digest()
+        assert lines["gang_worker_id rank=%d" % rank] == worker.hex()
+        port = 20000 + int.from_bytes(hashlib.sha256(b"gang-port" + worker + (1).to_bytes(8, "big")).digest()[:4],
+                                      "big") % 40000
+        assert int(lines["gang_port rank=%d fence=1" % rank]) == port
+    assert lines["zone sizes=[3]"].startswith("ranks n1 n4 n5 diameter 1")   # the smaller diameter beats rank
+
+
+def test_validators_refuse_a_gang_that_breaks_its_topology():
+    """GA3: with the very bids of the decided proposal, a value placing the ranks in two
+    zones is refused naming the rule, and a size the job does not allow is refused."""
+    net = GangNet()
+    proposals = []
+    send = net.send
+    net.send = lambda src, messages: (proposals.extend(m.data for m in messages if kind_of(m.data) == "proposal"),
+                                      send(src, messages))
+    job, envelope = make_gang(Gang(workers=2, topology="zone"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    _envelope, proposal = decode_message(proposals[0], MESH, expect=Proposal)
+    core = net.cores[KEYS[1]]
+    validate = core.gangs.validators(proposal.instance)[0]
+    assert validate(proposal.value, proposal.justification) is None
+    across = GangPlacement(job=envelope, workers=(GangWorker(node=KEYS[0], gpus=(0,)),
+                                                  GangWorker(node=KEYS[2], gpus=(0,))), backups=())
+    assert "topology 'zone': workers in zones zone-a, zone-b" in validate(codec.pack(across.to_body()),
+                                                                          proposal.justification)
+    alone = GangPlacement(job=envelope, workers=(GangWorker(node=KEYS[0], gpus=(0,)),), backups=())
+    assert "a gang of 1 workers, which the job does not allow" in validate(codec.pack(alone.to_body()),
+                                                                          proposal.justification)

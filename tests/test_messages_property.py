@@ -14,7 +14,7 @@ from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.envelope import ANY_MESH, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MESSAGE_TYPES, Checkpoint, Resources, decode_message, encode_message
+from protocol.messages import MESSAGE_TYPES, Checkpoint, Gang, Resources, decode_message, encode_message
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
 SIGNER = SigningIdentity(bytes(range(32)))
@@ -60,7 +60,16 @@ def body_strategy(cls):
         body = body.map(lambda b: {**b, "state_hash": hashlib.sha256(b["state"]).digest()})
     if cls is Resources:  # cross-field rule, SPEC.md 4.1: a GPU share is a share of one GPU
         body = body.map(lambda b: {**b, "gpus": 1} if b["gpu_milli"] else b)
+    if cls is Gang:  # cross-field rules, SPEC.md GA1: a fixed size, or an elastic range with a size in it
+        body = body.map(_coherent_gang)
     return body
+
+
+def _coherent_gang(b: dict) -> dict:
+    if b["workers"]:
+        return {**b, "min_workers": 0, "max_workers": 0, "multiple_of": 1}
+    low = max(1, min(b["min_workers"], b["max_workers"]))
+    return {**b, "min_workers": low, "max_workers": max(low, b["min_workers"], b["max_workers"]), "multiple_of": 1}
 
 
 def message_strategy():

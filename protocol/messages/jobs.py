@@ -114,7 +114,7 @@ MAX_GANG_WORKERS = 16   # + 4 backups: one gang's bids fit one proposal (MAX_BID
 
 @record
 class Gang(Record):
-    """A job of several workers placed all together or not at all (SPEC.md 4.2, G1-G4).
+    """A job of several workers placed all together or not at all (SPEC.md 4.2, GA1-GA4).
 
     ``workers`` = N: exactly N workers. ``workers`` = 0: elastic, any multiple of
     ``multiple_of`` in [``min_workers``, ``max_workers``], the largest that fits. Every
@@ -142,7 +142,7 @@ class Gang(Record):
                              % (self.multiple_of, self.min_workers, self.max_workers))
 
     def sizes(self) -> tuple:
-        """The gang sizes it may run at, largest (preferred) first (SPEC.md G2)."""
+        """The gang sizes it may run at, largest (preferred) first (SPEC.md GA2)."""
         if self.workers:
             return (self.workers,)
         return tuple(n for n in range(self.max_workers, self.min_workers - 1, -1) if n % self.multiple_of == 0)
@@ -314,7 +314,7 @@ class GangWorker(Record):
 
 @record
 class GangPlacement(Record):
-    """The value a gang's placement instance decides (SPEC.md G3): every worker at once,
+    """The value a gang's placement instance decides (SPEC.md GA3): every worker at once,
     ``workers[r]`` running rank r, and the backups the gang's workers fail over to."""
     job: bytes
     workers: tuple
