@@ -35,6 +35,7 @@ from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry, TelemetryError
 from meshnode.net.limits import RefusalReport
+from meshnode.workload.sdk import gang_environment, multiaddr_host
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
@@ -158,6 +159,11 @@ class Node:
                 targets.setdefault(member.public_key, member.addrs[0])
         for key, addr in targets.items():
             await self.transport.connect(key, addr)
+
+    def _member_host(self, key: bytes) -> str:
+        """The host part of a member's first address (a gang's peer, SPEC.md GA5)."""
+        record = next((m for m in self.core.member_records() if m.public_key == key), None)
+        return multiaddr_host(record.addrs[0]) if record is not None and record.addrs else "127.0.0.1"
 
     # --- the loops -----------------------------------------------------------------------------
 
@@ -301,7 +307,8 @@ class Node:
         self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence)
+            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence,
+                                          gang_environment(run.gang, self._member_host))
         except MeshError as exc:
             log.warning("cannot start job %s: %s", job_id.hex()[:12], exc)
             await self._handle(self.core.job_exited(job_id, 127, now_ms()))
