@@ -58,6 +58,8 @@ def register(subparsers) -> None:
                         help="with --job-ms, the share of exits that fail (exit 1, the job is retried)")
     parser.add_argument("--cancel", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner cancels, at a drawn time after submitting")
+    parser.add_argument("--gangs", type=float, default=0.0, metavar="F",
+                        help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -110,6 +112,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
+        "gangs": sum(r.counters.get("gangs", 0) for r in results),
+        "gangs_placed": sum(r.counters.get("gangs_placed", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -131,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
-    if args.job_ms < 0 or not 0.0 <= args.fail <= 1.0 or not 0.0 <= args.cancel <= 1.0:
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail and --cancel in [0, 1]")
+    if args.job_ms < 0 or not 0.0 <= args.fail <= 1.0 or not 0.0 <= args.cancel <= 1.0 or not 0.0 <= args.gangs <= 1.0:
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel and --gangs in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                          byzantine_milli=round(args.byzantine * 1000), faults=faults,
                          heartbeats=not args.no_heartbeats, bid_sample=args.bid_sample, slot_ms=args.slot_ms,
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
-                         cancel_per_mille=round(args.cancel * 1000))
+                         cancel_per_mille=round(args.cancel * 1000), gang_per_mille=round(args.gangs * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

@@ -36,7 +36,7 @@ from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
+from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
 TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL = range(8)
@@ -82,6 +82,10 @@ class SimConfig:
     job_ms: int = 0
     job_fail_per_mille: int = 0
     cancel_per_mille: int = 0
+    # ``gang_per_mille`` of the jobs are gangs (SPEC.md GA1, sim_world.with_gangs), drawn from
+    # their own rng too. A gang no set of honest members fits (its size, its topology) may
+    # stay pending: unplaced gangs are counted, not owed by the liveness check.
+    gang_per_mille: int = 0
 
     @property
     def workloads(self) -> bool:
@@ -105,6 +109,8 @@ class SimConfig:
             line += " --fail %s" % (self.job_fail_per_mille / 1000)
         if self.cancel_per_mille:
             line += " --cancel %s" % (self.cancel_per_mille / 1000)
+        if self.gang_per_mille:
+            line += " --gangs %s" % (self.gang_per_mille / 1000)
         return line
 
 
@@ -164,6 +170,9 @@ class Simulation:
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms))
+        if config.gang_per_mille:
+            self.world = with_gangs(self.world, random.Random(config.seed * 1_000_003 + 0x6A46),
+                                    config.gang_per_mille)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -478,7 +487,7 @@ class Simulation:
     def _job_events(self, node: SimNode, events) -> None:
         """A job that ended at the node that holds it gives its load back in the checker."""
         for event in events:
-            if event.kind in ("job_exited", "job_cancelled", "job_refused"):
+            if event.kind in ("job_exited", "job_cancelled", "job_refused", "gang_worker_stopped"):
                 self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
 
     def _restart(self, index: int) -> None:
@@ -664,14 +673,20 @@ class Simulation:
         submitted = {job.job_id: job.submit_ms for job in self.world.jobs if job.job_id not in self.cancelled}
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
+        gangs = frozenset(spec.job_id for spec in self.world.jobs if spec.job.gang.is_gang)
+        unplaced_gangs = gangs - set(checker.placement_of)
+        checker.check_gangs_running({i: tuple(self.nodes[i].running.values()) for i in self.honest
+                                     if self.nodes[i].up and self.nodes[i].core is not None})
         self._close_open_rounds()
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
         unpromised = frozenset(jid for jid, _instance, _submitted, late, _due
-                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
+                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable | unplaced_gangs,
+                                                  self.excused_ms)
                                if self._liveness_unpromised(jid, late))
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unplaced_gangs | unpromised,
+                                         self.excused_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
@@ -685,7 +700,8 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
+            counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
+                          unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))
 
     def _check_ledgers(self) -> None:

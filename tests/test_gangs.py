@@ -159,3 +159,20 @@ def test_validators_refuse_a_gang_that_breaks_its_topology():
     alone = GangPlacement(job=envelope, workers=(GangWorker(node=KEYS[0], gpus=(0,)),), backups=())
     assert "a gang of 1 workers, which the job does not allow" in validate(codec.pack(alone.to_body()),
                                                                           proposal.justification)
+
+
+def test_sim_sweep_with_gangs_under_faults_and_byzantine_stake():
+    """Simulator (SPEC.md 11) with half the jobs gangs, every fault, 1/5 Byzantine stake,
+    exits, failures and cancels: no partial gang, no overcommit, no rank placed twice, no
+    topology broken. Seed 21 also caught a restarted leader signing a second proposal: an
+    exit replayed at restart started the job's next attempt before its votes were restored
+    (protocol/instances.py now knows them from the start)."""
+    from testnet.sim import FAULTS, SimConfig, run_simulation
+    placed = 0
+    for seed in (20, 21, 22):
+        result = run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS, job_ms=300,
+                                          job_fail_per_mille=200, cancel_per_mille=100, gang_per_mille=500))
+        assert result.violation_count == 0, [v.line() for v in result.violations]
+        assert not result.liveness_missing
+        placed += result.counters["gangs_placed"]
+    assert placed > 0

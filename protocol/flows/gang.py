@@ -188,12 +188,15 @@ class GangFlow(PlacementFlow):
         self.ledger.release(iid)
 
     # --- the end of an attempt (GA4 -----------------------------------------------------------------
-    def _stop_workers(self, gang_id: bytes, state: str) -> None:
+    def _stop_workers(self, gang_id: bytes, state: str, now_ms: int, out: Ready) -> None:
         for w in self.worker_records(gang_id):
             if w is not None and w.state not in TERMINAL:
+                holder = w.primary
                 self.ledger.free(w.job_id)
                 self.jobs.assign(w, None, (), ())
                 w.state = state
+                out.events.append(self.ctx.event("gang_worker_stopped", now_ms, job_id=w.job_id.hex(),
+                                                 node=holder.hex() if holder else ""))
 
     def worker_refused(self, record, data: bytes, now_ms: int, out: Ready) -> bool:
         """A rank's node refused it (R1): the whole attempt ends and the gang is placed afresh.
@@ -202,7 +205,7 @@ class GangFlow(PlacementFlow):
         if found is None:
             return False
         gang = self.jobs.get(found[0])
-        self._stop_workers(gang.job_id, "pending")
+        self._stop_workers(gang.job_id, "pending", now_ms, out)
         attempt = next_attempt(gang.attempt, gang.manifest, refused=True)
         if attempt is None:
             gang.state, gang.hint = "failed", "refused by its workers' nodes for want of capacity, no retry left"
@@ -228,7 +231,7 @@ class GangFlow(PlacementFlow):
             record.state = "failed"
             gang.exit_code = code
             attempt = next_attempt(gang.attempt, gang.manifest, refused=False)
-            self._stop_workers(gang.job_id, "pending" if attempt is not None else "failed")
+            self._stop_workers(gang.job_id, "pending" if attempt is not None else "failed", now_ms, out)
             if attempt is None:
                 gang.state = "failed"
             else:
