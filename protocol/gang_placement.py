@@ -15,8 +15,8 @@ from typing import Iterable
 from protocol.messages import GangPlacement, GangWorker, JobManifest
 from protocol.placement import BidFacts, rank_bids, wanted_backups
 
-SAME_NODE, SAME_RAIL_GROUP, SAME_ZONE, OTHER_ZONE = 0, 1, 2, 3   # network distance between two nodes (GA2
-GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 40000                     # where a rank listens for its peers (GA5
+SAME_NODE, SAME_RAIL_GROUP, SAME_ZONE, OTHER_ZONE = 0, 1, 2, 3   # network distance between two nodes (GA2)
+GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 40000                     # where a rank listens for its peers (GA5)
 
 
 def gang_worker_id(gang_id: bytes, rank: int) -> bytes:
@@ -92,7 +92,7 @@ def _spread(ranked: list[BidFacts], size: int) -> list[BidFacts]:
 
 
 def candidate_sets(topology: str, ranked: list[BidFacts], size: int) -> list[list[BidFacts]]:
-    """Every set of ``size`` bidders the rule allows that the choice compares (GA2: the
+    """Every set of ``size`` bidders the rule allows that the choice compares (GA2): the
     best-ranked ``size`` of each group (spread_zones: the one greedy set)."""
     if topology == "spread_zones":
         chosen = _spread(ranked, size)

@@ -50,7 +50,7 @@ class JobLifecycle:
         self.jobs = jobs
         self.ledger = ledger
         self.placement = placement   # a failed job within its retries is placed again
-        self.gangs = None            # the GangFlow, set by the core: a gang's ranks end together (GA4
+        self.gangs = None            # the GangFlow, set by the core: a gang's ranks end together (GA4)
         self.deferred = False        # True while the core replays its history after a restart
         # Jobs this node was made the primary of after a refusal, holding no checkpoint of
         # their work: job id -> when it stops waiting for one to be handed over (R1). Not run

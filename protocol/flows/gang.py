@@ -6,7 +6,7 @@ every rank's node and GPUs and the backups, that protocol/gang_placement.py comp
 the bids; every validator recomputes it. Applying it makes one job-table record per rank
 (``gang_worker_id``), each run, checkpointed and failed over like a job by its node. A
 partial gang never runs on: a rank whose node cannot allocate it refuses it (R1), and the
-refusal ends the whole attempt, every rank stopped, and the gang is placed afresh (GA4;
+refusal ends the whole attempt, every rank stopped, and the gang is placed afresh (GA4);
 a rank's failed exit ends the attempt too, a gang is done when every rank completed.
 """
 
@@ -56,10 +56,10 @@ class GangFlow(PlacementFlow):
         peers = tuple((w.primary, gang_port(w.job_id, w.fence)) for w in self.worker_records(gang_id))
         return GangRank(gang_id, rank, len(peers), peers)
 
-    # --- the leader's proposal (GA3 -----------------------------------------------------------------
+    # --- the leader's proposal (GA3) -----------------------------------------------------------------
     def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
         """Propose once every member answered, or when the bid window closed (P4), the gang
-        of the largest size that fits (GA2; without one the job waits and says why."""
+        of the largest size that fits (GA2); without one the job waits and says why."""
         iid = inst.instance_id
         bidding = self.bidding
         if not inst.awaiting_value or bidding.windows_open.get(iid) != inst.round:
@@ -105,7 +105,7 @@ class GangFlow(PlacementFlow):
                                                 caches=self.ctx.caches)
                 facts = [self.bidding.parse_member_bid(b, iid, view) for b in justification]
                 by_signer = {f.signer: f for f in facts}
-                # The rule itself first, so a bad proposal is refused with the reason (GA2.
+                # The rule itself first, so a bad proposal is refused with the reason (GA2).
                 caps = [by_signer[w.node].capability for w in gang.workers if w.node in by_signer]
                 if len(caps) == len(gang.workers):
                     broken = topology_error(job.gang.topology, caps)
@@ -187,7 +187,7 @@ class GangFlow(PlacementFlow):
                     break
         self.ledger.release(iid)
 
-    # --- the end of an attempt (GA4 -----------------------------------------------------------------
+    # --- the end of an attempt (GA4) -----------------------------------------------------------------
     def _stop_workers(self, gang_id: bytes, state: str, now_ms: int, out: Ready) -> None:
         for w in self.worker_records(gang_id):
             if w is not None and w.state not in TERMINAL:

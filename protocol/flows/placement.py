@@ -36,7 +36,7 @@ class PlacementFlow(ValueFlow):
     value_kind = "placement"
     places_jobs = True
     value_kinds = ("placement",)
-    gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3
+    gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
         self.ctx = ctx
@@ -396,7 +396,7 @@ class PlacementFlow(ValueFlow):
         if envelope.signer != job.owner:   # honest validators checked it (P4b); a forged quorum may not have
             return "a job that is not signed by its owner"
         if job.gang.is_gang:
-            return "a gang is placed by a gang_placement (GA3, not a placement"
+            return "a gang is placed by a gang_placement (GA3), not a placement"
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,
