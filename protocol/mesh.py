@@ -197,11 +197,11 @@ class MeshCore:
         return self.epochs.broadcast_targets()
 
     def jobs(self) -> list[dict]:
-        return [record.as_dict() for record in self.job_table]
+        return [self.gangs.annotate(record.as_dict()) for record in self.job_table]
 
     def job_view(self, jid: bytes) -> dict | None:
         record = self.job_table.get(jid)
-        return None if record is None else record.as_dict()
+        return None if record is None else self.gangs.annotate(record.as_dict())
 
     def members(self) -> list[dict]:
         out = []

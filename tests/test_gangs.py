@@ -176,3 +176,28 @@ def test_sim_sweep_with_gangs_under_faults_and_byzantine_stake():
         assert not result.liveness_missing
         placed += result.counters["gangs_placed"]
     assert placed > 0
+
+
+def test_tools_show_a_gang_as_one_job_with_its_ranks():
+    """GA4: `meshnode jobs` and the TUI show one row per gang (its ranks in it), and `job
+    status` lists every rank; a rank's own record says whose rank it is."""
+    from meshnode.cli.job_life import render_job_status
+    from meshnode.node.api import _gang_fields
+    from meshnode.tui.tables import job_row
+    from rich.console import Console
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="zone"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    jobs = net.cores[KEYS[0]].jobs()
+    gang = next(j for j in jobs if j["job_id"] == job_id(job))
+    ranks = [j for j in jobs if "gang_of" in j]
+    assert [w["rank"] for w in gang["gang"]["workers"]] == [0, 1] and len(ranks) == 2
+    assert {r["gang_of"]["gang_id"] for r in ranks} == {job_id(job)}
+    row = {"job_id": gang["job_id"].hex(), "name": gang["name"], "owner": gang["owner"].hex(), "state": "placed",
+           **_gang_fields(gang)}
+    assert job_row(row)[3] == "gang 0/2"
+    console = Console(width=100, record=True)
+    console.print(render_job_status(row))
+    text = console.export_text()
+    assert "2 workers, topology zone" in text and "rank 1" in text

@@ -56,6 +56,21 @@ class GangFlow(PlacementFlow):
         peers = tuple((w.primary, gang_port(w.job_id, w.fence)) for w in self.worker_records(gang_id))
         return GangRank(gang_id, rank, len(peers), peers)
 
+    def annotate(self, job: dict) -> dict:
+        """A job-table dict with its gang added, for tools (``meshnode jobs``, ``why``): a
+        gang's ``gang`` (topology, sizes, every rank of its placed attempt) and a rank's
+        ``gang_of`` (its gang's id and its rank)."""
+        jid = job["job_id"]
+        found = self.worker_of.get(jid)
+        if found is not None:
+            job["gang_of"] = {"gang_id": found[0], "rank": found[1]}
+        spec = job["manifest"].gang
+        if spec.is_gang and found is None:
+            job["gang"] = {"topology": spec.topology, "sizes": list(spec.sizes()), "workers": [
+                {"rank": rank, "job_id": w.job_id, "primary": w.primary, "state": w.state, "fence": w.fence}
+                for rank, w in enumerate(self.worker_records(jid)) if w is not None]}
+        return job
+
     # --- the leader's proposal (GA3) -----------------------------------------------------------------
     def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
         """Propose once every member answered, or when the bid window closed (P4), the gang
