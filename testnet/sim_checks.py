@@ -193,12 +193,18 @@ class DecisionChecker:
             if joined is not None:
                 self.members.add(joined)
 
-    def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
+    def _placed_job(self, node: int, instance: bytes, envelope: bytes) -> JobManifest | None:
+        """The job a decided value places, or None (a violation) if it is no valid signed job."""
         try:
-            _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                    caches=self.caches)
+            return decode_message(envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                  caches=self.caches)[1]
         except RemoteProtocolError as exc:
             self.fail("validity", node, instance, "placed job is not a valid signed job: %s" % exc)
+            return None
+
+    def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
+        job = self._placed_job(node, instance, placement.job)
+        if job is None:
             return
         jid = job_id(job)
         if job.gang.is_gang:
@@ -271,11 +277,8 @@ class DecisionChecker:
         """SPEC.md GA1-GA4: one decision places every rank of one attempt, never again by
         another instance of that attempt (no two placements of one rank), at a size the job
         allows, on distinct members that keep the topology rule by their true zone and rail group."""
-        try:
-            _, job = decode_message(gang.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                    caches=self.caches)
-        except RemoteProtocolError as exc:
-            self.fail("validity", node, instance, "placed gang is not a valid signed job: %s" % exc)
+        job = self._placed_job(node, instance, gang.job)
+        if job is None:
             return
         jid = job_id(job)
         attempt = placement_attempt(instance, job)

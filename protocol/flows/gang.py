@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.placement import BID_WINDOW_EXTENSION, PlacementFlow
+from protocol.flows.placement import PlacementFlow
 from protocol.gang_placement import choose_gang, gang_port, gang_shortfall, gang_worker_id, topology_error
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, GangPlacement, JobManifest, decode_message, decode_value,
@@ -72,25 +72,17 @@ class GangFlow(PlacementFlow):
         return job
 
     # --- the leader's proposal (GA3) -----------------------------------------------------------------
+    def bids_wanted(self, job) -> int:
+        return min(job.gang.sizes()) + wanted_backups(job)   # the smallest gang and its backups (GA3)
+
     def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
         """Propose once every member answered, or when the bid window closed (P4), the gang
         of the largest size that fits (GA2); without one the job waits and says why."""
+        gathered = self._gathered_bids(inst, now_ms, window_closed)
+        if gathered is None:
+            return
         iid = inst.instance_id
-        bidding = self.bidding
-        if not inst.awaiting_value or bidding.windows_open.get(iid) != inst.round:
-            return
-        record = self.jobs.get(self.instances.role(iid).subject)
-        held = bidding.held.get(iid, {})
-        answered = len(held) + (len(record.declines) if record else 0)
-        if record is None or not (window_closed or answered >= len(inst.view.members)):
-            return
-        wanted = min(record.manifest.gang.sizes()) + wanted_backups(record.manifest)
-        if window_closed and answered < len(inst.view.members) and len(held) < wanted \
-                and iid not in bidding.windows_extended:
-            bidding.windows_extended.add(iid)
-            self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
-            return
-        live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        record, held, live = gathered
         chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
         gang = choose_gang(record.envelope, record.manifest, iid, chosen)
         if gang is None:
