@@ -66,9 +66,12 @@ class GangFlow(PlacementFlow):
             job["gang_of"] = {"gang_id": found[0], "rank": found[1]}
         spec = job["manifest"].gang
         if spec.is_gang and found is None:
+            workers = [w for w in self.worker_records(jid) if w is not None]
             job["gang"] = {"topology": spec.topology, "sizes": list(spec.sizes()), "workers": [
                 {"rank": rank, "job_id": w.job_id, "primary": w.primary, "state": w.state, "fence": w.fence}
-                for rank, w in enumerate(self.worker_records(jid)) if w is not None]}
+                for rank, w in enumerate(workers)]}
+            if job["state"] == "placed" and workers and all(w.state == "running" for w in workers):
+                job["state"] = "running"   # the gang runs once every rank does (its own record runs nowhere)
         return job
 
     # --- the leader's proposal (GA3) -----------------------------------------------------------------
