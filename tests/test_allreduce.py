@@ -69,3 +69,35 @@ def test_gang_environment_round_trips_through_the_sdk():
         "01" * 32, 1, 2, (("10.0.0.1", 20001), ("10.0.0.2", 20002)))
     assert GangInfo.from_environment({}) is None
     assert multiaddr_host("/ip4/10.1.2.3/tcp/4001/p2p/Qm") == "10.1.2.3"
+
+
+def test_a_moved_rank_rejoins_and_the_others_go_on_without_restarting(tmp_path):
+    """GA5: rank 1's process ends after 3 steps (its node died); ranks 0 and 2 keep their
+    processes and step, wait for the node to publish rank 1's new address, rebuild the
+    ring, and all go on from the step the moved rank's checkpoint holds (2)."""
+    from meshnode.workload.builtin import AllreduceRun
+    ports = free_ports(4)
+    first = tuple(("127.0.0.1", port) for port in ports[:3])
+    moved = (first[0], ("127.0.0.1", ports[3]), first[2])
+    peers_file = tmp_path / "gang_peers"
+    peers_file.write_text(",".join("%s:%d" % p for p in first))
+    runs, codes = {}, {}
+
+    def survivor(rank):
+        runs[rank] = AllreduceRun(FakeWorkload(), GangInfo("g", rank, 3, first, str(peers_file)), 10, 0,
+                                  ProgressLog(None), 0, 10)
+        codes[rank] = runs[rank].run(8)
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2)]
+    for thread in threads:
+        thread.start()
+    gone = run_allreduce(FakeWorkload(), GangInfo("g", 1, 3, first), 10, 3, 0, ProgressLog(None))
+    peers_file.write_text(",".join("%s:%d" % p for p in moved))   # the node learnt where rank 1 went
+    replacement = FakeWorkload(restored_step=2)
+    back = run_allreduce(replacement, GangInfo("g", 1, 3, moved), 10, 8, 0, ProgressLog(None), timeout_s=10)
+    for thread in threads:
+        thread.join(30)
+    assert (gone, back, codes) == (0, 0, {0: 0, 2: 0})
+    assert [runs[r].rebuilds for r in (0, 2)] == [1, 1]
+    assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+    assert replacement.states == [3, 4, 5, 6, 7, 8]

@@ -234,39 +234,59 @@ class Ring:
 
 
 def run_allreduce(workload: Workload, gang: GangInfo, dim: int, steps: int | None, unit_ms: int, log: ProgressLog,
-                  log_every: int = 0, ring: Ring | None = None) -> int:
+                  log_every: int = 0, ring: Ring | None = None, timeout_s: float = RING_TIMEOUT_S) -> int:
     """Returns the exit status: 0 after ``steps``, EXIT_SUM_WRONG if a sum is wrong,
-    EXIT_RING_BROKEN if a neighbour went away (its own end closes, so the ring learns)."""
-    try:
-        ring = ring or Ring(gang)
-        try:
-            return _allreduce_steps(workload, gang, ring, dim, steps, unit_ms, log, log_every)
-        finally:
-            ring.close()
-    except OSError as exc:   # ConnectionError and timeouts included
-        print("rank %d: the ring broke: %s" % (gang.rank, exc), flush=True)
-        return EXIT_RING_BROKEN
+    EXIT_RING_BROKEN if the ring broke and no new peers came within ``timeout_s``."""
+    return AllreduceRun(workload, gang, dim, unit_ms, log, log_every, timeout_s).run(steps, ring)
 
 
-def _allreduce_steps(workload: Workload, gang: GangInfo, ring: Ring, dim: int, steps: int | None, unit_ms: int,
-                     log: ProgressLog, log_every: int) -> int:
-    mine = 0 if workload.restored_state is None else ALLREDUCE_STATE.unpack(workload.restored_state)[0]
-    step = ring.agree_min(mine)
-    if log_every and (mine or step):
-        print("rank %d resumed at step %d (restored %d)" % (gang.rank, step, mine), flush=True)
-    while steps is None or step < steps:
-        total = ring.allreduce(local_vector(gang.rank, step, dim))
-        if total != expected_sum(gang.world_size, step, dim):
-            print("rank %d step %d: wrong sum" % (gang.rank, step), flush=True)
-            return EXIT_SUM_WRONG
-        step += 1
-        log.unit_done(step)
-        workload.set_state(ALLREDUCE_STATE.pack(step), step)
-        if log_every and step % log_every == 0:
-            print("step %d sum %d" % (step, sum(total)), flush=True)
-        if unit_ms:
-            time.sleep(unit_ms / 1000)
-    return 0
+class AllreduceRun:
+    """One rank's run. When the ring breaks (a neighbour's node died), the rank closes its
+    own links (so every rank learns at once), keeps its process and its step, and waits for
+    its node to publish the gang's new peers (the failed rank moved to a backup, GA5); then
+    the ring is rebuilt and every rank goes on from the smallest step any rank holds."""
+
+    def __init__(self, workload: Workload, gang: GangInfo, dim: int, unit_ms: int, log: ProgressLog,
+                 log_every: int, timeout_s: float):
+        self.workload, self.gang, self.dim, self.unit_ms = workload, gang, dim, unit_ms
+        self.log, self.log_every, self.timeout_s = log, log_every, timeout_s
+        self.step = 0 if workload.restored_state is None else ALLREDUCE_STATE.unpack(workload.restored_state)[0]
+        self.rebuilds = 0
+
+    def run(self, steps: int | None, ring: Ring | None = None) -> int:
+        while True:
+            try:
+                ring = ring or Ring(self.gang, self.timeout_s)
+                try:
+                    return self._steps(ring, steps)
+                finally:
+                    ring.close()
+            except OSError as exc:   # ConnectionError and timeouts included
+                ring = None
+                print("rank %d: the ring broke at step %d: %s" % (self.gang.rank, self.step, exc), flush=True)
+                moved = self.gang.moved_peers(self.timeout_s)
+                if moved is None:
+                    return EXIT_RING_BROKEN
+                self.gang, self.rebuilds = moved, self.rebuilds + 1
+                print("rank %d: rebuilding the ring with new peers" % self.gang.rank, flush=True)
+
+    def _steps(self, ring: Ring, steps: int | None) -> int:
+        restored, self.step = self.step, ring.agree_min(self.step)
+        if self.log_every and (restored or self.step):
+            print("rank %d resumed at step %d (held %d)" % (self.gang.rank, self.step, restored), flush=True)
+        while steps is None or self.step < steps:
+            total = ring.allreduce(local_vector(self.gang.rank, self.step, self.dim))
+            if total != expected_sum(self.gang.world_size, self.step, self.dim):
+                print("rank %d step %d: wrong sum" % (self.gang.rank, self.step), flush=True)
+                return EXIT_SUM_WRONG
+            self.step += 1
+            self.log.unit_done(self.step)
+            self.workload.set_state(ALLREDUCE_STATE.pack(self.step), self.step)
+            if self.log_every and self.step % self.log_every == 0:
+                print("step %d sum %d" % (self.step, sum(total)), flush=True)
+            if self.unit_ms:
+                time.sleep(self.unit_ms / 1000)
+        return 0
 
 
 # --- entry point -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import threading
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ GANG_ID_ENV = "MESHNODE_GANG_ID"
 GANG_RANK_ENV = "MESHNODE_GANG_RANK"
 GANG_WORLD_SIZE_ENV = "MESHNODE_GANG_WORLD_SIZE"
 GANG_PEERS_ENV = "MESHNODE_GANG_PEERS"
+GANG_PEERS_FILE_ENV = "MESHNODE_GANG_PEERS_FILE"   # the node rewrites it when a rank moves
+PEERS_POLL_S = 0.05
 
 # Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.
 FRAME_HEADER = struct.Struct(">IB")
@@ -103,6 +106,7 @@ class GangInfo:
     rank: int
     world_size: int
     peers: tuple
+    peers_file: str = ""   # where the node publishes the peers when a rank moves ("" = never)
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> "GangInfo | None":
@@ -111,13 +115,37 @@ class GangInfo:
             return None
         try:
             rank, world = int(environ[GANG_RANK_ENV]), int(environ[GANG_WORLD_SIZE_ENV])
-            peers = tuple((host, int(port)) for host, port in
-                          (entry.rsplit(":", 1) for entry in environ[GANG_PEERS_ENV].split(",")))
+            peers = parse_peers(environ[GANG_PEERS_ENV])
         except (KeyError, ValueError) as exc:
             raise ConfigError("gang environment is malformed: %s" % exc) from None
         if not 0 <= rank < world == len(peers):
             raise ConfigError("gang environment: rank %d of %d with %d peers" % (rank, world, len(peers)))
-        return cls(environ.get(GANG_ID_ENV, ""), rank, world, peers)
+        return cls(environ.get(GANG_ID_ENV, ""), rank, world, peers, environ.get(GANG_PEERS_FILE_ENV, ""))
+
+    def moved_peers(self, timeout_s: float) -> "GangInfo | None":
+        """Wait up to ``timeout_s`` for the node to publish peers other than these (a rank
+        moved, GA5): this gang with them, or None."""
+        deadline = time.monotonic() + timeout_s
+        while self.peers_file and time.monotonic() < deadline:
+            try:
+                with open(self.peers_file, encoding="ascii") as fh:
+                    peers = parse_peers(fh.read().strip())
+            except (OSError, ValueError):
+                peers = self.peers
+            if peers != self.peers and len(peers) == self.world_size:
+                return dataclasses.replace(self, peers=peers)
+            time.sleep(PEERS_POLL_S)
+        return None
+
+
+def parse_peers(text: str) -> tuple:
+    """``host:port,host:port,...`` (rank order) as ((host, port), ...); ValueError if malformed."""
+    return tuple((host, int(port)) for host, port in (entry.rsplit(":", 1) for entry in text.split(",")))
+
+
+def format_peers(gang, host_of) -> str:
+    """The node side: a GangRank's peers as ``parse_peers`` reads them."""
+    return ",".join("%s:%d" % (host_of(node) if node is not None else "0.0.0.0", port) for node, port in gang.peers)
 
 
 def multiaddr_host(addr: str) -> str:
@@ -132,9 +160,8 @@ def gang_environment(gang, host_of) -> dict:
     peer's host from ``host_of(node key)``; a rank with no node yet is unreachable."""
     if gang is None:
         return {}
-    peers = ",".join("%s:%d" % (host_of(node) if node is not None else "0.0.0.0", port) for node, port in gang.peers)
     return {GANG_ID_ENV: gang.gang_id.hex(), GANG_RANK_ENV: str(gang.rank),
-            GANG_WORLD_SIZE_ENV: str(gang.world_size), GANG_PEERS_ENV: peers}
+            GANG_WORLD_SIZE_ENV: str(gang.world_size), GANG_PEERS_ENV: format_peers(gang, host_of)}
 
 
 class Workload:
