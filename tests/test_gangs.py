@@ -201,3 +201,24 @@ def test_tools_show_a_gang_as_one_job_with_its_ranks():
     console.print(render_job_status(row))
     text = console.export_text()
     assert "2 workers, topology zone" in text and "rank 1" in text
+
+
+def test_a_dead_ranks_node_moves_only_that_rank_and_the_others_learn_its_new_peers():
+    """GA5: rank 1's node dies: the eviction moves rank 1 to the gang's backup (F5); rank
+    0's node keeps its workload (no stop, no new run) and is told rank 1's new address."""
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    gang = net.certified(KEYS[0], "gang_placement")[0].value
+    (first, second), backup = [w.node for w in gang.workers], gang.backups[0]
+    before = len(net.decisions[first])
+    net.down.add(second)
+    net.run(800)
+    later = net.decisions[first][before:]
+    assert not [d for d in later if d.value_kind in ("stop", "run")]
+    told = [item for d in later if d.value_kind == "gang_peers" for item in d.value]
+    assert told and told[-1][0] == gang_worker_id(job_id(job), 0)
+    assert [node for node, _port in told[-1][1].peers] == [first, backup]
+    moved = [run for d in net.decisions[backup] if d.value_kind == "run" for run in d.value]
+    assert [(run.gang.rank, run.resume) for run in moved] == [(1, True)]

@@ -45,6 +45,7 @@ GANG_RANK_ENV = "MESHNODE_GANG_RANK"
 GANG_WORLD_SIZE_ENV = "MESHNODE_GANG_WORLD_SIZE"
 GANG_PEERS_ENV = "MESHNODE_GANG_PEERS"
 GANG_PEERS_FILE_ENV = "MESHNODE_GANG_PEERS_FILE"   # the node rewrites it when a rank moves
+GANG_PEERS_FILE = "gang_peers"                      # its name in the workload's working directory
 PEERS_POLL_S = 0.05
 
 # Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.

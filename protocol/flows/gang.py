@@ -25,6 +25,9 @@ from protocol.placement import rank_bids, wanted_backups
 from protocol.ready import Outbound, Ready
 
 
+MAX_PORTS_REMEMBERED = 4096
+
+
 @dataclass(frozen=True)
 class GangRank:
     """What a rank's workload is told of its gang (SPEC.md GA5): it rides on its run order."""
@@ -42,6 +45,7 @@ class GangFlow(PlacementFlow):
         super().__init__(*args)
         self.worker_of: dict[bytes, tuple[bytes, int]] = {}   # worker record id -> (gang id, rank)
         self.ranks: dict[bytes, tuple[bytes, ...]] = {}        # gang id -> its placed attempt's worker ids
+        self.ports: dict[tuple, int] = {}                       # (worker id, fence) -> gang_port
 
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
@@ -53,8 +57,18 @@ class GangFlow(PlacementFlow):
         if found is None:
             return None
         gang_id, rank = found
-        peers = tuple((w.primary, gang_port(w.job_id, w.fence)) for w in self.worker_records(gang_id))
+        peers = tuple((w.primary, self._port(w.job_id, w.fence)) for w in self.worker_records(gang_id))
         return GangRank(gang_id, rank, len(peers), peers)
+
+    def _port(self, worker_id: bytes, fence: int) -> int:
+        """gang_port, remembered: run orders ask for every rank's peers after every input."""
+        key = (worker_id, fence)
+        port = self.ports.get(key)
+        if port is None:
+            if len(self.ports) >= MAX_PORTS_REMEMBERED:
+                self.ports.clear()
+            port = self.ports[key] = gang_port(worker_id, fence)
+        return port
 
     def annotate(self, job: dict) -> dict:
         """A job-table dict with its gang added, for tools (``meshnode jobs``, ``why``): a
