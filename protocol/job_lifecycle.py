@@ -323,6 +323,9 @@ class JobLifecycle:
             raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
         if envelope.signer != record.manifest.owner:
             raise RemoteProtocolError("cancel: only the job's owner may cancel it")
+        if self._gang_rank(record):
+            raise RemoteProtocolError("cancel: job %s is a rank of a gang: cancel the gang, whose ranks go together"
+                                      % message.job_id.hex()[:12])
         if record.state in TERMINAL:
             # Its recorded outcome (an exit) must stay: a cancel persisted over it would
             # replay as "cancelled" after a restart.
@@ -332,9 +335,12 @@ class JobLifecycle:
         self._apply_cancel(record, now_ms, out)
         return message.job_id, out
 
+    def _gang_rank(self, record) -> bool:
+        return self.gangs is not None and record.job_id in self.gangs.worker_of
+
     def on_cancel(self, envelope, message: Cancel, data, now_ms: int, out: Ready) -> None:
         record = self.jobs.get(message.job_id)
-        if record is None or envelope.signer != record.manifest.owner:
+        if record is None or envelope.signer != record.manifest.owner or self._gang_rank(record):
             self.ctx.counters["cancel_refused"] += 1
             return
         if record.state not in TERMINAL:

@@ -6,15 +6,23 @@ import hashlib
 import pathlib
 import random
 
+import pytest
+from rich.console import Console
+
 from consensus_net import kind_of
+from meshnode.cli.job_life import render_job_status
+from meshnode.node.api import _gang_fields
+from meshnode.tui.tables import job_row
 from protocol import codec
+from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id
 from protocol.mesh import MeshCore
-from protocol.messages import (Gang, GangPlacement, GangWorker, JobManifest, Proposal, decode_message, encode_message,
-                               job_id)
+from protocol.messages import (Cancel, Gang, GangPlacement, GangWorker, JobManifest, Proposal, decode_message,
+                               encode_message, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
 from testnet import spec_tables
+from testnet.sim import FAULTS, SimConfig, run_simulation
 from test_no_overcommit import running
 from test_mesh_core import IDS, KEYS, MESH, OWNER, ZONES, Net, make_job
 
@@ -167,7 +175,6 @@ def test_sim_sweep_with_gangs_under_faults_and_byzantine_stake():
     topology broken. Seed 21 also caught a restarted leader signing a second proposal: an
     exit replayed at restart started the job's next attempt before its votes were restored
     (protocol/instances.py now knows them from the start)."""
-    from testnet.sim import FAULTS, SimConfig, run_simulation
     placed = 0
     for seed in (20, 21, 22):
         result = run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS, job_ms=300,
@@ -181,10 +188,6 @@ def test_sim_sweep_with_gangs_under_faults_and_byzantine_stake():
 def test_tools_show_a_gang_as_one_job_with_its_ranks():
     """GA4: `meshnode jobs` and the TUI show one row per gang (its ranks in it), and `job
     status` lists every rank; a rank's own record says whose rank it is."""
-    from meshnode.cli.job_life import render_job_status
-    from meshnode.node.api import _gang_fields
-    from meshnode.tui.tables import job_row
-    from rich.console import Console
     net = GangNet()
     job, envelope = make_gang(Gang(workers=2, topology="zone"))
     net.submit(KEYS[0], envelope)
@@ -222,3 +225,22 @@ def test_a_dead_ranks_node_moves_only_that_rank_and_the_others_learn_its_new_pee
     assert [node for node, _port in told[-1][1].peers] == [first, backup]
     moved = [run for d in net.decisions[backup] if d.value_kind == "run" for run in d.value]
     assert [(run.gang.rank, run.resume) for run in moved] == [(1, True)]
+
+
+def test_one_rank_cannot_be_cancelled_alone_but_the_gang_cancels_every_rank():
+    """GA4: a cancel naming a rank is refused (the gang would go on partial); the gang's
+    cancel stops every rank."""
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"))
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    rank0 = gang_worker_id(job_id(job), 0)
+    with pytest.raises(RemoteProtocolError, match="is a rank of a gang"):
+        net.cores[KEYS[0]].cancel(encode_message(OWNER, MESH, Cancel(job_id=rank0, requested_ms=1)), net.now)
+    _jid, ready = net.cores[KEYS[0]].cancel(encode_message(OWNER, MESH, Cancel(job_id=job_id(job), requested_ms=2)),
+                                            net.now)
+    net.emit(KEYS[0], ready)
+    net.run(50)
+    for key in KEYS:
+        assert [w.state for w in workers_of(net, key, job)[:2]] == ["cancelled", "cancelled"]
+        assert all(jid not in running(net, key) for jid in (rank0, gang_worker_id(job_id(job), 1)))
