@@ -10,6 +10,7 @@ bidders satisfies the gang's size and topology. Each bid reserves one worker's r
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from typing import Iterable
 
 from protocol.messages import GangPlacement, GangWorker, JobManifest
@@ -138,16 +139,22 @@ def choose_gang(job_envelope: bytes, job: JobManifest, instance: bytes,
 
 
 def gang_shortfall(job: JobManifest, instance: bytes, bids: Iterable[BidFacts]) -> str:
-    """Why no gang fits the bids (for ``why``): the smallest size and the biggest group found."""
-    ranked = rank_bids(job, instance, bids)
+    """Why no gang fits the bids (the round's leader, for ``why``)."""
+    return shortfall(job, [facts.capability for facts in rank_bids(job, instance, bids)], "bidders")
+
+
+def shortfall(job: JobManifest, capabilities: list, what: str) -> str:
+    """Why no gang of the job's smallest size fits nodes with these capability vectors:
+    the most workers its topology rule lets one group (or the zones) hold."""
     size, topology = min(job.gang.sizes()), job.gang.topology
     if topology == "spread_zones":
-        found = len(_spread(ranked, size))
-        return "gang of %d (spread_zones): only %d eligible bidders can be spread over zones" % (size, found)
+        per_zone = Counter(c.zone for c in capabilities)
+        spread = min(size, sum(min(count, (size + 1) // 2) for count in per_zone.values()))
+        return "gang of %d (spread_zones): only %d eligible %s can be spread over zones" % (size, spread, what)
     if topology in ("zone", "rail_group"):
-        groups = sorted((len(g), "%s/%s" % (g[0].capability.zone, g[0].capability.rail_group or "-"))
-                        for g in _groups(topology, ranked))
-        largest = ("%d in %s" % groups[-1]) if groups else "none"
-        return "gang of %d needs one %s: the largest has %d eligible bidders (%s)" % (
-            size, topology.replace("_", " "), groups[-1][0] if groups else 0, largest)
-    return "gang of %d: %d eligible bidders" % (size, len(ranked))
+        groups = Counter(c.zone if topology == "zone" else "%s/%s" % (c.zone, c.rail_group)
+                         for c in capabilities if topology == "zone" or c.rail_group)
+        count, name = max(((n, g) for g, n in groups.items()), default=(0, "none"))
+        return "gang of %d needs one %s: the largest has %d eligible %s (%s)" % (
+            size, topology.replace("_", " "), count, what, name)
+    return "gang of %d: %d eligible %s" % (size, len(capabilities), what)

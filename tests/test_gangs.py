@@ -85,12 +85,18 @@ def test_rail_group_prefers_the_smallest_diameter_and_never_spans_two():
 
 def test_a_gang_that_fits_no_rail_group_waits_and_says_why():
     net = GangNet()
-    job, envelope = make_gang(Gang(workers=3, topology="rail_group"))
+    job, envelope = make_gang(Gang(workers=3, topology="rail_group"), gpus=0)
     net.submit(KEYS[0], envelope)
     net.run(200)
+    for key in KEYS:   # capability vectors go out (P1), as a node's telemetry loop sends them
+        net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.run(50)
     assert not net.certified(KEYS[0], "gang_placement")
-    view = net.cores[KEYS[0]].job_view(job_id(job))
-    assert view["state"] == "pending" and "gang of 3 needs one rail group" in (view["hint"] or "")
+    for key in KEYS:   # the round's leader from the bids it holds, the others from capability vectors
+        view = net.cores[key].job_view(job_id(job))
+        assert view["state"] == "pending"
+        assert "gang of 3 needs one rail group: the largest has 2 eligible" in view["hint"]
+        assert "zone-b/rail-3" in view["hint"]
 
 
 def test_an_elastic_gang_takes_the_largest_size_that_fits():

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.flows.placement import PlacementFlow
-from protocol.gang_placement import choose_gang, gang_port, gang_shortfall, gang_worker_id, topology_error
+from protocol.gang_placement import (choose_gang, gang_port, gang_shortfall, gang_worker_id, shortfall,
+                                     topology_error)
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, GangPlacement, JobManifest, decode_message, decode_value,
                                job_id, next_attempt, placement_attempt, placement_binding_error)
-from protocol.placement import rank_bids, wanted_backups
+from protocol.placement import rank_bids, resource_check, wanted_backups
 from protocol.ready import Outbound, Ready
 
 
@@ -86,7 +87,18 @@ class GangFlow(PlacementFlow):
                 for rank, w in enumerate(workers)]}
             if job["state"] == "placed" and workers and all(w.state == "running" for w in workers):
                 job["state"] = "running"   # the gang runs once every rank does (its own record runs nowhere)
+            if job["state"] == "pending" and not job.get("hint"):
+                job["hint"] = self._shortfall_seen_here(job["manifest"])
         return job
+
+    def _shortfall_seen_here(self, job) -> str:
+        """For ``why`` at a node that is not the round's leader (it holds no bids): GA2's
+        groups counted over the members' newest capability vectors that fit one worker."""
+        book = self.bidding.capability
+        members = self.epochs.view.stakes
+        capabilities = [cap for cap in (book.vector, *book.peers.values())
+                        if cap is not None and cap.node in members and resource_check(job, cap)[0]]
+        return "by the members' capability vectors: " + shortfall(job, capabilities, "members")
 
     # --- the leader's proposal (GA3) -----------------------------------------------------------------
     def bids_wanted(self, job) -> int:
