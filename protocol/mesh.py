@@ -10,7 +10,7 @@ their own file and see only what their constructor is given:
 
     state     epochs.py (membership and views), job_table.py, ledger.py (capacity),
               instances.py (consensus instances and their timers)
-    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py: one per kind
+    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/gang.py: one per kind
               of decided value, found through flows/base.py's FlowRegistry
     the rest  bidding.py (bids, declines), capability.py (capability vectors),
               liveness.py (heartbeats, suspicion, self-fencing, sync), joins.py,

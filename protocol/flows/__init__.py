@@ -5,7 +5,8 @@ a validator checks it and what applying it changes is the business of its flow:
 
 - placement.py: one job's placement (P2-P6), by its own instance;
 - slot.py: the first placements of every job created in one slot window (P7);
-- epoch_change.py: how an epoch ends, an eviction with its migrations or a join (F4-F7).
+- epoch_change.py: how an epoch ends, an eviction with its migrations or a join (F4-F7);
+- gang.py: every rank of a gang placed by one decision, a gang's attempt ending whole (GA1-GA5).
 
 base.py defines the interface every flow implements and ``FlowRegistry``, the one place
 a value-kind string is mapped to its flow. A new kind of value (a gang placement, a
