@@ -62,18 +62,15 @@ class InstanceTable:
         self.catch_up_sent: set[tuple] = set()      # (peer, instance, round) answered with a certificate
         self.evidence: list = []
         self.evidence_log: list[dict] = []
-        # Known from the start: replaying the history and the job outcomes may start an
-        # instance already (an exit replayed places the job's next attempt), and one started
-        # without its votes would let a restarted leader sign a second proposal (6.9).
-        for record in safety_records:
-            iid = record.value.get("instance")
-            if record.table in SAFETY_TABLES and isinstance(iid, bytes):
-                self.restored_votes.setdefault(iid, []).append(record)
+        self.safety_records = list(safety_records)
 
     def restore_safety_records(self) -> None:
-        """After the history replay: only the persisted votes of instances still undecided are kept."""
-        for iid in [iid for iid in self.restored_votes if iid in self.applied]:
-            del self.restored_votes[iid]
+        """After the history replay: the persisted votes of instances still undecided."""
+        for record in self.safety_records:
+            iid = record.value.get("instance")
+            if record.table in SAFETY_TABLES and isinstance(iid, bytes) and iid not in self.applied:
+                self.restored_votes.setdefault(iid, []).append(record)
+        self.safety_records = []
 
     def get(self, iid: bytes) -> ConsensusInstance | None:
         return self.instances.get(iid)

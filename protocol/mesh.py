@@ -126,11 +126,14 @@ class MeshCore:
         # table (R1), never from the states in between (a job that exited, its room re-used).
         lifecycle.deferred = True
         self._replay(history, now_ms)
+        # Before the outcomes: a failed exit replayed starts its job's next placement instance,
+        # which must resume from the votes it signed before the restart (6.9), not sign anew
+        # (an honest leader proposed twice in one round: `meshnode sim --seed 1068 ... --fail 0.2`).
+        instances.restore_safety_records()
         lifecycle.replay_outcomes(job_outcomes, now_ms)
         lifecycle.deferred = False
         self._refuse_after_sync: list[bytes] = []
         self._rebuild_ledger([r for r in safety_records if r.table == "reservations"], now_ms)
-        instances.restore_safety_records()
 
     # --- views --------------------------------------------------------------------------------
     @property

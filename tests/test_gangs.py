@@ -180,7 +180,7 @@ def test_sim_sweep_with_gangs_under_faults_and_byzantine_stake():
     exits, failures and cancels: no partial gang, no overcommit, no rank placed twice, no
     topology broken. Seed 21 also caught a restarted leader signing a second proposal: an
     exit replayed at restart started the job's next attempt before its votes were restored
-    (protocol/instances.py now knows them from the start)."""
+    (the core now restores them before replaying outcomes, as main's e70e7b6 does)."""
     placed = 0
     for seed in (21, 22):
         result = run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS, job_ms=300,
