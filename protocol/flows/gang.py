@@ -1,4 +1,4 @@
-"""The gang flow: every worker of a gang placed by one decision (SPEC.md GA1-GA4).
+"""The gang flow: every worker of a gang placed by one decision (SPEC.md GA1-GA5).
 
 A gang job runs its placement instances like any job (the job's attempts, P2, P3): members
 bid one worker's resources each, and the round's leader proposes a ``gang_placement``,
@@ -8,6 +8,8 @@ the bids; every validator recomputes it. Applying it makes one job-table record 
 partial gang never runs on: a rank whose node cannot allocate it refuses it (R1), and the
 refusal ends the whole attempt, every rank stopped, and the gang is placed afresh (GA4);
 a rank's failed exit ends the attempt too, a gang is done when every rank completed.
+A rank whose node is evicted moves alone (F5); the other ranks' run orders learn its new
+address (``rank_of``, workload_orders.py's "gang_peers") and keep running (GA5).
 """
 
 from __future__ import annotations
