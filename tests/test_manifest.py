@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from keys.identity import SigningIdentity
+from meshnode.workload.builtin import BUILTIN_KINDS
 from meshnode.workload.manifest import load_manifest, parse_manifest, verify_signed_job
 from protocol.envelope import ANY_MESH
 from protocol.errors import ManifestError, RemoteProtocolError
@@ -32,7 +33,7 @@ def test_minimal_manifest_takes_documented_defaults():
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_examples_parse(path):
     job = load_manifest(path, OWNER.public_key, 1, epoch=0)
-    assert job.name and job.entrypoint in ("counter", "train")
+    assert job.name and job.entrypoint in BUILTIN_KINDS
 
 
 def test_sovereign_example_carries_constraints():
