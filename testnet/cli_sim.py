@@ -74,6 +74,8 @@ def register(subparsers) -> None:
     parser.add_argument("--preempt", action="store_true",
                         help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
                              "(SPEC.md P8; use with --job-ms so room returns)")
+    parser.add_argument("--gangs", type=float, default=0.0, metavar="F",
+                        help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -132,6 +134,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
         "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
+        "gangs": sum(r.counters.get("gangs", 0) for r in results),
+        "gangs_placed": sum(r.counters.get("gangs_placed", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -155,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
-    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move, args.fractional)):
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move and --fractional in [0, 1]")
+    shares = (args.fail, args.cancel, args.move, args.fractional, args.gangs)
+    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in shares):
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional and --gangs "
+                         "in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations, preempt=args.preempt)
+                         reservations=args.reservations, preempt=args.preempt, gang_per_mille=round(args.gangs * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

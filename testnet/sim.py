@@ -37,7 +37,7 @@ from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
+from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
 TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT = range(10)
@@ -99,6 +99,10 @@ class SimConfig:
     # A preemption workload (SPEC.md P8): GPU jobs, more than fit, of mixed priorities, about
     # half preemptible (testnet/sim_world.py); with ``job_ms`` the room returns as jobs end.
     preempt: bool = False
+    # ``gang_per_mille`` of the jobs are gangs (SPEC.md GA1, sim_world.with_gangs), drawn from
+    # their own rng too. A gang no set of honest members fits (its size, its topology) may
+    # stay pending: unplaced gangs are counted, not owed by the liveness check.
+    gang_per_mille: int = 0
 
     @property
     def workloads(self) -> bool:
@@ -132,6 +136,8 @@ class SimConfig:
             line += " --move %s" % (self.move_per_mille / 1000)
         if self.preempt:
             line += " --preempt"
+        if self.gang_per_mille:
+            line += " --gangs %s" % (self.gang_per_mille / 1000)
         return line
 
 
@@ -194,6 +200,9 @@ class Simulation:
                                         fractional_per_mille=config.fractional_per_mille,
                                         quota_gpus=config.quota_gpus, reservations=config.reservations,
                                         preempt=config.preempt)
+        if config.gang_per_mille:
+            self.world = with_gangs(self.world, random.Random(config.seed * 1_000_003 + 0x6A46),
+                                    config.gang_per_mille)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -578,7 +587,7 @@ class Simulation:
     def _job_events(self, node: SimNode, events) -> None:
         """A job that ended at the node that holds it gives its load back in the checker."""
         for event in events:
-            if event.kind in ("job_exited", "job_cancelled", "job_refused"):
+            if event.kind in ("job_exited", "job_cancelled", "job_refused", "gang_worker_stopped"):
                 self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
 
     def _restart(self, index: int) -> None:
@@ -768,14 +777,20 @@ class Simulation:
         unplaceable = self._unplaceable_jobs(deciders)
         quota_held = self._held_by_scheduling_rules(deciders) - unplaceable
         unplaceable |= quota_held
+        gangs = frozenset(spec.job_id for spec in self.world.jobs if spec.job.gang.is_gang)
+        unplaced_gangs = gangs - set(checker.placement_of)
+        checker.check_gangs_running({i: tuple(self.nodes[i].running.values()) for i in self.honest
+                                     if self.nodes[i].up and self.nodes[i].core is not None})
         self._close_open_rounds()
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
         unpromised = frozenset(jid for jid, _instance, _submitted, late, _due
-                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
+                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable | unplaced_gangs,
+                                                  self.excused_ms)
                                if self._liveness_unpromised(jid, late))
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unplaced_gangs | unpromised,
+                                         self.excused_ms)
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
@@ -789,7 +804,8 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable) - len(quota_held),
+            counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
+                          unplaceable_jobs=len(unplaceable) - len(quota_held),
                           quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
                           liveness_unpromised_jobs=len(unpromised),
                           byzantine_led_rounds_excused=len(self.excused_rounds)))

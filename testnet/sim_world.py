@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 from keys.genesis import DEFAULT_PARAMS, Genesis, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity
-from protocol.messages import (Attestation, Constraints, JobManifest, Member, Resources, Scheduling, encode_message,
-                               job_id)
 from protocol.gpu_shares import MILLI_PER_GPU
+from protocol.messages import (GANG_TOPOLOGIES, Attestation, Constraints, Gang, JobManifest, Member, Resources,
+                               Scheduling, encode_message, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 
 ZONES = ("eu-west", "eu-central", "us-east")
@@ -247,3 +247,24 @@ def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[Nod
                        constraints=Constraints(zones=zones, labels=labels, attested=()),
                        priority=rng.randint(0, 10), backups=rng.randint(0, 2), max_retries=3,
                        created_ms=GENESIS_MS + index, epoch=0)
+
+
+def with_gangs(world: World, rng: random.Random, per_mille: int) -> World:
+    """``per_mille`` of the world's jobs become gangs (SPEC.md GA1), drawn from ``rng`` alone
+    so a run without gangs keeps its seed's world: 2 or 3 workers, or elastic 2..4, each
+    CPU-only (every rank on its own node), any topology, constraints and policy as drawn."""
+    jobs = []
+    for spec in world.jobs:
+        if rng.randrange(1000) >= per_mille:
+            jobs.append(spec)
+            continue
+        if rng.randrange(2):
+            gang = Gang(workers=rng.choice((2, 3)), topology=rng.choice(GANG_TOPOLOGIES))
+        else:
+            gang = Gang(workers=0, min_workers=2, max_workers=4, topology=rng.choice(GANG_TOPOLOGIES))
+        resources = Resources(gpus=0, gpu_mem_mib=0, cpu_milli=spec.job.resources.cpu_milli,
+                              mem_mib=spec.job.resources.mem_mib)
+        job = replace(spec.job, resources=resources, gang=gang, name="gang-" + spec.job.name)
+        owner = next(o for o in world.owners if o.public_key == job.owner)
+        jobs.append(JobSpec(job, encode_message(owner, world.mesh_id, job), job_id(job), spec.submit_ms))
+    return replace(world, jobs=jobs)

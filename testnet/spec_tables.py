@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import sys
 from functools import lru_cache
+from types import SimpleNamespace
 
 from keys.genesis import DEFAULT_PARAMS, Genesis, OwnerQuota, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity, peer_id_bytes
@@ -28,11 +29,13 @@ from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
+from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
-                               Constraints, Evidence, GpuState, Join, JobMove, Member, MembershipChange, Migration,
-                               MoveRequest, OutputFile, Placement, PlacementSlot, Preemption, PreemptionVictim, Proposal,
-                               PrevoteCertificate, Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
-                               placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
+                               Constraints, Evidence, Gang, GangPlacement, GangWorker, GpuState, Join, JobMove, Member,
+                               MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
+                               Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Resources, RoundChange,
+                               RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
+                               placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
@@ -42,7 +45,7 @@ VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
-                  Preemption, PreemptionVictim)
+                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -81,6 +84,8 @@ NESTED_ENVELOPES = {
                          "by members (this mesh); others are ignored (F7)"),
     (Placement, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P2, P4b); in a certificate, 6.7"),
     (Preemption, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P8b); in a certificate, 6.7"),
+    (GangPlacement, "job"): (("job",), "as Placement `job`, and the job has a `gang` of more than one "
+                                       "worker (GA3)"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
     (JobMove, "request"): (("move_request",), "this mesh, signed by the job's owner, for this instance (R2)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
@@ -205,6 +210,10 @@ def _coherent(cls, body: dict) -> dict:
                                                         "expires_ms": VECTOR_TIME_MS + 86_400_000})])
     elif cls is Placement:
         body.update(job=_job_envelope(), primary=me, backups=[])
+    elif cls is Gang:
+        body = Gang().to_body()   # the default: one worker, a plain job (GA1)
+    elif cls is GangPlacement:
+        body.update(job=_job_envelope(), backups=[])
     elif cls is Proposal:
         body = _proposal_body(VECTOR_ROUND)
     elif cls in (MESSAGE_TYPES["prevote"], MESSAGE_TYPES["precommit"]):
@@ -394,11 +403,44 @@ def render_keystore_vector() -> str:
     return "passphrase (UTF-8): `%s`\n\n```json\n%s```" % (VECTOR_PASSPHRASE.decode(), document.decode())
 
 
+# GA2's worked example: bidders in rank order, (name, zone, rail group).
+GANG_EXAMPLE = (("n0", "zone-a", "rail-1"), ("n1", "zone-b", "rail-3"), ("n2", "zone-a", "rail-2"),
+                ("n3", "zone-a", "rail-1"), ("n4", "zone-b", "rail-3"), ("n5", "zone-b", "rail-3"))
+GANG_EXAMPLE_CASES = (("none", (2,)), ("zone", (3,)), ("rail_group", (3,)), ("rail_group", (4, 3)),
+                      ("spread_zones", (4,)), ("zone", (4,)))
+
+
+def render_gang_vectors() -> str:
+    """GA2's worked example (topology, sizes -> ranks, diameter, backups) and GA4/GA5's ids."""
+    bidders = [SimpleNamespace(signer=name.encode(), capability=SimpleNamespace(node=name, zone=zone, rail_group=rail))
+               for name, zone, rail in GANG_EXAMPLE]
+    lines = ["```"]
+    lines.extend("bidder %d: %s %s %s" % (i, *entry) for i, entry in enumerate(GANG_EXAMPLE))
+    for topology, sizes in GANG_EXAMPLE_CASES:
+        workers = pick_gang(topology, sizes, bidders)
+        if workers is None:
+            lines.append("%s sizes=%s: none fits" % (topology, list(sizes)))
+            continue
+        caps = [w.capability for w in workers]
+        assert topology_error(topology, caps) is None
+        lines.append("%s sizes=%s: ranks %s diameter %d backups %s" % (
+            topology, list(sizes), " ".join(w.capability.node for w in workers), diameter(caps),
+            " ".join(b.capability.node for b in pick_backups(workers, bidders, 2))))
+    lines.append("job_id: %s" % VECTOR_JOB_ID.hex())
+    for rank in (0, 1):
+        worker = gang_worker_id(VECTOR_JOB_ID, rank)
+        lines.append("gang_worker_id rank=%d: %s" % (rank, worker.hex()))
+        lines.append("gang_port rank=%d fence=1: %d" % (rank, gang_port(worker, 1)))
+    lines.append("```")
+    return "\n".join(lines)
+
+
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
              "move vectors": render_move_vectors,
-             "preemption vector": render_preemption_vector}
+             "preemption vector": render_preemption_vector,
+             "gang vectors": render_gang_vectors}
 
 
 def generated_block(text: str, name: str) -> str:

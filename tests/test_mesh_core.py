@@ -436,7 +436,8 @@ def test_6_9_a_restarted_core_restores_its_lock_and_never_prevotes_against_it():
     net.emit(KEYS[0], ready)
     _capture_until_commit_lost(net, persisted)
     leader0 = net.cores[KEYS[0]].instances.get(iid, net.cores[KEYS[0]].decided.get(iid)).leader
-    victim = next(k for k in KEYS if k != leader0)
+    # Neither round's leader: round 1's would wait for round changes before its vote counts (6.5).
+    victim = next(k for k in KEYS if k not in (leader0, net.cores[KEYS[0]].view.leader(iid, 1)))
     locked = net.cores[victim].instances[iid].lock
     assert locked is not None and locked.round == 0 and net.cores[victim].instances[iid].decision is None
     # Round 1's leader proposes another placement, honestly derived from fewer bids, without

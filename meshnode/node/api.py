@@ -35,6 +35,18 @@ def _hex_list(values):
     return [_hex(v) for v in values]
 
 
+def _gang_fields(job: dict) -> dict:
+    """A gang's topology, sizes and ranks, or a rank's gang, in hex for the wire (GA4)."""
+    fields = {}
+    if "gang" in job:
+        gang = job["gang"]
+        fields["gang"] = {"topology": gang["topology"], "sizes": gang["sizes"], "workers": [
+            {**w, "job_id": w["job_id"].hex(), "primary": _hex(w["primary"])} for w in gang["workers"]]}
+    if "gang_of" in job:
+        fields["gang_of"] = {"gang_id": job["gang_of"]["gang_id"].hex(), "rank": job["gang_of"]["rank"]}
+    return fields
+
+
 def _text_arg(args: dict, name: str) -> str:
     """A text argument of a request; anything else is the client's error, not a handler bug.
 
@@ -120,7 +132,8 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        return {"jobs": [self._job_row(job) for job in self.node.core.jobs()]}
+        """Every job; a gang is one row with its ranks (SPEC.md GA4), not a row per rank."""
+        return {"jobs": [self._job_row(job) for job in self.node.core.jobs() if "gang_of" not in job]}
 
     def _job_row(self, job: dict) -> dict:
         checkpoint_seq, checkpoint_age_ms = newest_checkpoint(self.node, job)
@@ -135,6 +148,7 @@ class ControlApi:
             "hint": job.get("hint"), "exit_code": job.get("exit_code"),
             # Where it runs at its primary, and its share of that GPU (0: whole GPUs; SPEC.md P4c).
             "gpus": list(job.get("gpus", ())), "gpu_milli": job["manifest"].resources.gpu_milli,
+            **_gang_fields(job),
         }
 
     def _find_job(self, args) -> dict:

@@ -27,7 +27,8 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
                                       MAX_JUSTIFICATION, MAX_NODES, MAX_SLOT_JOBS, MAX_STATE_BYTES, MILLI_PERCENT,
                                       STRATEGIES, VALUE_KINDS, record)
-from protocol.messages.jobs import (MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
+from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, GangPlacement, GangWorker,
+                                    MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
                                     Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
@@ -51,6 +52,7 @@ __all__ = [
     "DECLINE_REASONS", "ENVELOPE", "MAX_BIDS_PER_PROPOSAL", "MAX_BIDS_PER_SLOT_JOB", "MAX_JUSTIFICATION",
     "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
     # jobs
+    "GANG_TOPOLOGIES", "MAX_GANG_WORKERS", "Gang", "GangPlacement", "GangWorker",
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
     "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
