@@ -35,6 +35,7 @@ from protocol.messages import Cancel, CommitCertificate, decode_message, encode_
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
+from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
 
@@ -145,6 +146,10 @@ class SimResult:
     decision_log_digest: str
     network: dict
     counters: dict
+    # Jobs placed after the base deadline but within what SPEC 11 owes them, by the reason
+    # that took longest (testnet/sim_liveness.py), and the late ones, by why they are late.
+    late_reasons: dict = field(default_factory=dict)
+    stalled_reasons: dict = field(default_factory=dict)
 
     @property
     def messages_per_decision(self) -> float:
@@ -196,6 +201,9 @@ class Simulation:
         self.excused_rounds: set[tuple] = set()    # (instance, round) counted
         self.open_rounds: dict[bytes, tuple] = {}  # instance -> (round, entered ms, job id, timeout ms)
         self.longest_excuse_ms = 0                 # bound on any job's excuse, open rounds at full timeout
+        self.excuse_reasons: dict[bytes, dict[str, int]] = {}   # job id -> reason -> ms excused
+        self.deadline_ms = 0                       # the base liveness deadline, set when the run starts
+        self.liveness = LivenessTracker(self)      # capacity waits and rounds apart (SPEC 11)
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
@@ -320,7 +328,7 @@ class Simulation:
         self._schedule_faults()
         self._schedule_cancels()
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
-        deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
+        deadline_ms = self.deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
         queue = self.queue
         while queue:
@@ -477,9 +485,13 @@ class Simulation:
 
     def _job_events(self, node: SimNode, events) -> None:
         """A job that ended at the node that holds it gives its load back in the checker."""
+        ended = False
         for event in events:
             if event.kind in ("job_exited", "job_cancelled", "job_refused"):
                 self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
+                ended = True
+        if ended:
+            self.liveness.note_capacity()
 
     def _restart(self, index: int) -> None:
         node = self.nodes[index]
@@ -501,11 +513,12 @@ class Simulation:
             if job.job_id not in placed:
                 self.counters["resubmits"] += 1
                 self._submit(number)
+        self.liveness.note_capacity()
 
     def _emit(self, node: SimNode, ready) -> None:
         """Drain one Ready batch through the node's drain (protocol/drain.py): persist, send,
         decisions; events are only read for the liveness excuses."""
-        if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
+        if node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
             if ready.events:
@@ -566,7 +579,11 @@ class Simulation:
             return
         self.node_decisions += 1
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
+        if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
+                self.checker.decided_at[decision.instance]:
+            self.liveness.note_capacity()   # its first decision: what honest members hold changed
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
+            self.liveness.decided(decision.instance)
             done = self.honest_done.get(decision.instance, 0) + 1
             self.honest_done[decision.instance] = done
             if done == len(self.honest):  # early stop only when every honest node has every job
@@ -592,18 +609,23 @@ class Simulation:
                 self._credit(opened[2], min(opened[3], self.now_ms - opened[1]))
             role = node.core.instance_table.role(iid)
             inst = node.core.instances.get(iid)
-            if ((iid, round) in self.excused_rounds or inst is None or role is None or not role.flow.places_jobs
-                    or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys or iid in self.open_rounds):
+            if inst is None or role is None or not role.flow.places_jobs:
                 continue
             jids = role.flow.job_ids(iid, role.subject)
-            self.excused_rounds.add((iid, round))
-            self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
-            bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
-            self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
+            if ((iid, round) not in self.excused_rounds and iid not in self.open_rounds
+                    and bytes.fromhex(event.detail["leader"]) in self.byzantine_keys):
+                self.excused_rounds.add((iid, round))
+                self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
+                bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
+                self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
+            self.liveness.note_rounds(iid, jids)
 
-    def _credit(self, jids: tuple, ms: int) -> None:
+    def _credit(self, jids: tuple, ms: int, reason: str = "byzantine_led_rounds") -> None:
         for jid in jids:
             self.excused_ms[jid] = self.excused_ms.get(jid, 0) + ms
+            reasons = self.excuse_reasons.setdefault(jid, {})
+            reasons[reason] = reasons.get(reason, 0) + ms
+            self.longest_excuse_ms = max(self.longest_excuse_ms, self.excused_ms[jid])
 
     def _close_open_rounds(self) -> None:
         """At the end of the run a round still open is credited its whole timeout."""
@@ -665,13 +687,18 @@ class Simulation:
         deciders = self._deciders()
         unplaceable = self._unplaceable_jobs(deciders)
         self._close_open_rounds()
+        self.liveness.close_all()
+        for jid in list(self.liveness.placeable_from_ms):
+            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), CAPACITY_WAIT)
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
         unpromised = frozenset(jid for jid, _instance, _submitted, late, _due
                                in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
                                if self._liveness_unpromised(jid, late))
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
+        late_reasons, stalled_reasons = self._classify_late(submitted, deciders, deadline_ms, unplaceable | unpromised)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms,
+                                         reason_of=self._late_reason)
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
@@ -686,7 +713,31 @@ class Simulation:
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters, unplaceable_jobs=len(unplaceable), liveness_unpromised_jobs=len(unpromised),
-                          byzantine_led_rounds_excused=len(self.excused_rounds)))
+                          byzantine_led_rounds_excused=len(self.excused_rounds)),
+            late_reasons=late_reasons, stalled_reasons=stalled_reasons)
+
+    def _classify_late(self, submitted: dict, deciders: list[int], deadline_ms: int, exempt: frozenset) -> tuple:
+        """(jobs late against the base deadline but within what they are owed, by the reason
+        excused longest; jobs late past it, by ``_late_reason``)."""
+        checker = self.checker
+        still_late = {entry[0]: entry for entry in checker.late_jobs(submitted, deciders, deadline_ms, exempt,
+                                                                       self.excused_ms)}
+        explained: dict[str, int] = {}
+        stalled: dict[str, int] = {}
+        for jid, *_rest in checker.late_jobs(submitted, deciders, deadline_ms, exempt):
+            if jid in still_late:
+                reason = self._late_reason(*still_late[jid])
+                stalled[reason] = stalled.get(reason, 0) + 1
+            else:
+                reasons = self.excuse_reasons.get(jid, {})
+                reason = max(reasons, key=lambda r: (reasons[r], r)) if reasons else "unexcused"
+                explained[reason] = explained.get(reason, 0) + 1
+        return explained, stalled
+
+    def _late_reason(self, jid: bytes, instance, _submitted_ms: int, late: list[int], due_ms: int) -> str:
+        seen = self.checker.decided_at.get(instance, {}) if instance is not None else {}
+        in_time = any(at <= due_ms for node, at in seen.items() if node in self.honest)
+        return self.liveness.late_reason(instance or jid, in_time)
 
     def _check_ledgers(self) -> None:
         """SPEC.md R1, at the end of the run, on every honest node that is up: its ledger holds

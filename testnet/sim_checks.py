@@ -413,18 +413,21 @@ class DecisionChecker:
         return late_jobs
 
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
-                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None) -> int:
+                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None,
+                       reason_of: Callable[..., str] | None = None) -> int:
         """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``
         plus its ``excused_ms``, except the ``unplaceable`` ones no honest member can take.
 
         Returns how many (job, node) pairs were missing; each missing job is one violation.
+        ``reason_of(job id, instance, submit ms, late nodes, due ms)`` names why, in its detail.
         """
         missing_pairs = 0
-        for jid, instance, submitted_ms, late, due_ms in self.late_jobs(jobs, deciders, deadline_ms, unplaceable,
-                                                                        excused_ms):
+        for entry in self.late_jobs(jobs, deciders, deadline_ms, unplaceable, excused_ms):
+            jid, instance, submitted_ms, late, due_ms = entry
             missing_pairs += len(late)
+            reason = " (%s)" % reason_of(*entry) if reason_of is not None else ""
             self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
-                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), due_ms))
+                      "%d honest nodes by %d ms%s" % (submitted_ms, len(late), len(deciders), due_ms, reason))
         return missing_pairs
 
     def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:
