@@ -581,7 +581,11 @@ class Simulation:
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
         if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
                 self.checker.decided_at[decision.instance]:
-            self.liveness.note_capacity()   # its first decision: what honest members hold changed
+            # Its first decision: what honest members hold changed.
+            if decision.value_kind in ("placement", "placement_slot"):
+                placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
+                self.liveness.placed([self.checker.job_of(p) for p in placements])
+            self.liveness.note_capacity()
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
             self.liveness.decided(decision.instance)
             done = self.honest_done.get(decision.instance, 0) + 1
@@ -697,8 +701,9 @@ class Simulation:
                                in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
                                if self._liveness_unpromised(jid, late))
         late_reasons, stalled_reasons = self._classify_late(submitted, deciders, deadline_ms, unplaceable | unpromised)
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms,
-                                         reason_of=self._late_reason)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms,
+                                         unplaceable | unpromised | self.liveness.placed_unplaceable,
+                                         self.excused_ms, reason_of=self._late_reason)
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
@@ -720,14 +725,17 @@ class Simulation:
         """(jobs late against the base deadline but within what they are owed, by the reason
         excused longest; jobs late past it, by ``_late_reason``)."""
         checker = self.checker
-        still_late = {entry[0]: entry for entry in checker.late_jobs(submitted, deciders, deadline_ms, exempt,
-                                                                       self.excused_ms)}
+        owed_nothing = self.liveness.placed_unplaceable
+        still_late = {entry[0]: entry for entry in checker.late_jobs(submitted, deciders, deadline_ms,
+                                                                       exempt | owed_nothing, self.excused_ms)}
         explained: dict[str, int] = {}
         stalled: dict[str, int] = {}
         for jid, *_rest in checker.late_jobs(submitted, deciders, deadline_ms, exempt):
             if jid in still_late:
                 reason = self._late_reason(*still_late[jid])
                 stalled[reason] = stalled.get(reason, 0) + 1
+            elif jid in owed_nothing:
+                reason = CAPACITY_WAIT
             else:
                 reasons = self.excuse_reasons.get(jid, {})
                 reason = max(reasons, key=lambda r: (reasons[r], r)) if reasons else "unexcused"

@@ -8,7 +8,8 @@ placement later, and the check follows SPEC's limits rather than a looser bound,
   member led (counted in testnet/sim.py, ``Simulation._excuse_byzantine_rounds``);
 - ``capacity_wait``: no honest member could hold it (the checker's own accounting of what
   each one runs, ``DecisionChecker.could_host``) until some time after the heal: it is owed
-  from then, ``liveness_bound_ms`` later (an unplaceable job waits quietly, P3a);
+  from then, ``liveness_bound_ms`` later (an unplaceable job waits quietly, P3a); a job
+  placed while none could (a Byzantine member's bid) is owed nothing;
 - ``rounds_apart``: after the heal, the honest members that run its instance held no
   quorum of its epoch's stake in any one round (SPEC 7, known limits: honest nodes a round
   apart pass each other at every round boundary; a restarted node does not re-create its
@@ -31,6 +32,9 @@ class LivenessTracker:
         self.sim = sim
         self.placeable_from_ms: dict[bytes, int] = {}   # job id -> when it last became placeable
         self.unplaceable: set[bytes] = set()            # job ids no honest member can hold now
+        # Placed while no honest member could hold them (on a Byzantine member's bid): owed
+        # nothing, as a job only a Byzantine node could run may rightly stay pending.
+        self.placed_unplaceable: set[bytes] = set()
         # instance -> (segment start ms, whether its honest members were apart and no Byzantine
         # round was open then, its job ids); closed at its first honest decision.
         self.segments: dict[bytes, tuple] = {}
@@ -54,6 +58,10 @@ class LivenessTracker:
                     sim.longest_excuse_ms = max(sim.longest_excuse_ms, self.capacity_excuse_ms(jid))
             else:
                 self.unplaceable.add(jid)
+
+    def placed(self, jids) -> None:
+        """The first placement of these jobs was just decided (before ``note_capacity``)."""
+        self.placed_unplaceable.update(jid for jid in jids if jid in self.unplaceable)
 
     def capacity_excuse_ms(self, jid: bytes) -> int:
         """How much later than the base deadline the job is owed: it became placeable at
