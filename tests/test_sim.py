@@ -462,6 +462,10 @@ def test_liveness_owes_a_job_that_waited_for_capacity_from_when_an_honest_member
     sim.now_ms = 9000
     sim.liveness.note_capacity()                  # placeable all along since: owed from 8000 still
     assert sim.liveness.placeable_from_ms[job.job_id] == 8000
+    # Placed while no honest member could hold it (a Byzantine member's bid): owed nothing.
+    sim.liveness.unplaceable.add(b"j" * 32)
+    sim.liveness.placed([job.job_id, b"j" * 32])
+    assert sim.liveness.placed_unplaceable == {b"j" * 32}
 
 
 def test_liveness_credits_only_the_time_honest_members_held_no_quorum_in_one_round():
