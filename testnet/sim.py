@@ -743,7 +743,7 @@ class Simulation:
         return explained, stalled
 
     def _late_reason(self, jid: bytes, instance, _submitted_ms: int, late: list[int], due_ms: int) -> str:
-        seen = self.checker.decided_at.get(instance, {}) if instance is not None else {}
+        seen = self.checker.placed_at(jid)
         in_time = any(at <= due_ms for node, at in seen.items() if node in self.honest)
         return self.liveness.late_reason(instance or jid, in_time)
 

@@ -86,6 +86,7 @@ class DecisionChecker:
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
         self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
+        self.placing_instances: dict[bytes, list] = {}        # job id -> every instance that placed an attempt
         self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
@@ -203,6 +204,7 @@ class DecisionChecker:
             self.first_placement_of.setdefault(jid, instance)
             self.attempt_of.setdefault(jid, placement_attempt(instance, job) or 0)
         self.placement_of[jid] = instance
+        self.placing_instances.setdefault(jid, []).append(instance)
         primary = self.index_of.get(placement.primary)
         backups = [self.index_of.get(b) for b in placement.backups]
         if primary is None or None in backups:
@@ -406,11 +408,21 @@ class DecisionChecker:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
             instance = self.first_placement_of.get(jid)
-            seen = self.decided_at.get(instance, {}) if instance is not None else {}
+            seen = self.placed_at(jid)
             late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
                 late_jobs.append((jid, instance, submitted_ms, late, due_ms))
         return late_jobs
+
+    def placed_at(self, jid: bytes) -> dict[int, int]:
+        """node -> when it first decided a placement of the job, of any attempt: a node that
+        learnt a retry's placement first refuses the older attempt's certificate
+        (``placement_of_earlier_attempt``) and rightly never decides that instance."""
+        seen: dict[int, int] = {}
+        for instance in self.placing_instances.get(jid, ()):
+            for node, at_ms in self.decided_at.get(instance, {}).items():
+                seen[node] = min(at_ms, seen.get(node, at_ms))
+        return seen
 
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
                        unplaceable: frozenset = frozenset(), excused_ms: dict | None = None,

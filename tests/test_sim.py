@@ -501,3 +501,18 @@ def test_liveness_credits_only_the_time_honest_members_held_no_quorum_in_one_rou
     rounds(5, 5, 5, 5, at_ms=9000)
     assert sim.excuse_reasons[jid] == {"rounds_apart": 10 + 500}
     assert sim.liveness.late_reason(iid, decided_in_time=True) == "catch_up"
+
+
+def test_a_node_that_placed_a_jobs_retry_first_has_the_job_placed():
+    """n=4 sweep seeds 158, 1238: a member that learnt a retry's placement first refuses the
+    first attempt's certificate (placement_of_earlier_attempt), so it never decides that
+    instance; the job is placed there all the same, by the later attempt."""
+    sim = Simulation(SimConfig(nodes=4, jobs=1, seed=4, faults=(), heartbeats=False))
+    checker, jid = sim.checker, b"\x02" * 32
+    first, retry = b"\x01" * 32, b"\x03" * 32
+    checker.first_placement_of[jid] = first
+    checker.placing_instances[jid] = [first, retry]
+    checker.decided_at.update({first: {0: 100, 2: 110}, retry: {1: 300, 2: 90}})
+    assert checker.placed_at(jid) == {0: 100, 1: 300, 2: 90}
+    assert checker.late_jobs({jid: 0}, [0, 1, 2], 400) == []
+    assert [late for _j, _i, _s, late, _d in checker.late_jobs({jid: 0}, [0, 1, 2], 200)] == [[1]]
