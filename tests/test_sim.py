@@ -83,6 +83,14 @@ def test_capacity_exhausting_seeds_whose_sync_answers_were_lost_place_every_job_
     assert result.late_reasons == {} and result.stalled_reasons == {}
 
 
+def test_a_restarted_member_holding_its_own_forwarded_decline_reconsiders_a_held_job_without_raising():
+    # n=4 sweep seed 1259: P3a's reconsider_held looked up the node's own answer, which its
+    # restart had lost while the declines the leader forwarded still held it: KeyError.
+    result = run_simulation(SimConfig(nodes=4, jobs=50, seed=1259, byzantine_milli=300, faults=FAULTS, job_ms=2000,
+                                      job_fail_per_mille=100, cancel_per_mille=100))
+    assert result.ok, [v.line() for v in result.violations]
+
+
 SLOT_SWEEP_SEEDS = 120
 
 

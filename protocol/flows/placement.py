@@ -334,8 +334,15 @@ class PlacementFlow(ValueFlow):
             if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
                                                                                        key=inst.instance_id):
                 continue
-            _kind, data = self.bidding.mine[inst.instance_id]
-            out.messages.append(Outbound(None, data))
+            answer = self.bidding.mine.get(inst.instance_id)
+            if answer is None:
+                # A restart lost our answer, but the declines the leader forwarded hold the one
+                # we sent before it: answer afresh, to the leader (n=4 sweep seed 1259 raised).
+                self.bidding.send_mine(inst.instance_id, now_ms, out)
+                answer = self.bidding.mine.get(inst.instance_id)
+                if answer is None or answer[0] != "bid":
+                    continue
+            out.messages.append(Outbound(None, answer[1]))
             self.bidding.send_mine(inst.instance_id, now_ms, out)
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
