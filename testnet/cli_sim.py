@@ -129,6 +129,10 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
         "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
                                              default=0),
+        # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
+        # reason (testnet/sim_liveness.py); and stalled seeds by why their jobs are late.
+        "late_seeds_by_reason": _seeds_by_reason(results, "late_reasons"),
+        "stalled_seeds_by_reason": _seeds_by_reason(results, "stalled_reasons"),
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
@@ -144,6 +148,15 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "wall_s": round(wall_s, 3),
         "reproduce": [r.config.reproduce() for r in failed][:10],
     }
+
+
+def _seeds_by_reason(results: list[SimResult], field: str) -> dict[str, list[int]]:
+    """reason -> the seeds (at most 100) with a job late for that reason."""
+    seeds: dict[str, list[int]] = {}
+    for r in results:
+        for reason in sorted(getattr(r, field)):
+            seeds.setdefault(reason, []).append(r.config.seed)
+    return {reason: listed[:100] for reason, listed in sorted(seeds.items())}
 
 
 def _run_seed(config: SimConfig) -> SimResult:
@@ -215,6 +228,10 @@ def render(console: Console, summary: dict, results: list[SimResult]) -> None:
                   % (summary["seeds"], summary["violations"], summary["violations_by_check"] or "none",
                      summary["stalled_seeds"], summary["decisions"], summary["messages_per_decision"],
                      lat["p50"], lat["p99"], summary["wall_s"]))
+    for title, key in (("placed late, within what SPEC 11 owes them", "late_seeds_by_reason"),
+                       ("stalled", "stalled_seeds_by_reason")):
+        for reason, seeds in summary[key].items():
+            console.print("%s (%s): %d seeds %s" % (title, reason, len(seeds), " ".join(map(str, seeds[:20]))))
     if summary["liveness_unpromised_seeds"]:
         console.print("%d seeds ended in an epoch with 1/3 or more Byzantine stake (honest members "
                       "evicted): liveness is not promised there, their undecided jobs are not violations"

@@ -102,7 +102,7 @@ class DecisionChecker:
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
         self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
-        self.placing_instances: dict[bytes, list] = {}       # job id -> every instance that placed it (attempts)
+        self.placing_instances: dict[bytes, list] = {}        # job id -> every instance that placed an attempt
         self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
@@ -522,27 +522,38 @@ class DecisionChecker:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
             instance = self.first_placement_of.get(jid)
-            # Decided at a node once any attempt's placement is: a node down while the first
-            # attempt was decided, which then failed, learns the job from the next one.
-            seen = [self.decided_at.get(i, {}) for i in self.placing_instances.get(jid, ())]
-            late = [n for n in deciders if all(at.get(n, due_ms + 1) > due_ms for at in seen)]
+            seen = self.placed_at(jid)
+            late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
                 late_jobs.append((jid, instance, submitted_ms, late, due_ms))
         return late_jobs
 
+    def placed_at(self, jid: bytes) -> dict[int, int]:
+        """node -> when it first decided a placement of the job, of any attempt: a node that
+        learnt a retry's placement first refuses the older attempt's certificate
+        (``placement_of_earlier_attempt``) and rightly never decides that instance."""
+        seen: dict[int, int] = {}
+        for instance in self.placing_instances.get(jid, ()):
+            for node, at_ms in self.decided_at.get(instance, {}).items():
+                seen[node] = min(at_ms, seen.get(node, at_ms))
+        return seen
+
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
-                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None) -> int:
+                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None,
+                       reason_of: Callable[..., str] | None = None) -> int:
         """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``
         plus its ``excused_ms``, except the ``unplaceable`` ones no honest member can take.
 
         Returns how many (job, node) pairs were missing; each missing job is one violation.
+        ``reason_of(job id, instance, submit ms, late nodes, due ms)`` names why, in its detail.
         """
         missing_pairs = 0
-        for jid, instance, submitted_ms, late, due_ms in self.late_jobs(jobs, deciders, deadline_ms, unplaceable,
-                                                                        excused_ms):
+        for entry in self.late_jobs(jobs, deciders, deadline_ms, unplaceable, excused_ms):
+            jid, instance, submitted_ms, late, due_ms = entry
             missing_pairs += len(late)
+            reason = " (%s)" % reason_of(*entry) if reason_of is not None else ""
             self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
-                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), due_ms))
+                      "%d honest nodes by %d ms%s" % (submitted_ms, len(late), len(deciders), due_ms, reason))
         return missing_pairs
 
     def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:
