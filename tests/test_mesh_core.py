@@ -1020,8 +1020,9 @@ def test_f6_a_member_whose_sync_answers_were_lost_catches_up_within_the_resend_i
     jobs = [make_job(nonce=n, gpus=0, backups=0) for n in range(1, 41)]
     for _job, envelope in jobs:
         net.submit(KEYS[0], envelope)
-    net.run(1000)
     placed = {job_id(job) for job, _ in jobs}
+    while net.now < 10_000 and not all(net.cores[KEYS[0]].job_view(j)["state"] == "placed" for j in placed):
+        net.run(100)   # a job whose round-0 leader is the node that is down waits for round 1
     assert all(net.cores[KEYS[0]].job_view(j)["state"] == "placed" for j in placed)
     net.cores[late] = MeshCore(identity=IDS[3], genesis=GENESIS, policy=NodePolicy(zone=ZONES[3]),
                                capacity=LocalCapacity(), rng=random.Random(3), now_ms=net.now)
