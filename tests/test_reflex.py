@@ -172,3 +172,19 @@ def test_4_2_a_manifest_without_reflexes_keeps_its_body_and_an_empty_list_is_ref
     with_rule = dataclasses.replace(job, reflexes=(rule(),))
     assert JobManifest.from_body(codec.unpack(codec.pack(with_rule.to_body()))) == with_rule
     assert job_id(with_rule) != job_id(job)
+
+
+def test_r3_a_reflex_never_moves_onto_a_node_with_an_unhealthy_gpu():
+    net, jid, primary = running_reflex_job(rule(for_ms=1000))
+    others = [k for k in KEYS if k != primary]
+    for _ in range(10):   # the others read ECC errors on one GPU: sick, though not hot
+        for key in net.cores:
+            gpus = [dataclasses.replace(g, util_milli=HOT_UTIL if key == primary else 0)
+                    for g in net.cores[key].capability._gpu_states()]
+            if key in others:
+                gpus[0] = dataclasses.replace(gpus[0], ecc_errors=1)
+            net.emit(key, net.cores[key].update_telemetry(tuple(gpus), 0, net.now))
+        net.run(250)
+    assert not any(reflex_moves(net, k) for k in KEYS)
+    assert any(e.kind == "move_no_target" and "unhealthy GPU" in e.detail["why"] for k in KEYS
+               for e in net.events[k])

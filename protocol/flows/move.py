@@ -235,8 +235,9 @@ class MoveFlow(ValueFlow):
             if not ok:
                 why = "%s has no room for it: %s (%s)" % (node.hex()[:12], reason, detail)
                 continue
-            if self._shows_trigger_condition(record, request, known[1]):
-                why = "%s shows the reflex's condition too" % node.hex()[:12]
+            unfit = self.reflex_target_error(record, request, known[1])
+            if unfit is not None:
+                why = "%s %s" % (node.hex()[:12], unfit)
                 continue
             rank = move_rank(job, iid, node, known[1])
             if best is None or rank < best[0]:
@@ -281,16 +282,22 @@ class MoveFlow(ValueFlow):
             return "the target has no room: %s (%s)" % (reason, detail)
         if tuple(move.backups) != move_backups(record, move.to_node, view.stakes):
             return "the move's backups do not follow R2"
-        if self._shows_trigger_condition(record, request, cap):
-            return "the target's vector shows the reflex's condition too"
+        unfit = self.reflex_target_error(record, request, cap)
+        if unfit is not None:
+            return "the target %s" % unfit
         return None
 
     @staticmethod
-    def _shows_trigger_condition(record, request, cap: CapabilityVector) -> bool:
-        """R3: a reflex never moves a job onto a node that shows the rule's condition."""
+    def reflex_target_error(record, request, cap: CapabilityVector) -> str | None:
+        """R3: a reflex never moves a job onto a node with an unhealthy GPU or one whose vector
+        shows the rule's condition too (None: the node may take it)."""
         if not isinstance(request, ReflexTrigger) or request.rule >= len(record.manifest.reflexes):
-            return False
-        return condition_holds(record.manifest.reflexes[request.rule], cap)
+            return None
+        if not all(gpu_healthy(g) for g in cap.gpus):
+            return "has an unhealthy GPU"
+        if condition_holds(record.manifest.reflexes[request.rule], cap):
+            return "shows the reflex's condition too"
+        return None
 
     # --- applying a decided move --------------------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, move, epoch: int) -> str | None:
