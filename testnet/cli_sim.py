@@ -70,6 +70,9 @@ def register(subparsers) -> None:
     parser.add_argument("--move", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
                              "in the fault window (a refused request is retried)")
+    parser.add_argument("--reflex", type=float, default=0.0, metavar="F",
+                        help="the share of jobs with a reflex rule that migrates them off a hot primary "
+                             "(SPEC.md R3); nodes' GPUs run hot in drawn spells (default 0)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -123,6 +126,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
         "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
                                              default=0),
+        # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
+        "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
@@ -150,8 +155,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
-    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move, args.fractional)):
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move and --fractional in [0, 1]")
+    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move, args.fractional,
+                                                                       args.reflex)):
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional and --reflex "
+                         "in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -162,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations)
+                         reservations=args.reservations, reflex_per_mille=round(args.reflex * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

@@ -188,3 +188,27 @@ def test_r3_a_reflex_never_moves_onto_a_node_with_an_unhealthy_gpu():
     assert not any(reflex_moves(net, k) for k in KEYS)
     assert any(e.kind == "move_no_target" and "unhealthy GPU" in e.detail["why"] for k in KEYS
                for e in net.events[k])
+
+
+def test_r3_a_short_simulator_sweep_with_reflexes_and_faults_keeps_every_check():
+    from testnet.sim import SimConfig, Simulation
+    results = [Simulation(SimConfig(nodes=4, jobs=4, seed=seed, reflex_per_mille=600, byzantine_milli=200)).run()
+               for seed in range(3)]
+    assert [r.violation_count for r in results] == [0, 0, 0]
+    assert not any(r.liveness_missing for r in results)
+    assert sum(r.counters["reflex_moves"] for r in results) > 0
+
+
+def test_r3_the_simulator_audit_catches_a_reflex_applied_twice():
+    from types import SimpleNamespace
+    from testnet.sim_reflex import ReflexAudit
+    net, jid, primary = running_reflex_job(rule(for_ms=1000))
+    hold(net, primary, HOT_UTIL, 2000)
+    decision = reflex_moves(net, KEYS[1])[0]
+    failures = []
+    audit = ReflexAudit(MESH, SimpleNamespace(fail=lambda *args: failures.append(args)))
+    node = SimpleNamespace(index=1, incarnation=0)
+    audit.check(node, decision)
+    assert not failures
+    audit.check(node, decision)
+    assert failures and failures[0][0] == "reflex_applied_twice"
