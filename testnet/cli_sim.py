@@ -32,7 +32,8 @@ def register(subparsers) -> None:
                                    description=__doc__.splitlines()[0], epilog=examples(
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
         "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
-        "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json"))
+        "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json",
+        "meshnode sim --nodes 4 --jobs 6 --seeds 200 --byzantine 0.2 --reflex 0.5 --json   # reflexes (R3)"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
     if args.driver == "node":
+        if args.reflex:
+            raise SystemExit("meshnode sim: --reflex runs with --driver core only")
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
