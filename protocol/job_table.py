@@ -72,9 +72,10 @@ class JobRecord:
     # (fence, node): the job's last owner-requested move (R2) took it from ``node``, its
     # primary at ``fence``; that node's final checkpoint at ``fence`` is handed to the new one.
     moved_from: tuple | None = None
-    # R3: the taken_ms of the last evidence vector of the job's last reflex move (None: none
-    # yet), from the decided value, so every member checks a reflex's cooldown alike.
-    reflex_ms: int | None = None
+    # R3: (the node it moved off, the taken_ms of the last evidence vector) of the job's last
+    # reflex move (None: none yet), from the decided value, so every member checks a
+    # reflex's cooldown alike. The time is that node's clock: nodes' clocks differ.
+    reflex_at: tuple | None = None
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}

@@ -48,17 +48,36 @@ def runs_job(cap: CapabilityVector, job_id: bytes, fence: int) -> bool:
     return any(r.job_id == job_id and r.fence == fence for r in cap.running)
 
 
-def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int) -> tuple | None:
+def cooldown_bounds(rule: Reflex, last_reflex: tuple | None, primary: bytes) -> tuple[int, int]:
+    """(the least the evidence must span, the least its first taken_ms) for ``rule`` on
+    ``primary``, after the job's last reflex move ``last_reflex`` = (node, taken_ms) or None.
+    Each node's vectors carry its own clock, and nodes' clocks are not comparable: off the
+    node the last reflex moved the job from, the cooldown counts on that node's clock;
+    anywhere else the condition must hold for the cooldown too (the job ran there the whole
+    evidence long, so it arrived after the last reflex move)."""
+    if last_reflex is None:
+        return rule.for_ms, 0
+    node, at_ms = last_reflex
+    if node == primary:
+        return rule.for_ms, at_ms + rule.cooldown_ms
+    return max(rule.for_ms, rule.cooldown_ms), 0
+
+
+def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms: int,
+                      not_before_ms: int) -> tuple | None:
     """The fewest newest (envelope, vector) pairs of ``history`` (oldest first, one node's)
-    that prove ``rule`` held for the job at ``fence``; None while they do not."""
+    that prove ``rule`` held for the job at ``fence`` for ``span_ms``, from ``not_before_ms``
+    on; None while they do not."""
     chain = []
     for envelope, cap in reversed(history):
         if chain and cap.seq != chain[-1][1].seq - 1:
             return None   # a gap: a vector we never saw might have broken the condition
         if not (condition_holds(rule, cap) and runs_job(cap, job_id, fence)):
             return None
+        if cap.taken_ms < not_before_ms:
+            return None
         chain.append((envelope, cap))
-        if chain[0][1].taken_ms - cap.taken_ms >= rule.for_ms:
+        if chain[0][1].taken_ms - cap.taken_ms >= span_ms:
             return tuple(reversed(chain))
         if len(chain) >= MAX_EVIDENCE:
             return None
@@ -66,9 +85,9 @@ def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int) -> tuple
 
 
 def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes, fence: int, mesh_id: bytes,
-                   not_before_ms: int, caches=None) -> str | None:
+                   last_reflex: tuple | None, caches=None) -> str | None:
     """Why ``evidence`` (envelopes) does not prove ``rule`` held on ``primary`` for the job
-    at ``fence`` (None: it does). ``not_before_ms``: the cooldown's end, on the vectors' clock."""
+    at ``fence`` after its cooldown (None: it does); ``last_reflex`` as for cooldown_bounds."""
     vectors = []
     for data in evidence:
         try:
@@ -88,9 +107,11 @@ def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes,
             return "vector seq %d does not show the job running at fence %d" % (cap.seq, fence)
         if not condition_holds(rule, cap):
             return "vector seq %d does not show the condition" % cap.seq
+    span_ms, not_before_ms = cooldown_bounds(rule, last_reflex, primary)
     held = vectors[-1].taken_ms - vectors[0].taken_ms
-    if held < rule.for_ms:
-        return "the condition is shown for %d ms, the rule asks %d ms" % (held, rule.for_ms)
+    if held < span_ms:
+        return "the condition is shown for %d ms, the rule asks %d ms%s" % (
+            held, span_ms, "" if span_ms == rule.for_ms else " (its cooldown, on a new node)")
     if vectors[0].taken_ms < not_before_ms:
         return "the job is in its reflex cooldown until %d ms" % not_before_ms
     return None

@@ -61,6 +61,10 @@ class MoveRun(FailoverRun):
                 await trio.sleep(0.05)
         raise MeshError("every node refused the move: %s" % self.refused[-1])
 
+    async def _trigger(self, job_id: bytes, fence: int, primary: int) -> tuple[int, int]:
+        """Make the job move: here its owner's request (bench reflex: its primary turns hot)."""
+        return await self._request(job_id, fence)
+
     async def one_move(self, number: int) -> None:
         job_id, _ = self.jobs[0]
         job_hex = job_id.hex()
@@ -68,7 +72,7 @@ class MoveRun(FailoverRun):
         fence = (await self._job_row(primary, job_hex))["fence"]
         self.events.clear()
         await trio.sleep(self.rng.uniform(0, MOVE_PHASE_MS / 1000))
-        entry, sent_ns = await self._request(job_id, fence)
+        entry, sent_ns = await self._trigger(job_id, fence, primary)
         record = {"move": number, "from": primary, "entry": entry, "fence": fence}
 
         def event_of(kind_ok):

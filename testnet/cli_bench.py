@@ -74,6 +74,13 @@ def register(subparsers) -> None:
     move.add_argument("--moves", type=int, default=20, metavar="N", help="moves of the running job (default 20)")
     _common(move)
     move.set_defaults(func=cmd_move)
+    reflex = sub.add_parser("reflex", help="a job's reflex rule moves it off its primary made hot: time to "
+                                           "decide and to run again, lost work, double runs (SPEC.md R3)",
+                            epilog=examples("meshnode bench reflex --nodes 4 --moves 10 --json"))
+    reflex.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+    reflex.add_argument("--moves", type=int, default=10, metavar="N", help="times the primary turns hot (default 10)")
+    _common(reflex)
+    reflex.set_defaults(func=cmd_reflex)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
@@ -150,8 +157,18 @@ def cmd_idle(args) -> int:
 
 def cmd_move(args) -> int:
     from testnet.bench_move import run_move_bench
+    return _moved_cleanly(run_move_bench, args)
+
+
+def cmd_reflex(args) -> int:
+    from testnet.bench_reflex import run_reflex_bench
+    return _moved_cleanly(run_reflex_bench, args)
+
+
+def _moved_cleanly(bench, args) -> int:
+    """Run a move bench (owner moves or reflexes); exit 1 unless every move happened cleanly."""
     _interrupt_on_sigterm()
-    result = run_move_bench(args.nodes, args.moves, root=args.dir, keep=args.keep, seed=args.seed)
+    result = bench(args.nodes, args.moves, root=args.dir, keep=args.keep, seed=args.seed)
     _print(result)
     clean = (result["not_moved"] == 0 and result["lost_workloads"] == 0 and result["double_runs"] == 0
              and result["aborted"] is None)

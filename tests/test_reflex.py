@@ -212,3 +212,12 @@ def test_r3_the_simulator_audit_catches_a_reflex_applied_twice():
     assert not failures
     audit.check(node, decision)
     assert failures and failures[0][0] == "reflex_applied_twice"
+
+
+def test_r3_the_cooldown_counts_on_one_node_clock_only():
+    from protocol.reflexes import cooldown_bounds
+    r = rule(for_ms=1000, cooldown_ms=5000)
+    a, b = KEYS[0], KEYS[1]
+    assert cooldown_bounds(r, None, a) == (1000, 0)
+    assert cooldown_bounds(r, (a, 700), a) == (1000, 5700)    # back on the node it left: that node's clock
+    assert cooldown_bounds(r, (b, 700), a) == (5000, 0)       # elsewhere: the condition holds the cooldown long

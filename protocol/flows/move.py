@@ -33,7 +33,7 @@ from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import CapabilityVector, JobMove, MoveRequest, ReflexTrigger, decode_message, move_instance_id
 from protocol.placement import capability_check, gpu_healthy, gpu_strain, healthy_fitting_gpus, tie_break
 from protocol.ready import Outbound, Ready
-from protocol.reflexes import condition_holds, evidence_error, shortest_evidence
+from protocol.reflexes import condition_holds, cooldown_bounds, evidence_error, shortest_evidence
 
 MOVE_HANDOFF_WAIT_MS = 1000   # how long the new primary waits for the old one's final checkpoint
 MAX_MOVE_REQUESTS = 1024      # requests held for instances not yet decided here
@@ -46,11 +46,6 @@ def decode_request(data: bytes, mesh_id: bytes, caches=None):
     if not isinstance(request, (MoveRequest, ReflexTrigger)):
         raise RemoteProtocolError("a job_move's request must be a move_request or a reflex_trigger")
     return envelope, request
-
-
-def reflex_cooldown_end(record, rule) -> int:
-    """R3: the first taken_ms a new trigger's evidence may start at."""
-    return 0 if record.reflex_ms is None else record.reflex_ms + rule.cooldown_ms
 
 
 def move_backups(record, to_node: bytes, members) -> tuple:
@@ -152,7 +147,7 @@ class MoveFlow(ValueFlow):
         if rule.action != "migrate":
             return "reflex rule %d does not migrate" % trigger.rule
         return evidence_error(rule, trigger.evidence, record.primary, record.job_id, record.fence,
-                              self.ctx.mesh_id, reflex_cooldown_end(record, rule), caches=self.ctx.caches)
+                              self.ctx.mesh_id, record.reflex_at, caches=self.ctx.caches)
 
     # --- reflexes (SPEC.md R3) -----------------------------------------------------------------
     def notice_reflexes(self, node: bytes, now_ms: int, out: Ready) -> None:
@@ -165,8 +160,9 @@ class MoveFlow(ValueFlow):
                 continue
             history = history if history is not None else self.capability.history.of(node)
             for index, rule in enumerate(record.manifest.reflexes):
-                found = shortest_evidence(rule, history, record.job_id, record.fence)
-                if found is None or found[0][1].taken_ms < reflex_cooldown_end(record, rule):
+                found = shortest_evidence(rule, history, record.job_id, record.fence,
+                                          *cooldown_bounds(rule, record.reflex_at, node))
+                if found is None:
                     continue
                 trigger = ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
                                         evidence=tuple(envelope for envelope, _cap in found))
@@ -367,7 +363,7 @@ class MoveFlow(ValueFlow):
             # R3: the cooldown runs from the last vector of the evidence (the decided value's).
             last = decode_message(request.evidence[-1], self.ctx.mesh_id, expect=CapabilityVector,
                                   caches=self.ctx.caches)[1]
-            record.reflex_ms = last.taken_ms
+            record.reflex_at = (move.from_node, last.taken_ms)
             rule = record.manifest.reflexes[request.rule] if request.rule < len(record.manifest.reflexes) else None
             why = {"reflex": request.rule, "signal": rule.signal if rule else "",
                    "held_ms": last.taken_ms - decode_message(request.evidence[0], self.ctx.mesh_id,
