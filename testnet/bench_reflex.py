@@ -20,8 +20,8 @@ from pathlib import Path
 
 from protocol.errors import MeshError
 from testnet.bench_failover import FAILOVER_MANIFEST, run_on_counter_testnet
-from testnet.bench_move import MAX_MOVES, MoveRun
-from testnet.bench_stats import machine_info, summary_ms
+from testnet.bench_move import MAX_MOVES, MoveRun, move_figures
+from testnet.bench_stats import machine_info
 
 REFLEX_FOR_MS = 1000
 HOT_MILLI_C = 90_000
@@ -56,16 +56,5 @@ def run_reflex_bench(nodes: int, moves: int, *, root=None, keep: bool = False, s
     seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
     run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, 1, random.Random(seed), ReflexRun, moves,
                                                                 keep, REFLEX_MANIFEST)
-    per_move = run.moves
-    return {
-        "bench": "reflex", "nodes": nodes, "moves": len(per_move), "seed": seed, "unit_ms": 1,
-        "rule_duration_ms": REFLEX_FOR_MS,
-        "decided_ms": summary_ms(m["decided_ms"] for m in per_move if m["decided_ms"] is not None),
-        "latency_ms": summary_ms(m["latency_ms"] for m in per_move if m["latency_ms"] is not None),
-        "lost_work_ms": summary_ms(m["lost_work_ms"] for m in per_move if "lost_work_ms" in m),
-        "gap_ms": summary_ms(m["gap_ms"] for m in per_move if "gap_ms" in m),
-        "not_moved": sum(1 for m in per_move if m["latency_ms"] is None),
-        "lost_workloads": sum(1 for m in per_move if m.get("lost_workload")),
-        "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
-        "stale_fence_starts": stale_starts, "aborted": run.aborted, "per_move": per_move, "machine": machine,
-    }
+    return dict(move_figures(run, log_double_runs, stale_starts), bench="reflex", nodes=nodes, seed=seed,
+                rule_duration_ms=REFLEX_FOR_MS, machine=machine)

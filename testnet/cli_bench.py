@@ -67,20 +67,18 @@ def register(subparsers) -> None:
     idle.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
     idle.add_argument("--json", action="store_true", help="accepted for symmetry: the result is always one JSON object")
     idle.set_defaults(func=cmd_idle)
-    move = sub.add_parser("move", help="move a running job by its owner's request: latency, lost work, "
-                                       "double runs (SPEC.md R2)",
-                          epilog=examples("meshnode bench move --nodes 4 --moves 20 --json"))
-    move.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
-    move.add_argument("--moves", type=int, default=20, metavar="N", help="moves of the running job (default 20)")
-    _common(move)
-    move.set_defaults(func=cmd_move)
-    reflex = sub.add_parser("reflex", help="a job's reflex rule moves it off its primary made hot: time to "
-                                           "decide and to run again, lost work, double runs (SPEC.md R3)",
-                            epilog=examples("meshnode bench reflex --nodes 4 --moves 10 --json"))
-    reflex.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
-    reflex.add_argument("--moves", type=int, default=10, metavar="N", help="times the primary turns hot (default 10)")
-    _common(reflex)
-    reflex.set_defaults(func=cmd_reflex)
+    for name, what, moves, func in (
+            ("move", "move a running job by its owner's request: latency, lost work, double runs (SPEC.md R2)",
+             20, cmd_move),
+            ("reflex", "a job's reflex rule moves it off its primary made hot: time to decide and to run again, "
+                       "lost work, double runs (SPEC.md R3)", 10, cmd_reflex)):
+        move = sub.add_parser(name, help=what, epilog=examples(
+            "meshnode bench %s --nodes 4 --moves %d --json" % (name, moves)))
+        move.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+        move.add_argument("--moves", type=int, default=moves, metavar="N",
+                          help="moves of the running job (default %d)" % moves)
+        _common(move)
+        move.set_defaults(func=func)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",

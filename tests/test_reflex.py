@@ -5,12 +5,11 @@ import dataclasses
 
 import pytest
 
-from protocol.errors import RemoteProtocolError
-from protocol.flows.binding import certificate_binding_error
-from protocol.flows.move import decode_request
-from protocol.messages import (JobManifest, JobMove, Reflex, ReflexTrigger, decode_message, encode_message, job_id,
-                               move_instance_id)
 from protocol import codec
+from protocol.errors import RemoteProtocolError
+from protocol.flows.move import decode_request
+from protocol.messages import JobManifest, JobMove, Reflex, ReflexTrigger, encode_message, job_id, move_instance_id
+from tests.test_job_move import assert_move_certificate_binds_its_instance
 from tests.test_mesh_core import IDS, KEYS, MESH, OWNER, Net, make_job
 
 HOT_UTIL = 95_000
@@ -155,12 +154,7 @@ def test_r3_a_reflex_never_moves_onto_a_node_showing_the_condition():
 def test_r3_a_reflex_move_certificate_binds_its_instance_for_cert_verify():
     net, jid, primary = running_reflex_job(rule(for_ms=1000))
     hold(net, primary, HOT_UTIL, 2000)
-    data = net.certificates[KEYS[2]][-1]
-    _envelope, cert = decode_message(data, MESH)
-    assert cert.value_kind == "job_move"
-    assert certificate_binding_error("job_move", cert.instance, cert.value, cert.epoch, MESH, 0) is None
-    assert "another instance" in certificate_binding_error("job_move", move_instance_id(jid, 2), cert.value,
-                                                           cert.epoch, MESH, 0)
+    assert_move_certificate_binds_its_instance(net, jid)
 
 
 def test_4_2_a_manifest_without_reflexes_keeps_its_body_and_an_empty_list_is_refused():
