@@ -37,6 +37,7 @@ class Bidding:
         self.held: dict[bytes, dict[bytes, tuple]] = {}         # placement key -> signer -> (BidFacts, bytes)
         self.windows_open: dict[bytes, int] = {}                # instance -> round whose bid window is open
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
+        self.windows_closed: dict[bytes, int] = {}              # instance -> round whose last bid window closed
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
         self.scheduling = PoolScheduling(ctx, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
 
@@ -47,6 +48,7 @@ class Bidding:
         self.held.pop(key, None)
         self.windows_open.pop(key, None)
         self.windows_extended.discard(key)
+        self.windows_closed.pop(key, None)
         self.declined.pop(key, None)
 
     def jobs_bid_for(self) -> list:

@@ -40,9 +40,10 @@ class CapabilityBook:
         self.telemetry_fault = ""
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
-        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: a move value carries one (R2)
+        self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
         self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
         self.history = VectorHistory()   # every member's newest vectors: a reflex's evidence (R3)
+        self.peers_version = 0                         # bumps with every newer peer vector kept
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
 
@@ -195,6 +196,7 @@ class CapabilityBook:
             self.peer_envelopes[envelope.signer] = data
             if cap.running and self.jobs.reflex_jobs_of(envelope.signer):
                 self.history.add(envelope.signer, data, cap)
+            self.peers_version += 1
             self._learn_running(envelope.signer, cap, now_ms)
 
     def _learn_running(self, signer: bytes, cap: CapabilityVector, now_ms: int) -> None:

@@ -50,6 +50,7 @@ class JobLifecycle:
         self.jobs = jobs
         self.ledger = ledger
         self.placement = placement   # a failed job within its retries is placed again
+        self.gangs = None            # the GangFlow, set by the core: a gang's ranks end together (GA4)
         self.deferred = False        # True while the core replays its history after a restart
         # Jobs this node was made the primary of after a refusal, holding no checkpoint of
         # their work: job id -> when it stops waiting for one to be handed over (R1). Not run
@@ -123,17 +124,19 @@ class JobLifecycle:
     def _refused(self, record, data: bytes, now_ms: int, out: Ready) -> None:
         refused_by, fence = record.primary, record.fence
         self.ledger.free(record.job_id)
+        if self.gangs is not None and self.gangs.worker_refused(record, data, now_ms, out):
+            return
         attempt = next_attempt(record.attempt, record.manifest, refused=True)
         if attempt is None:
             record.state = "failed"
             record.hint = "refused by its primaries for want of capacity, with no retry left"
         else:
-            self._place_again(record, attempt, data, now_ms, out)
+            self.place_again(record, attempt, data, now_ms, out)
         out.events.append(self.ctx.event("job_refused", now_ms, job_id=record.job_id.hex(), fence=fence,
                                          by=refused_by.hex() if refused_by else "", attempt=record.attempt,
                                          state=record.state))
 
-    def _place_again(self, record, attempt: int, data: bytes, now_ms: int, out: Ready) -> None:
+    def place_again(self, record, attempt: int, data: bytes, now_ms: int, out: Ready) -> None:
         """SPEC P6: the job's next attempt, placed afresh by its own instance. ``data``: the exit
         or refusal that ended the last one (a leader shows it to voters that missed it)."""
         record.attempt = attempt
@@ -347,12 +350,14 @@ class JobLifecycle:
 
     def _finish_job(self, record, code: int, data: bytes, now_ms: int, out: Ready) -> None:
         self.ledger.free(record.job_id)
+        if self.gangs is not None and self.gangs.worker_finished(record, code, data, now_ms, out):
+            return
         record.exit_code = code
         attempt = next_attempt(record.attempt, record.manifest, refused=False) if code else None
         if code == 0:
             record.state = "completed"
         elif attempt is not None:
-            self._place_again(record, attempt, data, now_ms, out)  # SPEC P6: placed afresh, by a new instance
+            self.place_again(record, attempt, data, now_ms, out)  # SPEC P6: placed afresh, by a new instance
         else:
             record.state = "failed"
         out.events.append(self.ctx.event("job_exited", now_ms, job_id=record.job_id.hex(), exit_code=code,
@@ -368,6 +373,9 @@ class JobLifecycle:
             raise RemoteProtocolError("cancel: unknown job %s" % message.job_id.hex()[:12])
         if envelope.signer != record.manifest.owner:
             raise RemoteProtocolError("cancel: only the job's owner may cancel it")
+        if self._gang_rank(record):
+            raise RemoteProtocolError("cancel: job %s is a rank of a gang: cancel the gang, whose ranks go together"
+                                      % message.job_id.hex()[:12])
         if record.state in TERMINAL:
             # Its recorded outcome (an exit) must stay: a cancel persisted over it would
             # replay as "cancelled" after a restart.
@@ -377,9 +385,12 @@ class JobLifecycle:
         self._apply_cancel(record, now_ms, out)
         return message.job_id, out
 
+    def _gang_rank(self, record) -> bool:
+        return self.gangs is not None and record.job_id in self.gangs.worker_of
+
     def on_cancel(self, envelope, message: Cancel, data, now_ms: int, out: Ready) -> None:
         record = self.jobs.get(message.job_id)
-        if record is None or envelope.signer != record.manifest.owner:
+        if record is None or envelope.signer != record.manifest.owner or self._gang_rank(record):
             self.ctx.counters["cancel_refused"] += 1
             return
         if record.state not in TERMINAL:
@@ -398,6 +409,8 @@ class JobLifecycle:
         if was_mine:
             out.decisions.append(local_decision("cancel", (record.job_id,)))
         out.events.append(self.ctx.event("job_cancelled", now_ms, job_id=record.job_id.hex()))
+        for worker in self.gangs.worker_records(record.job_id) if self.gangs is not None else ():
+            self._apply_cancel(worker, now_ms, out)   # a gang's cancel stops every rank
 
     # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
     def _persist_outcome(self, jid: bytes, kind: str, data: bytes, out: Ready) -> None:

@@ -76,6 +76,15 @@ class JobRecord:
     # reflex move (None: none yet), from the decided value, so every member checks a
     # reflex's cooldown alike. The time is that node's clock: nodes' clocks differ.
     reflex_at: tuple | None = None
+    # (job id, fence): a decided preemption (P8) named this job at that fence, to make room
+    # for that job. It was preempted once its attempt ended (its node refused it).
+    preempted_by: tuple | None = None
+
+    def preempted_by_job(self) -> bytes | None:
+        """The job this one was last preempted for, if its preempted attempt has ended."""
+        if self.preempted_by is None or self.attempt <= self.preempted_by[1] // FENCE_PER_ATTEMPT:
+            return None
+        return self.preempted_by[0]
 
     def as_dict(self) -> dict:
         grouped: dict[str, list] = {}
@@ -88,7 +97,7 @@ class JobRecord:
                 "last_checkpoint_taken_ms": self.last_checkpoint_taken_ms, "migrations": self.migrations,
                 "declines": grouped, "submitted_ms": self.submitted_ms, "exit_code": self.exit_code,
                 "hint": self.hint, "manifest": self.manifest, "known_checkpoint": self.known_checkpoint,
-                "lost_work_ms": self.lost_work_ms}
+                "lost_work_ms": self.lost_work_ms, "preempted_by": self.preempted_by_job()}
 
 
 class JobTable:

@@ -24,7 +24,11 @@ SYNC_ANSWER_GAP_MS = 200       # at most one sync answer per peer per this long
 MAX_SUSPICION_JUSTIFICATION = 32
 MAX_SYNC_CERTIFICATES = 16     # epoch changes sent per sync answer
 MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per answer
-SYNC_RESEND_MS = 5000          # a decision sent to a peer by a sync answer is not sent it again sooner
+# A decision a sync answer sent a peer is not sent it again sooner: long enough for a chain
+# of continued answers (MAX_DECIDED_KEPT / MAX_SYNC_DECISIONS answers, SYNC_ANSWER_GAP_MS
+# apart) to move on, short because an answer lost in flight (a lossy link before a heal)
+# is found again only after it: 5000 left members up to 7 s behind after a heal.
+SYNC_RESEND_MS = 2000
 STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived

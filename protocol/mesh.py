@@ -10,8 +10,9 @@ their own file and see only what their constructor is given:
 
     state     epochs.py (membership and views), job_table.py, ledger.py (capacity),
               instances.py (consensus instances and their timers)
-    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/move.py: one
-              per kind of decided value, found through flows/base.py's FlowRegistry
+    flows     flows/placement.py, flows/slot.py, flows/epoch_change.py, flows/move.py,
+              flows/preemption.py, flows/gang.py: one per kind of decided value, found through
+              flows/base.py's FlowRegistry
     the rest  bidding.py (bids, declines), capability.py (capability vectors),
               liveness.py (heartbeats, suspicion, self-fencing, sync), joins.py,
               job_lifecycle.py (checkpoints, exits, cancels)
@@ -43,7 +44,9 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
+from protocol.flows.gang import GangFlow
 from protocol.flows.placement import PlacementFlow
+from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
 from protocol.instances import InstanceTable
 from protocol.job_lifecycle import JobLifecycle
@@ -100,19 +103,23 @@ class MeshCore:
         self.joins = joins = Joins(ctx, epochs)
         self.placement = placement = PlacementFlow(ctx, epochs, jobs, ledger, instances, bidding,
                                                    self._apply_certificate_bytes)
+        self.gangs = gangs = GangFlow(ctx, epochs, jobs, ledger, instances, bidding, self._apply_certificate_bytes)
         self.slots = slots = SlotFlow(ctx, epochs, jobs, ledger, instances, bidding, placement)
         self.epoch_changes = epoch_changes = EpochChangeFlow(ctx, epochs, jobs, ledger, instances, liveness, joins,
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
         self.moves = moves = MoveFlow(ctx, epochs, jobs, ledger, instances, capability)
-        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits)
-        bidding.slots = placement.slots = slots
-        placement.epoch_changes = epoch_changes
-        placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = lifecycle
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of)
+        bidding.slots = placement.slots = gangs.slots = slots
+        placement.epoch_changes = gangs.epoch_changes = epoch_changes
+        placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = gangs.lifecycle = lifecycle
+        placement.gangs = lifecycle.gangs = gangs
         epoch_changes.placement = moves.placement = placement
         liveness.epoch_changes = joins.epoch_changes = epoch_changes
         liveness.joins = joins
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves))
+        self.preemptions = preemptions = PreemptionFlow(ctx, epochs, jobs, ledger, instances, bidding, capability,
+                                                        placement, lifecycle)
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
@@ -201,11 +208,11 @@ class MeshCore:
         return self.epochs.broadcast_targets()
 
     def jobs(self) -> list[dict]:
-        return [record.as_dict() for record in self.job_table]
+        return [self.gangs.annotate(record.as_dict()) for record in self.job_table]
 
     def job_view(self, jid: bytes) -> dict | None:
         record = self.job_table.get(jid)
-        return None if record is None else record.as_dict()
+        return None if record is None else self.gangs.annotate(record.as_dict())
 
     def pending_report(self, jid: bytes, now_ms: int) -> dict | None:
         """SPEC.md Q4: a job's pool, queue position, holding quota and estimated start, from
@@ -291,6 +298,8 @@ class MeshCore:
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
         self.placement.reconsider_held(now_ms, out)
+        self.preemptions.consider(now_ms, out)
+        self.gangs.reconsider_held(now_ms, out)
         for key in self.ledger.expire(now_ms):
             self.bidding.mine.pop(key, None)   # its bid holds nothing any more: never re-sent
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class NodePolicy:
     allowed_owners: frozenset[bytes] | None = None   # None: any owner key may place jobs here
-    allowed_entrypoints: frozenset[str] = frozenset({"counter", "train"})
+    allowed_entrypoints: frozenset[str] = frozenset({"counter", "train", "allreduce"})
     zone: str = "zone-a"
     labels: tuple[tuple[str, str], ...] = ()
     attestations: tuple[bytes, ...] = ()             # authority-signed Attestation envelopes for this node

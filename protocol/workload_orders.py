@@ -8,6 +8,9 @@ decisions to the Ready batch (protocol/ready.py): "stop" (job ids, stopped first
 "run" (``WorkloadRun`` items). The driver executes them and derives nothing itself.
 A run the driver could not start, or a workload that exits, comes back as
 ``job_exited``; a run already executing under the same fence is never ordered twice.
+A third order, "gang_peers" (``(job id, GangRank)`` items), tells the driver that a rank
+it runs has peers at new addresses (another rank moved, SPEC.md GA5): its workload keeps
+running and rebuilds its ring with them.
 """
 
 from __future__ import annotations
@@ -26,20 +29,24 @@ class WorkloadRun:
     gpus: tuple          # GPU indices the ledger allocated to it here
     resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6, R1)
     manifest: object     # the owner-signed JobManifest: entrypoint, args, resources
+    gang: object = None  # a gang's rank: flows/gang.py GangRank (rank, world size, peers), else None
 
 
 class WorkloadOrders:
-    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict) -> None:
+    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict, gang_rank=lambda jid: None) -> None:
         self.epochs = epochs
         self.jobs = jobs
         self.liveness = liveness
         self.ledger = ledger
         self.handoff_waits = handoff_waits   # jobs waiting for a checkpoint to resume from (R1): not yet
+        self.gang_rank = gang_rank           # job id -> its GangRank, if it is a gang's worker
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
+        self.gang_told: dict[bytes, object] = {}   # a gang rank's job id -> the GangRank its run was last told
 
     def exited(self, jid: bytes) -> None:
         """The driver reports the workload gone: nothing to stop any more."""
         self.ordered.pop(jid, None)
+        self.gang_told.pop(jid, None)
 
     def reconcile(self, out: Ready) -> None:
         if not self.ordered and not self.jobs.may_have_mine():
@@ -54,14 +61,22 @@ class WorkloadOrders:
         stops = tuple(jid for jid, fence in self.ordered.items()
                       if jid not in wanted or wanted[jid].fence != fence)
         runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=resumes_from_checkpoint(r),
-                                 manifest=r.manifest)
+                                 manifest=r.manifest, gang=self.gang_rank(r.job_id))
                      for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
+        moved = tuple((jid, rank) for jid, rank in ((jid, self.gang_rank(jid)) for jid in wanted
+                                                     if jid in self.gang_told and self.ordered.get(jid) == wanted[jid].fence)
+                      if rank != self.gang_told[jid])
+        if moved:
+            self.gang_told.update(moved)
+            out.decisions.append(Decision("gang_peers", NO_INSTANCE, moved, b""))
         if not stops and not runs:
             return
         for jid in stops:
             del self.ordered[jid]
+            self.gang_told.pop(jid, None)
         if stops:
             out.decisions.append(Decision("stop", NO_INSTANCE, stops, b""))
         if runs:
             self.ordered.update((run.job_id, run.fence) for run in runs)
+            self.gang_told.update((run.job_id, run.gang) for run in runs if run.gang is not None)
             out.decisions.append(Decision("run", NO_INSTANCE, runs, b""))

@@ -136,6 +136,15 @@ def workload_processes(root: Path) -> dict[str, list[int]]:
     return found
 
 
+async def sample_double_runs(root: Path, found: set) -> None:
+    """Forever: add to ``found`` each job with two live workload processes at once."""
+    while True:
+        for job_hex, pids in (await trio.to_thread.run_sync(workload_processes, root)).items():
+            if len(pids) > 1:
+                found.add(job_hex)
+        await trio.sleep(PROC_SAMPLE_S)
+
+
 def read_progress(layout: dict, job_hex: str) -> dict:
     logs = {}
     for node in layout["nodes"]:
@@ -192,11 +201,7 @@ class FailoverRun:
         await nursery.start(follow)
 
     async def _proc_sampler(self) -> None:
-        while True:
-            for job_hex, pids in (await trio.to_thread.run_sync(workload_processes, self.root)).items():
-                if len(pids) > 1:
-                    self.proc_double_runs.add(job_hex)
-            await trio.sleep(PROC_SAMPLE_S)
+        await sample_double_runs(self.root, self.proc_double_runs)
 
     async def _job_row(self, index: int, job_hex: str) -> dict | None:
         try:

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure placement and failover on a local testnet", epilog=examples(
         "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
         "meshnode bench failover --nodes 5 --kills 30 --json",
-        "meshnode bench move --nodes 4 --moves 20 --json"))
+        "meshnode bench move --nodes 4 --moves 20 --json",
+        "meshnode bench preempt --rounds 10 --json"))
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -79,6 +80,13 @@ def register(subparsers) -> None:
                           help="moves of the running job (default %d)" % moves)
         _common(move)
         move.set_defaults(func=func)
+    preempt = sub.add_parser("preempt", help="a high-priority job into a full 4-node mesh: preemption, lost "
+                                             "work, time to place, resume (SPEC.md P8)", epilog=examples(
+        "meshnode bench preempt --rounds 10 --json"))
+    preempt.add_argument("--rounds", type=int, default=10, metavar="N",
+                         help="high-priority jobs submitted one after another (default 10)")
+    _common(preempt)
+    preempt.set_defaults(func=cmd_preempt)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
@@ -170,6 +178,16 @@ def _moved_cleanly(bench, args) -> int:
     _print(result)
     clean = (result["not_moved"] == 0 and result["lost_workloads"] == 0 and result["double_runs"] == 0
              and result["aborted"] is None)
+    return 0 if clean else 1
+
+
+def cmd_preempt(args) -> int:
+    from testnet.bench_preempt import run_preempt_bench
+    _interrupt_on_sigterm()
+    result = run_preempt_bench(args.rounds, root=args.dir, keep=args.keep, seed=args.seed)
+    _print(result)
+    clean = (result["aborted"] is None and result["double_runs"] == 0
+             and result["resumed"] == result["preemptions"] == result["rounds"])
     return 0 if clean else 1
 
 

@@ -33,7 +33,8 @@ def register(subparsers) -> None:
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
         "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
         "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json",
-        "meshnode sim --nodes 4 --jobs 6 --seeds 200 --byzantine 0.2 --reflex 0.5 --json   # reflexes (R3)"))
+        "meshnode sim --nodes 4 --jobs 6 --seeds 200 --byzantine 0.2 --reflex 0.5 --json   # reflexes (R3)",
+        "meshnode sim --nodes 4 --jobs 12 --seeds 20 --preempt --job-ms 1500 --json   # priorities, preemption"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
                              "(Node, its SQLite stores, a simulated workload runner) under a mock clock")
@@ -74,6 +75,11 @@ def register(subparsers) -> None:
     parser.add_argument("--reflex", type=float, default=0.0, metavar="F",
                         help="the share of jobs with a reflex rule that migrates them off a hot primary "
                              "(SPEC.md R3); nodes' GPUs run hot in drawn spells (default 0)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
+                             "(SPEC.md P8; use with --job-ms so room returns)")
+    parser.add_argument("--gangs", type=float, default=0.0, metavar="F",
+                        help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -129,10 +135,17 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
                                              default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
+        # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
+        # reason (testnet/sim_liveness.py); and stalled seeds by why their jobs are late.
+        "late_seeds_by_reason": _seeds_by_reason(results, "late_reasons"),
+        "stalled_seeds_by_reason": _seeds_by_reason(results, "stalled_reasons"),
         "decisions": decisions,
         "messages": messages,
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
+        "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
+        "gangs": sum(r.counters.get("gangs", 0) for r in results),
+        "gangs_placed": sum(r.counters.get("gangs_placed", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -141,6 +154,15 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "wall_s": round(wall_s, 3),
         "reproduce": [r.config.reproduce() for r in failed][:10],
     }
+
+
+def _seeds_by_reason(results: list[SimResult], field: str) -> dict[str, list[int]]:
+    """reason -> the seeds (at most 100) with a job late for that reason."""
+    seeds: dict[str, list[int]] = {}
+    for r in results:
+        for reason in sorted(getattr(r, field)):
+            seeds.setdefault(reason, []).append(r.config.seed)
+    return {reason: listed[:100] for reason, listed in sorted(seeds.items())}
 
 
 def _run_seed(config: SimConfig) -> SimResult:
@@ -158,10 +180,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
-    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in (args.fail, args.cancel, args.move, args.fractional,
-                                                                       args.reflex)):
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional and --reflex "
-                         "in [0, 1]")
+    shares = (args.fail, args.cancel, args.move, args.fractional, args.gangs, args.reflex)
+    if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in shares):
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional, --gangs and "
+                         "--reflex in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -172,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations, reflex_per_mille=round(args.reflex * 1000))
+                         reservations=args.reservations, preempt=args.preempt,
+                         gang_per_mille=round(args.gangs * 1000), reflex_per_mille=round(args.reflex * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:
@@ -214,6 +237,10 @@ def render(console: Console, summary: dict, results: list[SimResult]) -> None:
                   % (summary["seeds"], summary["violations"], summary["violations_by_check"] or "none",
                      summary["stalled_seeds"], summary["decisions"], summary["messages_per_decision"],
                      lat["p50"], lat["p99"], summary["wall_s"]))
+    for title, key in (("placed late, within what SPEC 11 owes them", "late_seeds_by_reason"),
+                       ("stalled", "stalled_seeds_by_reason")):
+        for reason, seeds in summary[key].items():
+            console.print("%s (%s): %d seeds %s" % (title, reason, len(seeds), " ".join(map(str, seeds[:20]))))
     if summary["liveness_unpromised_seeds"]:
         console.print("%d seeds ended in an epoch with 1/3 or more Byzantine stake (honest members "
                       "evicted): liveness is not promised there, their undecided jobs are not violations"

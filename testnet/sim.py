@@ -36,12 +36,14 @@ from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, d
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
+from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
-from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world
+from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, TELEMETRY = range(10)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT, TELEMETRY = range(11)
+CHECKPOINT_MS = 100             # with --preempt, a run reports its start, then checkpoints this often
 CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
 MAX_CRASHES = 8
@@ -99,6 +101,13 @@ class SimConfig:
     # ``reflex_per_mille``: that share of the jobs carries a migrate rule on GPU utilisation
     # (SPEC.md R3) and every node reads its GPUs, hot in drawn spells (testnet/sim_reflex.py).
     reflex_per_mille: int = 0
+    # A preemption workload (SPEC.md P8): GPU jobs, more than fit, of mixed priorities, about
+    # half preemptible (testnet/sim_world.py); with ``job_ms`` the room returns as jobs end.
+    preempt: bool = False
+    # ``gang_per_mille`` of the jobs are gangs (SPEC.md GA1, sim_world.with_gangs), drawn from
+    # their own rng too. A gang no set of honest members fits (its size, its topology) may
+    # stay pending: unplaced gangs are counted, not owed by the liveness check.
+    gang_per_mille: int = 0
 
     @property
     def workloads(self) -> bool:
@@ -138,6 +147,10 @@ class SimConfig:
             line += " --move %s" % (self.move_per_mille / 1000)
         if self.reflex_per_mille:
             line += " --reflex %s" % (self.reflex_per_mille / 1000)
+        if self.preempt:
+            line += " --preempt"
+        if self.gang_per_mille:
+            line += " --gangs %s" % (self.gang_per_mille / 1000)
         return line
 
 
@@ -178,6 +191,10 @@ class SimResult:
     decision_log_digest: str
     network: dict
     counters: dict
+    # Jobs placed after the base deadline but within what SPEC 11 owes them, by the reason
+    # that took longest (testnet/sim_liveness.py), and the late ones, by why they are late.
+    late_reasons: dict = field(default_factory=dict)
+    stalled_reasons: dict = field(default_factory=dict)
 
     @property
     def messages_per_decision(self) -> float:
@@ -198,7 +215,11 @@ class Simulation:
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
                                         fractional_per_mille=config.fractional_per_mille,
-                                        quota_gpus=config.quota_gpus, reservations=config.reservations)
+                                        quota_gpus=config.quota_gpus, reservations=config.reservations,
+                                        preempt=config.preempt)
+        if config.gang_per_mille:
+            self.world = with_gangs(self.world, random.Random(config.seed * 1_000_003 + 0x6A46),
+                                    config.gang_per_mille)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
@@ -231,6 +252,9 @@ class Simulation:
         self.excused_rounds: set[tuple] = set()    # (instance, round) counted
         self.open_rounds: dict[bytes, tuple] = {}  # instance -> (round, entered ms, job id, timeout ms)
         self.longest_excuse_ms = 0                 # bound on any job's excuse, open rounds at full timeout
+        self.excuse_reasons: dict[bytes, dict[str, int]] = {}   # job id -> reason -> ms excused
+        self.deadline_ms = 0                       # the base liveness deadline, set when the run starts
+        self.liveness = LivenessTracker(self)      # capacity waits and rounds apart (SPEC 11)
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
@@ -240,6 +264,7 @@ class Simulation:
         # Workloads that end (SimConfig.job_ms, cancel_per_mille): their own rng, so the
         # draws above (world, faults, network, cores) are the same with them or without.
         self.workload_rng = random.Random(config.seed * 1_000_003 + 0x5EED) if config.workloads else None
+        self.checkpoint_seq = 0                     # the last checkpoint seq a run took (--preempt)
         self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
         self.reflex_audit = ReflexAudit(self.mesh_id, self.checker) if config.reflex_per_mille else None
         self.hot: dict[int, list] = {}
@@ -368,7 +393,7 @@ class Simulation:
             for node in self.nodes:
                 self.push(self.workload_rng.randrange(TELEMETRY_MS), TELEMETRY, node.index, 0)
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
-        deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
+        deadline_ms = self.deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
         queue = self.queue
         while queue:
@@ -396,6 +421,8 @@ class Simulation:
                 self._move(target, payload)
             elif kind == TELEMETRY:
                 self._telemetry(target)
+            elif kind == CHECKPOINT:
+                self._checkpoint(target, payload)
             if self.complete >= total_jobs and at_ms >= self.busy_until_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
@@ -560,11 +587,34 @@ class Simulation:
                 if cfg.job_ms:
                     duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
                     self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
+                if cfg.preempt:   # victims are chosen from running jobs' checkpoint ages (P8)
+                    self.push(self.now_ms + 1, CHECKPOINT, node.index, (node.incarnation, run.job_id, run.fence, 0))
             if node.behaviour is None:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
             if cfg.runs_reported:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
+
+    def _checkpoint(self, index: int, payload) -> None:
+        """With --preempt: the run reports its start (``step`` 0), then a checkpoint every
+        CHECKPOINT_MS (seqs from one counter, so a resumed run's are newer), while it runs."""
+        incarnation, jid, fence, step = payload
+        node = self.nodes[index]
+        run = node.running.get(jid)
+        if not node.up or node.incarnation != incarnation or run is None or run.fence != fence:
+            return
+        core = node.core
+        record = core.job_table.get(jid)
+        if (record is None or record.primary != core.me or record.fence != fence or not core.is_member()
+                or record.state in TERMINAL):
+            return
+        if step == 0:
+            self._call(node, core.workload_started, jid, fence, 0, self.now_ms)
+        else:
+            self.checkpoint_seq += 1
+            seq = self.checkpoint_seq
+            self._call(node, core.local_checkpoint, jid, seq, seq, self.now_ms, b"%d" % seq, self.now_ms)
+        self.push(self.now_ms + CHECKPOINT_MS, CHECKPOINT, index, (incarnation, jid, fence, step + 1))
 
     def _exit(self, index: int, payload) -> None:
         incarnation, jid, fence = payload
@@ -579,9 +629,13 @@ class Simulation:
 
     def _job_events(self, node: SimNode, events) -> None:
         """A job that ended at the node that holds it gives its load back in the checker."""
+        ended = False
         for event in events:
-            if event.kind in ("job_exited", "job_cancelled", "job_refused"):
+            if event.kind in ("job_exited", "job_cancelled", "job_refused", "gang_worker_stopped"):
                 self.checker.job_ended(node.index, bytes.fromhex(event.detail["job_id"]))
+                ended = True
+        if ended:
+            self.liveness.note_capacity()
 
     def _restart(self, index: int) -> None:
         node = self.nodes[index]
@@ -603,11 +657,12 @@ class Simulation:
             if job.job_id not in placed:
                 self.counters["resubmits"] += 1
                 self._submit(number)
+        self.liveness.note_capacity()
 
     def _emit(self, node: SimNode, ready) -> None:
         """Drain one Ready batch through the node's drain (protocol/drain.py): persist, send,
         decisions; events are only read for the liveness excuses."""
-        if self.byzantine_keys and node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
+        if node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
             if ready.events:
@@ -670,7 +725,17 @@ class Simulation:
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
         if self.reflex_audit is not None and node.behaviour is None:
             self.reflex_audit.check(node, decision)
+        if decision.value_kind == "preemption" and node.behaviour is None and decision.value.node == node.core.me:
+            self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
+        if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
+                self.checker.decided_at[decision.instance]:
+            # Its first decision: what honest members hold changed.
+            if decision.value_kind in ("placement", "placement_slot"):
+                placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
+                self.liveness.placed([self.checker.job_of(p) for p in placements])
+            self.liveness.note_capacity()
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
+            self.liveness.decided(decision.instance)
             done = self.honest_done.get(decision.instance, 0) + 1
             self.honest_done[decision.instance] = done
             if done == len(self.honest):  # early stop only when every honest node has every job
@@ -696,18 +761,23 @@ class Simulation:
                 self._credit(opened[2], min(opened[3], self.now_ms - opened[1]))
             role = node.core.instance_table.role(iid)
             inst = node.core.instances.get(iid)
-            if ((iid, round) in self.excused_rounds or inst is None or role is None or not role.flow.places_jobs
-                    or bytes.fromhex(event.detail["leader"]) not in self.byzantine_keys or iid in self.open_rounds):
+            if inst is None or role is None or not role.flow.places_jobs:
                 continue
             jids = role.flow.job_ids(iid, role.subject)
-            self.excused_rounds.add((iid, round))
-            self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
-            bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
-            self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
+            if ((iid, round) not in self.excused_rounds and iid not in self.open_rounds
+                    and bytes.fromhex(event.detail["leader"]) in self.byzantine_keys):
+                self.excused_rounds.add((iid, round))
+                self.open_rounds[iid] = (round, self.now_ms, jids, inst.timeout_ms(round))
+                bound = max((self.excused_ms.get(jid, 0) for jid in jids), default=0) + inst.timeout_ms(round)
+                self.longest_excuse_ms = max(self.longest_excuse_ms, bound)
+            self.liveness.note_rounds(iid, jids)
 
-    def _credit(self, jids: tuple, ms: int) -> None:
+    def _credit(self, jids: tuple, ms: int, reason: str = "byzantine_led_rounds") -> None:
         for jid in jids:
             self.excused_ms[jid] = self.excused_ms.get(jid, 0) + ms
+            reasons = self.excuse_reasons.setdefault(jid, {})
+            reasons[reason] = reasons.get(reason, 0) + ms
+            self.longest_excuse_ms = max(self.longest_excuse_ms, self.excused_ms[jid])
 
     def _close_open_rounds(self) -> None:
         """At the end of the run a round still open is credited its whole timeout."""
@@ -770,14 +840,26 @@ class Simulation:
         unplaceable = self._unplaceable_jobs(deciders)
         quota_held = self._held_by_scheduling_rules(deciders) - unplaceable
         unplaceable |= quota_held
+        gangs = frozenset(spec.job_id for spec in self.world.jobs if spec.job.gang.is_gang)
+        unplaced_gangs = gangs - set(checker.placement_of)
+        checker.check_gangs_running({i: tuple(self.nodes[i].running.values()) for i in self.honest
+                                     if self.nodes[i].up and self.nodes[i].core is not None})
         self._close_open_rounds()
+        self.liveness.close_all()
+        for jid in list(self.liveness.placeable_from_ms):
+            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), CAPACITY_WAIT)
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
         unpromised = frozenset(jid for jid, _instance, _submitted, late, _due
-                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable, self.excused_ms)
+                               in checker.late_jobs(submitted, deciders, deadline_ms, unplaceable | unplaced_gangs,
+                                                  self.excused_ms)
                                if self._liveness_unpromised(jid, late))
-        missing = checker.check_liveness(submitted, deciders, deadline_ms, unplaceable | unpromised, self.excused_ms)
+        late_reasons, stalled_reasons = self._classify_late(submitted, deciders, deadline_ms,
+                                                            unplaceable | unplaced_gangs | unpromised)
+        missing = checker.check_liveness(submitted, deciders, deadline_ms,
+                                         unplaceable | unplaced_gangs | unpromised | self.liveness.placed_unplaceable,
+                                         self.excused_ms, reason_of=self._late_reason)
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
@@ -793,10 +875,38 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, unplaceable_jobs=len(unplaceable) - len(quota_held),
+            counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
+                          unplaceable_jobs=len(unplaceable) - len(quota_held),
                           quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
                           liveness_unpromised_jobs=len(unpromised),
-                          byzantine_led_rounds_excused=len(self.excused_rounds)))
+                          byzantine_led_rounds_excused=len(self.excused_rounds)),
+            late_reasons=late_reasons, stalled_reasons=stalled_reasons)
+
+    def _classify_late(self, submitted: dict, deciders: list[int], deadline_ms: int, exempt: frozenset) -> tuple:
+        """(jobs late against the base deadline but within what they are owed, by the reason
+        excused longest; jobs late past it, by ``_late_reason``)."""
+        checker = self.checker
+        owed_nothing = self.liveness.placed_unplaceable
+        still_late = {entry[0]: entry for entry in checker.late_jobs(submitted, deciders, deadline_ms,
+                                                                       exempt | owed_nothing, self.excused_ms)}
+        explained: dict[str, int] = {}
+        stalled: dict[str, int] = {}
+        for jid, *_rest in checker.late_jobs(submitted, deciders, deadline_ms, exempt):
+            if jid in still_late:
+                reason = self._late_reason(*still_late[jid])
+                stalled[reason] = stalled.get(reason, 0) + 1
+            elif jid in owed_nothing:
+                reason = CAPACITY_WAIT
+            else:
+                reasons = self.excuse_reasons.get(jid, {})
+                reason = max(reasons, key=lambda r: (reasons[r], r)) if reasons else "unexcused"
+                explained[reason] = explained.get(reason, 0) + 1
+        return explained, stalled
+
+    def _late_reason(self, jid: bytes, instance, _submitted_ms: int, late: list[int], due_ms: int) -> str:
+        seen = self.checker.placed_at(jid)
+        in_time = any(at <= due_ms for node, at in seen.items() if node in self.honest)
+        return self.liveness.late_reason(instance or jid, in_time)
 
     def _check_ledgers(self) -> None:
         """SPEC.md R1, at the end of the run, on every honest node that is up: its ledger holds

@@ -29,9 +29,12 @@ from typing import Callable
 from keys.identity import short_id
 from protocol.caches import CoreCaches
 from protocol.errors import RemoteProtocolError
+from protocol.gang_placement import gang_worker_id, topology_error
 from protocol.gpu_shares import MILLI_PER_GPU
-from protocol.messages import (Eviction, JobManifest, JobMove, MembershipChange, Placement, PlacementSlot,
-                               decode_message, decode_value, job_id, placement_attempt, value_hash)
+from protocol.job_table import FENCE_PER_ATTEMPT
+from protocol.messages import (MAX_GANG_WORKERS, Eviction, GangPlacement, JobManifest, JobMove, MembershipChange,
+                               Placement, PlacementSlot, decode_message, decode_value, job_id, placement_attempt,
+                               value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision
 from testnet.sim_world import owner_and_constraints_fit
@@ -75,6 +78,13 @@ class _Load:
     jobs: dict = field(default_factory=dict)         # job id -> (Resources, gpus)
 
 
+class _TrueFacts:
+    """A node's true zone and rail group, as topology_error reads a capability vector."""
+
+    def __init__(self, facts: NodeFacts):
+        self.node, self.zone, self.rail_group = facts.public_key, facts.zone, facts.capacity.rail_group
+
+
 class DecisionChecker:
     """Holds the canonical history; ``check_decision`` is called for every Decision."""
 
@@ -92,7 +102,7 @@ class DecisionChecker:
         self.decided_at: dict[bytes, dict[int, int]] = {}     # instance -> node -> first ms
         self.placement_of: dict[bytes, bytes] = {}            # job id -> instance that placed its newest attempt
         self.first_placement_of: dict[bytes, bytes] = {}      # job id -> instance that placed it first (liveness)
-        self.placing_instances: dict[bytes, list] = {}       # job id -> every instance that placed it (attempts)
+        self.placing_instances: dict[bytes, list] = {}        # job id -> every instance that placed an attempt
         self.attempt_of: dict[bytes, int] = {}                # job id -> newest attempt placed
         self.loads = [_Load() for _ in facts]
         self.job_home: dict[bytes, int] = {}                  # job id -> node holding it now
@@ -100,6 +110,7 @@ class DecisionChecker:
         self.job_resources: dict[bytes, object] = {}          # job id -> its Resources
         self.members = set(range(len(facts)))                 # after the evictions and joins decided so far
         self.plans: dict[int, dict] = {}                      # evicted node -> job id -> (target, backups)
+        self.gang_attempt: dict[bytes, tuple] = {}            # gang job id -> (newest attempt placed, world size)
         self.violations: list[Violation] = []
         self.violation_count = 0
         # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
@@ -178,6 +189,8 @@ class DecisionChecker:
         """Validity and capacity are checked once per instance, on its first decision."""
         if isinstance(value, Placement):
             self._check_placement(node, instance, value)
+        elif isinstance(value, GangPlacement):
+            self._check_gang(node, instance, value)
         elif isinstance(value, PlacementSlot):
             for placement in value.placements:
                 self._check_placement(node, instance, placement)
@@ -190,14 +203,24 @@ class DecisionChecker:
             if joined is not None:
                 self.members.add(joined)
 
-    def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
+    def _placed_job(self, node: int, instance: bytes, envelope: bytes) -> JobManifest | None:
+        """The job a decided value places, or None (a violation) if it is no valid signed job."""
         try:
-            _, job = decode_message(placement.job, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                    caches=self.caches)
+            return decode_message(envelope, self.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                  caches=self.caches)[1]
         except RemoteProtocolError as exc:
             self.fail("validity", node, instance, "placed job is not a valid signed job: %s" % exc)
+            return None
+
+    def _check_placement(self, node: int, instance: bytes, placement: Placement) -> None:
+        job = self._placed_job(node, instance, placement.job)
+        if job is None:
             return
         jid = job_id(job)
+        if job.gang.is_gang:
+            self.fail("validity", node, instance, "gang %s decided as one placement, not a gang_placement"
+                      % jid.hex()[:12])
+            return
         if jid in self.placement_of and self.placement_of[jid] != instance:
             # A failed job is placed afresh by its next attempt's instance (SPEC.md P6); two
             # instances placing one attempt (a slot and the job's own) are a violation.
@@ -260,6 +283,73 @@ class DecisionChecker:
                 if index >= gpu_count:
                     self.fail("validity", node, instance, "honest primary %d has no GPU %d" % (primary, index))
             self._commit(primary, jid, job.resources, tuple(placement.gpus))
+
+    def _check_gang(self, node: int, instance: bytes, gang: GangPlacement) -> None:
+        """SPEC.md GA1-GA4: one decision places every rank of one attempt, never again by
+        another instance of that attempt (no two placements of one rank), at a size the job
+        allows, on distinct members that keep the topology rule by their true zone and rail group."""
+        job = self._placed_job(node, instance, gang.job)
+        if job is None:
+            return
+        jid = job_id(job)
+        attempt = placement_attempt(instance, job)
+        if not job.gang.is_gang or attempt is None or len(gang.workers) not in job.gang.sizes():
+            self.fail("validity", node, instance, "gang_placement of %s: not a gang, not its attempt, or a size "
+                      "it does not allow (%d workers)" % (jid.hex()[:12], len(gang.workers)))
+            return
+        earlier = self.gang_attempt.get(jid)
+        if earlier is not None:
+            if attempt <= earlier[0]:
+                self.fail("gang", node, instance, "ranks of gang %s placed by two instances of attempt %d"
+                          % (jid.hex()[:12], attempt))
+                return
+            for rank in range(earlier[1]):   # the attempt before ended (a refusal or a failure)
+                self._unload(gang_worker_id(jid, rank))
+        self.gang_attempt[jid] = (attempt, len(gang.workers))
+        self.first_placement_of.setdefault(jid, instance)
+        self.placement_of[jid] = instance
+        self.placing_instances.setdefault(jid, []).append(instance)
+        holders = [self.index_of.get(w.node) for w in gang.workers]
+        if None in holders or any(self.index_of.get(b) is None for b in gang.backups):
+            self.fail("validity", node, instance, "gang placement names a non-member")
+            return
+        broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in holders])
+        if broken is not None:
+            self.fail("gang", node, instance, "gang %s breaks its topology: %s" % (jid.hex()[:12], broken))
+        for rank, holder in enumerate(holders):
+            facts = self.facts[holder]
+            if facts.honest and not owner_and_constraints_fit(job, facts.policy, facts.zone, facts.labels):
+                self.fail("validity", node, instance, "honest node %d may not run rank %d of gang %s"
+                          % (holder, rank, jid.hex()[:12]))
+            wid = gang_worker_id(jid, rank)
+            self.job_backups[wid] = tuple(self.index_of.get(b) for b in gang.backups)
+            self.job_resources[wid] = job.resources
+            if holder in self.members:
+                self._commit(holder, wid, job.resources, tuple(gang.workers[rank].gpus))
+            else:
+                self.job_home[wid] = holder
+                self._move_to_first_live_backup(wid, holder)
+
+    def check_gangs_running(self, runs_by_node: dict) -> None:
+        """At the end of a run (SPEC.md GA4): no rank of a gang's ended attempt still runs on
+        an honest node, and no rank runs on two honest nodes at once."""
+        where: dict[bytes, int] = {}
+        newest = {gang_worker_id(jid, rank): (jid, attempt) for jid, (attempt, world) in self.gang_attempt.items()
+                  for rank in range(world)}
+        stale = {gang_worker_id(jid, rank): jid for jid, (attempt, world) in self.gang_attempt.items()
+                 for rank in range(world, MAX_GANG_WORKERS)}
+        for node, runs in sorted(runs_by_node.items()):
+            for run in runs:
+                wid = run.job_id
+                if wid in stale and wid not in newest:
+                    self.fail("gang", node, None, "node %d runs a rank the gang's newest attempt does not have"
+                              % node)
+                if wid in newest and run.fence // FENCE_PER_ATTEMPT != newest[wid][1]:
+                    self.fail("gang", node, None, "node %d runs a rank of gang %s's ended attempt %d"
+                              % (node, newest[wid][0].hex()[:12], run.fence // FENCE_PER_ATTEMPT))
+                if wid in newest and where.setdefault(wid, node) != node:
+                    self.fail("gang", node, None, "a rank of gang %s runs on nodes %d and %d"
+                              % (newest[wid][0].hex()[:12], where[wid], node))
 
     def _commit(self, holder: int, jid: bytes, resources, gpus: tuple) -> None:
         """The load a decision puts on ``holder``: what ``could_host`` counts. Whether an
@@ -432,27 +522,38 @@ class DecisionChecker:
                 continue
             due_ms = deadline_ms + (excused_ms or {}).get(jid, 0)
             instance = self.first_placement_of.get(jid)
-            # Decided at a node once any attempt's placement is: a node down while the first
-            # attempt was decided, which then failed, learns the job from the next one.
-            seen = [self.decided_at.get(i, {}) for i in self.placing_instances.get(jid, ())]
-            late = [n for n in deciders if all(at.get(n, due_ms + 1) > due_ms for at in seen)]
+            seen = self.placed_at(jid)
+            late = [n for n in deciders if seen.get(n, due_ms + 1) > due_ms]
             if late:
                 late_jobs.append((jid, instance, submitted_ms, late, due_ms))
         return late_jobs
 
+    def placed_at(self, jid: bytes) -> dict[int, int]:
+        """node -> when it first decided a placement of the job, of any attempt: a node that
+        learnt a retry's placement first refuses the older attempt's certificate
+        (``placement_of_earlier_attempt``) and rightly never decides that instance."""
+        seen: dict[int, int] = {}
+        for instance in self.placing_instances.get(jid, ()):
+            for node, at_ms in self.decided_at.get(instance, {}).items():
+                seen[node] = min(at_ms, seen.get(node, at_ms))
+        return seen
+
     def check_liveness(self, jobs: dict[bytes, int], deciders: list[int], deadline_ms: int,
-                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None) -> int:
+                       unplaceable: frozenset = frozenset(), excused_ms: dict | None = None,
+                       reason_of: Callable[..., str] | None = None) -> int:
         """Every job (id -> submit ms) placed at every node in ``deciders`` by ``deadline_ms``
         plus its ``excused_ms``, except the ``unplaceable`` ones no honest member can take.
 
         Returns how many (job, node) pairs were missing; each missing job is one violation.
+        ``reason_of(job id, instance, submit ms, late nodes, due ms)`` names why, in its detail.
         """
         missing_pairs = 0
-        for jid, instance, submitted_ms, late, due_ms in self.late_jobs(jobs, deciders, deadline_ms, unplaceable,
-                                                                        excused_ms):
+        for entry in self.late_jobs(jobs, deciders, deadline_ms, unplaceable, excused_ms):
+            jid, instance, submitted_ms, late, due_ms = entry
             missing_pairs += len(late)
+            reason = " (%s)" % reason_of(*entry) if reason_of is not None else ""
             self.fail("liveness", late[0], instance or jid, "job submitted at %d ms not decided at %d of "
-                      "%d honest nodes by %d ms" % (submitted_ms, len(late), len(deciders), due_ms))
+                      "%d honest nodes by %d ms%s" % (submitted_ms, len(late), len(deciders), due_ms, reason))
         return missing_pairs
 
     def check_evidence(self, witnessed: dict[int, set[int]], evidence_of: Callable[[int], set[bytes]]) -> None:

@@ -189,7 +189,7 @@ class SimRunner:
                     self._end(job, "killed")
 
     async def start(self, job_id: bytes, entrypoint: str, args: list[str], gpus: list[int],
-                    restore: tuple[bytes, int, int] | None, fence: int) -> int:
+                    restore: tuple[bytes, int, int] | None, fence: int, extra_env: dict | None = None) -> int:
         if self._nursery is None:
             raise LocalProtocolError("SimRunner.start before serve() is running")
         if job_id in self._jobs:

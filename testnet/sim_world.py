@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 from keys.genesis import DEFAULT_PARAMS, Genesis, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity
-from protocol.messages import (Attestation, Constraints, JobManifest, Member, Resources, encode_message,
-                               job_id)
 from protocol.gpu_shares import MILLI_PER_GPU
+from protocol.messages import (GANG_TOPOLOGIES, Attestation, Constraints, Gang, JobManifest, Member, Resources,
+                               Scheduling, encode_message, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 
 ZONES = ("eu-west", "eu-central", "us-east")
@@ -99,9 +99,11 @@ def choose_byzantine(rng: random.Random, stakes: list[int], fraction_milli: int)
 
 def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, submit_window_ms: int,
                 params: ProtocolParams = SIM_PARAMS, fractional_per_mille: int = 0, quota_gpus: int = 0,
-                reservations: bool = False) -> World:
+                reservations: bool = False, preempt: bool = False) -> World:
     """``quota_gpus`` > 0: the default pool limits each owner to that many GPUs (SPEC.md 5.5);
-    ``reservations``: Q5 on. Neither draws from ``rng``: a seed's world is the same with them."""
+    ``reservations``: Q5 on. Neither draws from ``rng``: a seed's world is the same with them.
+    ``preempt``: a preemption workload (``meshnode sim --preempt``): every job asks for
+    GPUs, more than fit at once, with mixed priorities, and about half are preemptible."""
     if n < 1:
         raise ValueError("a mesh needs at least one node")
     authority = _identity(rng)
@@ -138,7 +140,8 @@ def build_world(rng: random.Random, n: int, jobs: int, byzantine_milli: int, sub
     honest = [s for s in nodes if s.index not in byzantine]
     mesh_id = genesis.mesh_id  # a property that hashes the whole genesis: compute it once
     job_specs = [make_job(rng, mesh_id, owners, nodes, honest, index, jobs, submit_window_ms,
-                          stamp_submit_time=params.placement_slot_ms > 0, fractional_per_mille=fractional_per_mille)
+                          stamp_submit_time=params.placement_slot_ms > 0, fractional_per_mille=fractional_per_mille,
+                          preempt=preempt)
                  for index in range(jobs)]
     job_specs.sort(key=lambda j: j.submit_ms)
     return World(genesis, nodes, authority, owners, job_specs, byzantine)
@@ -163,7 +166,7 @@ def honest_fit(job: JobManifest, node: NodeSpec) -> bool:
 
 def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], nodes: list[NodeSpec],
              honest: list[NodeSpec], index: int, total_jobs: int, submit_window_ms: int,
-             stamp_submit_time: bool = False, fractional_per_mille: int = 0) -> JobSpec:
+             stamp_submit_time: bool = False, fractional_per_mille: int = 0, preempt: bool = False) -> JobSpec:
     """A signed job that at least one honest node accepts; sized so all jobs fit together.
     ``stamp_submit_time``: its owner stamps ``created_ms`` when it submits the job, as real
     clients do (which slot places it depends on it, SPEC.md P7); otherwise the job's index.
@@ -173,6 +176,8 @@ def make_job(rng: random.Random, mesh_id: bytes, owners: list[SigningIdentity], 
     liveness check.
     """
     job = _draw_job(rng, owners, nodes, index, total_jobs)
+    if preempt:
+        job = _preemption_job(rng, job)
     if fractional_per_mille and rng.randrange(1000) < fractional_per_mille:
         job = _as_share_job(rng, job, nodes, total_jobs)
     if honest and not any(honest_fit(job, s) for s in honest):
@@ -208,6 +213,18 @@ def _as_share_job(rng: random.Random, job: JobManifest, nodes: list[NodeSpec], t
     return replace(job, resources=resources, strategy=strategy)
 
 
+PREEMPT_PRIORITIES = (0, 100, 500, 900)
+
+
+def _preemption_job(rng: random.Random, job: JobManifest) -> JobManifest:
+    """The job with GPUs whatever the mesh holds, a priority from PREEMPT_PRIORITIES and,
+    one time in two, preemptible (SPEC.md P8): draws made only with ``--preempt``, so
+    the other runs keep their seeds' worlds."""
+    resources = replace(job.resources, gpus=rng.choice((1, 1, 2)), gpu_mem_mib=rng.choice((8192, 16384, 40960)))
+    return replace(job, resources=resources, priority=rng.choice(PREEMPT_PRIORITIES),
+                   scheduling=Scheduling(preemptible=rng.randrange(2) == 0))
+
+
 def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[NodeSpec], index: int,
               total_jobs: int) -> JobManifest:
     owner = rng.choice(owners)
@@ -230,3 +247,24 @@ def _draw_job(rng: random.Random, owners: list[SigningIdentity], nodes: list[Nod
                        constraints=Constraints(zones=zones, labels=labels, attested=()),
                        priority=rng.randint(0, 10), backups=rng.randint(0, 2), max_retries=3,
                        created_ms=GENESIS_MS + index, epoch=0)
+
+
+def with_gangs(world: World, rng: random.Random, per_mille: int) -> World:
+    """``per_mille`` of the world's jobs become gangs (SPEC.md GA1), drawn from ``rng`` alone
+    so a run without gangs keeps its seed's world: 2 or 3 workers, or elastic 2..4, each
+    CPU-only (every rank on its own node), any topology, constraints and policy as drawn."""
+    jobs = []
+    for spec in world.jobs:
+        if rng.randrange(1000) >= per_mille:
+            jobs.append(spec)
+            continue
+        if rng.randrange(2):
+            gang = Gang(workers=rng.choice((2, 3)), topology=rng.choice(GANG_TOPOLOGIES))
+        else:
+            gang = Gang(workers=0, min_workers=2, max_workers=4, topology=rng.choice(GANG_TOPOLOGIES))
+        resources = Resources(gpus=0, gpu_mem_mib=0, cpu_milli=spec.job.resources.cpu_milli,
+                              mem_mib=spec.job.resources.mem_mib)
+        job = replace(spec.job, resources=resources, gang=gang, name="gang-" + spec.job.name)
+        owner = next(o for o in world.owners if o.public_key == job.owner)
+        jobs.append(JobSpec(job, encode_message(owner, world.mesh_id, job), job_id(job), spec.submit_ms))
+    return replace(world, jobs=jobs)

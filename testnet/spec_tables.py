@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import sys
 from functools import lru_cache
+from types import SimpleNamespace
 
 from keys.genesis import DEFAULT_PARAMS, Genesis, OwnerQuota, Pool, ProtocolParams, Quota
 from keys.identity import SigningIdentity, peer_id_bytes
@@ -28,11 +29,13 @@ from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
+from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
-                               Constraints, Evidence, GpuState, Join, JobMove, Member, MembershipChange, Migration,
-                               MoveRequest, OutputFile, Placement, PlacementSlot, Proposal, PrevoteCertificate,
-                               Reflex, ReflexTrigger, Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
-                               placement_slot_id, value_hash)
+                               Constraints, Evidence, Gang, GangPlacement, GangWorker, GpuState, Join, JobMove, Member,
+                               MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
+                               Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
+                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
+                               placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
@@ -41,7 +44,8 @@ VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carr
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
-                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove, Reflex)
+                  MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
+                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -53,13 +57,14 @@ NESTED_ENVELOPES = {
     (Bid, "attestations"): (("attestation",), "this mesh or ANY_MESH; one that fails to verify, is not by a "
                                               "genesis authority, not about the bidder or not valid at the "
                                               "vector's `taken_ms` is ignored (P4, 5.3)"),
-    (Proposal, "justification"): (("bid", "suspicion", "commit"),
+    (Proposal, "justification"): (("bid", "suspicion", "commit", "decline", "cap"),
                                   "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
                                   "and in a slot mesh's late attempt-0 placement the slot's `commit` last (P4b, "
                                   "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
-                                  "validator ignores any). For the other kinds one that fails makes the "
-                                  "proposal invalid"),
+                                  "validator ignores any); `preemption`: every member's `decline` and the "
+                                  "candidate nodes' `cap`s (at most 64, P8b). For the other kinds one that fails "
+                                  "makes the proposal invalid"),
     (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
                                                        "else the proposal is invalid (6.3)"),
     (PrevoteCertificate, "prevotes"): (("prevote",), "one bad entry invalidates the certificate (6.1, 6.7)"),
@@ -78,6 +83,9 @@ NESTED_ENVELOPES = {
                          "an `attestation` by a genesis authority (this mesh or ANY_MESH) or `endorsement`s "
                          "by members (this mesh); others are ignored (F7)"),
     (Placement, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P2, P4b); in a certificate, 6.7"),
+    (Preemption, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P8b); in a certificate, 6.7"),
+    (GangPlacement, "job"): (("job",), "as Placement `job`, and the job has a `gang` of more than one "
+                                       "worker (GA3)"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
     (JobMove, "request"): (("move_request", "reflex_trigger"),
                            "this mesh, for this instance: a `move_request` signed by the job's owner (R2), or a "
@@ -212,6 +220,10 @@ def _coherent(cls, body: dict) -> dict:
                                                         "expires_ms": VECTOR_TIME_MS + 86_400_000})])
     elif cls is Placement:
         body.update(job=_job_envelope(), primary=me, backups=[])
+    elif cls is Gang:
+        body = Gang().to_body()   # the default: one worker, a plain job (GA1)
+    elif cls is GangPlacement:
+        body.update(job=_job_envelope(), backups=[])
     elif cls is Proposal:
         body = _proposal_body(VECTOR_ROUND)
     elif cls in (MESSAGE_TYPES["prevote"], MESSAGE_TYPES["precommit"]):
@@ -358,6 +370,9 @@ def render_instance_ids() -> str:
         lines.append("retry_instance attempt=%d: %s" % (attempt, placement_instance_id(VECTOR_JOB_ID, attempt).hex()))
     for epoch, slot in VECTOR_SLOTS:
         lines.append("slot_instance epoch=%d slot=%d: %s" % (epoch, slot, placement_slot_id(epoch, slot).hex()))
+    for attempt in (0, 1):
+        lines.append("preemption_instance attempt=%d: %s" % (
+            attempt, preemption_instance_id(placement_instance_id(VECTOR_JOB_ID, attempt)).hex()))
     lines.append("```")
     return "\n".join(lines)
 
@@ -372,6 +387,20 @@ def render_move_vectors() -> str:
                       "job_move_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
 
 
+def sample_preemption() -> Preemption:
+    """P8: the sample job (attempt 0) placed by preempting two jobs on the vector key's node."""
+    victims = tuple(PreemptionVictim(job_id=bytes([b]) * 32, fence=65_537) for b in (0x11, 0x22))
+    return Preemption(job=_job_envelope(), attempt=0, node=vector_key(), victims=victims)
+
+
+def render_preemption_vector() -> str:
+    """A preemption value (P8a) as it is decided: its canonical bytes, hash and instance."""
+    value = codec.pack(sample_preemption().to_body())
+    return "\n".join(["```", "preemption_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(),
+                      "instance: %s" % preemption_instance_id(placement_instance_id(sample_job_id(), 0)).hex(),
+                      "```"])
+
+
 VECTOR_PASSPHRASE = b"meshnode test vector"
 VECTOR_SALT = bytes(range(16))
 VECTOR_NONCE = bytes(range(24))
@@ -384,10 +413,44 @@ def render_keystore_vector() -> str:
     return "passphrase (UTF-8): `%s`\n\n```json\n%s```" % (VECTOR_PASSPHRASE.decode(), document.decode())
 
 
+# GA2's worked example: bidders in rank order, (name, zone, rail group).
+GANG_EXAMPLE = (("n0", "zone-a", "rail-1"), ("n1", "zone-b", "rail-3"), ("n2", "zone-a", "rail-2"),
+                ("n3", "zone-a", "rail-1"), ("n4", "zone-b", "rail-3"), ("n5", "zone-b", "rail-3"))
+GANG_EXAMPLE_CASES = (("none", (2,)), ("zone", (3,)), ("rail_group", (3,)), ("rail_group", (4, 3)),
+                      ("spread_zones", (4,)), ("zone", (4,)))
+
+
+def render_gang_vectors() -> str:
+    """GA2's worked example (topology, sizes -> ranks, diameter, backups) and GA4/GA5's ids."""
+    bidders = [SimpleNamespace(signer=name.encode(), capability=SimpleNamespace(node=name, zone=zone, rail_group=rail))
+               for name, zone, rail in GANG_EXAMPLE]
+    lines = ["```"]
+    lines.extend("bidder %d: %s %s %s" % (i, *entry) for i, entry in enumerate(GANG_EXAMPLE))
+    for topology, sizes in GANG_EXAMPLE_CASES:
+        workers = pick_gang(topology, sizes, bidders)
+        if workers is None:
+            lines.append("%s sizes=%s: none fits" % (topology, list(sizes)))
+            continue
+        caps = [w.capability for w in workers]
+        assert topology_error(topology, caps) is None
+        lines.append("%s sizes=%s: ranks %s diameter %d backups %s" % (
+            topology, list(sizes), " ".join(w.capability.node for w in workers), diameter(caps),
+            " ".join(b.capability.node for b in pick_backups(workers, bidders, 2))))
+    lines.append("job_id: %s" % VECTOR_JOB_ID.hex())
+    for rank in (0, 1):
+        worker = gang_worker_id(VECTOR_JOB_ID, rank)
+        lines.append("gang_worker_id rank=%d: %s" % (rank, worker.hex()))
+        lines.append("gang_port rank=%d fence=1: %d" % (rank, gang_port(worker, 1)))
+    lines.append("```")
+    return "\n".join(lines)
+
+
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
-             "move vectors": render_move_vectors}
+             "move vectors": render_move_vectors,
+             "preemption vector": render_preemption_vector,
+             "gang vectors": render_gang_vectors}
 
 
 def generated_block(text: str, name: str) -> str:

@@ -102,6 +102,54 @@ def test_testnet_places_joins_and_leaves_nothing(tmp_path):
     assert launcher.testnet_processes(root) == []
 
 
+def job_table_everywhere(node_dirs):
+    """(state, primary, fence) of every job, when every node is a member of the whole mesh
+    and all of them list exactly that (`meshnode jobs --json` on each); else None."""
+    tables = []
+    for node_dir in node_dirs:
+        status = meshnode_json("status", "--node", node_dir)
+        if not status["member"] or status["members"] != len(node_dirs):
+            return None
+        rows = meshnode_json("jobs", "--node", node_dir)["jobs"]
+        tables.append({row["job_id"]: (row["state"], row["primary"], row["fence"]) for row in rows})
+    return tables[0] if all(table == tables[0] for table in tables) else None
+
+
+def test_after_a_kill_a_migration_and_a_restart_every_member_lists_each_job_alike(tmp_path):
+    """Issue 15: after kills, restarts and migrations every member's `jobs --json` agrees on
+    each job's state, primary and fence. The last decision is the killed node's readmission;
+    after it the members are polled until they agree (the one-second bound is checked in
+    virtual time by the node-mode simulator's agreement_1s, SPEC 11)."""
+    root = tmp_path / "net"
+    meshnode_json("testnet", "up", "--nodes", "4", "--dir", str(root))
+    try:
+        layout = launcher.load_layout(root)
+        owner_key = layout["owners"][0]["key_file"]
+        node_dirs = [n["dir"] for n in layout["nodes"]]
+        keys = [meshnode_json("status", "--node", d)["node"] for d in node_dirs]
+        moved, stays = (meshnode_json("submit", "jobs/counter.toml", "--key", owner_key, "--node", node_dirs[i],
+                                      "--wait")["job_id"] for i in (1, 2))
+        primary = wait_for(lambda: job_everywhere(node_dirs, moved), "the placement at every node")[0]["primary"]
+        killed = keys.index(primary)
+        survivors = [d for i, d in enumerate(node_dirs) if i != killed]
+        meshnode("testnet", "kill", str(killed), "--dir", str(root))
+
+        def migrated():
+            rows = job_everywhere(survivors, moved)
+            return rows and all(r["primary"] != primary and r["fence"] >= 2 for r in rows)
+        wait_for(migrated, "the killed primary's job on its backup at every survivor", deadline_s=60)
+        meshnode("testnet", "start", str(killed), "--dir", str(root))   # evicted: it rejoins
+        agreed = wait_for(lambda: job_table_everywhere(node_dirs), "one job table at all four members", deadline_s=90)
+        assert set(agreed) == {moved, stays}
+        state, now_primary, fence = agreed[moved]
+        assert state == "running" and now_primary != primary and fence >= 2
+        assert agreed[stays][0] == "running"
+        assert job_table_everywhere(node_dirs) == agreed   # and it stays so
+    finally:
+        meshnode("testnet", "down", "--dir", str(root), check=False)
+    assert launcher.testnet_processes(root) == []
+
+
 def test_testnet_processes_skips_the_callers_own_ancestors(tmp_path):
     """`flock L meshnode bench --dir ROOT` names ROOT too: tearing the testnet down must not
     SIGKILL the wrapper that started it. A process working in ROOT is still found."""

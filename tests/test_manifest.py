@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from keys.identity import SigningIdentity
+from meshnode.workload.builtin import BUILTIN_KINDS
 from meshnode.workload.manifest import load_manifest, parse_manifest, verify_signed_job
 from protocol.envelope import ANY_MESH
 from protocol.errors import ManifestError, RemoteProtocolError
@@ -32,7 +33,7 @@ def test_minimal_manifest_takes_documented_defaults():
 @pytest.mark.parametrize("path", sorted(JOBS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_examples_parse(path):
     job = load_manifest(path, OWNER.public_key, 1, epoch=0)
-    assert job.name and job.entrypoint in ("counter", "train")
+    assert job.name and job.entrypoint in BUILTIN_KINDS
 
 
 def test_sovereign_example_carries_constraints():
@@ -146,3 +147,25 @@ def test_reflex_errors_name_the_field(tail, error):
     with pytest.raises(ManifestError) as info:
         parse(MINIMAL + tail)
     assert error in str(info.value)
+
+
+def test_gang_table_parses_fixed_and_elastic_sizes():
+    assert not parse(MINIMAL).gang.is_gang   # no [gang]: a plain job, as before
+    fixed = parse(MINIMAL + '[gang]\nworkers = 4\ntopology = "rail_group"\n').gang
+    assert (fixed.is_gang, fixed.sizes(), fixed.topology) == (True, (4,), "rail_group")
+    elastic = parse(MINIMAL + '[gang]\nmin_workers = 2\nmax_workers = 8\nmultiple_of = 4\n').gang
+    assert (elastic.workers, elastic.sizes()) == (0, (8, 4))
+
+
+@pytest.mark.parametrize("tail, error", [
+    ('[gang]\nworkers = 4\nmax_workers = 8\n', "[gang]: min_workers, max_workers and multiple_of are for an elastic"),
+    ('[gang]\nmin_workers = 5\nmax_workers = 3\n', "[gang]: an elastic gang (workers = 0) needs 1 <= min_workers"),
+    ('[gang]\nmin_workers = 5\nmax_workers = 7\nmultiple_of = 4\n', "[gang]: no multiple of multiple_of 4"),
+    ('[gang]\nworkers = 17\n', "gang.workers: expected an integer 0..16"),
+    ('[gang]\ntopology = "rack"\n', "gang.topology: expected one of 'none', 'zone', 'rail_group', 'spread_zones'"),
+    ('[gang]\nsize = 2\n', "[gang]: unknown key 'size'"),
+])
+def test_gang_errors_name_the_field(tail, error):
+    with pytest.raises(ManifestError) as raised:
+        parse(MINIMAL + tail)
+    assert error in str(raised.value)

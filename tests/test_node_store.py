@@ -229,3 +229,36 @@ def test_a_held_reservation_comes_back_after_reopen_and_a_released_one_is_gone(t
     reopened = NodeStore(path)
     restored = [r for r in reopened.safety_records() if r.table == "reservations"]
     assert [(r.key, r.value["gpus"], r.value["bid"]) for r in restored] == [("01" * 32, [0, 1], b"bid-envelope")]
+
+
+def test_a_restart_from_the_store_never_rewinds_the_capability_seq(tmp_path):
+    """SPEC P1, issue 15 (stale capability): peers keep a vector only if its seq is higher, so
+    the floor a core persists comes back from the store and a core restarted on it signs
+    above everything it signed before (the driver passes ``capability_seq_floor()``)."""
+    import hashlib
+    import random
+
+    from keys.genesis import DEFAULT_PARAMS, Genesis
+    from protocol.mesh import MeshCore
+    from protocol.messages import Member
+    from protocol.policy import LocalCapacity, NodePolicy
+    identity = SigningIdentity(hashlib.sha256(b"restarted node").digest())
+    genesis = Genesis(name="t", created_ms=0, params=DEFAULT_PARAMS, authorities=(),
+                      members=(Member(public_key=identity.public_key, stake=10, zone="z", labels=(), addrs=()),))
+
+    def core(floor: int) -> MeshCore:
+        return MeshCore(identity=identity, genesis=genesis, policy=NodePolicy(zone="z"), capacity=LocalCapacity(),
+                        rng=random.Random(1), now_ms=0, capability_seq_floor=floor)
+
+    path = tmp_path / "node.sqlite"
+    store = NodeStore(path)
+    before = core(store.capability_seq_floor())
+    for second in range(1, 6):
+        store.record_ready(before.update_telemetry((), 0, 1000 * second, simulated=True))
+    signed = before.capability.vector.seq
+    store.close()
+    floor = NodeStore(path).capability_seq_floor()
+    assert floor > signed
+    after = core(floor)
+    after.update_telemetry((), 0, 10, simulated=True)
+    assert after.capability.vector.seq > signed

@@ -7,7 +7,7 @@ Covered, one rule per group of tests:
   b. a valid RoundSync pulls a node of an earlier round into its round; one of at most 1/3
      of the stake, with a forged, foreign, repeated or non-member change, or a message of
      another kind inside, is dropped as "bad_round_sync"; one for a round not after ours as
-     "stale_round";
+     "stale_round", but one for the round rule 3 moved us into restarts its timer;
   c. a collector answers a stale round change once per (sender, round): with the newest
      RoundSync it knows for a later round, else with its own RoundChange;
   d. a non-collector whose round's leader announced a later round enters the next round
@@ -400,6 +400,29 @@ def test_6_5_d_a_round_ended_early_by_its_leader_keeps_the_nodes_round_schedule(
     # leave round 1 at the same moment.
     tick_to_round(other, 1)
     assert other.round == 1 and node.deadline_ms == other.deadline_ms == round0_ends + node.timeout_ms(1)
+
+
+def test_6_5_b_a_round_sync_for_the_round_rule_3_moved_us_into_restarts_its_timer_with_the_nodes_it_pulls():
+    """Rule 3 keeps the deadline of the round it ended; members a RoundSync pulls into that
+    round start a full timeout from then. The node rule 3 moved takes that sync as its round's
+    start, or it would stay a round behind them (n=4 sweep, seed 167: rounds apart for 3 s)."""
+    iid, (leader0, leader1, node_key, m) = find_instance(4, _moved_on_roles)
+    net = Net(4, instance_id=iid)
+    node = net.nodes[node_key]
+    pulled = net.nodes[next(k for k in net.keys if k not in (leader0, leader1, node_key))]
+    node.start(0)
+    pulled.start(0)
+    node.receive(round_change(identity_of(net, leader0), m, instance=iid), 40)
+    assert node.round == 1 and node.deadline_ms == node.timeout_ms(0) + node.timeout_ms(1)
+    changes = [round_change(identity_of(net, k), 1, instance=iid) for k in (leader0, node_key)]
+    sync = round_sync(identity_of(net, leader1), 1, changes, instance=iid)
+    assert round_changes(pulled.receive(sync, 60)) == [(1, "round_sync")]
+    ready = node.receive(sync, 60)
+    assert node.round == 1 and not ready.events and not ready.messages
+    assert node.deadline_ms == pulled.deadline_ms == 60 + node.timeout_ms(1)
+    before = node.dropped["stale_round"]
+    node.receive(sync, 70)                # its timer runs from now on: the same sync is stale
+    assert node.dropped["stale_round"] == before + 1 and node.deadline_ms == 60 + node.timeout_ms(1)
 
 
 def test_6_5_a_message_more_than_max_rounds_ahead_is_dropped_before_any_work():

@@ -203,11 +203,13 @@ def test_nested_samples_are_the_kind_their_field_holds():
     for kind in MESSAGE_TYPES:
         nested_kinds_seen(opened(kind)[1], seen)
     nested_kinds_seen(decode_value("job_move", bytes.fromhex(move_vectors()["job_move_value"])), seen)   # R2
+    nested_kinds_seen(spec_tables.sample_preemption(), seen)   # the value of P8e's vector
     for record, field, kind in seen:
         assert kind in table[(record, field)], (record, field, kind)
     # Every documented field is exercised by some vector, apart from MembershipChange's
-    # evidence (no sample value is a membership change; its join twin is covered).
-    assert {(r, f) for r, f, _ in seen} == set(table) - {("MembershipChange", "evidence")}
+    # evidence (no sample value is a membership change; its join twin is covered) and
+    # GangPlacement's job (no sample value is a gang placement; Placement's job is covered).
+    assert {(r, f) for r, f, _ in seen} == set(table) - {("MembershipChange", "evidence"), ("GangPlacement", "job")}
 
 
 # --- the samples verify with the node's own checks (6.3, 6.5, 6.7, P4b) ---------------------
@@ -333,6 +335,10 @@ def test_instance_id_vectors_follow_the_formulas_of_p2_and_p7():
         values = dict(p.split("=") for p in params)
         if kind == "retry_instance":
             expected = hashlib.sha256(b"retry" + jid + int(values["attempt"]).to_bytes(2, "big")).digest()
+        elif kind == "preemption_instance":   # P8a: of the attempt's placement instance
+            attempt = int(values["attempt"])
+            placement = jid if attempt == 0 else hashlib.sha256(b"retry" + jid + attempt.to_bytes(2, "big")).digest()
+            expected = hashlib.sha256(b"preempt" + placement).digest()
         else:
             epoch, slot = int(values["epoch"]), int(values["slot"])
             expected = hashlib.sha256(b"slot" + epoch.to_bytes(8, "big") + (slot % (1 << 64)).to_bytes(8, "big"))

@@ -20,7 +20,7 @@ from keys.identity import short_id
 from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examples, key_value_table,
                                  passphrase_source_from_args, unlock_identity)
 from meshnode.control.client import ControlClient, ControlError, ControlUnavailable
-from meshnode.tui.tables import format_ms, node_label, short_job_id
+from meshnode.tui.tables import format_ms, node_label, primary_cell, short_job_id
 from protocol.errors import MeshError
 from protocol.messages import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, Cancel, MoveRequest, OutputRead,
                                encode_message)
@@ -139,7 +139,7 @@ def render_job_list(result: dict) -> Table:
         else:   # never squeezed: the name gives way
             table.add_column(column, no_wrap=True, min_width=LIST_COLUMN_WIDTHS.get(column))
     for job in sorted(result["jobs"], key=lambda j: (j.get("submitted_ms", 0), j["job_id"])):
-        table.add_row(_short_job(job["job_id"]), job["name"], job["state"], node_label(job.get("primary")),
+        table.add_row(_short_job(job["job_id"]), job["name"], job["state"], primary_cell(job),
                       str(len(job.get("backups", []))), _checkpoint_text(job), str(job.get("migrations", 0)),
                       _exit_text(job))
     return table
@@ -164,6 +164,13 @@ def render_job_status(job: dict) -> Table:
             ("runs here", "yes" if job.get("running_here") else "no")]
     if job["state"] == "pending":
         rows += [("declines", declines), ("hint", job.get("hint") or "-")]
+    gang = job.get("gang")
+    if gang is not None:   # one job, its ranks listed (SPEC.md GA4)
+        rows += [("gang", "%s workers, topology %s" % ("/".join(map(str, gang["sizes"])), gang["topology"]))]
+        rows += [("rank %d" % w["rank"], "%s %s fence %d" % (node_label(w.get("primary")), w["state"], w["fence"]))
+                 for w in gang["workers"]]
+    if job.get("gang_of"):
+        rows += [("gang", "rank %d of %s" % (job["gang_of"]["rank"], _short_job(job["gang_of"]["gang_id"])))]
     return key_value_table("job %s" % _short_job(job["job_id"]), rows)  # the 64-digit id fits whole at 80
 
 

@@ -265,11 +265,16 @@ def cmd_why(args) -> int:
 def render_why(console, result: dict) -> None:
     """Declines grouped by reason for a pending job; for any other state, that state."""
     job = short_job_id(result["job_id"])
+    preempted_by = result.get("preempted_by")
     if result.get("state") != "pending":
-        console.print("job %s is %s, not pending: no decline holds it back" % (job, result.get("state", "?")))
+        console.print("job %s is %s, not pending: no decline holds it back%s" % (
+            job, result.get("state", "?"), "" if not preempted_by else
+            " (it was preempted by job %s, and resumed)" % short_job_id(preempted_by)))
         return
     groups = group_declines(result.get("declines", {}))
-    console.print(key_value_table("why job %s is pending" % job, [
+    preempted = [("preempted by", "job %s, to place it (SPEC P8); resumes from its checkpoint when capacity "
+                  "returns" % short_job_id(preempted_by))] if preempted_by else []
+    console.print(key_value_table("why job %s is pending" % job, preempted + [
         (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]
         + queue_rows(result.get("queue"))))
 

@@ -15,8 +15,9 @@ from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.flows.move import decode_request
-from protocol.messages import (CommitCertificate, decode_message, decode_value, job_id as job_id_of,
-                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id)
+from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
+                               placement_attempts, placement_instance_id, placement_slot, placement_slot_id,
+                               preemption_instance_id)
 
 if TYPE_CHECKING:
     from meshnode.node.driver import Node
@@ -33,6 +34,18 @@ def _hex(value):
 
 def _hex_list(values):
     return [_hex(v) for v in values]
+
+
+def _gang_fields(job: dict) -> dict:
+    """A gang's topology, sizes and ranks, or a rank's gang, in hex for the wire (GA4)."""
+    fields = {}
+    if "gang" in job:
+        gang = job["gang"]
+        fields["gang"] = {"topology": gang["topology"], "sizes": gang["sizes"], "workers": [
+            {**w, "job_id": w["job_id"].hex(), "primary": _hex(w["primary"])} for w in gang["workers"]]}
+    if "gang_of" in job:
+        fields["gang_of"] = {"gang_id": job["gang_of"]["gang_id"].hex(), "rank": job["gang_of"]["rank"]}
+    return fields
 
 
 def _text_arg(args: dict, name: str) -> str:
@@ -120,7 +133,8 @@ class ControlApi:
                 "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
 
     async def jobs(self, args) -> dict:
-        return {"jobs": [self._job_row(job) for job in self.node.core.jobs()]}
+        """Every job; a gang is one row with its ranks (SPEC.md GA4), not a row per rank."""
+        return {"jobs": [self._job_row(job) for job in self.node.core.jobs() if "gang_of" not in job]}
 
     def _job_row(self, job: dict) -> dict:
         checkpoint_seq, checkpoint_age_ms = newest_checkpoint(self.node, job)
@@ -135,6 +149,7 @@ class ControlApi:
             "hint": job.get("hint"), "exit_code": job.get("exit_code"),
             # Where it runs at its primary, and its share of that GPU (0: whole GPUs; SPEC.md P4c).
             "gpus": list(job.get("gpus", ())), "gpu_milli": job["manifest"].resources.gpu_milli,
+            **_gang_fields(job),
         }
 
     def _find_job(self, args) -> dict:
@@ -209,7 +224,8 @@ class ControlApi:
         queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
         return {"job_id": job["job_id"].hex(), "state": job["state"],
                 "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint"), "queue": queue}
+                "hint": job.get("hint"), "queue": queue,
+                "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
 
     async def certificates(self, args) -> dict:
         """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or
@@ -260,6 +276,10 @@ class ControlApi:
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
         rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
                  if self._moved_job_id(self._decided(row)) == jid]
+        # Preemptions (P8) that placed it (one per attempt) or stopped it.
+        preempting = {preemption_instance_id(bytes.fromhex(instance)).hex() for instance in instances}
+        rows += [row for row in self._certificate_rows("value_kind = 'preemption'", [])
+                 if row["instance"] in preempting or any(v.job_id == jid for v in self._decided(row).victims)]
         return sorted(rows, key=lambda row: row["seq"])   # decision order
 
     def _decided(self, row: dict):

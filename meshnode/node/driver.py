@@ -35,6 +35,7 @@ from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry, TelemetryError
 from meshnode.net.limits import RefusalReport
+from meshnode.workload.sdk import GANG_PEERS_FILE, GANG_PEERS_FILE_ENV, format_peers, gang_environment, multiaddr_host
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
 from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
@@ -159,6 +160,20 @@ class Node:
         for key, addr in targets.items():
             await self.transport.connect(key, addr)
 
+    def _publish_gang_peers(self, job_id: bytes, gang) -> str:
+        """Write a rank's peers where its workload reads them (GA5), whole or not at all."""
+        path = os.path.join(self.runner.workdir(job_id), GANG_PEERS_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="ascii") as fh:
+            fh.write(format_peers(gang, self._member_host))
+        os.replace(path + ".tmp", path)
+        return path
+
+    def _member_host(self, key: bytes) -> str:
+        """The host part of a member's first address (a gang's peer, SPEC.md GA5)."""
+        record = next((m for m in self.core.member_records() if m.public_key == key), None)
+        return multiaddr_host(record.addrs[0]) if record is not None and record.addrs else "127.0.0.1"
+
     # --- the loops -----------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
@@ -280,6 +295,9 @@ class Node:
         elif kind == "run":
             for run in decision.value:
                 await self._start_workload(run)
+        elif kind == "gang_peers":   # a rank moved: the others rebuild their ring with it (GA5)
+            for job_id, gang in decision.value:
+                self._publish_gang_peers(job_id, gang)
         elif kind == "halt" or (kind == "eviction" and decision.value.node == self.identity.public_key):
             # The core saw this node stall past the detection bound (SPEC.md F3), or this
             # node was evicted: its workloads may already run elsewhere. Its stop orders
@@ -301,7 +319,11 @@ class Node:
         self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence)
+            extra_env = gang_environment(run.gang, self._member_host)
+            if run.gang is not None:
+                extra_env[GANG_PEERS_FILE_ENV] = self._publish_gang_peers(job_id, run.gang)
+            pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence,
+                                          extra_env)
         except MeshError as exc:
             log.warning("cannot start job %s: %s", job_id.hex()[:12], exc)
             await self._handle(self.core.job_exited(job_id, 127, now_ms()))

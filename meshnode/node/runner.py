@@ -188,8 +188,9 @@ class WorkloadRunner:
                                  "node's config" % (entrypoint, ", ".join(BUILTIN_KINDS)))
 
     async def start(self, job_id: bytes, entrypoint: str, args: list[str], gpus: list[int],
-                    restore: tuple[bytes, int, int] | None, fence: int) -> int:
-        """Start a workload; ``restore`` is (state, progress, seq) of the checkpoint to resume."""
+                    restore: tuple[bytes, int, int] | None, fence: int, extra_env: dict | None = None) -> int:
+        """Start a workload; ``restore`` is (state, progress, seq) of the checkpoint to resume;
+        ``extra_env``: variables added to its environment (a gang's rank, SPEC.md GA5)."""
         if self._nursery is None:
             raise LocalProtocolError("WorkloadRunner.start before serve() is running")
         if job_id in self._jobs:
@@ -211,7 +212,7 @@ class WorkloadRunner:
             slot = SlotReader(slot_fd)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
                        **{sdk.SDK_FD_ENV: str(child_end.fileno()), sdk.SLOT_FD_ENV: str(slot_fd),
-                          sdk.WORKDIR_ENV: workdir})
+                          sdk.WORKDIR_ENV: workdir}, **(extra_env or {}))
             popen = subprocess.Popen(
                 argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=output_write,
                 stderr=subprocess.STDOUT, pass_fds=(child_end.fileno(), slot_fd), start_new_session=True,

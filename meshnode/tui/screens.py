@@ -82,6 +82,10 @@ class WhyScreen(ModalScreen):
                                             self.job.get("state", "?"))]
         if self.error:
             lines.append("[red]why: %s[/red]" % self.error)
+        preempted_by = (self.why or {}).get("preempted_by")
+        if preempted_by:   # SPEC P8: stopped to place a higher-priority job; resumes from its checkpoint
+            lines.append("preempted by job %s: resumes from its checkpoint when capacity returns"
+                         % short_job_id(preempted_by))
         lines.append(format_declines(declines))
         for group in group_declines(declines):
             if group.nodes:

@@ -130,12 +130,22 @@ def mesh_row(node: dict) -> tuple[str, ...]:
             gpu_cell, util, temp, throttle)
 
 
+def primary_cell(job: dict) -> str:
+    """A job's primary, or for a gang (SPEC.md GA4) how many of its ranks run: "gang 3/4"."""
+    gang = job.get("gang")
+    if gang is None:
+        return node_label(job.get("primary"))
+    workers = gang.get("workers", ())
+    running = sum(1 for w in workers if w.get("state") == "running")
+    return "gang %d/%d" % (running, len(workers) or max(gang.get("sizes") or [0]))
+
+
 def job_row(job: dict) -> tuple[str, ...]:
     ckpt = job.get("checkpoint_age_ms")
     seq = job.get("checkpoint_seq")
     ckpt_cell = "-" if ckpt is None else ("%s #%d" % (format_ms(ckpt), seq) if seq is not None else format_ms(ckpt))
     return (short_job_id(job.get("job_id")), cut(job.get("name", "?"), JOB_NAME_CHARS), job.get("state", "?"),
-            node_label(job.get("primary")), str(len(job.get("backups", ()))), ckpt_cell,
+            primary_cell(job), str(len(job.get("backups", ()))), ckpt_cell,
             str(job.get("migrations", 0)), format_ms(job.get("lost_work_ms")))
 
 

@@ -13,6 +13,13 @@ weights, the step and the loss history (bounded), so it grows as training goes o
 a restored run reaches bit-identical weights to an uninterrupted one. With
 ``--log-every N`` it prints ``step <step> loss <loss>`` to stdout every N steps, which
 is what `meshnode job logs` shows.
+
+``allreduce``: a gang's collective (SPEC.md GA5): every step each rank makes a vector of
+``--dim`` integers from its rank and the step, and the ranks sum them by a ring all-reduce
+(reduce-scatter, then all-gather) over TCP between their peers' addresses; each checks
+the sum against its closed form. State is the step; a restored gang first agrees on the
+smallest step any rank restored (a ring pass of the minimum), so all go on from one step.
+Progress lines as ``counter``'s, and ``step <step> sum <sum>`` every ``--log-every`` steps.
 """
 
 from __future__ import annotations
@@ -21,15 +28,17 @@ import argparse
 import math
 import os
 import random
+import socket
 import struct
 import sys
+import threading
 import time
 from array import array
 
-from meshnode.workload.sdk import Workload
+from meshnode.workload.sdk import GangInfo, Workload
 from protocol.errors import RemoteProtocolError
 
-BUILTIN_KINDS = ("counter", "train")
+BUILTIN_KINDS = ("counter", "train", "allreduce")
 LOSS_HISTORY_MAX = 8192  # entries kept in the train state: 64 KiB, far under MAX_STATE_BYTES
 
 COUNTER_STATE = struct.Struct(">QQ")  # units done, accumulator
@@ -135,6 +144,151 @@ def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: Prog
         workload.set_state(run.encode_state(), run.step)
 
 
+# --- allreduce (a gang's ring) ------------------------------------------------------------------
+
+ALLREDUCE_STATE = struct.Struct(">Q")   # steps done
+MAX_DIM = 4096                          # a step's vector fits the sockets' buffers: no send blocks a ring
+RING_TIMEOUT_S = 30.0                   # how long a rank waits for its neighbours (they start at other moments)
+EXIT_SUM_WRONG = 3
+EXIT_RING_BROKEN = 4                    # a neighbour went away or never came
+
+
+def local_vector(rank: int, step: int, dim: int) -> list[int]:
+    return [(rank + 1) * (step + 1) + i for i in range(dim)]
+
+
+def expected_sum(world: int, step: int, dim: int) -> list[int]:
+    """The sum of every rank's local_vector: what the all-reduce must give."""
+    return [(step + 1) * world * (world + 1) // 2 + world * i for i in range(dim)]
+
+
+class Ring:
+    """TCP to the next rank, from the previous one; integers as 8-byte big-endian words."""
+
+    def __init__(self, gang: GangInfo, timeout_s: float = RING_TIMEOUT_S):
+        self.rank, self.world = gang.rank, gang.world_size
+        self.to_next = self.from_prev = None
+        if self.world == 1:
+            return
+        listener = socket.create_server(("", gang.peers[gang.rank][1]), reuse_port=False)
+        listener.settimeout(timeout_s)
+        accepted: list = []
+        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+        acceptor.start()
+        deadline = time.monotonic() + timeout_s
+        while self.to_next is None:
+            try:
+                self.to_next = socket.create_connection(gang.peers[(gang.rank + 1) % self.world], timeout=timeout_s)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        acceptor.join(timeout_s)
+        listener.close()
+        if not accepted:
+            raise TimeoutError("rank %d: the previous rank never connected" % self.rank)
+        self.from_prev = accepted[0]
+        self.from_prev.settimeout(timeout_s)
+
+    def _send(self, values: list[int]) -> None:
+        self.to_next.sendall(struct.pack(">%dq" % len(values), *values))
+
+    def _recv(self, count: int) -> list[int]:
+        data = b""
+        while len(data) < 8 * count:
+            chunk = self.from_prev.recv(8 * count - len(data))
+            if not chunk:
+                raise ConnectionError("rank %d: the previous rank went away" % self.rank)
+            data += chunk
+        return list(struct.unpack(">%dq" % count, data))
+
+    def close(self) -> None:
+        for sock in (self.to_next, self.from_prev):
+            if sock is not None:
+                sock.close()
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` of all ranks, at every rank (n - 1 hops around the ring)."""
+        for _ in range(self.world - 1):
+            self._send([value])
+            value = min(value, self._recv(1)[0])
+        return value
+
+    def allreduce(self, vector: list[int]) -> list[int]:
+        """Ring all-reduce (sum): reduce-scatter, then all-gather, n - 1 steps each."""
+        n, total = self.world, list(vector)
+        if n == 1:
+            return total
+        bounds = [len(total) * i // n for i in range(n + 1)]
+        chunk = lambda c: slice(bounds[c % n], bounds[c % n + 1])   # noqa: E731 (one line reads better)
+        for s in range(n - 1):
+            self._send(total[chunk(self.rank - s)])
+            got = self._recv(len(total[chunk(self.rank - s - 1)]))
+            part = chunk(self.rank - s - 1)
+            total[part] = [a + b for a, b in zip(total[part], got)]
+        for s in range(n - 1):
+            self._send(total[chunk(self.rank - s + 1)])
+            part = chunk(self.rank - s)
+            total[part] = self._recv(len(total[part]))
+        return total
+
+
+def run_allreduce(workload: Workload, gang: GangInfo, dim: int, steps: int | None, unit_ms: int, log: ProgressLog,
+                  log_every: int = 0, ring: Ring | None = None, timeout_s: float = RING_TIMEOUT_S) -> int:
+    """Returns the exit status: 0 after ``steps``, EXIT_SUM_WRONG if a sum is wrong,
+    EXIT_RING_BROKEN if the ring broke and no new peers came within ``timeout_s``."""
+    return AllreduceRun(workload, gang, dim, unit_ms, log, log_every, timeout_s).run(steps, ring)
+
+
+class AllreduceRun:
+    """One rank's run. When the ring breaks (a neighbour's node died), the rank closes its
+    own links (so every rank learns at once), keeps its process and its step, and waits for
+    its node to publish the gang's new peers (the failed rank moved to a backup, GA5); then
+    the ring is rebuilt and every rank goes on from the smallest step any rank holds."""
+
+    def __init__(self, workload: Workload, gang: GangInfo, dim: int, unit_ms: int, log: ProgressLog,
+                 log_every: int, timeout_s: float):
+        self.workload, self.gang, self.dim, self.unit_ms = workload, gang, dim, unit_ms
+        self.log, self.log_every, self.timeout_s = log, log_every, timeout_s
+        self.step = 0 if workload.restored_state is None else ALLREDUCE_STATE.unpack(workload.restored_state)[0]
+        self.rebuilds = 0
+
+    def run(self, steps: int | None, ring: Ring | None = None) -> int:
+        while True:
+            try:
+                ring = ring or Ring(self.gang, self.timeout_s)
+                try:
+                    return self._steps(ring, steps)
+                finally:
+                    ring.close()
+            except OSError as exc:   # ConnectionError and timeouts included
+                ring = None
+                print("rank %d: the ring broke at step %d: %s" % (self.gang.rank, self.step, exc), flush=True)
+                moved = self.gang.moved_peers(self.timeout_s)
+                if moved is None:
+                    return EXIT_RING_BROKEN
+                self.gang, self.rebuilds = moved, self.rebuilds + 1
+                print("rank %d: rebuilding the ring with new peers" % self.gang.rank, flush=True)
+
+    def _steps(self, ring: Ring, steps: int | None) -> int:
+        restored, self.step = self.step, ring.agree_min(self.step)
+        if self.log_every and (restored or self.step):
+            print("rank %d resumed at step %d (held %d)" % (self.gang.rank, self.step, restored), flush=True)
+        while steps is None or self.step < steps:
+            total = ring.allreduce(local_vector(self.gang.rank, self.step, self.dim))
+            if total != expected_sum(self.gang.world_size, self.step, self.dim):
+                print("rank %d step %d: wrong sum" % (self.gang.rank, self.step), flush=True)
+                return EXIT_SUM_WRONG
+            self.step += 1
+            self.log.unit_done(self.step)
+            self.workload.set_state(ALLREDUCE_STATE.pack(self.step), self.step)
+            if self.log_every and self.step % self.log_every == 0:
+                print("step %d sum %d" % (self.step, sum(total)), flush=True)
+            if self.unit_ms:
+                time.sleep(self.unit_ms / 1000)
+        return 0
+
+
 # --- entry point -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--progress-log", default=None)
     train.add_argument("--log-every", type=int, default=0, metavar="N",
                        help="print the step and loss to stdout every N steps (default: never)")
+    allreduce = kinds.add_parser("allreduce", help="a gang's ring all-reduce over TCP between its ranks")
+    allreduce.add_argument("--dim", type=int, default=64, help="integers per vector (1..%d)" % MAX_DIM)
+    allreduce.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: never)")
+    allreduce.add_argument("--unit-ms", type=int, default=10, help="pause between steps (default: 10)")
+    allreduce.add_argument("--progress-log", default=None)
+    allreduce.add_argument("--log-every", type=int, default=0, metavar="N",
+                           help="print the step and the sum to stdout every N steps (default: never)")
     return parser
 
 
@@ -162,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     log = ProgressLog(args.progress_log)
     if args.kind == "counter":
         run_counter(workload, max(1, args.unit_ms), args.units, log)
+    elif args.kind == "allreduce":
+        gang = workload.gang or GangInfo("", 0, 1, (("127.0.0.1", 0),))   # not a gang: a ring of one
+        return run_allreduce(workload, gang, min(max(1, args.dim), MAX_DIM), args.steps, max(0, args.unit_ms), log,
+                             max(0, args.log_every))
     else:
         run = TrainingRun(args.features, args.samples, args.seed, args.learning_rate_milli / 1000)
         run_train(workload, run, args.steps, log, max(0, args.log_every))

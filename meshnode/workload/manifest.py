@@ -13,8 +13,8 @@ import tomllib
 from protocol import codec
 from protocol.envelope import Envelope
 from protocol.errors import ManifestError, RemoteProtocolError
-from protocol.messages import (MAX_REFLEXES, REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, Constraints, JobManifest, Reflex,
-                               Resources, Scheduling, decode_message)
+from protocol.messages import (MAX_REFLEXES, REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, Constraints, Gang, JobManifest,
+                               Reflex, Resources, Scheduling, decode_message)
 from protocol.schema import Bool, Bytes, FieldType, Int, List, Optional, Text, TextMap
 
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -23,11 +23,12 @@ MAX_MANIFEST_BYTES = 64 * 1024
 TOP_LEVEL_DEFAULTS = {"args": [], "strategy": "throughput", "priority": 0, "backups": 1,
                       "max_retries": 3, "nonce": 0}
 REQUIRED = ("name", "entrypoint")
-TABLES = {"resources": Resources, "constraints": Constraints, "scheduling": Scheduling}
+TABLES = {"resources": Resources, "constraints": Constraints, "scheduling": Scheduling, "gang": Gang}
 TABLE_DEFAULTS = {
     "resources": {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0, "gpu_milli": 0, "gpu_model": ""},
     "constraints": {"zones": [], "labels": {}, "attested": {}},
     "scheduling": {"pool": "", "preemptible": False, "max_runtime_ms": 0},
+    "gang": {"workers": 1, "min_workers": 0, "max_workers": 0, "multiple_of": 1, "topology": "none"},
 }
 # Filled in from the signer and the clock, never from the file.
 NOT_IN_FILE = ("owner", "created_ms", "epoch")
@@ -81,6 +82,8 @@ def _table(document: dict, name: str):
         raise ManifestError("%s: expected a table [%s], got %r" % (name, name, raw))
     _reject_unknown(raw, cls.SCHEMA, "[%s]" % name)
     values = {**TABLE_DEFAULTS[name], **raw}
+    if name == "gang" and "workers" not in raw and ("min_workers" in raw or "max_workers" in raw):
+        values["workers"] = 0   # a size range alone means an elastic gang
     checked = {field: _checked(ftype, values[field], "%s.%s" % (name, field)) for field, ftype in cls.SCHEMA.items()}
     try:
         return cls(**checked)

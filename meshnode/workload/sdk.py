@@ -27,7 +27,9 @@ import os
 import socket
 import struct
 import threading
+import dataclasses
 import time
+from dataclasses import dataclass
 
 from keys.errors import ConfigError
 from meshnode.workload.state_slot import MAX_COUNT, SlotWriter
@@ -37,6 +39,14 @@ from protocol.messages import MAX_STATE_BYTES
 SDK_FD_ENV = "MESHNODE_SDK_FD"
 SLOT_FD_ENV = "MESHNODE_SLOT_FD"
 WORKDIR_ENV = "MESHNODE_WORKDIR"
+# A gang's rank (SPEC.md GA5): set only for a gang's workers.
+GANG_ID_ENV = "MESHNODE_GANG_ID"
+GANG_RANK_ENV = "MESHNODE_GANG_RANK"
+GANG_WORLD_SIZE_ENV = "MESHNODE_GANG_WORLD_SIZE"
+GANG_PEERS_ENV = "MESHNODE_GANG_PEERS"
+GANG_PEERS_FILE_ENV = "MESHNODE_GANG_PEERS_FILE"   # the node rewrites it when a rank moves
+GANG_PEERS_FILE = "gang_peers"                      # its name in the workload's working directory
+PEERS_POLL_S = 0.05
 
 # Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.
 FRAME_HEADER = struct.Struct(">IB")
@@ -89,8 +99,75 @@ def _inherited_fd(name: str) -> int:
     return int(text)
 
 
+@dataclass(frozen=True)
+class GangInfo:
+    """This worker's place in its gang (SPEC.md GA5): its rank, the world size, and every
+    rank's (host, port), its own included (it listens there for its peers)."""
+    gang_id: str
+    rank: int
+    world_size: int
+    peers: tuple
+    peers_file: str = ""   # where the node publishes the peers when a rank moves ("" = never)
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> "GangInfo | None":
+        """None when this workload is no gang's worker; ConfigError when the variables are bad."""
+        if GANG_RANK_ENV not in environ:
+            return None
+        try:
+            rank, world = int(environ[GANG_RANK_ENV]), int(environ[GANG_WORLD_SIZE_ENV])
+            peers = parse_peers(environ[GANG_PEERS_ENV])
+        except (KeyError, ValueError) as exc:
+            raise ConfigError("gang environment is malformed: %s" % exc) from None
+        if not 0 <= rank < world == len(peers):
+            raise ConfigError("gang environment: rank %d of %d with %d peers" % (rank, world, len(peers)))
+        return cls(environ.get(GANG_ID_ENV, ""), rank, world, peers, environ.get(GANG_PEERS_FILE_ENV, ""))
+
+    def moved_peers(self, timeout_s: float) -> "GangInfo | None":
+        """Wait up to ``timeout_s`` for the node to publish peers other than these (a rank
+        moved, GA5): this gang with them, or None."""
+        deadline = time.monotonic() + timeout_s
+        while self.peers_file and time.monotonic() < deadline:
+            try:
+                with open(self.peers_file, encoding="ascii") as fh:
+                    peers = parse_peers(fh.read().strip())
+            except (OSError, ValueError):
+                peers = self.peers
+            if peers != self.peers and len(peers) == self.world_size:
+                return dataclasses.replace(self, peers=peers)
+            time.sleep(PEERS_POLL_S)
+        return None
+
+
+def parse_peers(text: str) -> tuple:
+    """``host:port,host:port,...`` (rank order) as ((host, port), ...); ValueError if malformed."""
+    return tuple((host, int(port)) for host, port in (entry.rsplit(":", 1) for entry in text.split(",")))
+
+
+def format_peers(gang, host_of) -> str:
+    """The node side: a GangRank's peers as ``parse_peers`` reads them."""
+    return ",".join("%s:%d" % (host_of(node) if node is not None else "0.0.0.0", port) for node, port in gang.peers)
+
+
+def multiaddr_host(addr: str) -> str:
+    """The host of a multiaddr such as "/ip4/10.0.0.2/tcp/4001/p2p/..." (loopback if none)."""
+    parts = addr.split("/")
+    return next((value for proto, value in zip(parts, parts[1:]) if proto in ("ip4", "ip6", "dns", "dns4", "dns6")),
+                "127.0.0.1")
+
+
+def gang_environment(gang, host_of) -> dict:
+    """The node side of GA5: the variables for a worker of ``gang`` (a GangRank), each
+    peer's host from ``host_of(node key)``; a rank with no node yet is unreachable."""
+    if gang is None:
+        return {}
+    return {GANG_ID_ENV: gang.gang_id.hex(), GANG_RANK_ENV: str(gang.rank),
+            GANG_WORLD_SIZE_ENV: str(gang.world_size), GANG_PEERS_ENV: format_peers(gang, host_of)}
+
+
 class Workload:
-    """The workload's handle on its node. Create it with ``Workload.connect()``."""
+    """The workload's handle on its node. Create it with ``Workload.connect()``.
+    ``gang``: this worker's GangInfo when it is a gang's rank, else None."""
 
     def __init__(self, sock: socket.socket, slot: SlotWriter, restored_state: bytes | None,
                  restored_progress: int, fence: int, checkpoint_ms: int):
@@ -100,6 +177,7 @@ class Workload:
         self.restored_progress = restored_progress
         self.fence = fence
         self.checkpoint_ms = checkpoint_ms
+        self.gang = GangInfo.from_environment()
         self._watchdog = threading.Thread(target=self._exit_when_node_goes, name="meshnode-sdk", daemon=True)
         self._watchdog.start()
 

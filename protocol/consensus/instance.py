@@ -477,10 +477,16 @@ class ConsensusInstance:
     def _on_round_sync(self, envelope: Envelope, sync: RoundSync, data, now_ms: int, ready: Ready) -> None:
         """Round changes of ``sync.round`` from more than 1/3 of the stake (so at least one
         honest member) pull this node forward; entering a later round is always safe."""
-        if sync.round <= self.round:
+        if sync.round < self.round or (sync.round == self.round and self._round_started_ms <= now_ms):
             return self._drop("stale_round", ready)
         if not self._other_rounds.accept_sync(sync, data if data is not None else envelope.encode()):
             return self._drop("bad_round_sync", ready)
+        if sync.round == self.round:
+            # Rule 3 brought us here with the deadline of the round we left (later than a full
+            # timeout from now); the members this sync pulls in time out a full timeout from
+            # now: leave with them, or we stay a round behind them (seed 167 of the n=4 sweep).
+            self._round_started_ms = now_ms
+            return
         self._enter_round(sync.round, now_ms, ready, "round_sync", announce=True)
 
     # --- sending, evidence, drops ------------------------------------------------------------

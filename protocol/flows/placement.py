@@ -36,6 +36,7 @@ class PlacementFlow(ValueFlow):
     value_kind = "placement"
     places_jobs = True
     value_kinds = ("placement",)
+    gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
         self.ctx = ctx
@@ -122,6 +123,9 @@ class PlacementFlow(ValueFlow):
     def start(self, record, now_ms: int, out: Ready) -> None:
         """Start the job's placement in the one epoch it runs in (SPEC.md P2), if this node
         holds that epoch's view; a job of a later epoch waits until this node enters it."""
+        if self.gangs is not None and record.manifest.gang.is_gang:
+            self.gangs.start(record, now_ms, out)
+            return
         epoch = record.manifest.epoch
         record.state = "pending"
         view = self.epochs.view_for(epoch)
@@ -187,33 +191,51 @@ class PlacementFlow(ValueFlow):
         self._maybe_propose(inst, now_ms, out, window_closed=False)
 
     def on_answer(self, inst, now_ms: int, out: Ready) -> None:
-        self._maybe_propose(inst, now_ms, out, window_closed=False)
+        # A bid after the round's last bid window closed (room freed since: an exit, a
+        # preemption, P3a, P8) is proposed with at once, not when the round times out.
+        closed = self.bidding.windows_closed.get(inst.instance_id) == inst.round
+        self._maybe_propose(inst, now_ms, out, window_closed=closed)
         self.forward_unanimous_declines(inst, out)
 
     def on_bid_window_closed(self, inst, now_ms: int, out: Ready) -> None:
         self._maybe_propose(inst, now_ms, out, window_closed=True)
 
-    def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
-        """Propose once every member answered, or when the bid window closed (SPEC P4)."""
+    def bids_wanted(self, job) -> int:
+        """Bids below which a closing bid window is extended once (P4b): a primary and its backups."""
+        return 1 + wanted_backups(job)
+
+    def _gathered_bids(self, inst, now_ms: int, window_closed: bool):
+        """(record, held bids, live bids) once the leader may propose: every member answered,
+        or the bid window closed (SPEC P4); None while it waits."""
         iid = inst.instance_id
         bidding = self.bidding
         if not inst.awaiting_value or bidding.windows_open.get(iid) != inst.round:
-            return
+            return None
         record = self.jobs.get(self.instances.role(iid).subject)
         held = bidding.held.get(iid, {})
         answered = len(held) + (len(record.declines) if record else 0)
         if record is None or not (window_closed or answered >= len(inst.view.members)):
-            return
+            return None
         if (window_closed and answered < len(inst.view.members)
-                and len(held) < 1 + wanted_backups(record.manifest) and iid not in bidding.windows_extended):
+                and len(held) < self.bids_wanted(record.manifest) and iid not in bidding.windows_extended):
             # Too few bids for a primary and its backups: a placement without a backup
             # cannot fail over, so wait once more before settling (SPEC.md P4b).
             bidding.windows_extended.add(iid)
             self.instances.schedule(inst, "bid_window", now_ms + BID_WINDOW_EXTENSION * self.ctx.params.bid_window_ms)
-            return
+            return None
+        if window_closed:
+            bidding.windows_closed[iid] = inst.round
         # A placement may run in an older epoch (P2): members evicted since are fenced, and
         # placing a job on one would only strand it.
-        live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        return record, held, [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+
+    def _maybe_propose(self, inst, now_ms: int, out: Ready, window_closed: bool) -> None:
+        """Propose once every member answered, or when the bid window closed (SPEC P4)."""
+        gathered = self._gathered_bids(inst, now_ms, window_closed)
+        if gathered is None:
+            return
+        iid = inst.instance_id
+        record, held, live = gathered
         chosen = select_justification(record.manifest, iid, live)
         placement = choose_placement(record.envelope, record.manifest, iid, chosen, caches=self.ctx.caches)
         if placement is None:
@@ -330,17 +352,30 @@ class PlacementFlow(ValueFlow):
         if stamp == self.reconsidered_at_stamp:
             return
         self.reconsidered_at_stamp = stamp
+        held = []
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
-            if role is None or role.flow is not self or not self.round_on_hold(inst, now_ms):
-                continue
-            record = self._pending_record(inst)
-            if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms,
-                                                                                       key=inst.instance_id):
-                continue
-            _kind, data = self.bidding.mine[inst.instance_id]
-            out.messages.append(Outbound(None, data))
-            self.bidding.send_mine(inst.instance_id, now_ms, out)
+            if role is not None and role.flow is self and self.round_on_hold(inst, now_ms):
+                held.append((self._pending_record(inst), inst))
+        # Higher priority first (a stable sort): freed room goes to the job that would preempt for it (P8).
+        for record, inst in sorted(held, key=lambda pair: -pair[0].manifest.priority):
+            self.bid_again(inst, record, now_ms, out)
+
+    def bid_again(self, inst, record, now_ms: int, out: Ready) -> bool:
+        """P3a: decide this node's decline of a held placement afresh; a bid now goes to every
+        member (it ends their hold; the leader proposes with it). True if it bid."""
+        iid = inst.instance_id
+        if self.ctx.me not in record.declines or not self.bidding.refresh_decline(inst, record, now_ms, key=iid):
+            return False
+        if iid not in self.bidding.mine:
+            # Our decline from before a restart, forwarded back to us (P3a): we answer afresh.
+            self.bidding.send_mine(iid, now_ms, out)
+        mine = self.bidding.mine.get(iid)
+        if mine is None or mine[0] != "bid":
+            return False
+        out.messages.append(Outbound(None, mine[1]))
+        self.bidding.send_mine(iid, now_ms, out)
+        return True
 
     def show_job_to_leader(self, inst, record, out: Ready) -> None:
         """SPEC P3: the job goes with our round change to a new round's leader, once per round
@@ -395,6 +430,8 @@ class PlacementFlow(ValueFlow):
                                        caches=caches)
         if envelope.signer != job.owner:   # honest validators checked it (P4b); a forged quorum may not have
             return "a job that is not signed by its owner"
+        if job.gang.is_gang:
+            return "a gang is placed by a gang_placement (GA3), not a placement"
         return placement_binding_error(iid, job, epoch)
 
     def apply(self, iid: bytes, value_kind: str, placement, certificate: bytes, epoch: int, now_ms: int,

@@ -81,7 +81,8 @@ class SlotFlow(ValueFlow):
 
     def slotted(self, record) -> bool:
         """Whether the job's first placement is its slot's to decide (not decided without it yet)."""
-        return self.enabled and record.attempt == 0 and record.slot_certificate is None
+        return (self.enabled and record.attempt == 0 and record.slot_certificate is None
+                and not record.manifest.gang.is_gang)   # a gang is placed by its own instance (GA3)
 
     def slot_of(self, job) -> bytes:
         return placement_slot_id(job.epoch, placement_slot(job, self.slot_ms))

@@ -20,13 +20,15 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``membership``: members, membership changes, attestations, endorsements, joins, leaves;
 - ``output``: reading a job's output from its primary (requests and answers);
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
-- ``slots``: checks of a placement slot's value (SPEC.md P7).
+- ``slots``: checks of a placement slot's value (SPEC.md P7);
+- ``preemption``: the value a preemption instance decides (SPEC.md P8).
 """
 
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
                                       MAX_JUSTIFICATION, MAX_NODES, MAX_SLOT_JOBS, MAX_STATE_BYTES, MILLI_PERCENT,
                                       STRATEGIES, VALUE_KINDS, record)
-from protocol.messages.jobs import (MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
+from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, GangPlacement, GangWorker,
+                                    MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
                                     Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
                                     REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, REFLEX_SIGNALS, Reflex,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
@@ -39,6 +41,8 @@ from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRe
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
 from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
+from protocol.messages.preemption import (MAX_VICTIMS, Preemption, PreemptionVictim, preemption_binding_error,
+                                          preemption_instance_id)
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
@@ -50,6 +54,7 @@ __all__ = [
     "DECLINE_REASONS", "ENVELOPE", "MAX_BIDS_PER_PROPOSAL", "MAX_BIDS_PER_SLOT_JOB", "MAX_JUSTIFICATION",
     "MAX_NODES", "MAX_SLOT_JOBS", "MAX_STATE_BYTES", "MILLI_PERCENT", "STRATEGIES", "VALUE_KINDS", "record",
     # jobs
+    "GANG_TOPOLOGIES", "MAX_GANG_WORKERS", "Gang", "GangPlacement", "GangWorker",
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
     "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
     "Resources", "RunningJob", "Scheduling",
@@ -64,6 +69,8 @@ __all__ = [
     # output
     "MAX_OUTPUT_CHUNK_BYTES", "MAX_OUTPUT_FILES", "MAX_OUTPUT_PATH_BYTES", "OUTPUT_TARGETS", "OutputData",
     "OutputFile", "OutputRead",
+    # preemption
+    "MAX_VICTIMS", "Preemption", "PreemptionVictim", "preemption_binding_error", "preemption_instance_id",
     # slots
     "slot_binding_error", "slot_placements",
     # votes

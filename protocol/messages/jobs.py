@@ -143,6 +143,50 @@ class Reflex(Record):
             raise ValueError("Reflex: exactly one of above and below must be set")
 
 
+GANG_TOPOLOGIES = ("none", "zone", "rail_group", "spread_zones")
+MAX_GANG_WORKERS = 16   # + 4 backups: one gang's bids fit one proposal (MAX_BIDS_PER_PROPOSAL)
+
+
+@record
+class Gang(Record):
+    """A job of several workers placed all together or not at all (SPEC.md 4.2, GA1-GA4).
+
+    ``workers`` = N: exactly N workers. ``workers`` = 0: elastic, any multiple of
+    ``multiple_of`` in [``min_workers``, ``max_workers``], the largest that fits. Every
+    worker asks the job's ``[resources]``. The default, one worker, is a plain job."""
+    workers: int = 1
+    min_workers: int = 0
+    max_workers: int = 0
+    multiple_of: int = 1
+    topology: str = "none"
+    SCHEMA: ClassVar = {"workers": Int(0, MAX_GANG_WORKERS), "min_workers": Int(0, MAX_GANG_WORKERS),
+                        "max_workers": Int(0, MAX_GANG_WORKERS), "multiple_of": Int(1, MAX_GANG_WORKERS),
+                        "topology": Text(choices=GANG_TOPOLOGIES)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.workers:
+            if self.min_workers or self.max_workers or self.multiple_of != 1:
+                raise ValueError("Gang: min_workers, max_workers and multiple_of are for an elastic gang "
+                                 "(workers = 0), not one of %d workers" % self.workers)
+        elif not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError("Gang: an elastic gang (workers = 0) needs 1 <= min_workers <= max_workers, got %d..%d"
+                             % (self.min_workers, self.max_workers))
+        elif not self.sizes():
+            raise ValueError("Gang: no multiple of multiple_of %d lies in min_workers..max_workers (%d..%d)"
+                             % (self.multiple_of, self.min_workers, self.max_workers))
+
+    def sizes(self) -> tuple:
+        """The gang sizes it may run at, largest (preferred) first (SPEC.md GA2)."""
+        if self.workers:
+            return (self.workers,)
+        return tuple(n for n in range(self.max_workers, self.min_workers - 1, -1) if n % self.multiple_of == 0)
+
+    @property
+    def is_gang(self) -> bool:
+        return self.workers != 1
+
+
 @record
 class Constraints(Record):
     zones: tuple
@@ -168,13 +212,15 @@ class JobManifest(Record):
     created_ms: int
     epoch: int          # the mesh epoch whose members place it (SPEC.md P2): its owner signs it
     scheduling: Scheduling = Scheduling()
+    gang: Gang = Gang()
     reflexes: tuple = ()   # absent from the body when empty (SPEC.md 4.2): older job ids stay
     SCHEMA: ClassVar = {
         "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
         "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
         "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
         "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
-        "epoch": Int(), "scheduling": Nested(Scheduling), "reflexes": List(Nested(Reflex), MAX_REFLEXES),
+        "epoch": Int(), "scheduling": Nested(Scheduling), "gang": Nested(Gang),
+        "reflexes": List(Nested(Reflex), MAX_REFLEXES),
     }
 
     def to_body(self) -> dict:
@@ -307,6 +353,35 @@ class Placement(Record):
     gpus: tuple
     SCHEMA: ClassVar = {"job": ENVELOPE, "primary": Key(), "backups": List(Key(), 4),
                         "gpus": List(Int(0, 63), 64)}
+
+
+@record
+class GangWorker(Record):
+    """One rank of a gang placement: the node that runs it and the GPUs its bid reserved."""
+    node: bytes
+    gpus: tuple
+    SCHEMA: ClassVar = {"node": Key(), "gpus": List(Int(0, 63), 64)}
+
+
+@record
+class GangPlacement(Record):
+    """The value a gang's placement instance decides (SPEC.md GA3): every worker at once,
+    ``workers[r]`` running rank r, and the backups the gang's workers fail over to."""
+    job: bytes
+    workers: tuple
+    backups: tuple
+    SCHEMA: ClassVar = {"job": ENVELOPE, "workers": List(Nested(GangWorker), MAX_GANG_WORKERS),
+                        "backups": List(Key(), 4)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        nodes = [w.node for w in self.workers]
+        if not nodes:
+            raise ValueError("GangPlacement.workers: a gang placement places at least one worker")
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("GangPlacement.workers: two ranks on one node")
+        if set(nodes) & set(self.backups) or len(set(self.backups)) != len(self.backups):
+            raise ValueError("GangPlacement.backups: a backup twice, or one that runs a rank")
 
 
 @record

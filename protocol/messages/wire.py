@@ -8,12 +8,13 @@ from protocol import codec
 from protocol.caches import CoreCaches
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, Envelope, open_envelope, seal, seal_unsigned
 from protocol.errors import RemoteProtocolError
-from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, JobExit, JobManifest, JobRefusal,
-                                    Placement, PlacementSlot)
+from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, GangPlacement, JobExit, JobManifest,
+                                    JobRefusal, Placement, PlacementSlot)
 from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
 from protocol.messages.moves import JobMove, MoveRequest, ReflexTrigger
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
+from protocol.messages.preemption import Preemption
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync)
 from protocol.schema import Record, scalars_only
@@ -103,7 +104,8 @@ def _remember_decoded(caches: CoreCaches, key: tuple, decoded: tuple) -> None:
 
 
 _VALUE_TYPES = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
-                "placement_slot": PlacementSlot, "job_move": JobMove}
+                "placement_slot": PlacementSlot, "job_move": JobMove, "preemption": Preemption,
+                "gang_placement": GangPlacement}
 
 
 def decode_value(value_kind: str, data: bytes, *, caches: CoreCaches | None = None):

@@ -1,0 +1,103 @@
+"""The built-in ``allreduce`` workload (SPEC.md GA5): ranks on loopback threads, a ring
+all-reduce over real TCP each step, and a restored gang agreeing on one step."""
+
+import socket
+import threading
+
+from meshnode.workload.builtin import ALLREDUCE_STATE, EXIT_RING_BROKEN, EXIT_SUM_WRONG, ProgressLog, Ring, run_allreduce
+from meshnode.workload.sdk import GangInfo, gang_environment, multiaddr_host
+from protocol.flows.gang import GangRank
+
+
+class FakeWorkload:
+    def __init__(self, restored_step=None):
+        self.restored_state = None if restored_step is None else ALLREDUCE_STATE.pack(restored_step)
+        self.states = []
+
+    def set_state(self, state, progress):
+        self.states.append(progress)
+
+
+def free_ports(count):
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_gang(world, restored, steps, corrupt_rank=None):
+    peers = tuple(("127.0.0.1", port) for port in free_ports(world))
+    workloads = [FakeWorkload(restored[rank]) for rank in range(world)]
+    codes = [None] * world
+
+    def rank_main(rank):
+        gang = GangInfo("g", rank, world, peers)
+        ring = Ring(gang, timeout_s=10)
+        if rank == corrupt_rank:
+            ring.allreduce = lambda vector, real=ring.allreduce: [v + 1 for v in real(vector)]
+        codes[rank] = run_allreduce(workloads[rank], gang, 10, steps, 0, ProgressLog(None), ring=ring)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return codes, [w.states for w in workloads]
+
+
+def test_three_ranks_sum_their_vectors_every_step():
+    codes, states = run_gang(3, [None] * 3, steps=4)
+    assert codes == [0, 0, 0] and states == [[1, 2, 3, 4]] * 3
+
+
+def test_a_restored_gang_goes_on_from_the_smallest_step_any_rank_holds():
+    codes, states = run_gang(3, [5, 3, 4], steps=6)
+    assert codes == [0, 0, 0] and states == [[4, 5, 6]] * 3
+
+
+def test_a_wrong_sum_ends_the_rank_and_breaks_the_ring_for_the_others():
+    codes, _ = run_gang(2, [None, None], steps=3, corrupt_rank=1)
+    assert codes == [EXIT_RING_BROKEN, EXIT_SUM_WRONG]
+
+
+def test_gang_environment_round_trips_through_the_sdk():
+    rank = GangRank(gang_id=b"\x01" * 32, rank=1, world_size=2, peers=((b"a" * 32, 20001), (b"b" * 32, 20002)))
+    env = gang_environment(rank, {b"a" * 32: "10.0.0.1", b"b" * 32: "10.0.0.2"}.get)
+    info = GangInfo.from_environment(env)
+    assert (info.gang_id, info.rank, info.world_size, info.peers) == (
+        "01" * 32, 1, 2, (("10.0.0.1", 20001), ("10.0.0.2", 20002)))
+    assert GangInfo.from_environment({}) is None
+    assert multiaddr_host("/ip4/10.1.2.3/tcp/4001/p2p/Qm") == "10.1.2.3"
+
+
+def test_a_moved_rank_rejoins_and_the_others_go_on_without_restarting(tmp_path):
+    """GA5: rank 1's process ends after 3 steps (its node died); ranks 0 and 2 keep their
+    processes and step, wait for the node to publish rank 1's new address, rebuild the
+    ring, and all go on from the step the moved rank's checkpoint holds (2)."""
+    from meshnode.workload.builtin import AllreduceRun
+    ports = free_ports(4)
+    first = tuple(("127.0.0.1", port) for port in ports[:3])
+    moved = (first[0], ("127.0.0.1", ports[3]), first[2])
+    peers_file = tmp_path / "gang_peers"
+    peers_file.write_text(",".join("%s:%d" % p for p in first))
+    runs, codes = {}, {}
+
+    def survivor(rank):
+        runs[rank] = AllreduceRun(FakeWorkload(), GangInfo("g", rank, 3, first, str(peers_file)), 10, 0,
+                                  ProgressLog(None), 0, 10)
+        codes[rank] = runs[rank].run(8)
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2)]
+    for thread in threads:
+        thread.start()
+    gone = run_allreduce(FakeWorkload(), GangInfo("g", 1, 3, first), 10, 3, 0, ProgressLog(None))
+    peers_file.write_text(",".join("%s:%d" % p for p in moved))   # the node learnt where rank 1 went
+    replacement = FakeWorkload(restored_step=2)
+    back = run_allreduce(replacement, GangInfo("g", 1, 3, moved), 10, 8, 0, ProgressLog(None), timeout_s=10)
+    for thread in threads:
+        thread.join(30)
+    assert (gone, back, codes) == (0, 0, {0: 0, 2: 0})
+    assert [runs[r].rebuilds for r in (0, 2)] == [1, 1]
+    assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+    assert replacement.states == [3, 4, 5, 6, 7, 8]
