@@ -11,6 +11,7 @@ from __future__ import annotations
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, RunningJob
 from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
+from protocol.reflexes import VectorHistory
 
 CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
 RUNNING_REPORT_GAP_MS = 100      # a change of the jobs running here is broadcast at most this often
@@ -41,6 +42,7 @@ class CapabilityBook:
         self.peers: dict[bytes, CapabilityVector] = {}
         self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
         self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
+        self.history = VectorHistory()   # every member's newest vectors: a reflex's evidence (R3)
         self.peers_version = 0                         # bumps with every newer peer vector kept
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
@@ -99,6 +101,8 @@ class CapabilityBook:
                                running=self._running_report(now_ms), gpu_milli_free=ledger.gpu_milli_free())
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
+        if running and self.jobs.reflex_jobs_of(me):
+            self.history.add(me, self.envelope, cap)
         return self.envelope, cap, True
 
     def seq_floor_record(self) -> PersistRecord | None:
@@ -190,6 +194,8 @@ class CapabilityBook:
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
             self.peer_envelopes[envelope.signer] = data
+            if cap.running and self.jobs.reflex_jobs_of(envelope.signer):
+                self.history.add(envelope.signer, data, cap)
             self.peers_version += 1
             self._learn_running(envelope.signer, cap, now_ms)
 

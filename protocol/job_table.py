@@ -72,6 +72,10 @@ class JobRecord:
     # (fence, node): the job's last owner-requested move (R2) took it from ``node``, its
     # primary at ``fence``; that node's final checkpoint at ``fence`` is handed to the new one.
     moved_from: tuple | None = None
+    # R3: (the node it moved off, the taken_ms of the last evidence vector) of the job's last
+    # reflex move (None: none yet), from the decided value, so every member checks a
+    # reflex's cooldown alike. The time is that node's clock: nodes' clocks differ.
+    reflex_at: tuple | None = None
     # (job id, fence): a decided preemption (P8) named this job at that fence, to make room
     # for that job. It was preempted once its attempt ended (its node refused it).
     preempted_by: tuple | None = None
@@ -107,6 +111,7 @@ class JobTable:
         # first: a sync answer re-sends them (F6), so a member that was down or cut off when
         # one was broadcast learns it.
         self.recent_outcomes: deque = deque(maxlen=MAX_RECENT_OUTCOMES)
+        self._reflex_jobs: set[bytes] = set()   # jobs whose manifests hold reflex rules (R3)
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,
                fence: int | None = None) -> None:
@@ -155,8 +160,11 @@ class JobTable:
         if len(self.records) >= MAX_JOBS:
             for old in [k for k, r in self.records.items() if r.state in TERMINAL][:1024]:
                 del self.records[old]
+                self._reflex_jobs.discard(old)
         record = JobRecord(jid, data, job, now_ms)
         self.records[jid] = record
+        if job.reflexes:
+            self._reflex_jobs.add(jid)
         return record
 
     def get_or_add(self, jid: bytes, data: bytes, job: JobManifest, now_ms: int) -> JobRecord:
@@ -165,6 +173,13 @@ class JobTable:
     def live_jobs_of(self, node: bytes) -> tuple:
         """Ids of the jobs ``node`` is primary of and that have not ended."""
         return tuple(r.job_id for r in self.records.values() if r.primary == node and r.state in LIVE_JOB_STATES)
+
+    def reflex_jobs_of(self, node: bytes) -> list[JobRecord]:
+        """The running jobs ``node`` is primary of whose manifests hold reflex rules (R3)."""
+        if not self._reflex_jobs:
+            return []
+        return [r for jid in sorted(self._reflex_jobs) if (r := self.records.get(jid)) is not None
+                and r.primary == node and r.state == "running"]
 
     def running_on(self, node: bytes) -> list[JobRecord]:
         return [r for r in self.records.values() if r.primary == node and r.state == "running"]

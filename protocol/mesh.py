@@ -127,7 +127,7 @@ class MeshCore:
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
             JobRefusal: lifecycle.on_job_refusal, MoveRequest: moves.on_move_request,
-            CapabilityVector: capability.on_capability, Heartbeat: liveness.on_heartbeat,
+            CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
         safety_records = tuple(safety_records)
         # The history and outcomes set the job table; the ledger is rebuilt from the final
@@ -332,8 +332,13 @@ class MeshCore:
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
                          fault: str = "") -> Ready:
         """GPU readings (or, with ``fault``, why they failed: the last good ones stay), mean RTT."""
-        return self._with_orders(self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated,
-                                                                  fault=fault))
+        out = self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated, fault=fault)
+        self.moves.notice_reflexes(self.me, now_ms, out)   # R3: the primary may notice its own
+        return self._with_orders(out)
+
+    def _on_capability(self, envelope, cap, data, now_ms: int, out: Ready) -> None:
+        self.capability.on_capability(envelope, cap, data, now_ms, out)
+        self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))

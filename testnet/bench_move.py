@@ -61,6 +61,10 @@ class MoveRun(FailoverRun):
                 await trio.sleep(0.05)
         raise MeshError("every node refused the move: %s" % self.refused[-1])
 
+    async def _trigger(self, job_id: bytes, fence: int, primary: int) -> tuple[int, int]:
+        """Make the job move: here its owner's request (bench reflex: its primary turns hot)."""
+        return await self._request(job_id, fence)
+
     async def one_move(self, number: int) -> None:
         job_id, _ = self.jobs[0]
         job_hex = job_id.hex()
@@ -68,7 +72,7 @@ class MoveRun(FailoverRun):
         fence = (await self._job_row(primary, job_hex))["fence"]
         self.events.clear()
         await trio.sleep(self.rng.uniform(0, MOVE_PHASE_MS / 1000))
-        entry, sent_ns = await self._request(job_id, fence)
+        entry, sent_ns = await self._trigger(job_id, fence, primary)
         record = {"move": number, "from": primary, "entry": entry, "fence": fence}
 
         def event_of(kind_ok):
@@ -127,9 +131,15 @@ def run_move_bench(nodes: int, moves: int, *, root=None, keep: bool = False, see
     seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
     rng = random.Random(seed)
     run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, 1, rng, MoveRun, moves, keep)
+    return dict(move_figures(run, log_double_runs, stale_starts), bench="move", nodes=nodes, seed=seed,
+                entry_refusals=len(run.refused), machine=machine)
+
+
+def move_figures(run: MoveRun, log_double_runs: int, stale_starts: list) -> dict:
+    """What `bench move` and `bench reflex` report of the moves of ``run``."""
     per_move = run.moves
     return {
-        "bench": "move", "nodes": nodes, "moves": len(per_move), "seed": seed, "unit_ms": 1,
+        "moves": len(per_move), "unit_ms": 1,
         "latency_ms": summary_ms(m["latency_ms"] for m in per_move if m["latency_ms"] is not None),
         "decided_ms": summary_ms(m["decided_ms"] for m in per_move if m["decided_ms"] is not None),
         "lost_work_ms": summary_ms(m["lost_work_ms"] for m in per_move if "lost_work_ms" in m),
@@ -138,6 +148,5 @@ def run_move_bench(nodes: int, moves: int, *, root=None, keep: bool = False, see
         "lost_workloads": sum(1 for m in per_move if m.get("lost_workload")),
         "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
         "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,
-        "stale_fence_starts": stale_starts, "entry_refusals": len(run.refused), "aborted": run.aborted,
-        "per_move": per_move, "machine": machine,
+        "stale_fence_starts": stale_starts, "aborted": run.aborted, "per_move": per_move,
     }

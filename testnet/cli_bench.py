@@ -68,13 +68,18 @@ def register(subparsers) -> None:
     idle.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
     idle.add_argument("--json", action="store_true", help="accepted for symmetry: the result is always one JSON object")
     idle.set_defaults(func=cmd_idle)
-    move = sub.add_parser("move", help="move a running job by its owner's request: latency, lost work, "
-                                       "double runs (SPEC.md R2)",
-                          epilog=examples("meshnode bench move --nodes 4 --moves 20 --json"))
-    move.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
-    move.add_argument("--moves", type=int, default=20, metavar="N", help="moves of the running job (default 20)")
-    _common(move)
-    move.set_defaults(func=cmd_move)
+    for name, what, moves, func in (
+            ("move", "move a running job by its owner's request: latency, lost work, double runs (SPEC.md R2)",
+             20, cmd_move),
+            ("reflex", "a job's reflex rule moves it off its primary made hot: time to decide and to run again, "
+                       "lost work, double runs (SPEC.md R3)", 10, cmd_reflex)):
+        move = sub.add_parser(name, help=what, epilog=examples(
+            "meshnode bench %s --nodes 4 --moves %d --json" % (name, moves)))
+        move.add_argument("--nodes", type=int, default=4, metavar="N", help="testnet nodes (default 4)")
+        move.add_argument("--moves", type=int, default=moves, metavar="N",
+                          help="moves of the running job (default %d)" % moves)
+        _common(move)
+        move.set_defaults(func=func)
     preempt = sub.add_parser("preempt", help="a high-priority job into a full 4-node mesh: preemption, lost "
                                              "work, time to place, resume (SPEC.md P8)", epilog=examples(
         "meshnode bench preempt --rounds 10 --json"))
@@ -158,8 +163,18 @@ def cmd_idle(args) -> int:
 
 def cmd_move(args) -> int:
     from testnet.bench_move import run_move_bench
+    return _moved_cleanly(run_move_bench, args)
+
+
+def cmd_reflex(args) -> int:
+    from testnet.bench_reflex import run_reflex_bench
+    return _moved_cleanly(run_reflex_bench, args)
+
+
+def _moved_cleanly(bench, args) -> int:
+    """Run a move bench (owner moves or reflexes); exit 1 unless every move happened cleanly."""
     _interrupt_on_sigterm()
-    result = run_move_bench(args.nodes, args.moves, root=args.dir, keep=args.keep, seed=args.seed)
+    result = bench(args.nodes, args.moves, root=args.dir, keep=args.keep, seed=args.seed)
     _print(result)
     clean = (result["not_moved"] == 0 and result["lost_workloads"] == 0 and result["double_runs"] == 0
              and result["aborted"] is None)

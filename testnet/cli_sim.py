@@ -33,6 +33,7 @@ def register(subparsers) -> None:
         "meshnode sim --nodes 7 --jobs 20 --seeds 200 --faults crash,partition,loss --byzantine 0.2 --json",
         "meshnode sim --driver node --nodes 4 --jobs 4 --seeds 50 --json    # the real node driver",
         "meshnode sim --nodes 5 --jobs 12 --seeds 20 --quota-gpus 3 --reservations --job-ms 300 --json",
+        "meshnode sim --nodes 4 --jobs 6 --seeds 200 --byzantine 0.2 --reflex 0.5 --json   # reflexes (R3)",
         "meshnode sim --nodes 4 --jobs 12 --seeds 20 --preempt --job-ms 1500 --json   # priorities, preemption"))
     parser.add_argument("--driver", choices=("core", "node"), default="core",
                         help="core: MeshCores on a simulated network (default); node: the real node driver "
@@ -71,6 +72,9 @@ def register(subparsers) -> None:
     parser.add_argument("--move", type=float, default=0.0, metavar="F",
                         help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
                              "in the fault window (a refused request is retried)")
+    parser.add_argument("--reflex", type=float, default=0.0, metavar="F",
+                        help="the share of jobs with a reflex rule that migrates them off a hot primary "
+                             "(SPEC.md R3); nodes' GPUs run hot in drawn spells (default 0)")
     parser.add_argument("--preempt", action="store_true",
                         help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
                              "(SPEC.md P8; use with --job-ms so room returns)")
@@ -129,6 +133,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
         "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
                                              default=0),
+        # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
+        "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
         # reason (testnet/sim_liveness.py); and stalled seeds by why their jobs are late.
         "late_seeds_by_reason": _seeds_by_reason(results, "late_reasons"),
@@ -167,15 +173,17 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
     if args.driver == "node":
+        if args.reflex:
+            raise SystemExit("meshnode sim: --reflex runs with --driver core only")
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
-    shares = (args.fail, args.cancel, args.move, args.fractional, args.gangs)
+    shares = (args.fail, args.cancel, args.move, args.fractional, args.gangs, args.reflex)
     if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in shares):
-        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional and --gangs "
-                         "in [0, 1]")
+        raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional, --gangs and "
+                         "--reflex in [0, 1]")
     try:
         faults = parse_faults(",".join(FAULTS) if args.faults is None else args.faults)
     except argparse.ArgumentTypeError as exc:
@@ -186,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations, preempt=args.preempt, gang_per_mille=round(args.gangs * 1000))
+                         reservations=args.reservations, preempt=args.preempt,
+                         gang_per_mille=round(args.gangs * 1000), reflex_per_mille=round(args.reflex * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

@@ -38,10 +38,11 @@ from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
+from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT = range(10)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT, TELEMETRY = range(11)
 CHECKPOINT_MS = 100             # with --preempt, a run reports its start, then checkpoints this often
 CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
@@ -97,6 +98,9 @@ class SimConfig:
     # time after its submission, to where the mesh picks; a run ordered then reports that
     # it started, as the node driver does (a job is moved only once it runs).
     move_per_mille: int = 0
+    # ``reflex_per_mille``: that share of the jobs carries a migrate rule on GPU utilisation
+    # (SPEC.md R3) and every node reads its GPUs, hot in drawn spells (testnet/sim_reflex.py).
+    reflex_per_mille: int = 0
     # A preemption workload (SPEC.md P8): GPU jobs, more than fit, of mixed priorities, about
     # half preemptible (testnet/sim_world.py); with ``job_ms`` the room returns as jobs end.
     preempt: bool = False
@@ -108,7 +112,13 @@ class SimConfig:
     @property
     def workloads(self) -> bool:
         """Whether jobs end in this run (exits or cancels)."""
-        return self.job_ms > 0 or self.cancel_per_mille > 0 or self.move_per_mille > 0
+        return self.job_ms > 0 or self.cancel_per_mille > 0 or self.move_per_mille > 0 or self.reflex_per_mille > 0
+
+    @property
+    def runs_reported(self) -> bool:
+        """Whether a run ordered reports that it started, as the node driver does (moves and
+        reflexes act on running jobs only)."""
+        return self.move_per_mille > 0 or self.reflex_per_mille > 0
 
     def reproduce(self) -> str:
         line = "meshnode sim --nodes %d --jobs %d --seed %d" % (self.nodes, self.jobs, self.seed)
@@ -135,6 +145,8 @@ class SimConfig:
             line += " --reservations"
         if self.move_per_mille:
             line += " --move %s" % (self.move_per_mille / 1000)
+        if self.reflex_per_mille:
+            line += " --reflex %s" % (self.reflex_per_mille / 1000)
         if self.preempt:
             line += " --preempt"
         if self.gang_per_mille:
@@ -254,6 +266,15 @@ class Simulation:
         self.workload_rng = random.Random(config.seed * 1_000_003 + 0x5EED) if config.workloads else None
         self.checkpoint_seq = 0                     # the last checkpoint seq a run took (--preempt)
         self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
+        self.reflex_audit = ReflexAudit(self.mesh_id, self.checker) if config.reflex_per_mille else None
+        self.hot: dict[int, list] = {}
+        if config.reflex_per_mille:   # the world's jobs change before any is submitted
+            add_reflexes(self.world, self.workload_rng, config.reflex_per_mille)
+            self.hot = hot_spells(self.world, self.workload_rng, max(1, config.safety_ms) + 1000)
+        # A run does not stop early (every job placed) before the hot spells and the moves they
+        # cause are over.
+        self.busy_until_ms = max([self.heal_ms] + [end + REFLEX_SETTLE_MS for spells in self.hot.values()
+                                                   for _start, end in spells])
         self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (workload runs)
         for index in sorted(self.world.byzantine):
             spec = self.world.nodes[index]
@@ -368,6 +389,9 @@ class Simulation:
         self._schedule_faults()
         self._schedule_cancels()
         self._schedule_moves()
+        if cfg.reflex_per_mille:
+            for node in self.nodes:
+                self.push(self.workload_rng.randrange(TELEMETRY_MS), TELEMETRY, node.index, 0)
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
         deadline_ms = self.deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
@@ -395,9 +419,11 @@ class Simulation:
                 self._cancel(target, payload)
             elif kind == MOVE:
                 self._move(target, payload)
+            elif kind == TELEMETRY:
+                self._telemetry(target)
             elif kind == CHECKPOINT:
                 self._checkpoint(target, payload)
-            if self.complete >= total_jobs and at_ms >= self.heal_ms:
+            if self.complete >= total_jobs and at_ms >= self.busy_until_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
                 raise RuntimeError("simulator event queue over %d: a message storm" % MAX_EVENTS_QUEUED)
@@ -539,6 +565,15 @@ class Simulation:
         self.counters["moves"] = self.counters.get("moves", 0) + 1
         self._emit(node, ready)
 
+    def _telemetry(self, index: int) -> None:
+        """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside."""
+        node = self.nodes[index]
+        if node.up:
+            hot = any(start <= self.now_ms < end for start, end in self.hot[index])
+            gpus = reading(self.world.nodes[index].capacity, hot, self.workload_rng)
+            self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms)
+        self.push(self.now_ms + TELEMETRY_MS, TELEMETRY, index, 0)
+
     def _workload_orders(self, node: SimNode, decision) -> None:
         """The driver's side of a core's "run" and "stop" orders: what it runs, and when each
         run ends (SimConfig.job_ms)."""
@@ -556,7 +591,7 @@ class Simulation:
                     self.push(self.now_ms + 1, CHECKPOINT, node.index, (node.incarnation, run.job_id, run.fence, 0))
             if node.behaviour is None:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
-            if cfg.move_per_mille:
+            if cfg.runs_reported:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
 
@@ -688,6 +723,8 @@ class Simulation:
             return
         self.node_decisions += 1
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
+        if self.reflex_audit is not None and node.behaviour is None:
+            self.reflex_audit.check(node, decision)
         if decision.value_kind == "preemption" and node.behaviour is None and decision.value.node == node.core.me:
             self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
         if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
@@ -826,6 +863,8 @@ class Simulation:
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
+        if self.reflex_audit is not None:
+            self.counters["reflex_moves"] = len(self.reflex_audit.moves)
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,

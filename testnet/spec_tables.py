@@ -33,9 +33,9 @@ from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_ba
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, Gang, GangPlacement, GangWorker, GpuState, Join, JobMove, Member,
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
-                               Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Resources, RoundChange,
-                               RoundSync, RunningJob, job_id, move_instance_id, placement_instance_id,
-                               placement_slot_id, preemption_instance_id, value_hash)
+                               Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
+                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
+                               placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 
 VECTOR_SEED = bytes(range(32))
@@ -45,7 +45,7 @@ VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
-                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement)
+                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -87,7 +87,12 @@ NESTED_ENVELOPES = {
     (GangPlacement, "job"): (("job",), "as Placement `job`, and the job has a `gang` of more than one "
                                        "worker (GA3)"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
-    (JobMove, "request"): (("move_request",), "this mesh, signed by the job's owner, for this instance (R2)"),
+    (JobMove, "request"): (("move_request", "reflex_trigger"),
+                           "this mesh, for this instance: a `move_request` signed by the job's owner (R2), or a "
+                           "`reflex_trigger` signed by a member whose evidence proves the rule (R3)"),
+    (ReflexTrigger, "evidence"): (("cap",), "this mesh, each signed by the job's primary, `node` = signer, "
+                                            "consecutive seqs, each showing the rule's condition and the job "
+                                            "running at `fence` (R3)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
 }
 
@@ -201,6 +206,11 @@ def _coherent(cls, body: dict) -> dict:
         body["job_id"] = sample_job_id()
     if cls is MESSAGE_TYPES["job"]:
         body.update(owner=me, name="vector-job", entrypoint="counter")  # 4.1: signed by its owner
+        del body["reflexes"]   # 4.2: no reflexes, the key left out (the ReflexTrigger sample has its own)
+    elif cls is Reflex:
+        body.update(signal="gpu_temp", above=85, below=None, for_ms=5000, action="migrate", cooldown_ms=60_000)
+    elif cls is ReflexTrigger:
+        body.update(rule=0, evidence=[_seal("cap", sample_body(CapabilityVector))])
     elif cls is CapabilityVector:
         body["node"] = me
     elif cls is Bid:

@@ -176,6 +176,10 @@ def test_r2_a_move_certificate_binds_its_instance_for_cert_verify():
     net, jid, primary = running_job()
     ask(net, primary, move_request(jid, 1))
     net.run(30)
+    assert_move_certificate_binds_its_instance(net, jid)
+
+
+def assert_move_certificate_binds_its_instance(net, jid):
     data = net.certificates[KEYS[2]][-1]
     _envelope, cert = decode_message(data, MESH)
     assert cert.value_kind == "job_move"

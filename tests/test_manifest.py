@@ -114,6 +114,41 @@ def test_scheduling_and_gpu_share_errors_name_the_field(tail, error):
     assert error in str(raised.value)
 
 
+REFLEX = MINIMAL + '[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\n'
+
+
+def test_reflex_rules_parse_with_defaults_and_jobs_without_them_keep_their_ids():
+    job = parse(REFLEX + '[[reflex]]\nsignal = "gpu_util"\nbelow = 5\nfor_ms = 9000\nzone = "prod"\n'
+                         'action = "migrate"\ncooldown_ms = 0\n')
+    first, second = job.reflexes
+    assert (first.signal, first.above, first.below, first.for_ms, first.zone, first.cooldown_ms) == (
+        "gpu_temp", 85, None, 5000, "", 60_000)
+    assert (second.below, second.for_ms, second.zone, second.cooldown_ms) == (5, 9000, "prod", 0)
+    assert "reflexes" not in parse(MINIMAL).to_body()   # SPEC.md 4.2: so old job ids stay
+    assert verify_signed_job(encode_message(OWNER, ANY_MESH, job))[1] == job
+
+
+@pytest.mark.parametrize("tail, error", [
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "clone"\n',
+     "reflex[0].action: 'clone' is not supported yet (supported: migrate)"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "explode"\n', "reflex[0].action: expected one of 'migrate'"),
+    ('[[reflex]]\nsignal = "fan_rpm"\nabove = 85\naction = "migrate"\n', "reflex[0].signal: expected one of"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\nfor = 3\n', "reflex[0]: unknown key 'for'"),
+    ('[[reflex]]\nsignal = "gpu_temp"\naction = "migrate"\n', "reflex[0]: give exactly one of above and below"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 1\nbelow = 2\naction = "migrate"\n', "exactly one of above"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\n', "reflex[0].action: required"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = -1\naction = "migrate"\n', "reflex[0].above: expected an integer"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\nfor_ms = "5s"\n',
+     "reflex[0].for_ms: expected an integer"),
+    ('reflex = 3\n', "reflex: expected [[reflex]] tables"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\n' * 9, "reflex: at most 8 rules"),
+])
+def test_reflex_errors_name_the_field(tail, error):
+    with pytest.raises(ManifestError) as info:
+        parse(MINIMAL + tail)
+    assert error in str(info.value)
+
+
 def test_gang_table_parses_fixed_and_elastic_sizes():
     assert not parse(MINIMAL).gang.is_gang   # no [gang]: a plain job, as before
     fixed = parse(MINIMAL + '[gang]\nworkers = 4\ntopology = "rail_group"\n').gang

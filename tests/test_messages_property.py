@@ -14,7 +14,8 @@ from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.envelope import ANY_MESH, CHANNEL_AUTHENTICATED_KINDS, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (MESSAGE_TYPES, Checkpoint, Gang, MoveRequest, Resources, decode_message, encode_message,
+from protocol.messages import (MESSAGE_TYPES, Checkpoint, Gang, JobManifest, MoveRequest, Reflex, Resources,
+                               decode_message, encode_message,
                                encode_unsigned)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
@@ -61,6 +62,10 @@ def body_strategy(cls):
         body = body.map(lambda b: {**b, "state_hash": hashlib.sha256(b["state"]).digest()})
     if cls is Resources:  # cross-field rule, SPEC.md 4.1: a GPU share is a share of one GPU
         body = body.map(lambda b: {**b, "gpus": 1} if b["gpu_milli"] else b)
+    if cls is JobManifest:  # SPEC.md 4.2: no reflex rules is the key left out, never an empty list
+        body = body.map(lambda b: {k: v for k, v in b.items() if k != "reflexes" or v})
+    if cls is Reflex:  # cross-field rule, SPEC.md 4.2: exactly one of above and below
+        body = body.map(lambda b: {**b, "below": None} if b["above"] is not None else {**b, "below": b["below"] or 0})
     if cls is MoveRequest:  # cross-field rule, SPEC.md R2: no target, or a 32-byte key
         body = body.map(lambda b: {**b, "to_node": b["to_node"].ljust(32, b"\x01") if b["to_node"] else b""})
     if cls is Gang:  # cross-field rules, SPEC.md GA1: a fixed size, or an elastic range with a size in it

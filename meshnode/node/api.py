@@ -14,6 +14,7 @@ from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
+from protocol.flows.move import decode_request
 from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
                                placement_attempts, placement_instance_id, placement_slot, placement_slot_id,
                                preemption_instance_id)
@@ -287,7 +288,7 @@ class ControlApi:
         return decode_value(cert.value_kind, cert.value)
 
     def _moved_job_id(self, move) -> bytes:
-        return decode_message(move.request, self.node.genesis.mesh_id, expect=MoveRequest)[1].job_id
+        return decode_request(move.request, self.node.genesis.mesh_id)[1].job_id   # an owner's or a reflex's (R3)
 
     def _placed_job_id(self, job_envelope: bytes) -> bytes:
         return job_id_of(decode_message(job_envelope, self.node.genesis.mesh_id, allow_any_mesh=True)[1])

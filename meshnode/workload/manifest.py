@@ -13,7 +13,8 @@ import tomllib
 from protocol import codec
 from protocol.envelope import Envelope
 from protocol.errors import ManifestError, RemoteProtocolError
-from protocol.messages import Constraints, Gang, JobManifest, Resources, Scheduling, decode_message
+from protocol.messages import (MAX_REFLEXES, REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, Constraints, Gang, JobManifest,
+                               Reflex, Resources, Scheduling, decode_message)
 from protocol.schema import Bool, Bytes, FieldType, Int, List, Optional, Text, TextMap
 
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -31,6 +32,10 @@ TABLE_DEFAULTS = {
 }
 # Filled in from the signer and the clock, never from the file.
 NOT_IN_FILE = ("owner", "created_ms", "epoch")
+# Reflex rules are written one ``[[reflex]]`` table each (SPEC.md 4.2, R3).
+REFLEX_KEY = "reflex"
+REFLEX_DEFAULTS = {"above": None, "below": None, "for_ms": 5000, "zone": "", "cooldown_ms": 60_000}
+REFLEX_REQUIRED = ("signal", "action")
 
 
 def human_expectation(ftype: FieldType) -> str:
@@ -86,6 +91,31 @@ def _table(document: dict, name: str):
         raise ManifestError("[%s]: %s" % (name, str(exc).split(": ", 1)[-1])) from None
 
 
+def _reflexes(document: dict) -> tuple:
+    """The ``[[reflex]]`` tables, each checked like a table and named ``reflex[i]`` in errors."""
+    raw = document.get(REFLEX_KEY, [])
+    if not isinstance(raw, list) or not all(isinstance(item, dict) for item in raw):
+        raise ManifestError("%s: expected [[reflex]] tables, got %r" % (REFLEX_KEY, raw))
+    if len(raw) > MAX_REFLEXES:
+        raise ManifestError("%s: at most %d rules, got %d" % (REFLEX_KEY, MAX_REFLEXES, len(raw)))
+    rules = []
+    for i, item in enumerate(raw):
+        where = "%s[%d]" % (REFLEX_KEY, i)
+        _reject_unknown(item, Reflex.SCHEMA, where)
+        for name in REFLEX_REQUIRED:
+            if name not in item:
+                raise ManifestError("%s.%s: required, expected %s" % (where, name, human_expectation(Reflex.SCHEMA[name])))
+        if item["action"] in REFLEX_ACTIONS_LATER:
+            raise ManifestError("%s.action: %r is not supported yet (supported: %s)"
+                                % (where, item["action"], ", ".join(REFLEX_ACTIONS)))
+        if ("above" in item) == ("below" in item):
+            raise ManifestError("%s: give exactly one of above and below" % where)
+        values = {**REFLEX_DEFAULTS, **item}
+        rules.append(Reflex(**{field: _checked(ftype, values[field], "%s.%s" % (where, field))
+                               for field, ftype in Reflex.SCHEMA.items()}))
+    return tuple(rules)
+
+
 def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -> JobManifest:
     """Parse a TOML manifest for ``owner_pubkey``, stamped ``created_ms = now_ms`` and the
     mesh ``epoch`` whose members are to place it (SPEC.md P2: the node's current one)."""
@@ -97,7 +127,7 @@ def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError("manifest is not valid TOML: %s" % exc) from None
-    allowed = [f for f in JobManifest.SCHEMA if f not in NOT_IN_FILE]
+    allowed = [f for f in JobManifest.SCHEMA if f not in NOT_IN_FILE and f != "reflexes"] + [REFLEX_KEY]
     _reject_unknown(document, allowed, "manifest")
     for name in REQUIRED:
         if name not in document:
@@ -106,6 +136,9 @@ def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -
     fields = {}
     for name, ftype in JobManifest.SCHEMA.items():
         if name in NOT_IN_FILE:
+            continue
+        if name == "reflexes":
+            fields[name] = _reflexes(document)
             continue
         fields[name] = _table(document, name) if name in TABLES else _checked(ftype, values[name], name)
     if fields["strategy"] == "sovereign" and not (fields["constraints"].zones or fields["constraints"].attested):

@@ -16,6 +16,12 @@ to the new primary (``JobLifecycle.hand_over_moved``), which waits for it before
 (never two runs at once) and resumes from it (the work lost is what the old run did after
 that checkpoint). The new primary takes the job on through the ledger (R1) or refuses it,
 and the job is then placed afresh like any refused job.
+
+A reflex rule of the manifest (R3) moves the job the same way, in the same instance: a
+``ReflexTrigger`` carrying the primary's signed vectors that show the rule held stands in
+for the owner's request. Any member that sees the rule hold (``notice_reflexes``) starts
+the instance with its own trigger; validators check the evidence, the cooldown, and that
+the target's vector does not show the condition too.
 """
 
 from __future__ import annotations
@@ -24,13 +30,22 @@ from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import CapabilityVector, JobMove, MoveRequest, decode_message, move_instance_id
+from protocol.messages import CapabilityVector, JobMove, MoveRequest, ReflexTrigger, decode_message, move_instance_id
 from protocol.placement import capability_check, gpu_healthy, gpu_strain, healthy_fitting_gpus, tie_break
 from protocol.ready import Outbound, Ready
+from protocol.reflexes import condition_holds, cooldown_bounds, evidence_error, shortest_evidence
 
 MOVE_HANDOFF_WAIT_MS = 1000   # how long the new primary waits for the old one's final checkpoint
 MAX_MOVE_REQUESTS = 1024      # requests held for instances not yet decided here
 MOVABLE_STATES = ("placed", "running")   # the primary holds the job (a validator may not have seen it run yet)
+
+
+def decode_request(data: bytes, mesh_id: bytes, caches=None):
+    """(envelope, MoveRequest or ReflexTrigger): what a JobMove's ``request`` may be (R2, R3)."""
+    envelope, request = decode_message(data, mesh_id, caches=caches)
+    if not isinstance(request, (MoveRequest, ReflexTrigger)):
+        raise RemoteProtocolError("a job_move's request must be a move_request or a reflex_trigger")
+    return envelope, request
 
 
 def move_backups(record, to_node: bytes, members) -> tuple:
@@ -67,7 +82,7 @@ class MoveFlow(ValueFlow):
         self.capability = capability
         self.lifecycle = None   # the JobLifecycle, set by the core: the new primary admits the job (R1)
         self.placement = None   # the PlacementFlow, set by the core: its P5 replay of evictions
-        self.requests: dict[bytes, bytes] = {}   # instance -> the owner's request envelope
+        self.requests: dict[bytes, bytes] = {}   # instance -> the owner's request or a reflex trigger
 
     def validators(self, iid: bytes) -> tuple:
         return self._validator(iid), None
@@ -97,14 +112,17 @@ class MoveFlow(ValueFlow):
             return
         self._start(request, data, now_ms, out)
 
-    def request_error(self, signer: bytes, request: MoveRequest, view, running: bool = False) -> str | None:
-        """Why the job of ``request`` cannot be moved as it asks (None: it can). ``running``:
-        the entry node's stricter check (it has seen the job run)."""
+    def request_error(self, signer: bytes, request, view, running: bool = False) -> str | None:
+        """Why the job of ``request`` (a MoveRequest or a ReflexTrigger) cannot be moved as it
+        asks (None: it can). ``running``: the entry node's stricter check (it has seen the job run)."""
         record = self.jobs.get(request.job_id)
         short = request.job_id.hex()[:12]
         if record is None:
             return "unknown job %s" % short
-        if signer != record.manifest.owner:
+        if isinstance(request, ReflexTrigger):
+            if signer not in view.stakes:
+                return "the reflex trigger is not signed by a member"
+        elif signer != record.manifest.owner:
             return "only the job's owner may move it"
         if record.state not in (("running",) if running else MOVABLE_STATES):
             return "job %s is %s, not running" % (short, record.state)
@@ -115,9 +133,44 @@ class MoveFlow(ValueFlow):
             return "job %s already runs on %s" % (short, request.to_node.hex()[:12])
         if request.to_node and request.to_node not in view.stakes:
             return "%s is not a member of epoch %d" % (request.to_node.hex()[:12], view.epoch)
+        if isinstance(request, ReflexTrigger):
+            return self.trigger_error(record, request)
         return None
 
-    def _start(self, request: MoveRequest, data: bytes, now_ms: int, out: Ready) -> None:
+    def trigger_error(self, record, trigger: ReflexTrigger) -> str | None:
+        """R3: the rule exists, asks to migrate, and the trigger's evidence proves it held on
+        the job's primary after the job's reflex cooldown."""
+        rules = record.manifest.reflexes
+        if trigger.rule >= len(rules):
+            return "the job has no reflex rule %d" % trigger.rule
+        rule = rules[trigger.rule]
+        if rule.action != "migrate":
+            return "reflex rule %d does not migrate" % trigger.rule
+        return evidence_error(rule, trigger.evidence, record.primary, record.job_id, record.fence,
+                              self.ctx.mesh_id, record.reflex_at, caches=self.ctx.caches)
+
+    # --- reflexes (SPEC.md R3) -----------------------------------------------------------------
+    def notice_reflexes(self, node: bytes, now_ms: int, out: Ready) -> None:
+        """``node`` signed a new vector: if a reflex rule of a job it runs as primary now holds,
+        start the job's move instance with a trigger of our own (once per instance)."""
+        history = None
+        for record in self.jobs.reflex_jobs_of(node):
+            iid = move_instance_id(record.job_id, record.fence)
+            if iid in self.requests or self.instances.is_done(iid) or record.state != "running":
+                continue
+            history = history if history is not None else self.capability.history.of(node)
+            for index, rule in enumerate(record.manifest.reflexes):
+                found = shortest_evidence(rule, history, record.job_id, record.fence,
+                                          *cooldown_bounds(rule, record.reflex_at, node))
+                if found is None:
+                    continue
+                trigger = ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
+                                        evidence=tuple(envelope for envelope, _cap in found))
+                self.ctx.counters["reflex_noticed"] += 1
+                self._start(trigger, self.ctx.sign(trigger), now_ms, out)
+                break
+
+    def _start(self, request, data: bytes, now_ms: int, out: Ready) -> None:
         iid = move_instance_id(request.job_id, request.fence)
         if iid not in self.requests and len(self.requests) >= MAX_MOVE_REQUESTS:
             self.ctx.counters["move_requests_full"] += 1
@@ -129,8 +182,7 @@ class MoveFlow(ValueFlow):
 
     def instance_from_proposal(self, proposal, move: JobMove, view, now_ms: int, out: Ready):
         try:
-            _envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest,
-                                                caches=self.ctx.caches)
+            _envelope, request = decode_request(move.request, self.ctx.mesh_id, caches=self.ctx.caches)
         except RemoteProtocolError:
             self.ctx.counters["move_bad_request"] += 1
             return None
@@ -148,7 +200,7 @@ class MoveFlow(ValueFlow):
         data = self.requests.get(inst.instance_id)
         if data is None:
             return
-        envelope, request = decode_message(data, self.ctx.mesh_id, expect=MoveRequest, caches=self.ctx.caches)
+        envelope, request = decode_request(data, self.ctx.mesh_id, caches=self.ctx.caches)
         view = inst.view
         if self.request_error(envelope.signer, request, view) is not None:
             return
@@ -162,9 +214,10 @@ class MoveFlow(ValueFlow):
                        backups=move_backups(record, to_node, view.stakes), capability=vector)
         self.instances.drive(inst, inst.propose(codec.pack(move.to_body()), (), now_ms, "job_move"), now_ms, out)
 
-    def _target(self, record, request: MoveRequest, view, now_ms: int):
+    def _target(self, record, request, view, now_ms: int):
         """(node, its signed vector): the named node if its vector shows room, else the best
-        member with room by ``move_rank``; or why there is none (a string)."""
+        member with room by ``move_rank`` (for a reflex, one whose vector does not show the
+        rule's condition too); or why there is none (a string)."""
         job = record.manifest
         iid = move_instance_id(request.job_id, request.fence)
         names = [request.to_node] if request.to_node else [k for k in view.members if k != record.primary]
@@ -178,6 +231,10 @@ class MoveFlow(ValueFlow):
             if not ok:
                 why = "%s has no room for it: %s (%s)" % (node.hex()[:12], reason, detail)
                 continue
+            unfit = self.reflex_target_error(record, request, known[1])
+            if unfit is not None:
+                why = "%s %s" % (node.hex()[:12], unfit)
+                continue
             rank = move_rank(job, iid, node, known[1])
             if best is None or rank < best[0]:
                 best = (rank, node, known[0])
@@ -190,8 +247,7 @@ class MoveFlow(ValueFlow):
             view = inst.view if inst is not None else self.epochs.view
             try:
                 move = JobMove.from_body(codec.unpack(value_bytes))
-                envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest,
-                                                   caches=self.ctx.caches)
+                envelope, request = decode_request(move.request, self.ctx.mesh_id, caches=self.ctx.caches)
                 cap_envelope, cap = decode_message(move.capability, self.ctx.mesh_id, expect=CapabilityVector,
                                                    caches=self.ctx.caches)
             except (RemoteProtocolError, ValueError) as exc:
@@ -199,9 +255,10 @@ class MoveFlow(ValueFlow):
             return self.move_error(iid, move, envelope.signer, request, cap_envelope.signer, cap, view)
         return validate
 
-    def move_error(self, iid: bytes, move: JobMove, requester: bytes, request: MoveRequest, vector_signer: bytes,
+    def move_error(self, iid: bytes, move: JobMove, requester: bytes, request, vector_signer: bytes,
                    cap: CapabilityVector, view) -> str | None:
-        """SPEC.md R2's validation rule, from this node's job table and the signed vector."""
+        """SPEC.md R2's validation rule (and R3's for a reflex trigger), from this node's job
+        table and the signed vectors."""
         if move_instance_id(request.job_id, request.fence) != iid:
             return "the move's request is for another instance"
         error = self.request_error(requester, request, view)
@@ -221,6 +278,21 @@ class MoveFlow(ValueFlow):
             return "the target has no room: %s (%s)" % (reason, detail)
         if tuple(move.backups) != move_backups(record, move.to_node, view.stakes):
             return "the move's backups do not follow R2"
+        unfit = self.reflex_target_error(record, request, cap)
+        if unfit is not None:
+            return "the target %s" % unfit
+        return None
+
+    @staticmethod
+    def reflex_target_error(record, request, cap: CapabilityVector) -> str | None:
+        """R3: a reflex never moves a job onto a node with an unhealthy GPU or one whose vector
+        shows the rule's condition too (None: the node may take it)."""
+        if not isinstance(request, ReflexTrigger) or request.rule >= len(record.manifest.reflexes):
+            return None
+        if not all(gpu_healthy(g) for g in cap.gpus):
+            return "has an unhealthy GPU"
+        if condition_holds(record.manifest.reflexes[request.rule], cap):
+            return "shows the reflex's condition too"
         return None
 
     # --- applying a decided move --------------------------------------------------------------------
@@ -228,9 +300,9 @@ class MoveFlow(ValueFlow):
         error = self.value_binding_error(iid, value_kind, move, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
         if error is not None:
             return error
-        envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest, caches=self.ctx.caches)
+        envelope, request = decode_request(move.request, self.ctx.mesh_id, caches=self.ctx.caches)
         record = self.jobs.get(request.job_id)
-        if record is not None and envelope.signer != record.manifest.owner:
+        if record is not None and isinstance(request, MoveRequest) and envelope.signer != record.manifest.owner:
             return "the move's request is not signed by the job's owner"
         return None
 
@@ -240,7 +312,7 @@ class MoveFlow(ValueFlow):
         """R2 (flows/binding.py): votes sign only the value's hash, so the instance must be the
         one its request names, and the request a valid envelope of this mesh."""
         try:
-            _envelope, request = decode_message(move.request, mesh_id, expect=MoveRequest, caches=caches)
+            _envelope, request = decode_request(move.request, mesh_id, caches=caches)
         except RemoteProtocolError as exc:
             return "the move's request is not valid: %s" % exc
         if move_instance_id(request.job_id, request.fence) != iid:
@@ -257,8 +329,7 @@ class MoveFlow(ValueFlow):
     def apply(self, iid: bytes, value_kind: str, move: JobMove, certificate: bytes, epoch: int, now_ms: int,
               out: Ready) -> None:
         self.requests.pop(iid, None)
-        _envelope, request = decode_message(move.request, self.ctx.mesh_id, expect=MoveRequest,
-                                            caches=self.ctx.caches)
+        _envelope, request = decode_request(move.request, self.ctx.mesh_id, caches=self.ctx.caches)
         record = self.jobs.get(request.job_id)
         if record is not None and record.state not in TERMINAL and self._moved_on_by_evictions(record, move, request,
                                                                                             epoch):
@@ -281,16 +352,26 @@ class MoveFlow(ValueFlow):
             if self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred:
                 self.lifecycle.handoff_waits[jid] = now_ms + MOVE_HANDOFF_WAIT_MS
 
-    def _move_record(self, record, move: JobMove, request: MoveRequest, now_ms: int, out: Ready) -> None:
+    def _move_record(self, record, move: JobMove, request, now_ms: int, out: Ready) -> None:
         self.jobs.assign(record, move.to_node, move.backups, fence=request.fence + 1)
         record.migrations += 1
         record.state = "migrating"
         record.moved_from = (request.fence, move.from_node)
         record.lost_work_ms = None
+        why = {}
+        if isinstance(request, ReflexTrigger):
+            # R3: the cooldown runs from the last vector of the evidence (the decided value's).
+            last = decode_message(request.evidence[-1], self.ctx.mesh_id, expect=CapabilityVector,
+                                  caches=self.ctx.caches)[1]
+            record.reflex_at = (move.from_node, last.taken_ms)
+            rule = record.manifest.reflexes[request.rule] if request.rule < len(record.manifest.reflexes) else None
+            why = {"reflex": request.rule, "signal": rule.signal if rule else "",
+                   "held_ms": last.taken_ms - decode_message(request.evidence[0], self.ctx.mesh_id,
+                                                             expect=CapabilityVector, caches=self.ctx.caches)[1].taken_ms}
         out.events.append(self.ctx.event("moved", now_ms, job_id=record.job_id.hex(), from_node=move.from_node.hex(),
-                                         to_node=move.to_node.hex(), fence=record.fence))
+                                         to_node=move.to_node.hex(), fence=record.fence, **why))
 
-    def _moved_on_by_evictions(self, record, move: JobMove, request: MoveRequest, epoch: int) -> bool:
+    def _moved_on_by_evictions(self, record, move: JobMove, request, epoch: int) -> bool:
         """R2, late move: decided in an epoch this node has left, for a job that was at
         (``from_node``, the request's fence) then and has moved on since within its attempt:
         by the evictions that ended those epochs (the only moves a later epoch brings)."""
@@ -298,7 +379,7 @@ class MoveFlow(ValueFlow):
                 and record.primaries.get(request.fence) == move.from_node
                 and record.fence // FENCE_PER_ATTEMPT == request.fence // FENCE_PER_ATTEMPT)
 
-    def _apply_after_evictions(self, record, move: JobMove, request: MoveRequest, epoch: int, now_ms: int,
+    def _apply_after_evictions(self, record, move: JobMove, request, epoch: int, now_ms: int,
                                out: Ready) -> None:
         """As P5 for a late placement: the move first, then each eviction since its epoch by
         the rule F5 applied to the jobs known then, so this node ends where the nodes that

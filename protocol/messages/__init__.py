@@ -30,12 +30,14 @@ from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PR
 from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, GangPlacement, GangWorker,
                                     MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
                                     Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
+                                    REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, REFLEX_SIGNALS, Reflex,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
-from protocol.messages.moves import JobMove, MoveRequest, move_instance_id
+from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRequest, ReflexTrigger,
+                                     move_instance_id)
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
 from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
@@ -54,13 +56,14 @@ __all__ = [
     # jobs
     "GANG_TOPOLOGIES", "MAX_GANG_WORKERS", "Gang", "GangPlacement", "GangWorker",
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
-    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "Resources", "RunningJob", "Scheduling",
+    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
+    "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # moves
-    "JobMove", "MoveRequest", "move_instance_id",
+    "MAX_EVIDENCE", "MAX_REFLEXES", "JobMove", "MoveRequest", "ReflexTrigger", "move_instance_id",
     # membership
     "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
     # output

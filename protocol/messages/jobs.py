@@ -11,7 +11,9 @@ from protocol import codec
 from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_SLOT_JOBS, MILLI_PERCENT, STRATEGIES,
                                       record)
-from protocol.schema import Bool, Int, Key, List, Nested, Record, Text, TextMap
+from protocol.errors import RemoteProtocolError
+from protocol.messages.moves import MAX_REFLEXES
+from protocol.schema import Bool, Int, Key, List, Nested, Optional, Record, Text, TextMap
 
 
 # --- capability vectors ---------------------------------------------------------------------
@@ -112,6 +114,35 @@ class Scheduling(Record):
     SCHEMA: ClassVar = {"pool": Text(0, 64), "preemptible": Bool(), "max_runtime_ms": Int(0, 1 << 40)}
 
 
+REFLEX_SIGNALS = ("gpu_util", "gpu_temp", "gpu_mem", "throttle", "ecc_errors")
+REFLEX_ACTIONS = ("migrate",)
+REFLEX_ACTIONS_LATER = ("clone", "reroute", "decay")   # named in the design, refused until built
+
+
+@record
+class Reflex(Record):
+    """A manifest's reflex rule (SPEC.md 4.2, R3): when ``signal`` on the primary's GPUs is
+    above ``above`` (or below ``below``) for ``for_ms``, in zone ``zone`` ("" = any), the
+    mesh takes ``action``, then no other reflex action on the job for ``cooldown_ms``.
+    Units: gpu_util and gpu_mem in percent, gpu_temp in degrees C, throttle 1 while a
+    protective throttle reason is set, ecc_errors a count."""
+    signal: str
+    above: int | None
+    below: int | None
+    for_ms: int
+    zone: str
+    action: str
+    cooldown_ms: int
+    SCHEMA: ClassVar = {"signal": Text(choices=REFLEX_SIGNALS), "above": Optional(Int(0, 1 << 40)),
+                        "below": Optional(Int(0, 1 << 40)), "for_ms": Int(0, 3_600_000), "zone": Text(0, 64),
+                        "action": Text(choices=REFLEX_ACTIONS), "cooldown_ms": Int(0, 1 << 40)}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.above is None) == (self.below is None):
+            raise ValueError("Reflex: exactly one of above and below must be set")
+
+
 GANG_TOPOLOGIES = ("none", "zone", "rail_group", "spread_zones")
 MAX_GANG_WORKERS = 16   # + 4 backups: one gang's bids fit one proposal (MAX_BIDS_PER_PROPOSAL)
 
@@ -182,14 +213,30 @@ class JobManifest(Record):
     epoch: int          # the mesh epoch whose members place it (SPEC.md P2): its owner signs it
     scheduling: Scheduling = Scheduling()
     gang: Gang = Gang()
+    reflexes: tuple = ()   # absent from the body when empty (SPEC.md 4.2): older job ids stay
     SCHEMA: ClassVar = {
         "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
         "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
         "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
         "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
-        "epoch": Int(), "scheduling": Nested(Scheduling),
-        "gang": Nested(Gang),
+        "epoch": Int(), "scheduling": Nested(Scheduling), "gang": Nested(Gang),
+        "reflexes": List(Nested(Reflex), MAX_REFLEXES),
     }
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        if not self.reflexes:
+            del body["reflexes"]
+        return body
+
+    @classmethod
+    def from_body(cls, body, where: str | None = None):
+        # One canonical body per manifest, so one job id: no reflexes is the key left out.
+        if isinstance(body, dict) and "reflexes" not in body:
+            body = {**body, "reflexes": []}
+        elif isinstance(body, dict) and body["reflexes"] == []:
+            raise RemoteProtocolError("%s.reflexes: an empty list is left out, not sent" % (where or cls.__name__))
+        return super().from_body(body, where)
 
 
 def job_id(job: JobManifest) -> bytes:

@@ -1,5 +1,6 @@
-"""Moving a healthy running job (SPEC.md R2): the owner's signed request and the value a
-move instance decides."""
+"""Moving a healthy running job (SPEC.md R2, R3): the owner's signed request, the reflex
+trigger that stands in for it when a manifest's rule fired, and the value a move
+instance decides."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from protocol.messages.fields import ENVELOPE, record
 from protocol.schema import Bytes, Int, Key, List, Record
 
 MOVE_INSTANCE_TAG = b"job-move"
+MAX_REFLEXES = 8          # reflex rules one manifest may hold (SPEC.md 4.2)
+MAX_EVIDENCE = 64         # signed vectors one reflex trigger may carry (R3)
 
 
 @record
@@ -31,8 +34,28 @@ class MoveRequest(Record):
 
 
 @record
+class ReflexTrigger(Record):
+    """R3: rule ``rule`` of the job's manifest held on its primary at ``fence``; ``evidence``
+    is the primary's own signed capability vectors, consecutive by seq, that show it. It
+    stands where an owner's MoveRequest stands in a JobMove; its signer (any member) adds
+    no trust: validators check the evidence."""
+    KIND: ClassVar = "reflex_trigger"
+    job_id: bytes
+    fence: int
+    rule: int
+    evidence: tuple
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "rule": Int(0, MAX_REFLEXES - 1),
+                        "evidence": List(ENVELOPE, MAX_EVIDENCE)}
+
+    @property
+    def to_node(self) -> bytes:
+        return b""   # a reflex names no target: the mesh picks one (R3), as for a request naming none
+
+
+@record
 class JobMove(Record):
-    """The value a move instance decides (R2): the job of ``request`` leaves ``from_node``
+    """The value a move instance decides (R2): the job of ``request`` (an owner's
+    MoveRequest, or a ReflexTrigger, R3) leaves ``from_node``
     (its primary at the request's fence) for ``to_node``, whose signed capability vector
     ``capability`` shows room for it, with ``backups`` as its new backups."""
     KIND: ClassVar = "job_move"

@@ -1,0 +1,135 @@
+"""Reflex rules evaluated from signed telemetry (SPEC.md R3).
+
+A manifest's reflex rule holds when its job's primary signed capability vectors that show
+the rule's condition continuously for the rule's duration: consecutive by seq (so no
+vector in between could have shown otherwise), each listing the job running at its fence,
+from the first to the last at least ``for_ms`` apart by their ``taken_ms``. Every member
+holds the same signed vectors, so any one may notice, and every validator checks the
+evidence from the vectors alone (``evidence_error``). Pure: no clock, no IO.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from protocol.errors import RemoteProtocolError
+from protocol.messages import MAX_EVIDENCE, CapabilityVector, Reflex, decode_message
+from protocol.placement import UNHEALTHY_THROTTLE_MASK
+
+
+def signal_value(signal: str, cap: CapabilityVector) -> list[int]:
+    """The signal on each of the vector's GPUs, in milli-units of the rule's unit (percent,
+    degrees C, a count x 1000), so a rule's integer threshold x 1000 compares exactly."""
+    if signal == "gpu_util":
+        return [g.util_milli for g in cap.gpus]
+    if signal == "gpu_temp":
+        return [g.temp_milli_c for g in cap.gpus]
+    if signal == "gpu_mem":
+        return [g.mem_used_mib * 100_000 // g.mem_total_mib if g.mem_total_mib else 0 for g in cap.gpus]
+    if signal == "throttle":
+        return [1000 if g.throttle_reasons & UNHEALTHY_THROTTLE_MASK else 0 for g in cap.gpus]
+    if signal == "ecc_errors":
+        return [g.ecc_errors * 1000 for g in cap.gpus]
+    raise ValueError("unknown reflex signal %r" % signal)
+
+
+def condition_holds(rule: Reflex, cap: CapabilityVector) -> bool:
+    """The rule's condition on one vector: some GPU above ``above`` (or below ``below``), in
+    the rule's zone. A vector without GPUs shows no condition."""
+    if rule.zone and cap.zone != rule.zone:
+        return False
+    values = signal_value(rule.signal, cap)
+    if rule.above is not None:
+        return any(v > rule.above * 1000 for v in values)
+    return any(v < rule.below * 1000 for v in values)
+
+
+def runs_job(cap: CapabilityVector, job_id: bytes, fence: int) -> bool:
+    return any(r.job_id == job_id and r.fence == fence for r in cap.running)
+
+
+def cooldown_bounds(rule: Reflex, last_reflex: tuple | None, primary: bytes) -> tuple[int, int]:
+    """(the least the evidence must span, the least its first taken_ms) for ``rule`` on
+    ``primary``, after the job's last reflex move ``last_reflex`` = (node, taken_ms) or None.
+    Each node's vectors carry its own clock, and nodes' clocks are not comparable: off the
+    node the last reflex moved the job from, the cooldown counts on that node's clock;
+    anywhere else the condition must hold for the cooldown too (the job ran there the whole
+    evidence long, so it arrived after the last reflex move)."""
+    if last_reflex is None:
+        return rule.for_ms, 0
+    node, at_ms = last_reflex
+    if node == primary:
+        return rule.for_ms, at_ms + rule.cooldown_ms
+    return max(rule.for_ms, rule.cooldown_ms), 0
+
+
+def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms: int,
+                      not_before_ms: int) -> tuple | None:
+    """The fewest newest (envelope, vector) pairs of ``history`` (oldest first, one node's)
+    that prove ``rule`` held for the job at ``fence`` for ``span_ms``, from ``not_before_ms``
+    on; None while they do not."""
+    chain = []
+    for envelope, cap in reversed(history):
+        if chain and cap.seq != chain[-1][1].seq - 1:
+            return None   # a gap: a vector we never saw might have broken the condition
+        if not (condition_holds(rule, cap) and runs_job(cap, job_id, fence)):
+            return None
+        if cap.taken_ms < not_before_ms:
+            return None
+        chain.append((envelope, cap))
+        if chain[0][1].taken_ms - cap.taken_ms >= span_ms:
+            return tuple(reversed(chain))
+        if len(chain) >= MAX_EVIDENCE:
+            return None
+    return None
+
+
+def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes, fence: int, mesh_id: bytes,
+                   last_reflex: tuple | None, caches=None) -> str | None:
+    """Why ``evidence`` (envelopes) does not prove ``rule`` held on ``primary`` for the job
+    at ``fence`` after its cooldown (None: it does); ``last_reflex`` as for cooldown_bounds."""
+    vectors = []
+    for data in evidence:
+        try:
+            envelope, cap = decode_message(data, mesh_id, expect=CapabilityVector, caches=caches)
+        except RemoteProtocolError as exc:
+            return "an evidence vector is not valid: %s" % exc
+        if envelope.signer != primary or cap.node != primary:
+            return "an evidence vector is not the primary's"
+        vectors.append(cap)
+    if not vectors:
+        return "no evidence"
+    for before, after in zip(vectors, vectors[1:]):
+        if after.seq != before.seq + 1:
+            return "the evidence vectors are not consecutive (seq %d then %d)" % (before.seq, after.seq)
+    for cap in vectors:
+        if not runs_job(cap, job_id, fence):
+            return "vector seq %d does not show the job running at fence %d" % (cap.seq, fence)
+        if not condition_holds(rule, cap):
+            return "vector seq %d does not show the condition" % cap.seq
+    span_ms, not_before_ms = cooldown_bounds(rule, last_reflex, primary)
+    held = vectors[-1].taken_ms - vectors[0].taken_ms
+    if held < span_ms:
+        return "the condition is shown for %d ms, the rule asks %d ms%s" % (
+            held, span_ms, "" if span_ms == rule.for_ms else " (its cooldown, on a new node)")
+    if vectors[0].taken_ms < not_before_ms:
+        return "the job is in its reflex cooldown until %d ms" % not_before_ms
+    return None
+
+
+class VectorHistory:
+    """Each node's newest signed vectors, oldest first, as (envelope, vector): what a
+    trigger's evidence is taken from."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[bytes, deque] = {}
+
+    def add(self, node: bytes, envelope: bytes, cap: CapabilityVector) -> None:
+        self.by_node.setdefault(node, deque(maxlen=MAX_EVIDENCE)).append((envelope, cap))
+
+    def of(self, node: bytes) -> tuple:
+        return tuple(self.by_node.get(node, ()))
+
+    def forget_except(self, members) -> None:
+        for node in [n for n in self.by_node if n not in members]:
+            del self.by_node[node]

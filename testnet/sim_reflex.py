@@ -1,0 +1,74 @@
+"""Reflex rules in the simulator (``meshnode sim --reflex F``, SPEC.md R3).
+
+That share of the jobs carries a migrate rule on GPU utilisation; every node reads its
+GPUs every TELEMETRY_MS, cool except in hot spells drawn per node, so rules hold, break
+off and hold again while faults are on. ``ReflexAudit`` adds the check that no reflex
+action is applied twice: an honest node applies at most one reflex move per job and fence.
+All draws come from the run's workload rng, so runs without ``--reflex`` keep their worlds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from protocol.flows.move import decode_request
+from protocol.messages import GpuState, Reflex, ReflexTrigger, encode_message, job_id
+
+TELEMETRY_MS = 100
+HOT_UTIL_MILLI = 90_000          # a hot spell's reading: 90..95 %, jittered so each is a new vector
+SIM_RULE = Reflex(signal="gpu_util", above=80, below=None, for_ms=300, zone="", action="migrate", cooldown_ms=1000)
+MAX_SPELLS = 2
+REFLEX_SETTLE_MS = 1500          # after a node's last hot spell: its rule's duration and the move's vote
+
+
+def add_reflexes(world, rng, per_mille: int) -> None:
+    """Give that share of the world's jobs SIM_RULE, signed again by their owners."""
+    owners = {o.public_key: o for o in world.owners}
+    for spec in world.jobs:
+        if rng.randrange(1000) >= per_mille:
+            continue
+        spec.job = replace(spec.job, reflexes=(SIM_RULE,))
+        spec.envelope = encode_message(owners[spec.job.owner], world.mesh_id, spec.job)
+        spec.job_id = job_id(spec.job)
+
+
+def hot_spells(world, rng, span_ms: int) -> dict[int, list[tuple[int, int]]]:
+    """Per node, the [start, end) times its GPUs run hot."""
+    spells = {}
+    for node in world.nodes:
+        spells[node.index] = []
+        for _ in range(rng.randint(0, MAX_SPELLS)):
+            start = rng.randint(0, span_ms)
+            spells[node.index].append((start, start + rng.randint(150, 1500)))
+    return spells
+
+
+def reading(capacity, hot: bool, rng) -> tuple:
+    """One telemetry reading of a node's GPUs."""
+    util = HOT_UTIL_MILLI + rng.randint(0, 5000) if hot else 0
+    return tuple(GpuState(index=i, model=capacity.gpu_model[:96], mem_total_mib=total, mem_used_mib=0,
+                          util_milli=util, temp_milli_c=40_000, sm_clock_mhz=0, throttle_reasons=0, ecc_errors=0,
+                          power_mw=0) for i, total in enumerate(capacity.gpu_mem_total_mib))
+
+
+class ReflexAudit:
+    """No reflex action applied twice: per node incarnation, one reflex move per (job, fence)."""
+
+    def __init__(self, mesh_id: bytes, checker) -> None:
+        self.mesh_id = mesh_id
+        self.checker = checker
+        self.applied: set[tuple] = set()   # (node, incarnation, job id, fence)
+        self.moves: set[bytes] = set()     # instances a reflex move was decided in
+
+    def check(self, node, decision) -> None:
+        if decision.value_kind != "job_move":
+            return
+        _envelope, request = decode_request(decision.value.request, self.mesh_id)
+        if not isinstance(request, ReflexTrigger):
+            return
+        self.moves.add(decision.instance)
+        key = (node.index, node.incarnation, request.job_id, request.fence)
+        if key in self.applied:
+            self.checker.fail("reflex_applied_twice", node.index, decision.instance,
+                              "job %s fence %d" % (request.job_id.hex()[:12], request.fence))
+        self.applied.add(key)
