@@ -10,16 +10,30 @@ from pathlib import Path
 
 from meshnode.cli.output import examples
 from protocol.packing import POLICY_NAMES, WorkloadDistribution
+from testnet.replay_preemption import DEFAULT_CHECKPOINT_MS
 from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
                             sample_nodes, shuffled, timed)
 
 DEFAULT_TIMED_NODES = 6
+JSON_KEYS = """
+--json prints one object; "policies" maps each policy to its figures:
+  fill:  gpu_alloc_share, share_at_first_failure, failed, fragmentation (the FGD paper's
+         rate: expected fragment / free GPU milli), fragmented_gpus, unallocated_gpus,
+         tasks_offered, wall_s
+  timed: started, never_started, untimed (no times: pending in the trace), unplaceable
+         (fits no node even empty), preemptions, preempted_tasks, lost_work_total_s,
+         wall_s, and "qos": class -> priority, preemptible, started, never_started,
+         delay_p50_s, delay_p99_s (arrival to first start), preemptions (of that class's
+         tasks), lost_work_p50_ms, lost_work_p99_ms, lost_work_max_ms
+"""
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("replay", help="replay the Alibaba GPU trace through the packing policies",
                                    description=__doc__.splitlines()[0],
-                                   epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json"))
+                                   epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json",
+                                                   "meshnode replay --timed --nodes 6 --policy pack --json")
+                                   + JSON_KEYS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, metavar="NODES.csv",
                         help="node list (default: the openb cluster, 1213 nodes)")
     parser.add_argument("--pods", type=Path, default=DEFAULT_PODS, metavar="PODS.csv",
@@ -32,8 +46,16 @@ def register(subparsers) -> None:
     parser.add_argument("--shuffle", type=int, default=None, metavar="S",
                         help="offer the tasks in the order a seeded shuffle (seed S) gives, not file order")
     parser.add_argument("--timed", action="store_true",
-                        help="replay with the trace's arrival times and durations on --nodes nodes: queueing "
-                             "delay p50/p99 per QoS class (no preemption yet)")
+                        help="replay with the trace's arrival times and durations on --nodes nodes, with "
+                             "priorities from the QoS class (LS, Guaranteed 200; Burstable 100; BE 0, the only "
+                             "preemptible class) and preemption by the mesh's victim rule (SPEC P8): per QoS "
+                             "class, queueing delay p50/p99 and preemptions with the work each lost; needs the "
+                             "qos and time columns")
+    parser.add_argument("--no-preempt", action="store_true",
+                        help="with --timed: queue by priority but never preempt (the baseline)")
+    parser.add_argument("--checkpoint-ms", type=int, default=DEFAULT_CHECKPOINT_MS, metavar="MS",
+                        help="with --timed: how often a running task checkpoints; a preempted task resumes from "
+                             "its newest checkpoint and loses the work since (default %d)" % DEFAULT_CHECKPOINT_MS)
     parser.add_argument("--nodes", type=int, default=DEFAULT_TIMED_NODES, metavar="N",
                         help="with --timed: nodes drawn (seeded) from the cluster (default %d)" % DEFAULT_TIMED_NODES)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if args.timed:
             raise TraceError("--shuffle reorders the fill experiment; --timed follows the trace's times")
         tasks = shuffled(tasks, args.shuffle)
+    if args.checkpoint_ms < 1:
+        raise TraceError("--checkpoint-ms must be >= 1, got %d" % args.checkpoint_ms)
     if args.timed:
         return run_timed(args, names, sample_nodes(nodes, args.nodes, args.seed), tasks, workload)
     for name in names:
@@ -82,16 +106,17 @@ def run(args: argparse.Namespace) -> int:
 def run_timed(args, names, nodes, tasks, workload) -> int:
     results = {}
     for name in names:
-        results[name] = r = timed(nodes, tasks, name, seed=args.seed, workload=workload)
+        results[name] = r = timed(nodes, tasks, name, seed=args.seed, workload=workload,
+                                  preempt=not args.no_preempt, checkpoint_ms=args.checkpoint_ms)
         if not args.json:
-            by_class = "  ".join("%s p50 %s s p99 %s s (%d waiting)" % (q, c["delay_p50_s"], c["delay_p99_s"],
-                                                                       c["never_started"])
+            by_class = "  ".join("%s p50 %s s p99 %s s (%d waiting, %d preempted)"
+                                 % (q, c["delay_p50_s"], c["delay_p99_s"], c["never_started"], c["preemptions"])
                                  for q, c in r["qos"].items())
             print("%-12s started %5d  %s  %6.1f s" % (name, r["started"], by_class, r["wall_s"]), flush=True)
     if args.json:
         summary = {"cluster": str(args.cluster), "pods": str(args.pods), "timed": True, "nodes": len(nodes),
                    "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "seed": args.seed,
-                   "preemption": "not implemented: a waiting task waits for capacity to be freed",
+                   "preempt": not args.no_preempt, "checkpoint_ms": args.checkpoint_ms,
                    "policies": results}
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
