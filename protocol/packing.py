@@ -405,6 +405,9 @@ class PackingCluster:
         self._moved(index)
         return index, allocation
 
+    def is_placed(self, task_id: object) -> bool:
+        return task_id in self._task_node
+
     def node_of(self, task_id: object) -> int:
         """The index of the node holding ``task_id``."""
         return self._task_node[task_id]

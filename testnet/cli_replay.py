@@ -10,11 +10,13 @@ from pathlib import Path
 
 from meshnode.cli.output import examples
 from protocol.packing import POLICY_NAMES, WorkloadDistribution
+from testnet.replay_mesh import compare
 from testnet.replay_preemption import DEFAULT_CHECKPOINT_MS
 from testnet.replay import (DEFAULT_CLUSTER, DEFAULT_LOAD, DEFAULT_PODS, TraceError, fill, load_cluster, load_tasks,
                             sample_nodes, shuffled, timed)
 
 DEFAULT_TIMED_NODES = 6
+MAX_MESH_SLICE = 2000  # tasks: the simulator runs every message of every placement
 JSON_KEYS = """
 --json prints one object; "policies" maps each policy to its figures:
   fill:  gpu_alloc_share, share_at_first_failure, failed, fragmentation (the FGD paper's
@@ -25,6 +27,10 @@ JSON_KEYS = """
          wall_s, and "qos": class -> priority, preemptible, started, never_started,
          delay_p50_s, delay_p99_s (arrival to first start), preemptions (of that class's
          tasks), lost_work_p50_ms, lost_work_p99_ms, lost_work_max_ms
+  --mesh-slice prints "mesh_slice": tasks, nodes, placed_by_mesh, placed_by_replay,
+         placed_by_both, same_node, same_node_shape, only_mesh, only_replay,
+         node_states_agree, gpu_alloc_share_mesh, gpu_alloc_share_replay,
+         skipped_multi_model, safety_violations, virtual_ms, wall_s
 """
 
 
@@ -32,7 +38,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("replay", help="replay the Alibaba GPU trace through the packing policies",
                                    description=__doc__.splitlines()[0],
                                    epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json",
-                                                   "meshnode replay --timed --nodes 6 --policy pack --json")
+                                                   "meshnode replay --timed --nodes 6 --policy pack --json",
+                                                   "meshnode replay --mesh-slice 60 --nodes 4 --json")
                                    + JSON_KEYS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, metavar="NODES.csv",
                         help="node list (default: the openb cluster, 1213 nodes)")
@@ -57,7 +64,11 @@ def register(subparsers) -> None:
                         help="with --timed: how often a running task checkpoints; a preempted task resumes from "
                              "its newest checkpoint and loses the work since (default %d)" % DEFAULT_CHECKPOINT_MS)
     parser.add_argument("--nodes", type=int, default=DEFAULT_TIMED_NODES, metavar="N",
-                        help="with --timed: nodes drawn (seeded) from the cluster (default %d)" % DEFAULT_TIMED_NODES)
+                        help="with --timed or --mesh-slice: nodes drawn (seeded) from the cluster (default %d)" % DEFAULT_TIMED_NODES)
+    parser.add_argument("--mesh-slice", type=int, default=None, metavar="N",
+                        help="run the first N tasks on --nodes nodes through the simulated mesh (consensus on, "
+                             "`meshnode sim`'s simulator) with strategy pack, and compare where the mesh placed "
+                             "them with the replay's prediction (testnet/replay_mesh.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -85,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
         tasks = shuffled(tasks, args.shuffle)
     if args.checkpoint_ms < 1:
         raise TraceError("--checkpoint-ms must be >= 1, got %d" % args.checkpoint_ms)
+    if args.mesh_slice is not None:
+        if args.timed or args.shuffle is not None:
+            raise TraceError("--mesh-slice takes the first N tasks in trace order; not with --timed or --shuffle")
+        if not 1 <= args.mesh_slice <= min(len(tasks), MAX_MESH_SLICE):
+            raise TraceError("--mesh-slice must be in 1..%d, got %d" % (min(len(tasks), MAX_MESH_SLICE),
+                                                                        args.mesh_slice))
+        return run_mesh_slice(args, sample_nodes(nodes, args.nodes, args.seed), tasks[:args.mesh_slice])
     if args.timed:
         return run_timed(args, names, sample_nodes(nodes, args.nodes, args.seed), tasks, workload)
     for name in names:
@@ -100,6 +118,22 @@ def run(args: argparse.Namespace) -> int:
                    "seed": args.seed, "shuffle": args.shuffle, "policies": results}
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
+    return 0
+
+
+def run_mesh_slice(args, nodes, tasks) -> int:
+    result = compare(nodes, tasks, seed=args.seed)
+    if args.json:
+        json.dump({"cluster": str(args.cluster), "pods": str(args.pods), "seed": args.seed, "mesh_slice": result},
+                  sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print("%d tasks on %d nodes: mesh placed %d, replay %d; same node %d, same node shape %d; node states %s; "
+              "GPU share mesh %.4f replay %.4f; %d safety violations; %.1f s"
+              % (result["tasks"], result["nodes"], result["placed_by_mesh"], result["placed_by_replay"],
+                 result["same_node"], result["same_node_shape"],
+                 "agree" if result["node_states_agree"] else "DIFFER", result["gpu_alloc_share_mesh"],
+                 result["gpu_alloc_share_replay"], result["safety_violations"], result["wall_s"]))
     return 0
 
 

@@ -271,3 +271,24 @@ def test_timed_refuses_a_trace_without_qos_or_times_naming_the_row(tmp_path, hea
     with pytest.raises(TraceError) as error:
         timed([NodeSpec("n", "T4", 1, 8000, 8192)], load_tasks(pods), "pack")
     assert message in str(error.value)
+
+
+# --- a trace slice through the simulated mesh (testnet/replay_mesh.py) ---
+
+def test_the_mesh_decides_the_allocation_the_replay_predicts_on_a_small_slice(tmp_path):
+    # Three nodes, two of one shape (10 GPUs); shares, whole GPUs and a 4-GPU task, 12.25
+    # GPUs asked in all, and one task that names a model absent here (never placed).
+    from testnet.replay_mesh import compare
+    nodes = [NodeSpec("a", "T4", 2, 32000, 65536), NodeSpec("b", "G2", 4, 64000, 131072),
+             NodeSpec("c", "G2", 4, 64000, 131072)]
+    pods = write(tmp_path, "pods.csv", PODS_HEADER +
+                 "p0,4000,8192,1,500,,LS,Running,0,1,0\np1,4000,8192,1,250,,BE,Running,0,1,0\n"
+                 "p2,8000,16384,4,1000,,LS,Running,0,1,0\np3,4000,8192,1,1000,T4,LS,Running,0,1,0\n"
+                 "p4,4000,8192,2,1000,,BE,Running,0,1,0\np5,2000,4096,1,500,,BE,Running,0,1,0\n"
+                 "p6,4000,8192,1,1000,V100M32,LS,Running,0,1,0\np7,4000,8192,2,1000,,BE,Running,0,1,0\n"
+                 "p8,4000,8192,2,1000,,BE,Running,0,1,0\n")
+    result = compare(nodes, load_tasks(pods), seed=1)
+    assert result["safety_violations"] == 0 and result["node_states_agree"]
+    assert result["placed_by_mesh"] == result["placed_by_replay"] == result["placed_by_both"] == 6
+    assert result["same_node_shape"] == 6 and result["only_mesh"] == result["only_replay"] == 0
+    assert result["gpu_alloc_share_mesh"] == result["gpu_alloc_share_replay"] > 0.5
