@@ -292,3 +292,15 @@ def test_the_mesh_decides_the_allocation_the_replay_predicts_on_a_small_slice(tm
     assert result["placed_by_mesh"] == result["placed_by_replay"] == result["placed_by_both"] == 6
     assert result["same_node_shape"] == 6 and result["only_mesh"] == result["only_replay"] == 0
     assert result["gpu_alloc_share_mesh"] == result["gpu_alloc_share_replay"] > 0.5
+
+
+def test_mesh_slice_and_checkpoint_options_refuse_bad_values(tmp_path):
+    nodes = write(tmp_path, "nodes.csv", NODES_HEADER + "n0,8000,8192,2,T4\n")
+    pods = write(tmp_path, "pods.csv", PODS_HEADER + "p0,1000,1024,1,500,,LS,Running,0,1,0\n")
+    base = ["--cluster", str(nodes), "--pods", str(pods), "--nodes", "1"]
+    with pytest.raises(TraceError, match="--mesh-slice must be in 1..1, got 2"):
+        run_cli(base + ["--mesh-slice", "2"])
+    with pytest.raises(TraceError, match="not with --timed"):
+        run_cli(base + ["--mesh-slice", "1", "--timed"])
+    with pytest.raises(TraceError, match="--checkpoint-ms must be >= 1"):
+        run_cli(base + ["--timed", "--checkpoint-ms", "0"])
