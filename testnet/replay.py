@@ -7,6 +7,11 @@ the GPU milli offered reaches ``load`` (1.3) times the cluster's GPU capacity. R
 policy: the share of GPU capacity allocated then, the share when the first task failed,
 the number of failed tasks, the fragmentation rate (protocol/packing.py) against the
 trace's own task-type distribution, and the wall time.
+
+The timed replay (``timed``) follows the trace's arrival times and durations on a few
+nodes, queues by priority (the QoS class), and preempts by the mesh's own victim rule
+(testnet/replay_preemption.py); testnet/replay_mesh.py runs a slice through the simulated
+mesh to compare its decisions with this replay's prediction.
 """
 
 from __future__ import annotations
