@@ -405,6 +405,13 @@ class PackingCluster:
         self._moved(index)
         return index, allocation
 
+    def is_placed(self, task_id: object) -> bool:
+        return task_id in self._task_node
+
+    def node_of(self, task_id: object) -> int:
+        """The index of the node holding ``task_id``."""
+        return self._task_node[task_id]
+
     def release(self, task_id: object) -> Allocation:
         index = self._task_node.pop(task_id, None)
         if index is None:

@@ -7,11 +7,17 @@ the GPU milli offered reaches ``load`` (1.3) times the cluster's GPU capacity. R
 policy: the share of GPU capacity allocated then, the share when the first task failed,
 the number of failed tasks, the fragmentation rate (protocol/packing.py) against the
 trace's own task-type distribution, and the wall time.
+
+The timed replay (``timed``) follows the trace's arrival times and durations on a few
+nodes, queues by priority (the QoS class), and preempts by the mesh's own victim rule
+(testnet/replay_preemption.py); testnet/replay_mesh.py runs a slice through the simulated
+mesh to compare its decisions with this replay's prediction.
 """
 
 from __future__ import annotations
 
 import csv
+import bisect
 import heapq
 import random
 import time
@@ -20,7 +26,10 @@ from pathlib import Path
 
 from protocol.errors import MeshError
 from protocol.gpu_shares import MILLI_PER_GPU, MAX_GPUS_PER_NODE, NodeShares, ShareError, TaskDemand
+from protocol.messages import job_id
 from protocol.packing import PackingCluster, WorkloadDistribution, make_policy
+from testnet.replay_preemption import (DEFAULT_CHECKPOINT_MS, QOS_CLASSES, CheckpointClock, choose, manifest_for,
+                                       node_key, running_job)
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "alibaba-gpu-v2023"
 DEFAULT_CLUSTER = DATA_DIR / "openb_node_list_gpu_node.csv"
@@ -54,6 +63,7 @@ class TraceTask:
     creation_s: int | None
     scheduled_s: int | None
     deletion_s: int | None
+    line: int = 0  # in the pod list, for errors
 
 
 def _rows(path: Path, required: tuple[str, ...]):
@@ -157,7 +167,7 @@ def load_tasks(path: Path) -> list[TraceTask]:
         tasks.append(TraceTask(row["name"], demand, row.get("qos") or None,
                                _optional_int(path, line, row, "creation_time"),
                                _optional_int(path, line, row, "scheduled_time"),
-                               _optional_int(path, line, row, "deletion_time")))
+                               _optional_int(path, line, row, "deletion_time"), line))
     if not tasks:
         raise TraceError("%s: no tasks" % path)
     return tasks
@@ -225,70 +235,185 @@ def sample_nodes(nodes: list[NodeSpec], count: int, seed: int) -> list[NodeSpec]
     return [spec for i, spec in enumerate(nodes) if i in chosen]
 
 
+def _check_timed_columns(tasks: list[TraceTask]) -> None:
+    """The timed replay reads qos and the three times; it invents none of them."""
+    if all(t.scheduled_s is None for t in tasks) or all(t.deletion_s is None for t in tasks):
+        raise TraceError("--timed needs the scheduled_time and deletion_time columns (this trace has no values there)")
+    for task in tasks:
+        where = "line %d (task %s)" % (task.line, task.name)
+        if task.qos is None:
+            raise TraceError("%s: no qos; --timed maps the QoS class to a priority (known: %s)"
+                             % (where, ", ".join(QOS_CLASSES)))
+        if task.qos not in QOS_CLASSES:
+            raise TraceError("%s column qos: unknown class %r (known: %s)" % (where, task.qos[:40], ", ".join(QOS_CLASSES)))
+        if task.creation_s is None:
+            raise TraceError("%s: no creation_time; --timed replays arrivals" % where)
+        if task.scheduled_s is not None and task.deletion_s is not None and task.deletion_s < task.scheduled_s:
+            raise TraceError("%s: deletion_time %d is before scheduled_time %d"
+                             % (where, task.deletion_s, task.scheduled_s))
+
+
+def _seconds(milliseconds: int | None) -> float | None:
+    return None if milliseconds is None else milliseconds / 1000
+
+
 def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed: int = 0,
-          workload: WorkloadDistribution | None = None) -> dict:
+          workload: WorkloadDistribution | None = None, preempt: bool = True,
+          checkpoint_ms: int = DEFAULT_CHECKPOINT_MS) -> dict:
     """Replay with the trace's times: each task arrives at its creation time and, once
-    placed, runs for its traced duration (deletion - scheduled). Pending tasks wait in
-    one queue in arrival order; a freed resource is offered to the queue in that order,
-    skipping tasks that still do not fit (no reservations, no preemption). Tasks without
-    the times (or that never ran: no scheduled time) are not replayed; tasks that fit on
-    no node of this cluster even when it is empty are counted apart, not queued."""
+    placed, runs for its traced duration (deletion - scheduled). Pending tasks wait in one
+    queue, higher priority first, then in arrival order (QoS classes: QOS_CLASSES); a freed
+    resource is offered to the queue in that order, skipping tasks that still do not fit.
+    With ``preempt``, a task that fits nowhere asks the mesh's victim rule (P8, through
+    testnet/replay_preemption.py) for lower-priority preemptible tasks to stop on one node;
+    they go back to the queue and resume from their newest checkpoint, losing the work
+    since. Tasks without the times (pending in the trace: no scheduled or deletion time)
+    are not replayed; tasks that fit on no node of this cluster even when it is empty are
+    counted apart, not queued. A missing qos or time column, or an unknown qos, is an error."""
     started_wall = time.perf_counter()
+    _check_timed_columns(tasks)
     workload = workload or WorkloadDistribution(t.demand for t in tasks)
     cluster = PackingCluster([spec.fresh() for spec in nodes], make_policy(policy_name, workload), seed)
     empty = [spec.fresh() for spec in nodes]
-    events: list[tuple[int, int, int]] = []  # (time s, 0 = completion / 1 = arrival, task index)
+    checkpoints = CheckpointClock(checkpoint_ms, seed)
+    events: list[tuple[int, int, int, int]] = []  # (time ms, 0 = completion / 1 = arrival, task, stint)
     untimed = unplaceable = 0
     for index, task in enumerate(tasks):
-        if task.creation_s is None or task.scheduled_s is None or task.deletion_s is None \
-                or task.deletion_s < task.scheduled_s:
+        if task.scheduled_s is None or task.deletion_s is None:
             untimed += 1
         elif not any(node.fits(task.demand) for node in empty):
             unplaceable += 1
         else:
-            events.append((task.creation_s, 1, index))
+            events.append((task.creation_s * 1000, 1, index, 0))
     if not events:
         raise TraceError("no task has creation, scheduled and deletion times that this cluster can run")
     heapq.heapify(events)
     shapes: dict[TaskDemand, int] = {}
     shape_of = [shapes.setdefault(task.demand, len(shapes)) for task in tasks]
-    queue: list[int] = []  # waiting task indices, arrival order
+    priority_of = [QOS_CLASSES[task.qos][0] for task in tasks]
+    may_preempt = preempt and any(QOS_CLASSES[t.qos][1] for t in tasks)
+    manifests: dict[int, object] = {}
+    index_of_job: dict[bytes, int] = {}
+
+    def manifest(index: int):
+        if index not in manifests:
+            manifests[index] = made = manifest_for(index, tasks[index].demand, tasks[index].qos)
+            index_of_job[job_id(made)] = index
+        return manifests[index]
+
+    queue: list[tuple[int, int, int]] = []  # (-priority, arrival ms, task): the order tasks are offered
+    remaining_ms = {}      # task -> work left (ms), from its newest checkpoint
+    running_since = {}     # running task -> when this stint started (ms)
+    stint = {}             # task -> stints started (a completion event of an older stint is stale)
+    preempted = {}         # task -> times preempted
     delays: dict[str, list[int]] = {}
-    waiting_at_end: dict[str, int] = {}
+    lost: dict[str, list[int]] = {}
+    preemptions = 0
 
     def start(index: int, now: int) -> bool:
-        task = tasks[index]
-        if cluster.place(index, task.demand) is None:
+        if cluster.place(index, tasks[index].demand) is None:
             return False
-        delays.setdefault(task.qos or "none", []).append(now - task.creation_s)
-        heapq.heappush(events, (now + task.deletion_s - task.scheduled_s, 0, index))
+        begin(index, now)
         return True
 
+    def begin(index: int, now: int) -> None:
+        task = tasks[index]
+        if index not in remaining_ms:
+            remaining_ms[index] = (task.deletion_s - task.scheduled_s) * 1000
+            delays.setdefault(task.qos, []).append(now - task.creation_s * 1000)
+        running_since[index] = now
+        stint[index] = stint.get(index, 0) + 1
+        heapq.heappush(events, (now + remaining_ms[index], 0, index, stint[index]))
+
+    def try_preemption(index: int, now: int) -> bool:
+        """Stop the victims the rule picks and start ``index`` in their place."""
+        running_on = [[] for _ in cluster.nodes]
+        for victim in running_since:
+            if QOS_CLASSES[tasks[victim].qos][1] and priority_of[victim] < priority_of[index]:
+                age = checkpoints.age_ms(victim, running_since[victim], now)
+                running_on[cluster.node_of(victim)].append(
+                    running_job(manifest(victim), preempted.get(victim, 0), age))
+        choice = choose(manifest(index), tasks[index].demand, cluster.nodes, running_on,
+                        lambda jid: manifests.get(index_of_job.get(jid)), preempted.get(index, 0))
+        if choice is None:
+            return False
+        nonlocal preemptions
+        for victim_ref in choice.victims:
+            victim = index_of_job[victim_ref.job_id]
+            started = running_since.pop(victim)
+            age = checkpoints.age_ms(victim, started, now)
+            cluster.release(victim)
+            remaining_ms[victim] -= (now - started) - age  # the work up to its newest checkpoint is kept
+            preempted[victim] = preempted.get(victim, 0) + 1
+            lost.setdefault(tasks[victim].qos, []).append(age)
+            preemptions += 1
+            bisect.insort(queue, (-priority_of[victim], tasks[victim].creation_s * 1000, victim))
+        placed = cluster.place(index, tasks[index].demand)
+        if placed is None or node_key(cluster.nodes[placed[0]].name) != choice.node:
+            raise AssertionError("the victim rule's fit and the ledger disagree on task %s" % tasks[index].name)
+        begin(index, now)
+        return True
+
+    def offer_queue(now: int) -> None:
+        """Offer the queue in its order; a shape that did not fit is skipped for the rest of
+        the pass (capacity only shrinks), until a preemption frees some; a task whose
+        preemption found no victims is not asked again in this pass."""
+        blocked: set[int] = set()
+        no_victims: set[tuple[int, int]] = set()
+        position = 0
+        while position < len(queue):
+            index = queue[position][2]
+            shape = shape_of[index]
+            if shape not in blocked and start(index, now):
+                del queue[position]
+                continue
+            blocked.add(shape)
+            key = (shape, priority_of[index])
+            if may_preempt and key not in no_victims:
+                del queue[position]
+                if try_preemption(index, now):
+                    blocked.clear()
+                    position = 0
+                    continue
+                no_victims.add(key)
+                queue.insert(position, (-priority_of[index], tasks[index].creation_s * 1000, index))
+            position += 1
+
     while events:
-        now, kind, index = heapq.heappop(events)
+        now, kind, index, of_stint = heapq.heappop(events)
         if kind == 1:
-            # The tasks already waiting did not fit at the last release and nothing was freed
-            # since, so the newcomer is next in the skip-what-does-not-fit order.
-            if not start(index, now):
-                queue.append(index)
+            # The tasks already waiting did not fit (nor preempt) at the last offer and nothing
+            # was freed since, so only the newcomer is new to try.
+            if start(index, now):
+                continue
+            if may_preempt and try_preemption(index, now):
+                offer_queue(now)  # the victims wait now, and what they freed beyond the task's need is free
+            else:
+                bisect.insort(queue, (-priority_of[index], tasks[index].creation_s * 1000, index))
             continue
+        if of_stint != stint[index] or index not in running_since:
+            continue  # the task was preempted since this completion was due
+        del running_since[index]
         cluster.release(index)
-        blocked: set[int] = set()  # demands that did not fit: capacity only shrinks during one pass
-        still = []
-        for waiting in queue:
-            shape = shape_of[waiting]
-            if shape in blocked or not start(waiting, now):
-                blocked.add(shape)
-                still.append(waiting)
-        queue = still
-    for index in queue:
-        qos = tasks[index].qos or "none"
+        offer_queue(now)
+    waiting_at_end: dict[str, int] = {}
+    for _priority, _arrival, index in queue:
+        qos = tasks[index].qos
         waiting_at_end[qos] = waiting_at_end.get(qos, 0) + 1
     classes = {}
     for qos in sorted(set(delays) | set(waiting_at_end)):
         values = delays.get(qos, [])
-        classes[qos] = {"started": len(values), "never_started": waiting_at_end.get(qos, 0),
-                        "delay_p50_s": percentile(values, 500), "delay_p99_s": percentile(values, 990)}
+        losses = lost.get(qos, [])
+        priority, preemptible = QOS_CLASSES[qos]
+        classes[qos] = {"priority": priority, "preemptible": preemptible,
+                        "started": len(values), "never_started": waiting_at_end.get(qos, 0),
+                        "delay_p50_s": _seconds(percentile(values, 500)),
+                        "delay_p99_s": _seconds(percentile(values, 990)),
+                        "preemptions": len(losses), "lost_work_p50_ms": percentile(losses, 500),
+                        "lost_work_p99_ms": percentile(losses, 990), "lost_work_max_ms": max(losses, default=None)}
+    all_lost = [v for values in lost.values() for v in values]
     return {"qos": classes, "started": sum(len(v) for v in delays.values()),
             "never_started": sum(waiting_at_end.values()), "untimed": untimed, "unplaceable": unplaceable,
-            "preemptions": 0, "wall_s": round(time.perf_counter() - started_wall, 2)}
+            "preemptions": preemptions, "preempted_tasks": len(preempted),
+            "lost_work_total_s": round(sum(all_lost) / 1000, 3),
+            "wall_s": round(time.perf_counter() - started_wall, 2)}

@@ -206,7 +206,9 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig):
+    def __init__(self, config: SimConfig, world_transform=None):
+        """``world_transform(world) -> world``: another workload on the drawn world (nodes'
+        capacities, jobs), as ``meshnode replay --mesh-slice`` puts a trace slice on it."""
         self.config = config
         self.rng = random.Random(config.seed)
         faulty = bool(config.faults)
@@ -220,6 +222,8 @@ class Simulation:
         if config.gang_per_mille:
             self.world = with_gangs(self.world, random.Random(config.seed * 1_000_003 + 0x6A46),
                                     config.gang_per_mille)
+        if world_transform is not None:
+            self.world = world_transform(self.world)
         self.mesh_id = self.world.mesh_id
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)

@@ -505,6 +505,8 @@ class DecisionChecker:
         if not owner_and_constraints_fit(job, policy, facts.zone, facts.labels):
             return False
         load, capacity = self.loads[holder], facts.capacity
+        if resources.gpus and resources.gpu_model and resources.gpu_model != capacity.gpu_model:
+            return False   # a node of another GPU model never could (trace slices name models)
         free_gpus = [i for i, total in enumerate(capacity.gpu_mem_total_mib)
                      if load.gpu_milli.get(i, 0) + milli_each(resources) <= MILLI_PER_GPU
                      and total >= resources.gpu_mem_mib]

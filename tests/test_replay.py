@@ -166,8 +166,10 @@ def test_timed_replay_queues_in_arrival_order_and_reports_delay_per_qos(tmp_path
     nodes = [NodeSpec("n", "T4", 1, 8000, 8192)]
     from testnet.replay import timed
     result = timed(nodes, load_tasks(pods), "pack")
-    assert result["qos"] == {"BE": {"started": 2, "never_started": 0, "delay_p50_s": 90, "delay_p99_s": 130},
-                             "LS": {"started": 1, "never_started": 0, "delay_p50_s": 0, "delay_p99_s": 0}}
+    delays = {q: {k: c[k] for k in ("started", "never_started", "delay_p50_s", "delay_p99_s")}
+              for q, c in result["qos"].items()}
+    assert delays == {"BE": {"started": 2, "never_started": 0, "delay_p50_s": 90, "delay_p99_s": 130},
+                      "LS": {"started": 1, "never_started": 0, "delay_p50_s": 0, "delay_p99_s": 0}}
     assert (result["untimed"], result["unplaceable"], result["preemptions"]) == (1, 1, 0)
 
 
@@ -206,3 +208,99 @@ def test_shuffle_reorders_the_offered_tasks_by_its_seed(real_slice, capsys):
     assert outputs[0] == outputs[1] != outputs[2]
     with pytest.raises(TraceError, match="--shuffle reorders the fill experiment"):
         run_cli(["--cluster", str(nodes), "--pods", str(pods), "--timed", "--shuffle", "1"])
+
+
+# --- the timed replay with preemption (testnet/replay_preemption.py: the P8 rule via an adapter) ---
+
+def timed_run(tmp_path, rows, gpus=1, **options):
+    from testnet.replay import timed
+    pods = write(tmp_path, "pods.csv", PODS_HEADER + rows)
+    return timed([NodeSpec("n", "T4", gpus, 64000, 65536)], load_tasks(pods), "pack", seed=5, **options)
+
+
+def test_a_latency_sensitive_task_preempts_a_best_effort_one_which_resumes_from_its_checkpoint(tmp_path):
+    # One GPU. b (BE) arrives 0 and runs 100 s; a (LS) arrives 10 s and runs 50 s. With
+    # preemption a starts at once and b resumes at 60 s, losing the work since its newest
+    # checkpoint (3 s period, phase drawn from the seed): it ends at 60 + (100 - 10) s + lost.
+    rows = "b,1000,1024,1,1000,,BE,Running,0,100,0\na,1000,1024,1,1000,,LS,Running,10,1050,1000\n"
+    from testnet.replay_preemption import CheckpointClock
+    lost = CheckpointClock(3000, 5).age_ms(0, 0, 10_000)
+    result = timed_run(tmp_path, rows, checkpoint_ms=3000)
+    assert result["qos"]["LS"]["delay_p50_s"] == 0 and result["preemptions"] == 1
+    assert result["qos"]["BE"]["preemptions"] == 1 and result["qos"]["BE"]["lost_work_max_ms"] == lost
+    assert 0 <= lost < 3000 and result["lost_work_total_s"] == lost / 1000
+    assert result["never_started"] == 0 and result["qos"]["BE"]["started"] == 1
+    baseline = timed_run(tmp_path, rows, preempt=False)
+    assert baseline["qos"]["LS"]["delay_p50_s"] == 90 and baseline["preemptions"] == 0
+
+
+def test_the_victim_is_the_one_that_loses_the_least_work(tmp_path):
+    # Two GPUs held by x (BE, since 0 s) and y (BE, since 5 s); z (LS) arrives at 8 s. The
+    # rule stops the one whose newest checkpoint is youngest: the least lost work.
+    rows = ("x,1000,1024,1,1000,,BE,Running,0,100,0\ny,1000,1024,1,1000,,BE,Running,5,105,5\n"
+            "z,1000,1024,1,1000,,LS,Running,8,58,8\n")
+    from testnet.replay_preemption import CheckpointClock
+    clock = CheckpointClock(7000, 5)
+    ages = [clock.age_ms(0, 0, 8000), clock.age_ms(1, 5000, 8000)]
+    result = timed_run(tmp_path, rows, gpus=2, checkpoint_ms=7000)
+    assert result["preemptions"] == 1 and result["qos"]["BE"]["lost_work_max_ms"] == min(ages)
+
+
+def test_only_best_effort_tasks_are_preempted_and_never_by_their_equals(tmp_path):
+    # One GPU held by b (Burstable); an LS task waits for it. Then a BE task holds it and
+    # another BE task waits: equal priority never preempts.
+    rows = ("b,1000,1024,1,1000,,Burstable,Running,0,100,0\na,1000,1024,1,1000,,LS,Running,10,60,10\n"
+            "c,1000,1024,1,1000,,BE,Running,200,300,200\nd,1000,1024,1,1000,,BE,Running,210,260,210\n")
+    result = timed_run(tmp_path, rows)
+    assert result["preemptions"] == 0
+    assert result["qos"]["LS"]["delay_p50_s"] == 90 and result["qos"]["BE"]["delay_p99_s"] == 90
+
+
+@pytest.mark.parametrize("header, rows, message", [
+    ("name,cpu_milli,memory_mib,num_gpu,creation_time,scheduled_time,deletion_time\n", "p,1,1,1,0,0,1\n",
+     "line 2 (task p): no qos"),
+    (PODS_HEADER, "p,1,1,1,1000,,LS,Running,0,1,0\nq,1,1,1,1000,,Gold,Running,0,1,0\n",
+     "line 3 (task q) column qos: unknown class 'Gold'"),
+    (PODS_HEADER, "p,1,1,1,1000,,LS,Running,0,5,9\n", "line 2 (task p): deletion_time 5 is before scheduled_time 9"),
+    (PODS_HEADER, "p,1,1,1,1000,,LS,Running,,5,0\n", "line 2 (task p): no creation_time"),
+    ("name,cpu_milli,memory_mib,num_gpu,qos\n", "p,1,1,1,LS\n", "needs the scheduled_time and deletion_time columns"),
+])
+def test_timed_refuses_a_trace_without_qos_or_times_naming_the_row(tmp_path, header, rows, message):
+    from testnet.replay import timed
+    pods = write(tmp_path, "pods.csv", header + rows)
+    with pytest.raises(TraceError) as error:
+        timed([NodeSpec("n", "T4", 1, 8000, 8192)], load_tasks(pods), "pack")
+    assert message in str(error.value)
+
+
+# --- a trace slice through the simulated mesh (testnet/replay_mesh.py) ---
+
+def test_the_mesh_decides_the_allocation_the_replay_predicts_on_a_small_slice(tmp_path):
+    # Three nodes, two of one shape (10 GPUs); shares, whole GPUs and a 4-GPU task, 12.25
+    # GPUs asked in all, and one task that names a model absent here (never placed).
+    from testnet.replay_mesh import compare
+    nodes = [NodeSpec("a", "T4", 2, 32000, 65536), NodeSpec("b", "G2", 4, 64000, 131072),
+             NodeSpec("c", "G2", 4, 64000, 131072)]
+    pods = write(tmp_path, "pods.csv", PODS_HEADER +
+                 "p0,4000,8192,1,500,,LS,Running,0,1,0\np1,4000,8192,1,250,,BE,Running,0,1,0\n"
+                 "p2,8000,16384,4,1000,,LS,Running,0,1,0\np3,4000,8192,1,1000,T4,LS,Running,0,1,0\n"
+                 "p4,4000,8192,2,1000,,BE,Running,0,1,0\np5,2000,4096,1,500,,BE,Running,0,1,0\n"
+                 "p6,4000,8192,1,1000,V100M32,LS,Running,0,1,0\np7,4000,8192,2,1000,,BE,Running,0,1,0\n"
+                 "p8,4000,8192,2,1000,,BE,Running,0,1,0\n")
+    result = compare(nodes, load_tasks(pods), seed=1)
+    assert result["safety_violations"] == 0 and result["node_states_agree"]
+    assert result["placed_by_mesh"] == result["placed_by_replay"] == result["placed_by_both"] == 6
+    assert result["same_node_shape"] == 6 and result["only_mesh"] == result["only_replay"] == 0
+    assert result["gpu_alloc_share_mesh"] == result["gpu_alloc_share_replay"] > 0.5
+
+
+def test_mesh_slice_and_checkpoint_options_refuse_bad_values(tmp_path):
+    nodes = write(tmp_path, "nodes.csv", NODES_HEADER + "n0,8000,8192,2,T4\n")
+    pods = write(tmp_path, "pods.csv", PODS_HEADER + "p0,1000,1024,1,500,,LS,Running,0,1,0\n")
+    base = ["--cluster", str(nodes), "--pods", str(pods), "--nodes", "1"]
+    with pytest.raises(TraceError, match="--mesh-slice must be in 1..1, got 2"):
+        run_cli(base + ["--mesh-slice", "2"])
+    with pytest.raises(TraceError, match="not with --timed"):
+        run_cli(base + ["--mesh-slice", "1", "--timed"])
+    with pytest.raises(TraceError, match="--checkpoint-ms must be >= 1"):
+        run_cli(base + ["--timed", "--checkpoint-ms", "0"])
