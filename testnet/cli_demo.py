@@ -22,6 +22,7 @@ from protocol.errors import MeshError
 from protocol.messages import encode_message
 from meshnode.cli.output import examples
 from meshnode.tui.tables import short_job_id
+from meshnode.cli.pools_file import load_pools
 from testnet import launcher
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
@@ -124,7 +125,9 @@ def cmd_demo(args) -> int:
         import shutil
         shutil.rmtree(root)
     print("starting a %d-node testnet in %s ..." % (args.nodes, root))
-    launcher.up(root, args.nodes)
+    # The example pools (jobs/pools/lab.toml), so the example that names a pool is placed too.
+    pools, reservations = load_pools(JOBS_DIR / "pools" / "lab.toml")
+    launcher.up(root, args.nodes, pools=pools, reservations=reservations)
     try:
         layout = launcher.load_layout(root)
         job_ids = submit_examples(root)

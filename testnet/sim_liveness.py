@@ -7,7 +7,8 @@ placement later, and the check follows SPEC's limits rather than a looser bound,
 - ``byzantine_led_rounds``: its placement spent rounds after the heal that a Byzantine
   member led (counted in testnet/sim.py, ``Simulation._excuse_byzantine_rounds``);
 - ``capacity_wait``: no honest member could hold it (the checker's own accounting of what
-  each one runs, ``DecisionChecker.could_host``) until some time after the heal: it is owed
+  each one runs, ``DecisionChecker.could_host``), or every honest member's job table put it
+  over its owner's quota (SPEC.md Q2), until some time after the heal: it is owed
   from then, ``liveness_bound_ms`` later (an unplaceable job waits quietly, P3a); a job
   placed while none could (a Byzantine member's bid) is owed nothing;
 - ``rounds_apart``: after the heal, the honest members that run its instance held no
@@ -51,13 +52,22 @@ class LivenessTracker:
             jid = spec.job_id
             if spec.submit_ms > now or jid in checker.first_placement_of or jid in sim.cancelled:
                 continue
-            if any(checker.could_host(i, spec.job) for i in members):
+            if any(checker.could_host(i, spec.job) for i in members) and not self._quota_holds(spec.job, members):
                 if jid in self.unplaceable:
                     self.unplaceable.discard(jid)
                     self.placeable_from_ms[jid] = now
                     sim.longest_excuse_ms = max(sim.longest_excuse_ms, self.capacity_excuse_ms(jid))
             else:
                 self.unplaceable.add(jid)
+
+    def _quota_holds(self, job, members: list[int]) -> bool:
+        """Q2: every honest member's job table puts the job over its owner's quota in its pool,
+        so it waits by design (SPEC.md 5.5) until an exit, cancel or refusal frees quota."""
+        sim = self.sim
+        if not sim.config.quota_gpus:
+            return False
+        judges = [i for i in members if sim.nodes[i].core is not None]
+        return bool(judges) and all(sim._over_quota(i, job) for i in judges)
 
     def placed(self, jids) -> None:
         """The first placement of these jobs was just decided (before ``note_capacity``)."""
