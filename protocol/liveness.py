@@ -200,9 +200,16 @@ class Liveness:
             return
         view = epochs.view
         self._forget_stale_suspicions(now_ms)
-        for peer, silent_ms in self._silent_members(now_ms):
+        silent = [(peer, silent_ms) for peer, silent_ms in self._silent_members(now_ms) if peer in view.stakes]
+        if view.exceeds_one_third(peer for peer, _ in silent):
+            # F4a: with more than a third of the stake silent, no eviction can be decided (the
+            # rest holds no quorum), and most likely this node is the one cut off or starved:
+            # its suspicions would only add O(n) messages each to a saturated host.
+            ctx.counters["suspicion_ticks_withheld"] += 1
+            silent = []
+        for peer, silent_ms in silent:
             sent = self.suspicion_sent_ms.get(peer)
-            if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
+            if sent is not None and now_ms - sent < params.detection_bound_ms:
                 continue
             self.suspicion_sent_ms[peer] = now_ms
             suspicion = Suspicion(suspect=peer, epoch=epochs.epoch, silent_ms=silent_ms)

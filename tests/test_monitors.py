@@ -276,6 +276,24 @@ def test_a_refuted_suspicion_costs_a_few_periods_of_heartbeats_to_all_and_a_late
     assert min(e.at_ms for e in mesh.suspect_events(target) if e.at_ms > crashed_ms) - crashed_ms <= BOUND
 
 
+def test_a_member_that_hears_less_than_two_thirds_of_the_stake_sends_no_suspicion():
+    """F4a: with more than a third of the stake silent to it, no eviction could be decided,
+    and the silent one is most likely itself (cut off, starved): it suspects nobody aloud,
+    while one dead member of four is still suspected."""
+    mesh = Mesh(4)
+    mesh.run(500)
+    alone = mesh.keys[0]
+    mesh.down.update(mesh.keys[1:])   # it hears nobody (nor do they hear it)
+    mesh.run(1000)
+    assert not any(e.kind == "suspect" for e in mesh.events[alone])
+    assert mesh.cores[alone].counters["suspicion_ticks_withheld"] > 0
+    mesh = Mesh(4)
+    mesh.run(500)
+    mesh.down.add(mesh.keys[3])
+    mesh.run(1000)
+    assert any(e.kind == "suspect" for e in mesh.events[mesh.keys[0]])
+
+
 def test_after_an_eviction_members_watch_their_new_subjects_and_suspect_no_one_else():
     mesh = Mesh(16)
     mesh.run(500)
