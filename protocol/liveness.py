@@ -188,7 +188,10 @@ class Liveness:
             self.halt_gap_ms = gap
             out.decisions.append(local_decision("halt", ()))
             out.events.append(ctx.event("self_fence_check", now_ms, gap_ms=gap, epoch=epochs.epoch))
-            out.messages.append(Outbound(None, ctx.sign(SyncRequest(epoch=epochs.epoch))))
+            # F3: a few members, not all (issue 18): on a starved host every member halted
+            # about once a second, and n answers per halt fed the starvation. Each answer
+            # carries a heartbeat, and its subjects' heartbeats come anyway.
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
         if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
             self.heartbeat_sent_ms = now_ms
             self.heartbeat_seq += 1
