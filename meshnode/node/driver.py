@@ -51,6 +51,8 @@ MAX_TICK_GAP_MS = 50
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
 CONNECT_RETRY_MS = 500
+RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
+BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
 
@@ -168,6 +170,12 @@ class Node:
     async def _receive_loop(self) -> None:
         async for sender, data in self.transport.incoming:
             await self._handle(self.core.step(data, now_ms(), sender))
+            # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
+            # so a starved node would read frames faster than it sends their answers, until
+            # the drain's loop guard stops it (seen at n = 16 on 2 loaded cores). Frames left
+            # unread wait in the transport's bounded queue, which drops and counts (SPEC 8).
+            while self.drain.backlog() > RECEIVE_BACKLOG_BATCHES:
+                await trio.sleep(BACKLOG_WAIT_MS / 1000)
 
     async def _tick_loop(self) -> None:
         """Tick when the core has work (MeshCore.next_tick_ms), at most every TICK_MS and at
