@@ -13,7 +13,15 @@ from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
 from protocol.reflexes import VectorHistory
 
-CAPABILITY_REFRESH_MS = 1000     # re-sign and broadcast the capability vector at least this often
+# Unchanged, the vector is re-signed and broadcast this often: peers' copies are display
+# state (P1), and a refresh every second cost every node n - 1 signed messages out and in per
+# second while idle (BENCHMARKS.md, issue 18). What placement and Q4 read (free resources,
+# jobs running, epoch, GPU health) goes out as soon as it changes.
+CAPABILITY_REFRESH_MS = 10_000
+# ... but every second while this node runs a job: its vectors are then evidence others
+# read -- a reflex's condition held for its duration (R3), the checkpoint age that picks a
+# preemption's victims (P8) -- and an idle mesh still pays the 10 s rate only.
+CAPABILITY_REFRESH_BUSY_MS = 1000
 RUNNING_REPORT_GAP_MS = 100      # a change of the jobs running here is broadcast at most this often
 # Peers keep a vector only if its seq is higher than the one they hold (P1), so a restarted
 # node must not count from 0 again: it persists a floor this far ahead of what it signs,
@@ -31,6 +39,7 @@ class CapabilityBook:
         self.vector: CapabilityVector | None = None
         self.facts: tuple | None = None              # what it was signed for
         self.broadcast_ms: int | None = None
+        self.broadcast_facts: tuple | None = None    # _broadcast_facts() when it was last broadcast
         self.seq = max(0, seq_floor)     # the last seq that may have been signed before a restart
         self.seq_persisted = self.seq    # what a restart would start from
         self.telemetry_gpus: tuple = ()
@@ -130,8 +139,9 @@ class CapabilityBook:
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
                          fault: str = "") -> Ready:
-        """New GPU readings and mean RTT: broadcast the signed vector if it changed, or every
-        CAPABILITY_REFRESH_MS so peers' views stay fresh. ``fault``: why reading the GPUs
+        """New GPU readings and mean RTT: broadcast the signed vector if a broadcast fact
+        changed since the last broadcast, or every CAPABILITY_REFRESH_MS so peers' views of
+        the readings stay fresh. ``fault``: why reading the GPUs
         failed this time; ``gpus`` is then ignored and the last good readings stay."""
         out = Ready()
         if fault and not self.telemetry_fault:
@@ -143,15 +153,35 @@ class CapabilityBook:
             self.telemetry_gpus = tuple(gpus)
         self.telemetry_simulated = bool(simulated)
         self.rtt_us = max(0, int(rtt_us))
+        broadcast_facts = self._broadcast_facts()
         envelope, _cap, changed = self.current(now_ms)
-        stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= CAPABILITY_REFRESH_MS
-        if (changed or stale) and self.epochs.is_member():
-            if not changed:
-                self.envelope = None  # force a fresh taken_ms and seq
+        # Compared with what was last broadcast, not last signed: a bid may have signed the change.
+        material = broadcast_facts != self.broadcast_facts
+        refresh_ms = CAPABILITY_REFRESH_BUSY_MS if broadcast_facts[2] else CAPABILITY_REFRESH_MS   # jobs run here
+        stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= refresh_ms
+        if (material or stale) and self.epochs.is_member():
+            if not (changed or material):
+                self.envelope = None  # a refresh: a fresh taken_ms and seq
                 envelope, _cap, _ = self.current(now_ms)
-            self.broadcast_ms = now_ms
+            self._note_broadcast(now_ms, broadcast_facts)
             out.messages.append(Outbound(None, envelope))
         return out
+
+    def _broadcast_facts(self) -> tuple:
+        """The facts whose change is broadcast at once (P1): all those the vector is signed
+        for, except the GPU readings' drift (utilisation, temperature, clocks, power), which
+        changes at nearly every reading on real GPUs; their health counts."""
+        gpus = self._gpu_states()
+        ledger = self.ledger
+        # A job with reflex rules runs here: its rules read the readings, and its evidence is
+        # the chain of vectors that show them (R3), so their drift goes out at once too.
+        readings = gpus if any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running") else None
+        return (self.epochs.epoch, self.telemetry_simulated, self._running_here(), ledger.gpu_milli_free(),
+                ledger.free_cpu_milli(), ledger.free_mem_mib(), len(gpus), self.health_stamp(), readings)
+
+    def _note_broadcast(self, now_ms: int, broadcast_facts: tuple | None = None) -> None:
+        self.broadcast_ms = now_ms
+        self.broadcast_facts = broadcast_facts if broadcast_facts is not None else self._broadcast_facts()
 
     def _running_here(self) -> tuple:
         return tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running")
@@ -183,7 +213,7 @@ class CapabilityBook:
                                         and now_ms - self.broadcast_ms < RUNNING_REPORT_GAP_MS):
             return
         envelope, _cap, _ = self.current(now_ms)
-        self.broadcast_ms = now_ms
+        self._note_broadcast(now_ms)
         out.messages.append(Outbound(None, envelope))
 
     def on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:

@@ -48,6 +48,11 @@ class ReadyDrain:
         self._queue.append(ready)
         return not self._draining
 
+    def backlog(self) -> int:
+        """Batches waiting behind the one being drained (a driver's receive loop reads no
+        further frames while it is large: meshnode/node/driver.py)."""
+        return len(self._queue)
+
     def drain(self, ready: Ready) -> None:
         if not self._enqueue(ready):
             return

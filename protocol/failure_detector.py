@@ -78,6 +78,13 @@ class FailureDetector:
             heard = now_ms if last_heard_ms is None else min(now_ms, last_heard_ms)
             self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=self.suspect_by_ms)
 
+    def heard_no_earlier_than(self, peer: bytes, heard_ms: int) -> None:
+        """Count ``peer`` as last heard at ``heard_ms`` if that is later than when it was (a
+        suspicion re-arms a watch, F4a); its interval history is kept."""
+        history = self._peers.get(peer)
+        if history is not None:
+            history.last_ms = max(history.last_ms, heard_ms)
+
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)
 
@@ -137,6 +144,10 @@ class FailureDetector:
     def is_suspected(self, peer: bytes, now_ms: int) -> bool:
         history = self._peers.get(peer)
         return history is not None and now_ms - history.last_ms >= history.threshold_ms
+
+    def next_suspicion_ms(self) -> int | None:
+        """The first moment a watched peer, unheard until then, is suspected (None: none watched)."""
+        return min((h.last_ms + h.threshold_ms for h in self._peers.values()), default=None)
 
     def suspects(self, now_ms: int) -> list[tuple[bytes, int]]:
         """Every peer silent for at least its threshold, with how long it has been silent."""

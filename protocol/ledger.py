@@ -261,6 +261,10 @@ class ResourceLedger:
         self._give_back(("allocated", job_key))
         return True
 
+    def has_expiring_claims(self) -> bool:
+        """Whether ``expire`` may release something (a claim restored after a restart)."""
+        return any(claim.expires_ms is not None for claim in self._reserved.values())
+
     def expire(self, now_ms: int) -> list[bytes]:
         """Release every reservation whose deadline has passed; return their keys. Only a
         claim restored after a restart has one (``reserve``)."""

@@ -6,8 +6,9 @@ channel authenticates them); the failure detector (failure_detector.py) turns a 
 silence into suspicion. A member that receives a suspicion of a member it does not watch
 watches it from then on, counting it silent since the suspicion said (but for at least
 CONFIRM_PERIODS heartbeat periods of its own), and the suspect, if alive, answers every
-suspicion of itself by heartbeating every member for a while (a refutation, as in SWIM):
-so a suspicion from more than a third of the stake, which starts the epoch's change
+suspicion of itself by heartbeating every member for REFUTE_PERIODS periods (a refutation,
+as in SWIM); a member that hears it stops timing its silence until another suspicion of
+it arrives (F4a: on a starved host, suspicions no longer feed on themselves). So a suspicion from more than a third of the stake, which starts the epoch's change
 (flows/epoch_change.py), still means that much stake found the member silent itself. A
 node that was itself paused past the detection bound halts its workloads (F3) until a
 current member's fresh heartbeat shows it was not evicted.
@@ -33,6 +34,10 @@ STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 CONFIRM_PERIODS = 2            # a member told of a suspicion watches the suspect itself this many periods first
+# A suspected member heartbeats every member for this many periods after each suspicion of it
+# (F4a): enough to reach every member the suspicion reached, each of which then stops timing
+# its silence until another suspicion says otherwise.
+REFUTE_PERIODS = CONFIRM_PERIODS + 1
 
 
 class Liveness:
@@ -78,6 +83,10 @@ class Liveness:
         # start or our entry into the current epoch, whichever came last.
         self.unheard_since_ms = now_ms
         self.watched_on_suspicion: set[bytes] = set()   # non-subjects watched because a member suspects them
+        # Of those, the ones heard since the latest suspicion of them arrived (F4a): not
+        # suspected by their silence, and heard for F4's and F5's eviction checks, until
+        # another suspicion (a monitor re-sends its own every bound while it suspects).
+        self.refuted: set[bytes] = set()
         self.refute_until_ms: int | None = None  # while suspected: heartbeat every member until then (F1)
         self.refuted_ms: int | None = None
         self._monitor_cache: tuple = (None, (), ())   # (view digest, my monitors, my subjects)
@@ -101,7 +110,11 @@ class Liveness:
         return self._monitoring()[1]
 
     def is_suspected(self, key: bytes) -> bool:
-        return self.ctx.heartbeats and self.detector.is_suspected(key, self.last_tick_ms)
+        return self.ctx.heartbeats and key not in self.refuted and self.detector.is_suspected(key, self.last_tick_ms)
+
+    def _silent_members(self, now_ms: int) -> list[tuple[bytes, int]]:
+        """The detector's suspects, less the members watched on suspicion that refuted it (F4a)."""
+        return [(peer, silent) for peer, silent in self.detector.suspects(now_ms) if peer not in self.refuted]
 
     def _my_live_jobs(self) -> tuple:
         return self.jobs.live_jobs_of(self.ctx.me)
@@ -179,7 +192,10 @@ class Liveness:
             self.halt_gap_ms = gap
             out.decisions.append(local_decision("halt", ()))
             out.events.append(ctx.event("self_fence_check", now_ms, gap_ms=gap, epoch=epochs.epoch))
-            out.messages.append(Outbound(None, ctx.sign(SyncRequest(epoch=epochs.epoch))))
+            # F3: a few members, not all (issue 18): on a starved host every member halted
+            # about once a second, and n answers per halt fed the starvation. Each answer
+            # carries a heartbeat, and its subjects' heartbeats come anyway.
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
         if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
             self.heartbeat_sent_ms = now_ms
             self.heartbeat_seq += 1
@@ -191,9 +207,16 @@ class Liveness:
             return
         view = epochs.view
         self._forget_stale_suspicions(now_ms)
-        for peer, silent_ms in self.detector.suspects(now_ms):
+        silent = [(peer, silent_ms) for peer, silent_ms in self._silent_members(now_ms) if peer in view.stakes]
+        if view.exceeds_one_third(peer for peer, _ in silent):
+            # F4a: with more than a third of the stake silent, no eviction can be decided (the
+            # rest holds no quorum), and most likely this node is the one cut off or starved:
+            # its suspicions would only add O(n) messages each to a saturated host.
+            ctx.counters["suspicion_ticks_withheld"] += 1
+            silent = []
+        for peer, silent_ms in silent:
             sent = self.suspicion_sent_ms.get(peer)
-            if peer not in view.stakes or (sent is not None and now_ms - sent < params.detection_bound_ms):
+            if sent is not None and now_ms - sent < params.detection_bound_ms:
                 continue
             self.suspicion_sent_ms[peer] = now_ms
             suspicion = Suspicion(suspect=peer, epoch=epochs.epoch, silent_ms=silent_ms)
@@ -206,6 +229,26 @@ class Liveness:
             # bound and a heartbeat period (heard_before_eviction): offer it the value again.
             self.epoch_changes.start(epochs.view, now_ms, out)
         self._skip_unresponsive_leaders(now_ms, out)
+
+    def next_due_ms(self, now_ms: int) -> int:
+        """When ``tick`` must run next (MeshCore.next_tick_ms): the next heartbeat, the next
+        anti-entropy sync and the first moment a watched member's silence reaches its
+        threshold; ``now_ms`` while a restart sync, a halt, a sync answer, a rejoin or a
+        suspicion (ours, of us or of anyone) is under way."""
+        if (self.startup_sync_due or self.halted or self.sync_continuations or self.suspicions
+                or self.watched_on_suspicion or (self.joins.evicted_at_epoch is not None
+                                                 and not self.epochs.is_member())
+                or (self.refute_until_ms is not None and now_ms < self.refute_until_ms)):
+            return now_ms
+        due = self.sync_sent_ms + ANTI_ENTROPY_MS
+        if self.ctx.heartbeats and self.epochs.is_member():
+            if self.heartbeat_sent_ms is None:
+                return now_ms
+            due = min(due, self.heartbeat_sent_ms + self.ctx.params.heartbeat_ms)
+            suspected_at = self.detector.next_suspicion_ms()
+            if suspected_at is not None:
+                due = min(due, suspected_at)
+        return max(now_ms, due)
 
     def _send_heartbeat(self, now_ms: int, out: Ready, refuting: bool) -> None:
         """SPEC F1: to our monitors; to every member while a suspicion of us is fresh."""
@@ -224,7 +267,7 @@ class Liveness:
             return set()
         # A halted node suspects nobody (F3): after its pause every peer looks silent to it.
         view = self.epochs.view
-        suspected = {peer for peer, _silent in self.detector.suspects(now_ms)}
+        suspected = {peer for peer, _silent in self._silent_members(now_ms)}
         # Never heard: a subject (F1a) whose heartbeat never came. Other members send us no
         # heartbeat at all; their silence is their monitors' to notice.
         unheard = {key for key in self.subjects() if not self.detector.is_watched(key)}
@@ -268,6 +311,8 @@ class Liveness:
             # Only those we watch: another member's heartbeat (a sync answer, a refutation after
             # its suspicions lapsed) would start a watch that its silence then turns into suspicion.
             self.detector.heartbeat(signer, now_ms)
+            if signer in self.watched_on_suspicion:
+                self.refuted.add(signer)   # F4a: alive since the suspicion; its monitors watch on
         if was_silent and epochs.is_member() and not self.halted:
             # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
             # either side missed meanwhile (decisions, exits) is asked for now, not at the
@@ -363,7 +408,7 @@ class Liveness:
         """SPEC F1: we are suspected, so we are alive and heard by too few: heartbeat every
         member now (at most once a period) and each period while the suspicion may count."""
         params = self.ctx.params
-        self.refute_until_ms = now_ms + SUSPICION_FRESH_BOUNDS * params.detection_bound_ms
+        self.refute_until_ms = now_ms + REFUTE_PERIODS * params.heartbeat_ms
         if self.refuted_ms is None or now_ms - self.refuted_ms >= params.heartbeat_ms:
             self.refuted_ms = now_ms
             self._send_heartbeat(now_ms, out, refuting=True)
@@ -373,10 +418,16 @@ class Liveness:
         as if last heard when the suspicion says, but at least CONFIRM_PERIODS periods from
         now: time for the suspect, if alive, to hear the suspicion and refute it to us."""
         suspect = suspicion.suspect
-        if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
-            return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
         confirm_ms = CONFIRM_PERIODS * self.ctx.params.heartbeat_ms
         silent_ms = min(suspicion.silent_ms, max(0, self.detector.suspect_by_ms - confirm_ms))
+        if suspect in self.refuted:
+            # F4a: it refuted an earlier suspicion; this one is timed afresh, from its last
+            # heartbeat but again with CONFIRM_PERIODS for it to answer.
+            self.refuted.discard(suspect)
+            self.detector.heard_no_earlier_than(suspect, now_ms - silent_ms)
+            return
+        if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
+            return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
         self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms)
         self.watched_on_suspicion.add(suspect)
 
@@ -405,6 +456,7 @@ class Liveness:
     def _unwatch_unless_subject(self, member: bytes) -> None:
         if member in self.watched_on_suspicion:
             self.watched_on_suspicion.discard(member)
+            self.refuted.discard(member)
             if member not in self.subjects():
                 self.detector.forget(member)
 
@@ -419,7 +471,8 @@ class Liveness:
         min_silence_ms (the suspicion threshold's floor). A node that was only paused, or
         starved for a moment, and whose heartbeat got through meanwhile, is alive: evicting
         it would cost its workloads."""
-        return self.ctx.heartbeats and self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms)
+        return self.ctx.heartbeats and (peer in self.refuted
+                                        or self.detector.heard_within(peer, now_ms, self.detector.min_silence_ms))
 
     def heard_before_eviction(self, peer: bytes, now_ms: int) -> bool:
         """SPEC F4: the leader proposes an eviction only after the suspect has been silent
@@ -427,7 +480,7 @@ class Liveness:
         silent for P + up to one period (its last heartbeat may be that old) + the delay
         until it runs again; it is heard by the voters before they are asked."""
         window = self.ctx.params.detection_bound_ms + self.ctx.params.heartbeat_ms
-        return self.ctx.heartbeats and self.detector.heard_within(peer, now_ms, window)
+        return self.ctx.heartbeats and (peer in self.refuted or self.detector.heard_within(peer, now_ms, window))
 
     # --- epochs ----------------------------------------------------------------------------------
     def on_epoch_entered(self, old_view, now_ms: int) -> None:
@@ -445,6 +498,7 @@ class Liveness:
             if key not in subjects:
                 self.detector.forget(key)
         self.watched_on_suspicion.clear()
+        self.refuted.clear()
         self.refute_until_ms = None
         self.suspicions.clear()
         self.suspicion_heard_ms.clear()

@@ -309,6 +309,18 @@ class MeshCore:
         self.instance_table.prune_timers()
         return self._with_orders(out)
 
+    def next_tick_ms(self, now_ms: int) -> int:
+        """When ``tick`` next has work, for a driver that ticks only then (issue 18: a 5 ms
+        loop was most of an idle node's CPU). ``now_ms`` means "at the driver's finest
+        resolution": while anything but liveness's periodic timers is pending (a consensus
+        instance open, a reservation that expires, a hand-off awaited, jobs to refuse after
+        the restart sync), every tick may matter. A later call (after any other input) may
+        answer earlier; the driver asks again after each input."""
+        if (self.instance_table.instances or self.ledger.has_expiring_claims() or self.lifecycle.handoff_waits
+                or self._refuse_after_sync):
+            return now_ms
+        return self.liveness.next_due_ms(now_ms)
+
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
         """A signed job from a local owner (SPEC P2)."""
         return self._with_orders(self.placement.submit(job_envelope, now_ms))

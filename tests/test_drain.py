@@ -2,6 +2,7 @@
 
 import pytest
 import trio
+import trio.testing
 
 from protocol.drain import MAX_QUEUED_BATCHES, ReadyDrain
 from protocol.errors import LocalProtocolError
@@ -77,3 +78,27 @@ def test_the_async_face_keeps_the_same_order():
     drain = ReadyDrain(persist=persist, send=send, apply=apply, publish=publish)
     trio.run(drain.drain_async, batch("outer"))
     assert log == ["persist", "send", "apply outer", "publish", "persist", "send", "apply nested", "publish"]
+
+
+async def test_backlog_counts_the_batches_waiting_behind_a_slow_send():
+    """The node's receive loop stops reading frames while this is large (driver backpressure)."""
+    release = trio.Event()
+    seen = []
+
+    async def send(messages):
+        seen.extend(m.data for m in messages)
+        if len(seen) == 1:
+            await release.wait()   # the first batch's send is slow: the others queue behind it
+
+    async def nothing(_item):
+        return None
+
+    drain = ReadyDrain(persist=nothing, send=send, apply=nothing, publish=nothing)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain.drain_async, batch("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        for tag in "bcd":
+            await drain.drain_async(batch(tag))   # returns at once: queued
+        assert drain.backlog() == 3
+        release.set()
+    assert drain.backlog() == 0 and seen == [b"a", b"b", b"c", b"d"]

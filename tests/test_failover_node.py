@@ -7,6 +7,7 @@ by its attestation it cannot rejoin and says so.
 """
 
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -129,3 +130,45 @@ async def test_checkpoint_stats_reports_write_and_replication_latency_apart(test
         assert stats["interval_error_us"] == []  # no workload runs here
     finally:
         node.close()
+
+
+async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(testnet_dir, mock_clock):
+    """Issue 18 (SPEC.md F3a): the driver ticks the core when MeshCore.next_tick_ms says,
+    not every 5 ms; an idle member ticks about once per heartbeat period, suspects nobody,
+    and a submitted job (an instance opens) is still placed at once."""
+    mock_clock.autojump_threshold = 0
+    root, layout = testnet_dir
+    async with memory_mesh(root) as nodes:
+        await trio.sleep(1.0)
+        ticks = {id(node): 0 for node in nodes}
+        for node in nodes:
+            def counting_tick(now_ms, node=node, tick=node.core.tick):
+                ticks[id(node)] += 1
+                return tick(now_ms)
+            node.core.tick = counting_tick
+        await trio.sleep(2.0)
+        periods = 2000 // DEFAULT_PARAMS.heartbeat_ms
+        # One per period, plus the anti-entropy syncs and the moments a subject's
+        # silence would reach its threshold; a 5 ms loop would make 400.
+        assert all(periods <= count <= 2 * periods for count in ticks.values()), ticks
+        assert not any(node.core.liveness.suspicions for node in nodes)
+        await nodes[0].submit(owner_job(layout))
+        await trio.sleep(0.5)   # (MockClock) rounds of 5 ms ticks while the instance is open
+        assert all(len(node.core.jobs()) == 1 and node.core.jobs()[0]["state"] == "placed" for node in nodes)
+
+
+@asynccontextmanager
+async def memory_mesh(root):
+    """The testnet's nodes running on one in-memory network; stopped and closed on exit."""
+    network = MemoryNetwork()
+    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
+             for i in range(NODES)]
+    try:
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                await nursery.start(node.run)
+            yield nodes
+            nursery.cancel_scope.cancel()
+    finally:
+        for node in nodes:
+            node.close()

@@ -95,7 +95,10 @@ log = logging.getLogger(__name__)
 
 SEND_QUEUE_FRAMES_DEFAULT = 1024
 PEERS_MAX_DEFAULT = 256
-PING_INTERVAL_MS_DEFAULT = 1000
+# One PING at connect, then one per peer every 10 s (SPEC.md 8): the RTT only feeds the mean
+# a bid reports, and a PING a second to every peer was O(n) of an idle node's CPU (issue 18).
+PING_INTERVAL_MS_DEFAULT = 10_000
+NON_MEMBER_PING_RECHECK_MS = 1000
 DIAL_TIMEOUT_MS = 5000
 STREAM_OPEN_TIMEOUT_MS = 2000
 WRITE_TIMEOUT_MS = 2000
@@ -656,10 +659,14 @@ class Libp2pTransport:
         while True:
             # Members only: the RTT figures are about them, and a stranger's stream is
             # one more negotiation for nothing (a hostile peer never answers it).
-            if self.is_member(link.key):
-                token = self._rng.randbytes(PING_TOKEN_BYTES)
-                link.rtt.ping_queued(token)
-                self._enqueue(link, FRAME_KIND_PING, token)
+            if not self.is_member(link.key):
+                # The driver names the members at its first tick, often after the first links
+                # are up: look again soon, not a whole interval later.
+                await trio.sleep(min(self._ping_interval_s, NON_MEMBER_PING_RECHECK_MS / 1000))
+                continue
+            token = self._rng.randbytes(PING_TOKEN_BYTES)
+            link.rtt.ping_queued(token)
+            self._enqueue(link, FRAME_KIND_PING, token)
             await trio.sleep(self._ping_interval_s)
 
     # -- inbound direction ------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The node: a thin trio driver of the pure protocol core (STYLE.md "The driver is thin").
 
-One nursery per node. Frames from the transport feed ``MeshCore.step``, a 5 ms timer
-feeds ``MeshCore.tick``, telemetry feeds ``update_telemetry`` and the workload runner
+One nursery per node. Frames from the transport feed ``MeshCore.step``, a timer (every
+5 ms while the core has work, at its next deadline while idle) feeds ``MeshCore.tick``, telemetry feeds ``update_telemetry`` and the workload runner
 feeds ``local_checkpoint``. Every call returns a ``Ready`` batch that ``_handle`` drains
 in the contract's order (protocol/ready.py): persist, send, apply decisions, publish
 events. Core calls are synchronous and trio is single-threaded, so the core is never
@@ -45,10 +45,15 @@ from protocol.workload_orders import WorkloadRun
 
 log = logging.getLogger("meshnode.node")
 
-TICK_MS = 5                 # core timer resolution: heartbeats are 50 ms, detection 300 ms
+TICK_MS = 5                 # core timer resolution while it has work: heartbeats are 50 ms, detection 300 ms
+# The longest an idle node sleeps between ticks: a heartbeat period. The core reads a longer
+# gap between ticks as this node having been paused (SPEC.md F3).
+MAX_TICK_GAP_MS = 50
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
 CONNECT_RETRY_MS = 500
+RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
+BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
 
@@ -86,6 +91,7 @@ class Node:
         self.checkpoint_write_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
         self.checkpoint_replication_ms: deque[int] = deque(maxlen=CHECKPOINT_STATS_WINDOW)
         self._members_told_epoch: int | None = None  # the epoch whose members the transport knows
+        self._tick_wait: trio.CancelScope | None = None   # the tick loop's sleep, while it sleeps
         self._refusals = RefusalReport(REFUSAL_REPORT_MS)
         self.metrics = NodeMetrics(self)   # this node's own registry (README "Metrics")
         self.metrics_server = None         # the HTTP endpoint, when node.toml sets metrics_listen
@@ -179,12 +185,35 @@ class Node:
     async def _receive_loop(self) -> None:
         async for sender, data in self.transport.incoming:
             await self._handle(self.core.step(data, now_ms(), sender))
+            # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
+            # so a starved node would read frames faster than it sends their answers, until
+            # the drain's loop guard stops it (seen at n = 16 on 2 loaded cores). Frames left
+            # unread wait in the transport's bounded queue, which drops and counts (SPEC 8).
+            while self.drain.backlog() > RECEIVE_BACKLOG_BATCHES:
+                await trio.sleep(BACKLOG_WAIT_MS / 1000)
 
     async def _tick_loop(self) -> None:
+        """Tick when the core has work (MeshCore.next_tick_ms), at most every TICK_MS and at
+        least every MAX_TICK_GAP_MS: an idle node wakes for its heartbeats, not 200 times a
+        second. Any other input may bring the next tick forward (_tick_sooner)."""
         while True:
             await self._handle(self.core.tick(now_ms()))
             self._tell_transport_members()
-            await trio.sleep(TICK_MS / 1000)
+            with trio.move_on_after(self._tick_wait_ms() / 1000) as wait:
+                self._tick_wait = wait
+                await trio.sleep_forever()
+            self._tick_wait = None
+
+    def _tick_wait_ms(self) -> int:
+        now = now_ms()
+        return min(max(self.core.next_tick_ms(now) - now, TICK_MS), MAX_TICK_GAP_MS)
+
+    def _tick_sooner(self) -> None:
+        """After an input: the core may now have work sooner than the tick loop sleeps for
+        (a consensus instance opened, a suspicion arrived)."""
+        wait = self._tick_wait
+        if wait is not None:
+            wait.deadline = min(wait.deadline, trio.current_time() + self._tick_wait_ms() / 1000)
 
     def _tell_transport_members(self) -> None:
         """Members pass the transport's limits on non-members; it learns them anew at
@@ -242,6 +271,7 @@ class Node:
         """Every Ready goes through the one drain (protocol/drain.py): a batch fed while
         another is being drained (a started workload's report) waits its turn."""
         await self.drain.drain_async(ready)
+        self._tick_sooner()
 
     async def _persist(self, ready: Ready) -> None:
         # 1. persist before sending: the messages may promise what the records say.
