@@ -15,11 +15,9 @@ import trio
 
 from keys.keystore import load_identity
 from meshnode.cli import main
-from meshnode.net.memory_transport import MemoryNetwork
-from meshnode.node.driver import Node
 from meshnode.node.output_log import OutputLog, job_workdir
 from testnet import launcher
-from tests.test_failover_node import memory_factory
+from tests.test_failover_node import memory_mesh
 from tests.test_job_output import NODES, owner_job, place
 
 
@@ -38,21 +36,11 @@ async def cli(capsys, *argv) -> tuple[int, str, str]:
 
 async def with_placed_job(root, layout, test):
     owner = load_identity(layout["owners"][0]["key_file"], None)
-    network = MemoryNetwork()
-    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
-             for i in range(NODES)]
-    try:
-        async with trio.open_nursery() as nursery:
-            for node in nodes:
-                await nursery.start(node.run)
-            await trio.sleep(1.0)
-            jid, primary, bystander = await place(nodes, owner_job(owner, bytes.fromhex(layout["mesh_id"])))
-            os.makedirs(job_workdir(primary.paths.root, jid))
-            await test(jid, primary, bystander)
-            nursery.cancel_scope.cancel()
-    finally:
-        for node in nodes:
-            node.close()
+    async with memory_mesh(root) as nodes:
+        await trio.sleep(1.0)
+        jid, primary, bystander = await place(nodes, owner_job(owner, bytes.fromhex(layout["mesh_id"])))
+        os.makedirs(job_workdir(primary.paths.root, jid))
+        await test(jid, primary, bystander)
 
 
 def one_line_error(code: int, err: str, text: str) -> None:

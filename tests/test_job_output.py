@@ -13,7 +13,6 @@ import pytest
 import trio
 
 from keys.keystore import load_identity
-from meshnode.net.memory_transport import MemoryNetwork
 from meshnode.node.api import ControlApi
 from meshnode.node.driver import Node
 from meshnode.node.output_files import OutputWriter, list_files, path_parts, read_file
@@ -22,7 +21,7 @@ from protocol.errors import MeshError, RemoteProtocolError
 from protocol.messages import Constraints, JobManifest, OutputRead, Resources, encode_message
 from protocol.output_access import OUTPUT_READ_VALID_MS, output_read_refusal
 from testnet import launcher
-from tests.test_failover_node import memory_factory
+from tests.test_failover_node import memory_mesh
 
 NODES = 4
 
@@ -166,19 +165,9 @@ def signed_read(identity, mesh_id, jid, via, offset=0, max_bytes=64, target="log
 
 
 async def run_mesh(root, test):
-    network = MemoryNetwork()
-    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
-             for i in range(NODES)]
-    try:
-        async with trio.open_nursery() as nursery:
-            for node in nodes:
-                await nursery.start(node.run)
-            await trio.sleep(1.0)
-            await test(nodes)
-            nursery.cancel_scope.cancel()
-    finally:
-        for node in nodes:
-            node.close()
+    async with memory_mesh(root) as nodes:
+        await trio.sleep(1.0)
+        await test(nodes)
 
 
 async def place(nodes, envelope: bytes) -> tuple[bytes, Node, Node]:
