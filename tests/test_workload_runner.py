@@ -143,17 +143,23 @@ OFFER_THEN_STOP = textwrap.dedent("""
 """)
 
 
+async def start_stopped_workload(nursery, tmp_path):
+    """(runner, pid, its first checkpoint) of a workload that offered one state and then
+    stopped itself (SIGSTOP)."""
+    stopper = [sys.executable, "-c", OFFER_THEN_STOP]
+    runner, recorder = await open_runner(nursery, tmp_path, commands={"stopper": stopper})
+    pid = await runner.start(JOB, "stopper", [], gpus=[], restore=None, fence=1)
+    with trio.fail_after(WAIT_S):
+        while process_state(pid) != "T":
+            await trio.sleep(0.01)
+        return runner, pid, await recorder.checkpoints.receive()
+
+
 async def test_a_stopped_workload_is_still_checkpointed_from_what_it_offered(tmp_path):
     """The node reads the state slot itself: a workload that cannot run (SIGSTOP, or starved
     at its lower priority) delays no checkpoint (SPEC.md 9.4)."""
-    stopper = [sys.executable, "-c", OFFER_THEN_STOP]
     async with trio.open_nursery() as nursery:
-        runner, recorder = await open_runner(nursery, tmp_path, commands={"stopper": stopper})
-        pid = await runner.start(JOB, "stopper", [], gpus=[], restore=None, fence=1)
-        with trio.fail_after(WAIT_S):
-            while process_state(pid) != "T":
-                await trio.sleep(0.01)
-            _, seq, progress, _, state = await recorder.checkpoints.receive()
+        runner, _pid, (_, seq, progress, _, state) = await start_stopped_workload(nursery, tmp_path)
         assert (seq, progress, state) == (1, 7, b"offered before the stop")
         with trio.fail_after(WAIT_S):
             await runner.stop(JOB)
@@ -391,14 +397,9 @@ async def test_stop_for_handover_returns_the_newest_state_offered_even_once_a_ti
     offered. A tick may have read it already and its checkpoint been refused (the core no
     longer sees the node as primary), so with nothing newer the runner gives that one again,
     under the next seq."""
-    stopper = [sys.executable, "-c", OFFER_THEN_STOP]
     async with trio.open_nursery() as nursery:
-        runner, recorder = await open_runner(nursery, tmp_path, commands={"stopper": stopper})
-        pid = await runner.start(JOB, "stopper", [], gpus=[], restore=None, fence=1)
+        runner, pid, (_, seq, progress, taken_ms, state) = await start_stopped_workload(nursery, tmp_path)
         with trio.fail_after(WAIT_S):
-            while process_state(pid) != "T":
-                await trio.sleep(0.01)
-            _, seq, progress, taken_ms, state = await recorder.checkpoints.receive()
             final = await runner.stop_for_handover(JOB)
         assert final == (seq + 1, progress, taken_ms, state) == (2, 7, taken_ms, b"offered before the stop")
         assert process_gone(pid) and await runner.stop_for_handover(JOB) is None
