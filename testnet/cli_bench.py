@@ -68,6 +68,19 @@ def register(subparsers) -> None:
     idle.add_argument("--keep", action="store_true", help="keep the testnet directory (node logs)")
     idle.add_argument("--json", action="store_true", help="accepted for symmetry: the result is always one JSON object")
     idle.set_defaults(func=cmd_idle)
+    telemetry = sub.add_parser("telemetry", help="read this machine's GPUs as a node does (NVML or the simulated "
+                                                 "profile): readings, cost per sample, health verdicts",
+                               epilog=examples(
+        "meshnode bench telemetry --seconds 20 --json",
+        "meshnode bench telemetry --source nvml --period-ms 100 --json   # fail unless NVML answers"))
+    telemetry.add_argument("--source", choices=("auto", "nvml", "simulated"), default="auto",
+                           help="auto: NVML if a GPU answers, else the simulated profile (default)")
+    telemetry.add_argument("--seconds", type=float, default=10.0, metavar="S", help="how long to sample (default 10)")
+    telemetry.add_argument("--period-ms", type=int, default=100, metavar="MS",
+                           help="time between samples (default 100)")
+    telemetry.add_argument("--json", action="store_true",
+                           help="accepted for symmetry: the result is always one JSON object")
+    telemetry.set_defaults(func=cmd_telemetry)
     for name, what, moves, func in (
             ("move", "move a running job by its owner's request: latency, lost work, double runs (SPEC.md R2)",
              20, cmd_move),
@@ -159,6 +172,13 @@ def cmd_idle(args) -> int:
                             heartbeat_ms=args.heartbeat_ms)
     _print(result)
     return 0 if result["evictions"] == 0 else 1
+
+
+def cmd_telemetry(args) -> int:
+    from testnet.bench_telemetry import run_telemetry_bench
+    result = run_telemetry_bench(args.source, args.seconds, args.period_ms)
+    _print(result)
+    return 0 if result["read_errors"] == 0 else 1
 
 
 def cmd_move(args) -> int:

@@ -119,6 +119,37 @@ async def test_10_3_a_failing_gpu_reading_does_not_stop_the_node(mesh_dir, mock_
     await run_mesh(root, test)
 
 
+async def test_a_node_reading_nvml_samples_in_a_worker_thread_and_signs_what_the_card_reports(
+        mesh_dir, mock_clock, monkeypatch):
+    """An NVML read took up to 44 ms on an H100 under load (BENCHMARKS.md): it must not run
+    in the node's event loop, where it would delay heartbeats and ticks."""
+    import threading
+    mock_clock.autojump_threshold = 0
+    root, _layout = mesh_dir
+    nvml = fake_pynvml()
+    sampled_in = []
+    read_temperature = nvml.nvmlDeviceGetTemperature
+
+    def temperature_noting_the_thread(handle, *args):
+        sampled_in.append(threading.current_thread() is threading.main_thread())
+        return read_temperature(handle, *args)
+
+    nvml.nvmlDeviceGetTemperature = temperature_noting_the_thread
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    async def test(nodes):
+        real = nodes[0]
+        real.telemetry = Telemetry.open(GpuProfile(source="nvml"))
+        await trio.sleep(3.0)
+        assert sampled_in and not any(sampled_in)
+        gpus = real.core.capability.telemetry_gpus
+        assert [g.model for g in gpus] == ["NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 4090"]
+        assert gpus[0].temp_milli_c == 64_000 and gpus[0].power_mw == 412_345
+        assert all(n.core.is_member() for n in nodes)
+
+    await run_mesh(root, test)
+
+
 async def test_cli_testnet_telemetry_makes_a_node_hot_and_jobs_avoid_it(mesh_dir, mock_clock, capsys):
     mock_clock.autojump_threshold = 0
     root, layout = mesh_dir

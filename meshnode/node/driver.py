@@ -239,7 +239,7 @@ class Node:
     async def _telemetry_loop(self) -> None:
         while True:
             try:
-                gpus, fault = self.telemetry.sample(now_ms()), ""
+                gpus, fault = await self._sample_gpus(), ""
             except TelemetryError as exc:
                 # A lost GPU must not stop the node (its peers would evict it, and its jobs
                 # without GPUs could still run): the core keeps the last good readings and
@@ -252,6 +252,15 @@ class Node:
                                                           simulated=self.telemetry.simulated, fault=fault))
             self._report_refusals()
             await trio.sleep(TELEMETRY_MS / 1000)
+
+    async def _sample_gpus(self) -> tuple:
+        """Real GPUs are read in a worker thread: on an H100 under load an NVML read took
+        p99 13.8 ms and up to 44 ms (BENCHMARKS.md, `bench telemetry`), which in this loop
+        would delay heartbeats and ticks. The simulated profile is cheap and stays in the
+        loop, so MockClock tests keep their exact schedule."""
+        if self.telemetry.simulated:
+            return self.telemetry.sample(now_ms())
+        return await trio.to_thread.run_sync(self.telemetry.sample, now_ms())
 
     def _log_telemetry_error(self, fault: str) -> None:
         """At most one warning per TELEMETRY_ERROR_LOG_MS, with the count since the last:
