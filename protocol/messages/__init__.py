@@ -29,7 +29,7 @@ from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PR
                                       STRATEGIES, VALUE_KINDS, record)
 from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, GangPlacement, GangWorker,
                                     MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
-                                    Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
+                                    Decline, GpuState, JOB_REFLEX_SIGNALS, JobExit, JobSignals, JobManifest, JobRefusal, Placement, PlacementSlot,
                                     REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, REFLEX_SIGNALS, Reflex,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
@@ -56,7 +56,7 @@ __all__ = [
     # jobs
     "GANG_TOPOLOGIES", "MAX_GANG_WORKERS", "Gang", "GangPlacement", "GangWorker",
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
-    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
+    "GpuState", "JOB_REFLEX_SIGNALS", "JobExit", "JobSignals", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
     "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
