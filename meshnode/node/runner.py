@@ -47,6 +47,7 @@ from keys.errors import ConfigError
 from meshnode.node.output_log import OutputLog, job_workdir
 from meshnode.workload import sdk
 from meshnode.workload.builtin import BUILTIN_KINDS
+from meshnode.workload.serve import percentile
 from meshnode.workload.state_slot import SlotReader, create_region
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
@@ -86,13 +87,6 @@ def _die_with_parent(prctl, parent_pid: int):
             os.kill(os.getpid(), signal.SIGKILL)
         os.nice(WORKLOAD_NICE)
     return preexec
-
-
-def percentile(values, fraction: float) -> int | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 @dataclass
