@@ -3,6 +3,7 @@
 
 import http.client
 import re
+import socket
 import threading
 import time
 import types
@@ -185,3 +186,17 @@ def test_serve_answers_gets_counts_them_checkpoints_and_reports_its_load():
     assert (served, errors, workload.states[-1][1]) == (12, 2, 12)   # the 404 counts as an error
     rate, p99_ms, progress = next(r for r in workload.reports if r[0] > 0)
     assert p99_ms >= 1.0 and progress > 0    # each waited its service time
+
+
+def test_a_port_still_held_is_tried_again_until_the_old_run_lets_go():
+    from meshnode.workload.serve import bind_server
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    address = holder.getsockname()
+    with pytest.raises(OSError):
+        bind_server(address, LoadWindow(), 0, 0, 1, retry_s=0)
+    threading.Timer(0.2, holder.close).start()   # the run being replaced exits
+    server = bind_server(address, LoadWindow(), 0, 0, 1, retry_s=30)
+    assert server.server_address[:2] == address
+    server.server_close()

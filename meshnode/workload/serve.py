@@ -19,6 +19,7 @@ served) per second, which reflex rules on ``request_rate``, ``request_latency_ms
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -35,6 +36,7 @@ WINDOW_S = 5.0                       # the window request rate and p99 are measu
 MAX_WINDOW_SAMPLES = 65_536          # a flood keeps the newest this many (memory stays bounded)
 STATE_PERIOD_S = 0.05                # counters offered as a checkpoint this often
 REPORT_PERIOD_S = 1.0                # load reported to the node this often
+BIND_RETRY_S = 10.0                  # how long a port still in use is tried again
 
 
 def decode_serve_state(state: bytes) -> tuple[int, int]:
@@ -158,13 +160,27 @@ class ServeServer(ThreadingHTTPServer):
         super().__init__(address, ServeHandler)
 
 
+def bind_server(address, load: LoadWindow, service_ms: float, cpu_ms: float, fence: int,
+                retry_s: float = BIND_RETRY_S) -> ServeServer:
+    """The server on ``address``; a port still held is tried again for ``retry_s``: a moved
+    service may start here a moment before the run it replaces has let go of its port."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return ServeServer(address, load, service_ms, cpu_ms, fence)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 def run_serve(workload, port: int, service_ms: float, cpu_ms: float, host: str = "127.0.0.1",
               stop: threading.Event | None = None, on_listening=None) -> int:
     """Serve until ``stop`` is set (never, under a node: the node stops the process);
     ``on_listening(address)`` once it listens (tests learn a free port so)."""
     served, errors = (0, 0) if workload.restored_state is None else decode_serve_state(workload.restored_state)
     load = LoadWindow(served=served, errors=errors)
-    server = ServeServer((host, port), load, service_ms, cpu_ms, workload.fence)
+    server = bind_server((host, port), load, service_ms, cpu_ms, workload.fence)
     print("listening on %s:%d" % server.server_address[:2], flush=True)
     if on_listening is not None:
         on_listening(server.server_address[:2])
