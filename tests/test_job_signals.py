@@ -124,3 +124,21 @@ def test_r3a_manifest_accepts_job_signals_and_still_refuses_an_unknown_one():
     with pytest.raises(ManifestError, match=r"reflex\[0\]\.signal"):
         parse_manifest(base + '[[reflex]]\nsignal = "queue_depth"\nabove = 5\nfor_ms = 1000\naction = "migrate"\n',
                        b"\x01" * 32, 0, epoch=0)
+
+
+def test_the_driver_carries_fresh_reports_of_the_jobs_it_runs_only():
+    """meshnode/node/driver.py: the runner's fresh reports become the JobSignals the next
+    vector carries, for the jobs this node runs (a stopped job's last report is not)."""
+    from types import SimpleNamespace
+    from meshnode.node.driver import SIGNALS_FRESH_S, Node
+    running, stopped = b"\x01" * 32, b"\x02" * 32
+    asked = []
+    node = object.__new__(Node)
+    node.runner = SimpleNamespace(fresh_signals=lambda max_age_s: asked.append(max_age_s) or
+                                  {stopped: (1, 2, 3), running: (12_500, 40_250, 3_000)})
+    node.job_fences = {running: 1}
+    assert node._job_signals() == (JobSignals(job_id=running, request_rate_milli=12_500, latency_p99_us=40_250,
+                                              progress_rate_milli=3_000),)
+    assert asked == [SIGNALS_FRESH_S]
+    node.runner = None   # a node that runs no workloads reports none
+    assert node._job_signals() == ()

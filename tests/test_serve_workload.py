@@ -85,17 +85,20 @@ def test_signals_are_clamped_and_a_wrong_length_is_refused():
         sdk.decode_signals(b"abc")
 
 
-def _reporting_job(stream):
+def reading_runner():
+    """(a runner with one job, the workload's end of its socket, the job): the runner's side
+    of the SDK channel on a memory stream, no process."""
+    workload_end, node_end = trio.testing.memory_stream_pair()
     info = RunningWorkload(job_id=b"\x01" * 32, entrypoint="serve", argv=[], pid=1, fence=1, gpus=(),
                            started_ms=0, seq=0, progress=0)
-    return types.SimpleNamespace(info=info, stream=stream, reports_scope=trio.CancelScope())
+    job = types.SimpleNamespace(info=info, stream=node_end, reports_scope=trio.CancelScope())
+    runner = object.__new__(WorkloadRunner)
+    runner._jobs = {info.job_id: job}
+    return runner, workload_end, job
 
 
 async def test_runner_keeps_the_newest_report_and_ages_it_out(autojump_clock):
-    runner = object.__new__(WorkloadRunner)
-    workload_end, node_end = trio.testing.memory_stream_pair()
-    job = _reporting_job(node_end)
-    runner._jobs = {job.info.job_id: job}
+    runner, workload_end, job = reading_runner()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(runner._read_reports, job)
         frames = sdk.encode_signals(10, 20, 30) + sdk.encode_signals(12.5, 40.25, 3)
@@ -113,10 +116,7 @@ async def test_runner_keeps_the_newest_report_and_ages_it_out(autojump_clock):
 
 
 async def test_runner_drops_the_reports_of_a_workload_that_breaks_the_frame_rules(autojump_clock):
-    runner = object.__new__(WorkloadRunner)
-    workload_end, node_end = trio.testing.memory_stream_pair()
-    job = _reporting_job(node_end)
-    runner._jobs = {job.info.job_id: job}
+    runner, workload_end, job = reading_runner()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(runner._read_reports, job)
         await workload_end.send_all(sdk.encode_signals(1, 2, 3))
