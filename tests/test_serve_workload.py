@@ -200,3 +200,14 @@ def test_a_port_still_held_is_tried_again_until_the_old_run_lets_go():
     server = bind_server(address, LoadWindow(), 0, 0, 1, retry_s=30)
     assert server.server_address[:2] == address
     server.server_close()
+
+
+def test_the_builtin_entry_point_starts_serve_on_the_nodes_port(monkeypatch):
+    from meshnode.workload import builtin
+    started = []
+    monkeypatch.setattr(builtin.Workload, "connect", classmethod(lambda cls: RecordingWorkload()))
+    monkeypatch.setattr(builtin, "run_serve", lambda *args: started.append(args) or 0)
+    monkeypatch.setenv("MESHNODE_SERVICE_PORT", "18081")
+    assert builtin.main(["serve", "--port", "18080", "--service-ms", "5", "--cpu-ms", "-1"]) == 0
+    _workload, port, service_ms, cpu_ms = started[0]
+    assert (port, service_ms, cpu_ms) == (18081, 5.0, 0.0)

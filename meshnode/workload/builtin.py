@@ -329,11 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workload = Workload.connect()
+    if args.kind == "serve":   # its progress is requests served: no progress log
+        return run_serve(workload, service_port(args.port), max(0.0, args.service_ms), max(0.0, args.cpu_ms))
     log = ProgressLog(args.progress_log)
     if args.kind == "counter":
         run_counter(workload, max(1, args.unit_ms), args.units, log)
-    elif args.kind == "serve":
-        return run_serve(workload, service_port(args.port), max(0.0, args.service_ms), max(0.0, args.cpu_ms))
     elif args.kind == "allreduce":
         gang = workload.gang or GangInfo("", 0, 1, (("127.0.0.1", 0),))   # not a gang: a ring of one
         return run_allreduce(workload, gang, min(max(1, args.dim), MAX_DIM), args.steps, max(0, args.unit_ms), log,
