@@ -176,8 +176,12 @@ def test_serve_answers_gets_counts_them_checkpoints_and_reports_its_load():
         conn.close()
         assert [status for status, _ in bodies] == [200] * 5
         assert b'"served": 12' in bodies[-1][1] and b'"fence": 3' in bodies[-1][1]   # restored at 7
-        deadline = time.monotonic() + 10     # a bound, not a timing: the report after the requests
-        while not any(rate > 0 for rate, _, _ in workload.reports) and time.monotonic() < deadline:
+        # A bound, not a timing: until a state counts every request and a report shows the load
+        # (the server counts a request just after its answer is sent).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                any(rate > 0 for rate, _, _ in workload.reports)
+                and workload.states and decode_serve_state(workload.states[-1][0]) == (12, 2)):
             time.sleep(0.05)
     finally:
         stop.set()
