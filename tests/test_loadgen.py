@@ -76,7 +76,7 @@ async def test_requests_due_beyond_max_in_flight_are_shed_not_queued():
     await listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     target = Target("127.0.0.1", listener.getsockname()[1])
-    result = await run_load([target], rps=200, duration_s=0.1, timeout_s=0.5, max_in_flight=5)
+    result = await run_load([target], rps=200, duration_s=0.1, timeout_s=2.0, max_in_flight=5)
     listener.close()
     assert result["sent"] == 20 and result["ok"] == 0
     assert result["targets"][0]["error_kinds"] == {"shed": 15, "timeout": 5}
