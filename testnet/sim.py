@@ -32,13 +32,15 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, decode_message, encode_message, job_id
+from protocol.messages import (JOB_REFLEX_SIGNALS, Cancel, CommitCertificate, Decline, MoveRequest, decode_message,
+                               encode_message, job_id)
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
+from testnet.sim_reflex import (REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, job_signals,
+                                reading)
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
@@ -483,11 +485,11 @@ class Simulation:
             return
         self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
 
-    def _call(self, node: SimNode, method, *args) -> None:
+    def _call(self, node: SimNode, method, *args, **kwargs) -> None:
         """Feed one input to a core. The core must never raise on remote input (protocol/ready.py);
         if it does, that is a violation of its contract, reported like any other."""
         try:
-            ready = method(*args)
+            ready = method(*args, **kwargs)
         except MeshError as exc:
             self.checker.fail("core_error", node.index, None, "%s raised %s: %s"
                               % (method.__name__, type(exc).__name__, exc))
@@ -570,12 +572,14 @@ class Simulation:
         self._emit(node, ready)
 
     def _telemetry(self, index: int) -> None:
-        """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside."""
+        """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside; the
+        jobs it runs report their load (R3a), slow inside the same spells."""
         node = self.nodes[index]
         if node.up:
             hot = any(start <= self.now_ms < end for start, end in self.hot[index])
             gpus = reading(self.world.nodes[index].capacity, hot, self.workload_rng)
-            self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms)
+            reported = job_signals(node.running, hot, self.workload_rng)
+            self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms, job_signals=reported)
         self.push(self.now_ms + TELEMETRY_MS, TELEMETRY, index, 0)
 
     def _workload_orders(self, node: SimNode, decision) -> None:
@@ -869,6 +873,10 @@ class Simulation:
         log_digest = checker.log_digest()
         if self.reflex_audit is not None:
             self.counters["reflex_moves"] = len(self.reflex_audit.moves)
+            on_latency = {j.job_id for j in self.world.jobs if j.job.reflexes and j.job.reflexes[0].signal
+                          in JOB_REFLEX_SIGNALS}
+            self.counters["reflex_moves_job_signal"] = sum(1 for jid in self.reflex_audit.moved_jobs.values()
+                                                           if jid in on_latency)
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
