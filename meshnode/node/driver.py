@@ -255,15 +255,6 @@ class Node:
             self._report_refusals()
             await trio.sleep(TELEMETRY_MS / 1000)
 
-    def _job_signals(self) -> tuple:
-        """The fresh load reports of the jobs this node runs (SPEC.md 9.4a, R3a)."""
-        if self.runner is None:
-            return ()
-        return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
-                                progress_rate_milli=progress)
-                     for job_id, (rate, p99, progress) in sorted(self.runner.fresh_signals(SIGNALS_FRESH_S).items())
-                     if job_id in self.job_fences)
-
     def _log_telemetry_error(self, fault: str) -> None:
         """At most one warning per TELEMETRY_ERROR_LOG_MS, with the count since the last:
         a GPU gone for a day would otherwise write a line every second. The core's events
@@ -392,6 +383,15 @@ class Node:
     async def _stop_all(self, why: str) -> None:
         for job_id in list(self.runner.running()):
             await self._stop_workload(job_id, why)
+
+    def _job_signals(self) -> tuple:
+        """The fresh load reports of the jobs this node runs (SPEC.md 9.4a, R3a)."""
+        if self.runner is None:
+            return ()
+        return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
+                                progress_rate_milli=progress)
+                     for job_id, (rate, p99, progress) in sorted(self.runner.fresh_signals(SIGNALS_FRESH_S).items())
+                     if job_id in self.job_fences)
 
     async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
         if job_id not in self.job_fences:
