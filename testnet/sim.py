@@ -32,15 +32,14 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.messages import (JOB_REFLEX_SIGNALS, Cancel, CommitCertificate, Decline, MoveRequest, decode_message,
-                               encode_message, job_id)
+from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
-from testnet.sim_reflex import (REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, job_signals,
-                                reading)
+from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
+from testnet.sim_job_signals import JobSignalMoves, job_signals, use_latency_rules
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
@@ -273,9 +272,11 @@ class Simulation:
         self.checkpoint_seq = 0                     # the last checkpoint seq a run took (--preempt)
         self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
         self.reflex_audit = ReflexAudit(self.mesh_id, self.checker) if config.reflex_per_mille else None
+        self.job_signal_moves: JobSignalMoves | None = None   # R3a: reflex moves on reported latency
         self.hot: dict[int, list] = {}
         if config.reflex_per_mille:   # the world's jobs change before any is submitted
             add_reflexes(self.world, self.workload_rng, config.reflex_per_mille)
+            self.job_signal_moves = JobSignalMoves(self.mesh_id, use_latency_rules(self.world))
             self.hot = hot_spells(self.world, self.workload_rng, max(1, config.safety_ms) + 1000)
         # A run does not stop early (every job placed) before the hot spells and the moves they
         # cause are over.
@@ -733,6 +734,7 @@ class Simulation:
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
         if self.reflex_audit is not None and node.behaviour is None:
             self.reflex_audit.check(node, decision)
+            self.job_signal_moves.note(decision)
         if decision.value_kind == "preemption" and node.behaviour is None and decision.value.node == node.core.me:
             self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
         if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
@@ -871,12 +873,10 @@ class Simulation:
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
+        if self.job_signal_moves is not None:
+            self.counters["reflex_moves_job_signal"] = len(self.job_signal_moves.moves)
         if self.reflex_audit is not None:
             self.counters["reflex_moves"] = len(self.reflex_audit.moves)
-            on_latency = {j.job_id for j in self.world.jobs if j.job.reflexes and j.job.reflexes[0].signal
-                          in JOB_REFLEX_SIGNALS}
-            self.counters["reflex_moves_job_signal"] = sum(1 for jid in self.reflex_audit.moved_jobs.values()
-                                                           if jid in on_latency)
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,

@@ -1,9 +1,8 @@
 """Reflex rules in the simulator (``meshnode sim --reflex F``, SPEC.md R3).
 
-That share of the jobs carries a migrate rule: every other one on GPU utilisation, the rest
-on the job's own reported request latency (R3a). Every node reads its GPUs every
-TELEMETRY_MS, cool except in hot spells drawn per node, and in the same spells the jobs it
-runs report a high p99 latency, so rules hold, break off and hold again while faults are on. ``ReflexAudit`` adds the check that no reflex
+That share of the jobs carries a migrate rule on GPU utilisation; every node reads its
+GPUs every TELEMETRY_MS, cool except in hot spells drawn per node, so rules hold, break
+off and hold again while faults are on. ``ReflexAudit`` adds the check that no reflex
 action is applied twice: an honest node applies at most one reflex move per job and fence.
 All draws come from the run's workload rng, so runs without ``--reflex`` keep their worlds.
 """
@@ -13,28 +12,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from protocol.flows.move import decode_request
-from protocol.messages import GpuState, JobSignals, Reflex, ReflexTrigger, encode_message, job_id
+from protocol.messages import GpuState, Reflex, ReflexTrigger, encode_message, job_id
 
 TELEMETRY_MS = 100
 HOT_UTIL_MILLI = 90_000          # a hot spell's reading: 90..95 %, jittered so each is a new vector
 SIM_RULE = Reflex(signal="gpu_util", above=80, below=None, for_ms=300, zone="", action="migrate", cooldown_ms=1000)
-SIM_LATENCY_RULE = replace(SIM_RULE, signal="request_latency_ms", above=50)
-SLOW_LATENCY_US = 80_000         # a hot spell's reported p99: 80..85 ms, jittered as the readings are
-FAST_LATENCY_US = 10_000
 MAX_SPELLS = 2
 REFLEX_SETTLE_MS = 1500          # after a node's last hot spell: its rule's duration and the move's vote
 
 
 def add_reflexes(world, rng, per_mille: int) -> None:
-    """Give that share of the world's jobs a rule, SIM_RULE and SIM_LATENCY_RULE in turn
-    (no extra draw), signed again by their owners."""
+    """Give that share of the world's jobs SIM_RULE, signed again by their owners."""
     owners = {o.public_key: o for o in world.owners}
-    given = 0
     for spec in world.jobs:
         if rng.randrange(1000) >= per_mille:
             continue
-        spec.job = replace(spec.job, reflexes=(SIM_LATENCY_RULE if given % 2 else SIM_RULE,))
-        given += 1
+        spec.job = replace(spec.job, reflexes=(SIM_RULE,))
         spec.envelope = encode_message(owners[spec.job.owner], world.mesh_id, spec.job)
         spec.job_id = job_id(spec.job)
 
@@ -58,13 +51,6 @@ def reading(capacity, hot: bool, rng) -> tuple:
                           power_mw=0) for i, total in enumerate(capacity.gpu_mem_total_mib))
 
 
-def job_signals(running_jobs, hot: bool, rng) -> tuple:
-    """What the jobs a node runs report (SPEC.md 9.4a): slow inside its hot spells."""
-    base = SLOW_LATENCY_US if hot else FAST_LATENCY_US
-    return tuple(JobSignals(job_id=jid, request_rate_milli=100_000, latency_p99_us=base + rng.randint(0, 5000),
-                            progress_rate_milli=1000) for jid in sorted(running_jobs))
-
-
 class ReflexAudit:
     """No reflex action applied twice: per node incarnation, one reflex move per (job, fence)."""
 
@@ -73,7 +59,6 @@ class ReflexAudit:
         self.checker = checker
         self.applied: set[tuple] = set()   # (node, incarnation, job id, fence)
         self.moves: set[bytes] = set()     # instances a reflex move was decided in
-        self.moved_jobs: dict[bytes, bytes] = {}   # instance -> the job it moved
 
     def check(self, node, decision) -> None:
         if decision.value_kind != "job_move":
@@ -82,7 +67,6 @@ class ReflexAudit:
         if not isinstance(request, ReflexTrigger):
             return
         self.moves.add(decision.instance)
-        self.moved_jobs[decision.instance] = request.job_id
         key = (node.index, node.incarnation, request.job_id, request.fence)
         if key in self.applied:
             self.checker.fail("reflex_applied_twice", node.index, decision.instance,

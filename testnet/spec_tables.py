@@ -35,9 +35,9 @@ from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, C
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
                                Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
                                Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
-                               JobSignals,
                                placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
+from protocol.messages import JobSignals
 
 VECTOR_SEED = bytes(range(32))
 VECTOR_EPOCH = 0          # every sample's epoch: the sample genesis' first epoch
@@ -389,16 +389,6 @@ def render_move_vectors() -> str:
                       "job_move_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
 
 
-def render_job_signals_vector() -> str:
-    """R3a: the sample vector with the sample job's reported load (12.5 requests/s, p99
-    40.25 ms, 3 progress units/s), as the vector key signs it."""
-    body = sample_body(CapabilityVector)
-    body["job_signals"] = [{"job_id": sample_job_id(), "request_rate_milli": 12_500, "latency_p99_us": 40_250,
-                            "progress_rate_milli": 3_000}]
-    envelope = _seal("cap", body)
-    return "\n".join(["```", "body: %s" % codec.pack(body).hex(), "envelope: %s" % envelope.hex(), "```"])
-
-
 def sample_preemption() -> Preemption:
     """P8: the sample job (attempt 0) placed by preempting two jobs on the vector key's node."""
     victims = tuple(PreemptionVictim(job_id=bytes([b]) * 32, fence=65_537) for b in (0x11, 0x22))
@@ -423,6 +413,16 @@ def render_keystore_vector() -> str:
     document = encode_keystore(vector_identity(), VECTOR_PASSPHRASE, KDF_PROFILES["insecure-test"],
                                salt=VECTOR_SALT, nonce=VECTOR_NONCE)
     return "passphrase (UTF-8): `%s`\n\n```json\n%s```" % (VECTOR_PASSPHRASE.decode(), document.decode())
+
+
+def render_job_signals_vector() -> str:
+    """R3a: the sample vector with the sample job's reported load (12.5 requests/s, p99
+    40.25 ms, 3 progress units/s), as the vector key signs it."""
+    body = sample_body(CapabilityVector)
+    body["job_signals"] = [{"job_id": sample_job_id(), "request_rate_milli": 12_500, "latency_p99_us": 40_250,
+                            "progress_rate_milli": 3_000}]
+    envelope = _seal("cap", body)
+    return "\n".join(["```", "body: %s" % codec.pack(body).hex(), "envelope: %s" % envelope.hex(), "```"])
 
 
 # GA2's worked example: bidders in rank order, (name, zone, rail group).

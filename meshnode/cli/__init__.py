@@ -51,7 +51,7 @@ COMMAND_GROUPS = (
     ("operate a node", ("keys", "mesh", "node", "run", "join")),
     ("own jobs", ("job", "submit", "tui")),
     ("inspect a node", ("status", "nodes", "jobs", "why", "consensus", "events", "metrics", "cert")),
-    ("test and try", ("dev", "testnet", "sim", "bench", "demo", "load")),
+    ("test and try", ("dev", "testnet", "sim", "bench", "demo")),
 )
 TOP_LEVEL_EXAMPLES = (
     "meshnode testnet up --nodes 4 --dir net          # a local mesh of 4 node processes",

@@ -52,6 +52,8 @@ class RunningJob(Record):
 
 
 MAX_RUNNING_LISTED = 64
+# Signals a job reports about itself (R3a), which a reflex rule may name as it names a GPU signal.
+JOB_REFLEX_SIGNALS = ("request_rate", "request_latency_ms", "progress_rate")
 
 
 @record
@@ -154,7 +156,6 @@ class Scheduling(Record):
 
 
 REFLEX_SIGNALS = ("gpu_util", "gpu_temp", "gpu_mem", "throttle", "ecc_errors")
-JOB_REFLEX_SIGNALS = ("request_rate", "request_latency_ms", "progress_rate")   # the job's own (R3a)
 REFLEX_ACTIONS = ("migrate",)
 REFLEX_ACTIONS_LATER = ("clone", "reroute", "decay")   # named in the design, refused until built
 
