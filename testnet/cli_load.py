@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     parser.add_argument("--job", default=None, metavar="JOB",
                         help="drive the job's endpoints, as the endpoint table of the node (--node) lists them")
     parser.add_argument("--node", default=None, metavar="DIR", help="with --job: the node asked for its endpoints")
-    parser.add_argument("--rps", type=float, required=True, metavar="N", help="requests per second, all targets together")
+    parser.add_argument("--rps", type=float, required=True, metavar="N",
+                        help="requests per second, all targets together")
     parser.add_argument("--duration-s", type=float, required=True, metavar="S", help="how long to send")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="a request not answered within S seconds is an error (default %g)" % DEFAULT_TIMEOUT_S)

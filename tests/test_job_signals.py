@@ -130,7 +130,7 @@ def test_the_driver_carries_fresh_reports_of_the_jobs_it_runs_only():
     """meshnode/node/driver.py: the runner's fresh reports become the JobSignals the next
     vector carries, for the jobs this node runs (a stopped job's last report is not)."""
     from types import SimpleNamespace
-    from meshnode.node.driver import SIGNALS_FRESH_S, Node
+    from meshnode.node.driver import SIGNALS_FRESH_MS, Node
     running, stopped = b"\x01" * 32, b"\x02" * 32
     asked = []
     node = object.__new__(Node)
@@ -139,6 +139,6 @@ def test_the_driver_carries_fresh_reports_of_the_jobs_it_runs_only():
     node.job_fences = {running: 1}
     assert node._job_signals() == (JobSignals(job_id=running, request_rate_milli=12_500, latency_p99_us=40_250,
                                               progress_rate_milli=3_000),)
-    assert asked == [SIGNALS_FRESH_S]
+    assert asked == [SIGNALS_FRESH_MS / 1000]
     node.runner = None   # a node that runs no workloads reports none
     assert node._job_signals() == ()

@@ -152,7 +152,8 @@ def serving(workload, **kwargs):
     """Start run_serve in a thread; (address, stop event, thread)."""
     stop, listening = threading.Event(), []
     ready = threading.Event()
-    thread = threading.Thread(target=run_serve, args=(workload, 0, kwargs.get("service_ms", 0), kwargs.get("cpu_ms", 0)),
+    costs = (kwargs.get("service_ms", 0), kwargs.get("cpu_ms", 0))
+    thread = threading.Thread(target=run_serve, args=(workload, 0, *costs),
                               kwargs={"stop": stop, "on_listening": lambda a: (listening.append(a), ready.set())},
                               daemon=True)
     thread.start()

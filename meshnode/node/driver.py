@@ -51,7 +51,7 @@ TICK_MS = 5                 # core timer resolution while it has work: heartbeat
 MAX_TICK_GAP_MS = 50
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
-SIGNALS_FRESH_S = 5.0       # a workload's load report older than this is no longer its load (SPEC.md R3a)
+SIGNALS_FRESH_MS = 5000     # a workload's load report older than this is no longer its load (SPEC.md R3a)
 CONNECT_RETRY_MS = 500
 RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
 BACKLOG_WAIT_MS = 1
@@ -388,10 +388,10 @@ class Node:
         """The fresh load reports of the jobs this node runs (SPEC.md 9.4a, R3a)."""
         if self.runner is None:
             return ()
+        fresh = self.runner.fresh_signals(SIGNALS_FRESH_MS / 1000)
         return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
                                 progress_rate_milli=progress)
-                     for job_id, (rate, p99, progress) in sorted(self.runner.fresh_signals(SIGNALS_FRESH_S).items())
-                     if job_id in self.job_fences)
+                     for job_id, (rate, p99, progress) in sorted(fresh.items()) if job_id in self.job_fences)
 
     async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
         if job_id not in self.job_fences:

@@ -341,7 +341,8 @@ class WorkloadRunner:
             while len(buffer) >= sdk.FRAME_HEADER.size:
                 length, frame_type = sdk.FRAME_HEADER.unpack_from(buffer)
                 if frame_type != sdk.SIGNALS or length != 1 + sdk.SIGNALS_FIELDS.size:
-                    self._refuse_reports(job, "frame type %d of length %d is not a SIGNALS frame" % (frame_type, length))
+                    self._refuse_reports(job, "frame type %d of length %d is not a SIGNALS frame"
+                                         % (frame_type, length))
                     break
                 if len(buffer) < 4 + length:
                     break
