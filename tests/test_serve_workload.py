@@ -44,7 +44,8 @@ def test_load_window_state_round_trips_and_a_restore_goes_on_counting():
     load = LoadWindow(served=41, errors=2)
     load.started()
     load.finished(0.0, 0.001)
-    assert decode_serve_state(load.state()) == (42, 2)
+    state, progress = load.state()
+    assert decode_serve_state(state) == (42, 2) and progress == 42
     with pytest.raises(RemoteProtocolError, match="serve state is 3 bytes"):
         decode_serve_state(b"abc")
 

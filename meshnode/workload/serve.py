@@ -101,9 +101,10 @@ class LoadWindow:
         return {"request_rate": len(latencies) / self.window_s, "latency_p99_ms": 0.0 if p99 is None else p99 * 1000,
                 "in_flight": in_flight, "served": served, "errors": errors}
 
-    def state(self) -> bytes:
+    def state(self) -> tuple[bytes, int]:
+        """(the checkpoint state, its progress: requests served), read together."""
         with self._lock:
-            return SERVE_STATE.pack(self.served, self.errors)
+            return SERVE_STATE.pack(self.served, self.errors), self.served
 
 
 def burn_cpu(ms: float) -> None:
@@ -187,10 +188,13 @@ def run_serve(workload, port: int, service_ms: float, cpu_ms: float, host: str =
     threading.Thread(target=server.serve_forever, name="serve", daemon=True).start()
     stop = stop or threading.Event()
     next_report = time.monotonic()
-    last_served = served
+    last_served, offered = served, None
     try:
         while not stop.wait(STATE_PERIOD_S):   # this thread alone offers state (the SDK's rule)
-            workload.set_state(load.state(), load.served)
+            state, progress = load.state()
+            if state != offered:   # an idle service offers no new checkpoint
+                workload.set_state(state, progress)
+                offered = state
             now = time.monotonic()
             if now >= next_report:
                 snapshot = load.snapshot(now)
