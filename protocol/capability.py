@@ -8,7 +8,7 @@ every member show a job running, not only the backups that hold its checkpoints.
 
 from __future__ import annotations
 
-from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, RunningJob
+from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, JobSignals, RunningJob
 from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
 from protocol.reflexes import VectorHistory
@@ -47,6 +47,7 @@ class CapabilityBook:
         # Why the last GPU reading failed ("" while readings succeed): the vector keeps the last
         # good readings, stale, and this node declines GPU jobs `node_unhealthy` (SPEC.md P3).
         self.telemetry_fault = ""
+        self.job_signals: dict[bytes, JobSignals] = {}   # the load each job here last reported (R3a)
         self.rtt_us = 0
         self.peers: dict[bytes, CapabilityVector] = {}
         self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
@@ -92,8 +93,9 @@ class CapabilityBook:
         me, ledger = self.ctx.me, self.ledger
         gpus = self._gpu_states()
         running = self._running_here()
+        job_signals = self._job_signals_here(running)
         facts = (self.epochs.epoch, gpus, self.telemetry_simulated, running, ledger.gpu_milli_free(),
-                 ledger.free_cpu_milli(), ledger.free_mem_mib())
+                 ledger.free_cpu_milli(), ledger.free_mem_mib(), job_signals)
         if self.envelope is not None and facts == self.facts:
             return self.envelope, self.vector, False
         self.seq += 1
@@ -107,12 +109,18 @@ class CapabilityBook:
                                gpus_free=ledger.free_gpus(), cpu_milli_free=max(0, ledger.free_cpu_milli()),
                                mem_mib_free=max(0, ledger.free_mem_mib()), labels=labels,
                                simulated=self.telemetry_simulated or not self.telemetry_gpus,
-                               running=self._running_report(now_ms), gpu_milli_free=ledger.gpu_milli_free())
+                               running=self._running_report(now_ms), gpu_milli_free=ledger.gpu_milli_free(),
+                               job_signals=job_signals)
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
         if running and self.jobs.reflex_jobs_of(me):
             self.history.add(me, self.envelope, cap)
         return self.envelope, cap, True
+
+    def _job_signals_here(self, running: tuple) -> tuple:
+        """The reports of the jobs the vector lists running (R3a: only those may carry one)."""
+        listed = {job_id for job_id, _fence in running[:MAX_RUNNING_LISTED]}
+        return tuple(self.job_signals[j] for j in sorted(listed) if j in self.job_signals)
 
     def seq_floor_record(self) -> PersistRecord | None:
         """Once the vectors signed reach the persisted floor, a new floor SEQ_BLOCK ahead (to
@@ -138,11 +146,13 @@ class CapabilityBook:
         return bool(self.telemetry_fault), tuple(gpu_healthy(g) for g in self.telemetry_gpus)
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
-                         fault: str = "") -> Ready:
+                         fault: str = "", job_signals: tuple = ()) -> Ready:
         """New GPU readings and mean RTT: broadcast the signed vector if a broadcast fact
         changed since the last broadcast, or every CAPABILITY_REFRESH_MS so peers' views of
         the readings stay fresh. ``fault``: why reading the GPUs
-        failed this time; ``gpus`` is then ignored and the last good readings stay."""
+        failed this time; ``gpus`` is then ignored and the last good readings stay.
+        ``job_signals``: JobSignals of the jobs running here that reported load (R3a); a job
+        not in it reported none lately."""
         out = Ready()
         if fault and not self.telemetry_fault:
             out.events.append(self.ctx.event("telemetry_failed", now_ms, reason=fault[:200]))
@@ -152,6 +162,7 @@ class CapabilityBook:
         if not fault:
             self.telemetry_gpus = tuple(gpus)
         self.telemetry_simulated = bool(simulated)
+        self.job_signals = {s.job_id: s for s in job_signals}
         self.rtt_us = max(0, int(rtt_us))
         broadcast_facts = self._broadcast_facts()
         envelope, _cap, changed = self.current(now_ms)
@@ -175,7 +186,8 @@ class CapabilityBook:
         ledger = self.ledger
         # A job with reflex rules runs here: its rules read the readings, and its evidence is
         # the chain of vectors that show them (R3), so their drift goes out at once too.
-        readings = gpus if any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running") else None
+        reflex_jobs = any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running")
+        readings = (gpus, self._job_signals_here(self._running_here())) if reflex_jobs else None
         return (self.epochs.epoch, self.telemetry_simulated, self._running_here(), ledger.gpu_milli_free(),
                 ledger.free_cpu_milli(), ledger.free_mem_mib(), len(gpus), self.health_stamp(), readings)
 

@@ -342,9 +342,11 @@ class MeshCore:
         return self._with_orders(self.lifecycle.hand_over_moved(jid, fence, final, now_ms))
 
     def update_telemetry(self, gpus: tuple, rtt_us: int, now_ms: int, *, simulated: bool = False,
-                         fault: str = "") -> Ready:
-        """GPU readings (or, with ``fault``, why they failed: the last good ones stay), mean RTT."""
-        out = self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated, fault=fault)
+                         fault: str = "", job_signals: tuple = ()) -> Ready:
+        """GPU readings (or, with ``fault``, why they failed: the last good ones stay), mean RTT,
+        and the load the jobs running here reported (JobSignals, R3a)."""
+        out = self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated, fault=fault,
+                                               job_signals=job_signals)
         self.moves.notice_reflexes(self.me, now_ms, out)   # R3: the primary may notice its own
         return self._with_orders(out)
 

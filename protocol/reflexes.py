@@ -13,13 +13,18 @@ from __future__ import annotations
 from collections import deque
 
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MAX_EVIDENCE, CapabilityVector, Reflex, decode_message
+from protocol.messages import (JOB_REFLEX_SIGNALS, MAX_EVIDENCE, CapabilityVector, JobSignals, Reflex,
+                               decode_message)
 from protocol.placement import UNHEALTHY_THROTTLE_MASK
 
 
-def signal_value(signal: str, cap: CapabilityVector) -> list[int]:
+def signal_value(signal: str, cap: CapabilityVector, job_id: bytes = b"") -> list[int]:
     """The signal on each of the vector's GPUs, in milli-units of the rule's unit (percent,
-    degrees C, a count x 1000), so a rule's integer threshold x 1000 compares exactly."""
+    degrees C, a count x 1000), so a rule's integer threshold x 1000 compares exactly. A job
+    signal (R3a) is the one value job ``job_id`` reported in the vector, or none: a vector
+    where the job reported nothing (or another node's, for a target) never shows it."""
+    if signal in JOB_REFLEX_SIGNALS:
+        return [_job_signal(signal, s) for s in cap.job_signals if s.job_id == job_id]
     if signal == "gpu_util":
         return [g.util_milli for g in cap.gpus]
     if signal == "gpu_temp":
@@ -33,12 +38,21 @@ def signal_value(signal: str, cap: CapabilityVector) -> list[int]:
     raise ValueError("unknown reflex signal %r" % signal)
 
 
-def condition_holds(rule: Reflex, cap: CapabilityVector) -> bool:
-    """The rule's condition on one vector: some GPU above ``above`` (or below ``below``), in
-    the rule's zone. A vector without GPUs shows no condition."""
+def _job_signal(signal: str, reported: JobSignals) -> int:
+    if signal == "request_rate":
+        return reported.request_rate_milli
+    if signal == "request_latency_ms":
+        return reported.latency_p99_us
+    return reported.progress_rate_milli
+
+
+def condition_holds(rule: Reflex, cap: CapabilityVector, job_id: bytes = b"") -> bool:
+    """The rule's condition on one vector: some GPU (for a job signal: job ``job_id``'s
+    report) above ``above`` (or below ``below``), in the rule's zone. A vector without GPUs
+    (or without the job's report) shows no condition."""
     if rule.zone and cap.zone != rule.zone:
         return False
-    values = signal_value(rule.signal, cap)
+    values = signal_value(rule.signal, cap, job_id)
     if rule.above is not None:
         return any(v > rule.above * 1000 for v in values)
     return any(v < rule.below * 1000 for v in values)
@@ -72,7 +86,7 @@ def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms:
     for envelope, cap in reversed(history):
         if chain and cap.seq != chain[-1][1].seq - 1:
             return None   # a gap: a vector we never saw might have broken the condition
-        if not (condition_holds(rule, cap) and runs_job(cap, job_id, fence)):
+        if not (condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence)):
             return None
         if cap.taken_ms < not_before_ms:
             return None
@@ -105,7 +119,7 @@ def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes,
     for cap in vectors:
         if not runs_job(cap, job_id, fence):
             return "vector seq %d does not show the job running at fence %d" % (cap.seq, fence)
-        if not condition_holds(rule, cap):
+        if not condition_holds(rule, cap, job_id):
             return "vector seq %d does not show the condition" % cap.seq
     span_ms, not_before_ms = cooldown_bounds(rule, last_reflex, primary)
     held = vectors[-1].taken_ms - vectors[0].taken_ms

@@ -109,6 +109,9 @@ class MoveRun(FailoverRun):
             await trio.sleep(0.05)
         record["lost_workload"] = True
 
+    async def after_moves(self) -> None:
+        """What a bench measures once the moves are done, events still watched (bench reflex: a hold)."""
+
     async def run(self, moves: int) -> None:
         async with trio.open_nursery() as nursery:
             await self.watch_and_submit(nursery)
@@ -118,6 +121,8 @@ class MoveRun(FailoverRun):
                 except (trio.TooSlowError, MeshError) as exc:
                     self.aborted = "move %d: %s" % (number, exc or "the job was not running on a live primary")
                     break
+            if self.aborted is None:
+                await self.after_moves()
             for index in self._alive():
                 await self._collect_checkpoint_stats(index)
             nursery.cancel_scope.cancel()

@@ -133,6 +133,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
         "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
                                              default=0),
+        # --reflex (SPEC.md R3a): of the reflex moves, those decided on a job's reported latency.
+        "reflex_moves_job_signal": sum(r.counters.get("reflex_moves_job_signal", 0) for r in results),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by

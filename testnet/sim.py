@@ -39,6 +39,7 @@ from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
+from testnet.sim_job_signals import JobSignalMoves, job_signals, use_latency_rules
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
@@ -271,9 +272,11 @@ class Simulation:
         self.checkpoint_seq = 0                     # the last checkpoint seq a run took (--preempt)
         self.cancelled: set[bytes] = set()          # job ids a core accepted its owner's cancel for
         self.reflex_audit = ReflexAudit(self.mesh_id, self.checker) if config.reflex_per_mille else None
+        self.job_signal_moves: JobSignalMoves | None = None   # R3a: reflex moves on reported latency
         self.hot: dict[int, list] = {}
         if config.reflex_per_mille:   # the world's jobs change before any is submitted
             add_reflexes(self.world, self.workload_rng, config.reflex_per_mille)
+            self.job_signal_moves = JobSignalMoves(self.mesh_id, use_latency_rules(self.world))
             self.hot = hot_spells(self.world, self.workload_rng, max(1, config.safety_ms) + 1000)
         # A run does not stop early (every job placed) before the hot spells and the moves they
         # cause are over.
@@ -483,11 +486,11 @@ class Simulation:
             return
         self._call(node, node.core.submit, self.world.jobs[number].envelope, self.now_ms)
 
-    def _call(self, node: SimNode, method, *args) -> None:
+    def _call(self, node: SimNode, method, *args, **kwargs) -> None:
         """Feed one input to a core. The core must never raise on remote input (protocol/ready.py);
         if it does, that is a violation of its contract, reported like any other."""
         try:
-            ready = method(*args)
+            ready = method(*args, **kwargs)
         except MeshError as exc:
             self.checker.fail("core_error", node.index, None, "%s raised %s: %s"
                               % (method.__name__, type(exc).__name__, exc))
@@ -570,12 +573,14 @@ class Simulation:
         self._emit(node, ready)
 
     def _telemetry(self, index: int) -> None:
-        """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside."""
+        """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside; the
+        jobs it runs report their load (R3a), slow inside the same spells."""
         node = self.nodes[index]
         if node.up:
             hot = any(start <= self.now_ms < end for start, end in self.hot[index])
             gpus = reading(self.world.nodes[index].capacity, hot, self.workload_rng)
-            self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms)
+            reported = job_signals(node.running, hot, self.workload_rng)
+            self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms, job_signals=reported)
         self.push(self.now_ms + TELEMETRY_MS, TELEMETRY, index, 0)
 
     def _workload_orders(self, node: SimNode, decision) -> None:
@@ -729,6 +734,7 @@ class Simulation:
         self.checker.check_decision(node.index, decision, self.now_ms, node.core.views)
         if self.reflex_audit is not None and node.behaviour is None:
             self.reflex_audit.check(node, decision)
+            self.job_signal_moves.note(decision)
         if decision.value_kind == "preemption" and node.behaviour is None and decision.value.node == node.core.me:
             self.counters["preemptions"] = self.counters.get("preemptions", 0) + 1
         if len(self.checker.decided_at.get(decision.instance, ())) == 1 and node.index in \
@@ -867,6 +873,8 @@ class Simulation:
         checker.check_evidence(self.witnessed, self._evidence_of)
         self._check_ledgers()
         log_digest = checker.log_digest()
+        if self.job_signal_moves is not None:
+            self.counters["reflex_moves_job_signal"] = len(self.job_signal_moves.moves)
         if self.reflex_audit is not None:
             self.counters["reflex_moves"] = len(self.reflex_audit.moves)
         stats = self.network.stats

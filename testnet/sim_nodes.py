@@ -176,6 +176,12 @@ class SimRunner:
         self._jobs: dict[bytes, _SimJob] = {}
         self._nursery: trio.Nursery | None = None
         self._next_pid = 1000
+        # job id -> (request_rate_milli, latency_p99_us, progress_rate_milli): the load its
+        # workload reports (SPEC.md 9.4a), as a test or scenario sets it.
+        self.reported_signals: dict[bytes, tuple] = {}
+
+    def fresh_signals(self, max_age_s: float) -> dict[bytes, tuple]:
+        return {job_id: signals for job_id, signals in self.reported_signals.items() if job_id in self._jobs}
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -37,13 +37,14 @@ from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, C
                                Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
                                placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
+from protocol.messages import JobSignals
 
 VECTOR_SEED = bytes(range(32))
 VECTOR_EPOCH = 0          # every sample's epoch: the sample genesis' first epoch
 VECTOR_ROUND = 1          # consensus samples are of round 1; the lock they carry is of round 0
 VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
-NESTED_RECORDS = (GpuState, RunningJob, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
+NESTED_RECORDS = (GpuState, RunningJob, JobSignals, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
                   Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex)
 
@@ -213,6 +214,7 @@ def _coherent(cls, body: dict) -> dict:
         body.update(rule=0, evidence=[_seal("cap", sample_body(CapabilityVector))])
     elif cls is CapabilityVector:
         body["node"] = me
+        del body["job_signals"]   # R3a: none reported, the key left out (render_job_signals_vector has one)
     elif cls is Bid:
         body.update(instance=sample_job_id(), capability=_seal("cap", sample_body(CapabilityVector)),
                     attestations=[_seal("attestation", {"subject": me, "attributes": {"jurisdiction": "eu"},
@@ -413,6 +415,16 @@ def render_keystore_vector() -> str:
     return "passphrase (UTF-8): `%s`\n\n```json\n%s```" % (VECTOR_PASSPHRASE.decode(), document.decode())
 
 
+def render_job_signals_vector() -> str:
+    """R3a: the sample vector with the sample job's reported load (12.5 requests/s, p99
+    40.25 ms, 3 progress units/s), as the vector key signs it."""
+    body = sample_body(CapabilityVector)
+    body["job_signals"] = [{"job_id": sample_job_id(), "request_rate_milli": 12_500, "latency_p99_us": 40_250,
+                            "progress_rate_milli": 3_000}]
+    envelope = _seal("cap", body)
+    return "\n".join(["```", "body: %s" % codec.pack(body).hex(), "envelope: %s" % envelope.hex(), "```"])
+
+
 # GA2's worked example: bidders in rank order, (name, zone, rail group).
 GANG_EXAMPLE = (("n0", "zone-a", "rail-1"), ("n1", "zone-b", "rail-3"), ("n2", "zone-a", "rail-2"),
                 ("n3", "zone-a", "rail-1"), ("n4", "zone-b", "rail-3"), ("n5", "zone-b", "rail-3"))
@@ -450,6 +462,7 @@ GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
              "move vectors": render_move_vectors,
              "preemption vector": render_preemption_vector,
+             "job signals vector": render_job_signals_vector,
              "gang vectors": render_gang_vectors}
 
 

@@ -130,7 +130,12 @@ class ControlApi:
             return None
         return {"gpus": [gpu.to_body() for gpu in cap.gpus], "gpus_free": list(cap.gpus_free),
                 "gpu_milli_free": list(cap.gpu_milli_free), "cpu_milli_free": cap.cpu_milli_free, "mem_mib_free": cap.mem_mib_free,
-                "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated}
+                "taken_ms": cap.taken_ms, "seq": cap.seq, "simulated": cap.simulated,
+                # The load its jobs reported (SPEC.md R3a), as reflex rules read it.
+                "job_signals": {s.job_id.hex(): {"request_rate_milli": s.request_rate_milli,
+                                                 "latency_p99_us": s.latency_p99_us,
+                                                 "progress_rate_milli": s.progress_rate_milli}
+                                for s in cap.job_signals}}
 
     async def jobs(self, args) -> dict:
         """Every job; a gang is one row with its ranks (SPEC.md GA4), not a row per rank."""

@@ -90,7 +90,7 @@ class NodeConfig:
     mem_mib: int = 32768
     passphrase: PassphraseSource = PassphraseSource("env", "MESHNODE_PASSPHRASE")
     allowed_owners: tuple[bytes, ...] | None = None  # None: "*", any owner
-    allowed_entrypoints: tuple[str, ...] = ("counter", "train", "allreduce")
+    allowed_entrypoints: tuple[str, ...] = ("counter", "train", "allreduce", "serve")
     labels: tuple[tuple[str, str], ...] = ()
     attestation_files: tuple[str, ...] = ()  # authority-signed Attestation envelopes, relative to DIR
     gpu: GpuProfile = GpuProfile()

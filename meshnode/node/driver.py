@@ -38,7 +38,7 @@ from meshnode.net.limits import RefusalReport
 from meshnode.workload.sdk import GANG_PEERS_FILE, GANG_PEERS_FILE_ENV, format_peers, gang_environment, multiaddr_host
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
-from protocol.messages import JobManifest, decode_message, job_id as compute_job_id
+from protocol.messages import JobManifest, JobSignals, decode_message, job_id as compute_job_id
 from protocol.drain import ReadyDrain
 from protocol.ready import Decision, Event, Ready
 from protocol.workload_orders import WorkloadRun
@@ -51,6 +51,7 @@ TICK_MS = 5                 # core timer resolution while it has work: heartbeat
 MAX_TICK_GAP_MS = 50
 TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on change
 TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
+SIGNALS_FRESH_MS = 5000     # a workload's load report older than this is no longer its load (SPEC.md R3a)
 CONNECT_RETRY_MS = 500
 RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
 BACKLOG_WAIT_MS = 1
@@ -249,7 +250,8 @@ class Node:
             rtts = [r for r in (self.transport.rtt_us(k) for k in self.transport.peers()) if r is not None]
             rtt_us = sum(rtts) // len(rtts) if rtts else 0
             await self._handle(self.core.update_telemetry(gpus, rtt_us, now_ms(),
-                                                          simulated=self.telemetry.simulated, fault=fault))
+                                                          simulated=self.telemetry.simulated, fault=fault,
+                                                          job_signals=self._job_signals()))
             self._report_refusals()
             await trio.sleep(TELEMETRY_MS / 1000)
 
@@ -390,6 +392,15 @@ class Node:
     async def _stop_all(self, why: str) -> None:
         for job_id in list(self.runner.running()):
             await self._stop_workload(job_id, why)
+
+    def _job_signals(self) -> tuple:
+        """The fresh load reports of the jobs this node runs (SPEC.md 9.4a, R3a)."""
+        if self.runner is None:
+            return ()
+        fresh = self.runner.fresh_signals(SIGNALS_FRESH_MS / 1000)
+        return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
+                                progress_rate_milli=progress)
+                     for job_id, (rate, p99, progress) in sorted(fresh.items()) if job_id in self.job_fences)
 
     async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
         if job_id not in self.job_fences:

@@ -47,6 +47,7 @@ from keys.errors import ConfigError
 from meshnode.node.output_log import OutputLog, job_workdir
 from meshnode.workload import sdk
 from meshnode.workload.builtin import BUILTIN_KINDS
+from meshnode.workload.serve import percentile
 from meshnode.workload.state_slot import SlotReader, create_region
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.messages import MAX_STATE_BYTES
@@ -88,13 +89,6 @@ def _die_with_parent(prctl, parent_pid: int):
     return preexec
 
 
-def percentile(values, fraction: float) -> int | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 @dataclass
 class RunningWorkload:
     job_id: bytes
@@ -109,6 +103,11 @@ class RunningWorkload:
     last_taken_ms: int | None = None
     torn_reads: int = 0
     output_lost_bytes: int = 0     # output that could not be written to the ring (disk full)
+    # The newest load report (SPEC.md 9.4a): (request_rate_milli, latency_p99_us,
+    # progress_rate_milli), and when it came (trio clock, s); None: none yet.
+    signals: tuple | None = None
+    signals_at: float = 0.0
+    reports_refused: str = ""      # why this workload's reports are no longer read ("" = they are)
     interval_error_us: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
 
     def summary(self) -> dict:
@@ -118,6 +117,7 @@ class RunningWorkload:
             "last_taken_ms": self.last_taken_ms, "torn_reads": self.torn_reads,
             "interval_error_us_p50": percentile(self.interval_error_us, 0.5),
             "interval_error_us_p99": percentile(self.interval_error_us, 0.99),
+            "signals": list(self.signals) if self.signals else None, "reports_refused": self.reports_refused,
         }
 
 
@@ -130,6 +130,7 @@ class _Job:
         self.output_fd = output_fd         # read end of the workload's stdout/stderr pipe
         self.output_log = output_log
         self.pump_scope = trio.CancelScope()
+        self.reports_scope = trio.CancelScope()   # reading its load reports; cancelled once it is gone
         self.popen = popen
         self.stream = stream
         self.slot = slot
@@ -288,6 +289,7 @@ class WorkloadRunner:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._tick, job)
                     nursery.start_soon(self._pump_output, job)
+                    nursery.start_soon(self._read_reports, job)
                     await trio.lowlevel.wait_readable(pidfd)
                     job.process_gone = True
                     # A tick inside on_checkpoint is not cancelled: the callback may itself be
@@ -296,6 +298,7 @@ class WorkloadRunner:
                         job.tick_scope.cancel()
                     self._reap(job)
                     job.pump_scope.cancel()   # what is left in the pipe is drained below
+                    job.reports_scope.cancel()
                 # What the workload offered after the last tick, e.g. just before it failed:
                 # a retry resumes from it.
                 await self._take_checkpoint(job)
@@ -308,6 +311,49 @@ class WorkloadRunner:
             job.slot.close()
         if not job.stopping:
             await self._on_exit(job.info.job_id, job.popen.returncode)
+
+    def fresh_signals(self, max_age_s: float) -> dict[bytes, tuple]:
+        """job id -> its newest load report, for the workloads that sent one in the last
+        ``max_age_s`` (trio clock): a report that went stale is no longer the job's load."""
+        now = trio.current_time()
+        return {job_id: job.info.signals for job_id, job in self._jobs.items()
+                if job.info.signals is not None and now - job.info.signals_at <= max_age_s}
+
+    async def _read_reports(self, job: _Job) -> None:
+        """Read the workload's SIGNALS frames (SPEC.md 9.4a) until it goes; keep the newest.
+        A malformed frame ends its reports (what it sends later is read and dropped), not
+        the workload."""
+        with job.reports_scope:
+            await self._read_report_frames(job)
+
+    async def _read_report_frames(self, job: _Job) -> None:
+        buffer = b""
+        while True:
+            try:
+                data = await job.stream.receive_some(4096)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            if job.info.reports_refused:
+                continue   # read and dropped: a workload blocked on a full socket would stall
+            buffer += data
+            while len(buffer) >= sdk.FRAME_HEADER.size:
+                length, frame_type = sdk.FRAME_HEADER.unpack_from(buffer)
+                if frame_type != sdk.SIGNALS or length != 1 + sdk.SIGNALS_FIELDS.size:
+                    self._refuse_reports(job, "frame type %d of length %d is not a SIGNALS frame"
+                                         % (frame_type, length))
+                    break
+                if len(buffer) < 4 + length:
+                    break
+                job.info.signals = sdk.decode_signals(buffer[sdk.FRAME_HEADER.size:4 + length])
+                job.info.signals_at = trio.current_time()
+                buffer = buffer[4 + length:]
+
+    @staticmethod
+    def _refuse_reports(job: _Job, why: str) -> None:
+        job.info.reports_refused, job.info.signals = why, None
+        log.warning("job %s: its load reports are ignored from now on: %s", job.info.job_id.hex()[:12], why)
 
     async def _pump_output(self, job: _Job) -> None:
         """Copy the workload's output into its ring as it comes. The node reads at most

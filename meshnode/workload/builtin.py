@@ -20,6 +20,9 @@ is what `meshnode job logs` shows.
 the sum against its closed form. State is the step; a restored gang first agrees on the
 smallest step any rank restored (a ring pass of the minimum), so all go on from one step.
 Progress lines as ``counter``'s, and ``step <step> sum <sum>`` every ``--log-every`` steps.
+
+``serve``: a small HTTP/1.1 service on 127.0.0.1 that reports its request rate and p99
+latency to its node (meshnode/workload/serve.py).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import time
 from array import array
 
 from meshnode.workload.sdk import GangInfo, Workload
+from meshnode.workload.serve import SERVICE_PORT_ENV, run_serve, service_port
 from protocol.errors import RemoteProtocolError
 
-BUILTIN_KINDS = ("counter", "train", "allreduce")
+BUILTIN_KINDS = ("counter", "train", "allreduce", "serve")
 LOSS_HISTORY_MAX = 8192  # entries kept in the train state: 64 KiB, far under MAX_STATE_BYTES
 
 COUNTER_STATE = struct.Struct(">QQ")  # units done, accumulator
@@ -314,12 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_argument("--progress-log", default=None)
     allreduce.add_argument("--log-every", type=int, default=0, metavar="N",
                            help="print the step and the sum to stdout every N steps (default: never)")
+    serve = kinds.add_parser("serve", help="an HTTP/1.1 service on 127.0.0.1 that reports its load (SPEC.md 9.4a)")
+    serve.add_argument("--port", type=int, default=0,
+                       help="port when $%s is not set (default 0: any free port)" % SERVICE_PORT_ENV)
+    serve.add_argument("--service-ms", type=float, default=0.0, help="each request waits this long (I/O-bound cost)")
+    serve.add_argument("--cpu-ms", type=float, default=0.0, help="each request computes this long (CPU-bound cost)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workload = Workload.connect()
+    if args.kind == "serve":   # its progress is requests served: no progress log
+        return run_serve(workload, service_port(args.port), max(0.0, args.service_ms), max(0.0, args.cpu_ms))
     log = ProgressLog(args.progress_log)
     if args.kind == "counter":
         run_counter(workload, max(1, args.unit_ms), args.units, log)

@@ -52,12 +52,30 @@ PEERS_POLL_S = 0.05
 FRAME_HEADER = struct.Struct(">IB")
 RESTORE = 1
 RESTORE_FIELDS = struct.Struct(">BQQQI")   # has_state, fence, seq, progress, checkpoint_ms
+SIGNALS = 2                                # workload -> node: its own load (SPEC.md 9.4a)
+SIGNALS_FIELDS = struct.Struct(">QQQ")     # request_rate_milli, latency_p99_us, progress_rate_milli
+MAX_SIGNAL_VALUE = 1 << 40                 # what a vector carries at most (JobSignals' schema)
 MAX_FRAME_BODY_BYTES = 1 + RESTORE_FIELDS.size + MAX_STATE_BYTES
 EXIT_NODE_GONE = 70  # exit status when the node's end of the channel closes
 
 
 def encode_frame(frame_type: int, fields: bytes, state: bytes = b"") -> bytes:
     return FRAME_HEADER.pack(1 + len(fields) + len(state), frame_type) + fields + state
+
+
+def encode_signals(request_rate: float, latency_p99_ms: float, progress_rate: float) -> bytes:
+    """A SIGNALS frame: requests/s, p99 latency in ms and progress units/s, as thousandths
+    (rounded down; negative as 0, beyond MAX_SIGNAL_VALUE as MAX_SIGNAL_VALUE)."""
+    values = [min(MAX_SIGNAL_VALUE, max(0, int(v * 1000))) for v in (request_rate, latency_p99_ms, progress_rate)]
+    return encode_frame(SIGNALS, SIGNALS_FIELDS.pack(*values))
+
+
+def decode_signals(body: bytes) -> tuple[int, int, int]:
+    """A SIGNALS frame's body (after the type byte) as (request_rate_milli, latency_p99_us,
+    progress_rate_milli), each capped at MAX_SIGNAL_VALUE; RemoteProtocolError if its length is wrong."""
+    if len(body) != SIGNALS_FIELDS.size:
+        raise RemoteProtocolError("SIGNALS frame body is %d bytes, expected %d" % (len(body), SIGNALS_FIELDS.size))
+    return tuple(min(MAX_SIGNAL_VALUE, v) for v in SIGNALS_FIELDS.unpack(body))
 
 
 def split_frame(body: bytes, fields: struct.Struct) -> tuple[tuple, bytes]:
@@ -178,6 +196,7 @@ class Workload:
         self.fence = fence
         self.checkpoint_ms = checkpoint_ms
         self.gang = GangInfo.from_environment()
+        self._send_lock = threading.Lock()
         self._watchdog = threading.Thread(target=self._exit_when_node_goes, name="meshnode-sdk", daemon=True)
         self._watchdog.start()
 
@@ -199,6 +218,19 @@ class Workload:
         if not 0 <= progress <= MAX_COUNT:
             raise LocalProtocolError("progress must be an integer in [0, 2^63 - 1], got %r" % (progress,))
         self._slot.write(state, progress, time.time_ns() // 1_000_000)
+
+    def report_load(self, request_rate: float = 0.0, latency_p99_ms: float = 0.0, progress_rate: float = 0.0) -> None:
+        """Tell the node this workload's load (SPEC.md 9.4a): requests answered per second,
+        their p99 latency in ms, progress units per second, each over a recent window. The
+        node carries the newest in its signed vector, where reflex rules read it (R3a). About
+        once a second is plenty; any thread may call it. A node that is gone ends the process
+        (the watchdog), so a failed send is ignored here."""
+        frame = encode_signals(request_rate, latency_p99_ms, progress_rate)
+        with self._send_lock:
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                pass
 
     def _exit_when_node_goes(self) -> None:
         try:

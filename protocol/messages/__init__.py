@@ -33,7 +33,7 @@ from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, Gan
                                     REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, REFLEX_SIGNALS, Reflex,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
-                                    placement_slot, placement_slot_id)
+                                    placement_slot, placement_slot_id, JOB_REFLEX_SIGNALS, JobSignals)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRequest, ReflexTrigger,
@@ -58,7 +58,7 @@ __all__ = [
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
     "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
     "Resources", "RunningJob", "Scheduling",
-    "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts",
+    "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts", "JOB_REFLEX_SIGNALS", "JobSignals",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",

@@ -52,6 +52,21 @@ class RunningJob(Record):
 
 
 MAX_RUNNING_LISTED = 64
+# Signals a job reports about itself (R3a), which a reflex rule may name as it names a GPU signal.
+JOB_REFLEX_SIGNALS = ("request_rate", "request_latency_ms", "progress_rate")
+
+
+@record
+class JobSignals(Record):
+    """A job's own load as its workload last reported it through the SDK (SPEC.md 9.4
+    SIGNALS, R3a), carried in its primary's signed vector so reflex rules can read it.
+    Integers in thousandths: requests per second, milliseconds, progress units per second."""
+    job_id: bytes
+    request_rate_milli: int
+    latency_p99_us: int
+    progress_rate_milli: int
+    SCHEMA: ClassVar = {"job_id": Key(), "request_rate_milli": Int(0, 1 << 40), "latency_p99_us": Int(0, 1 << 40),
+                        "progress_rate_milli": Int(0, 1 << 40)}
 
 
 @record
@@ -73,13 +88,39 @@ class CapabilityVector(Record):
     # Free thousandths of GPU index i at position i (SPEC.md P1, P4c): what a share may use.
     # Empty: GPU i has 1000 free if it is in ``gpus_free``, else none.
     gpu_milli_free: tuple = ()
+    # The load each job running here reported (R3a): absent from the body when empty, so a
+    # vector without it encodes as before the field existed.
+    job_signals: tuple = ()
     SCHEMA: ClassVar = {
         "node": Key(), "epoch": Int(), "seq": Int(), "taken_ms": Int(), "zone": Text(1, 64),
         "rail_group": Text(0, 64), "gpus": List(Nested(GpuState), 64), "gpus_free": List(Int(0, 63), 64),
         "cpu_milli_free": Int(), "mem_mib_free": Int(), "labels": TextMap(), "simulated": Bool(),
         "running": List(Nested(RunningJob), MAX_RUNNING_LISTED),
         "gpu_milli_free": List(Int(0, MILLI_PER_GPU), 64),
+        "job_signals": List(Nested(JobSignals), MAX_RUNNING_LISTED),
     }
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        if not self.job_signals:
+            del body["job_signals"]
+        return body
+
+    @classmethod
+    def from_body(cls, body, where: str | None = None):
+        # One encoding per vector: no job signals is the key left out (as a manifest's reflexes).
+        if isinstance(body, dict) and "job_signals" not in body:
+            body = {**body, "job_signals": []}
+        elif isinstance(body, dict) and body["job_signals"] == []:
+            raise RemoteProtocolError("%s.job_signals: an empty list is left out, not sent" % (where or cls.__name__))
+        cap = super().from_body(body, where)
+        # Checked here, not in __post_init__: that would validate every field of every decoded
+        # vector twice (Record.from_body calls an overridden __post_init__ after its own checks).
+        reported = [s.job_id for s in cap.job_signals]
+        if len(set(reported)) != len(reported) or not {r.job_id for r in cap.running}.issuperset(reported):
+            raise RemoteProtocolError("%s.job_signals: each job at most once, and only jobs listed in running"
+                                      % (where or cls.__name__))
+        return cap
 
 
 # --- jobs -----------------------------------------------------------------------------------
@@ -133,7 +174,7 @@ class Reflex(Record):
     zone: str
     action: str
     cooldown_ms: int
-    SCHEMA: ClassVar = {"signal": Text(choices=REFLEX_SIGNALS), "above": Optional(Int(0, 1 << 40)),
+    SCHEMA: ClassVar = {"signal": Text(choices=REFLEX_SIGNALS + JOB_REFLEX_SIGNALS), "above": Optional(Int(0, 1 << 40)),
                         "below": Optional(Int(0, 1 << 40)), "for_ms": Int(0, 3_600_000), "zone": Text(0, 64),
                         "action": Text(choices=REFLEX_ACTIONS), "cooldown_ms": Int(0, 1 << 40)}
 

@@ -1,0 +1,129 @@
+"""`meshnode load` (testnet/loadgen.py): targets and weights, the open loop against in-process
+`serve` servers on 127.0.0.1, and the endpoint table through the control API."""
+
+import socket
+import threading
+
+import pytest
+import trio
+
+from meshnode.control.client import ControlError
+from meshnode.workload.serve import LoadWindow, ServeServer
+from protocol.errors import MeshError
+from testnet import loadgen
+from testnet.loadgen import Target, WeightedPicker, parse_target, run_load, targets_from_endpoints
+
+
+@pytest.fixture
+def servers():
+    """Two `serve` HTTP servers on free 127.0.0.1 ports, answering in threads."""
+    started = []
+    for _ in range(2):
+        server = ServeServer(("127.0.0.1", 0), LoadWindow(), service_ms=1)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+    yield started
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port_nobody_listens_on() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_targets_parse_with_weights_and_bad_ones_are_refused():
+    assert (parse_target("127.0.0.1:8080").name, parse_target("127.0.0.1:8080").weight) == ("127.0.0.1:8080", 1.0)
+    assert parse_target("svc.local:81=2.5").weight == 2.5
+    assert parse_target("[::1]:81").host == "::1"
+    for bad in ("127.0.0.1", "127.0.0.1:http", ":80", "h:0", "h:70000", "h:80=0", "h:80=-1", "h:80=x", "h:80=inf"):
+        with pytest.raises(MeshError, match="--target"):
+            parse_target(bad)
+
+
+def test_weighted_picker_gives_each_target_its_exact_share_spread_out():
+    heavy, light = Target("a", 1, 3.0), Target("b", 2, 1.0)
+    picker = WeightedPicker([heavy, light])
+    picks = [picker.pick().host for _ in range(8)]
+    assert picks.count("a") == 6 and picks.count("b") == 2
+    assert "bb" not in "".join(picks)   # smooth: the light one is never picked twice in a row
+
+
+async def test_open_loop_load_reaches_every_server_in_its_weights_share(servers):
+    heavy = Target("127.0.0.1", servers[0].server_address[1], 3.0)
+    light = Target("127.0.0.1", servers[1].server_address[1], 1.0)
+    dead = Target("127.0.0.1", free_port_nobody_listens_on(), 1.0)
+    result = await run_load([heavy, light, dead], rps=100, duration_s=0.4, timeout_s=10)
+    rows = {row["target"]: row for row in result["targets"]}
+    assert (result["sent"], result["ok"], result["errors"]) == (40, 32, 8)
+    assert (rows[heavy.name]["sent"], rows[heavy.name]["ok"]) == (24, 24)
+    assert (rows[light.name]["sent"], rows[light.name]["ok"]) == (8, 8)
+    assert rows[dead.name]["error_kinds"] == {"connect": 8}
+    assert rows[heavy.name]["latency_ms"]["n"] == 24 and rows[heavy.name]["latency_ms"]["p50"] >= 1.0
+    # The servers saw the same: each counts a request just after its answer, so wait (bounded) for the count.
+    with trio.move_on_after(30):
+        while (servers[0].load.served, servers[1].load.served) != (24, 8):
+            await trio.sleep(0.01)
+    assert (servers[0].load.served, servers[1].load.served) == (24, 8)
+
+
+async def test_requests_due_beyond_max_in_flight_are_shed_not_queued():
+    """A service that accepts connections but never answers: the generator keeps at most
+    max_in_flight requests open and counts the rest as shed."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    target = Target("127.0.0.1", listener.getsockname()[1])
+    result = await run_load([target], rps=200, duration_s=0.1, timeout_s=2.0, max_in_flight=5)
+    listener.close()
+    assert result["sent"] == 20 and result["ok"] == 0
+    assert result["targets"][0]["error_kinds"] == {"shed": 15, "timeout": 5}
+
+
+async def test_bad_rates_and_no_targets_are_refused():
+    with pytest.raises(MeshError, match="no target"):
+        await run_load([], 10, 1)
+    with pytest.raises(MeshError, match="--rps"):
+        await run_load([Target("h", 1)], 0, 1)
+    with pytest.raises(MeshError, match="--duration-s"):
+        await run_load([Target("h", 1)], 10, -1)
+
+
+def test_endpoint_table_rows_become_weighted_targets():
+    rows = [{"replica": 0, "address": "127.0.0.1", "port": 9000, "weight": 750},
+            {"replica": 1, "address": "127.0.0.1", "port": 9001, "weight": 250},
+            {"replica": 2, "address": "127.0.0.1", "port": 9002, "weight": 0}]   # decayed away: no requests
+    targets = targets_from_endpoints({"endpoints": rows})
+    assert [(t.port, t.weight) for t in targets] == [(9000, 750.0), (9001, 250.0)]
+    with pytest.raises(MeshError, match="lacks an address"):
+        targets_from_endpoints([{"replica": 0, "port": 1}])
+    with pytest.raises(MeshError, match="no endpoint with a weight above 0"):
+        targets_from_endpoints(rows[2:])
+
+
+def test_a_node_without_the_endpoints_call_gives_a_clear_error(monkeypatch):
+    class NodeWithoutEndpoints:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def call(self, op, **args):
+            raise ControlError("unknown op %r (known: jobs, status)" % op)
+
+    import meshnode.control.client as client
+    monkeypatch.setattr(client, "ControlClient", NodeWithoutEndpoints)
+    with pytest.raises(MeshError, match="does not serve a job's endpoints.*--target HOST:PORT"):
+        loadgen.endpoints_of_job("net/node-0", "ea9aec16873a")
+
+
+def test_cli_refuses_job_without_node(capsys):
+    from meshnode.cli import main
+    assert main(["load", "--job", "ea9a", "--rps", "1", "--duration-s", "1"]) == 2
+    assert "--job needs --node DIR" in capsys.readouterr().err
