@@ -1,0 +1,163 @@
+"""SPEC.md R4: replicas of a job, and clone / reroute / decay decided as replica actions from
+the primary's signed vectors; bounds, cooldown, one application per action number, the
+ledger, evictions and the endpoint table."""
+
+import dataclasses
+
+from protocol import codec
+from protocol.messages import (REPLICA_WEIGHT, Reflex, ReplicaAction, Service, encode_message, job_id,
+                               replica_instance_id, replica_key)
+from protocol.replicas import endpoint_table
+from tests.test_mesh_core import KEYS, MESH, OWNER, Net, make_job
+from tests.test_reflex import hold, telemetry
+
+HOT, COOL = 95_000, 5_000
+
+
+def rule(action, amount, above=80, below=None, for_ms=1000, cooldown_ms=0):
+    return Reflex(signal="gpu_util", above=above, below=below, for_ms=for_ms, zone="", action=action,
+                  cooldown_ms=cooldown_ms, amount=amount)
+
+
+def running_replicated_job(*rules, service=Service(port=8080, min_replicas=1, max_replicas=3)):
+    """(net, job id, primary): a 1-GPU job with ``rules`` and ``service``, running, every
+    node's vector known to all."""
+    net = Net(gpus=(4, 2, 2, 2))
+    job, _ = make_job(backups=1)
+    job = dataclasses.replace(job, reflexes=tuple(rules), service=service)
+    net.submit(KEYS[1], encode_message(OWNER, MESH, job))
+    net.run(50)
+    jid = job_id(job)
+    primary = net.cores[KEYS[1]].job_view(jid)["primary"]
+    net.emit(primary, net.cores[primary].workload_started(jid, 1, 0, net.now))
+    for key, core in net.cores.items():
+        net.emit(key, core.update_telemetry((), 0, net.now))
+    net.run(20)
+    return net, jid, primary
+
+
+def readings(net, times):
+    """Every live node reads its GPUs ``times`` times, each reading new (so each is a new vector)."""
+    for i in range(times):
+        for key in KEYS:
+            if key not in net.down:
+                telemetry(net, key, 1000 + 100 * i)
+        net.run(300)
+
+
+def actions(net, key):
+    return [d.value for d in net.certified(key, "replica_action")]
+
+
+def records(net, jid):
+    return {key: net.cores[key].job_table.get(jid) for key in KEYS}
+
+
+def test_r4_clone_adds_one_replica_on_another_healthy_node_once_and_every_member_agrees():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    decided = {key: actions(net, key) for key in KEYS}
+    assert all(len(a) == 1 for a in decided.values()), decided   # one clone, at every member
+    clone = decided[KEYS[0]][0]
+    assert clone.seq == 0 and len(clone.nodes) == 1 and clone.nodes[0] != primary
+    tables = {key: endpoint_table(r, lambda node: node.hex()[:4]) for key, r in records(net, jid).items()}
+    assert len({repr(t) for t in tables.values()}) == 1   # the same table at every member
+    table = tables[KEYS[0]]
+    assert [(row["replica"], row["node"], row["weight"], row["port"]) for row in table] == [
+        (0, primary, REPLICA_WEIGHT, 8080), (1, clone.nodes[0], REPLICA_WEIGHT, 8080)]
+    # The new replica's node holds it through its ledger (R1) and is ordered to run it.
+    holder = net.cores[clone.nodes[0]]
+    assert holder.ledger.allocated(replica_key(jid, 1)) is not None
+    runs = [run for d in net.decisions[clone.nodes[0]] if d.value_kind == "run" for run in d.value]
+    assert [(run.job_id, run.replica) for run in runs] == [(replica_key(jid, 1), 1)]
+    events = [e for e in net.events[KEYS[2]] if e.kind == "replica_action"]
+    assert events[0].detail["action"] == "clone" and events[0].detail["held_ms"] >= 1000
+
+
+def test_r4_never_beyond_max_replicas_and_the_bound_is_checked_by_validators():
+    net, jid, primary = running_replicated_job(rule("clone", 3), service=Service(max_replicas=2))
+    hold(net, primary, HOT, 3000)
+    net.run(200)
+    assert [len(a.nodes) for a in actions(net, KEYS[0])] == [1]   # amount 3, but max_replicas 2
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert len(record.replicas) == 1
+    # A value adding another replica is refused by every validator, naming the bound.
+    flow = net.cores[KEYS[3]].replicas
+    extra = ReplicaAction(job_id=jid, seq=1, anchor=9, trigger=b"", nodes=(), capabilities=(), replicas=(),
+                          weights=())
+    error = flow.action_value_error(replica_instance_id(jid, 1, 9), extra, net.cores[KEYS[3]].view)
+    assert "min_replicas already" in error
+
+
+def test_r4_fill_brings_a_job_to_its_min_replicas_without_any_rule():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=3, max_replicas=3))
+    readings(net, 4)
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert 1 + len(record.replicas) == 3
+    nodes = {primary} | {r.node for r in record.replicas.values()}
+    assert len(nodes) == 3   # three replicas on three nodes
+    assert all(a.trigger == b"" for a in actions(net, KEYS[0]))
+
+
+def test_r4_reroute_and_decay_change_weights_and_a_below_rule_decays_the_clone_away():
+    net, jid, primary = running_replicated_job(
+        rule("clone", 1, cooldown_ms=60_000), rule("reroute", 50, cooldown_ms=60_000),
+        rule("decay", 50, cooldown_ms=60_000), rule("decay", 100, above=None, below=20, for_ms=1000, cooldown_ms=0))
+    hold(net, primary, HOT, 4000)
+    net.run(300)
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    kinds = [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"]
+    assert kinds == ["clone", "reroute", "decay"], kinds   # each once: their cooldowns
+    assert len(record.replicas) == 1
+    # reroute 50%: half the original's 1000 to the clone; decay 50%: the original's 500 halved.
+    assert (record.primary_weight, record.replicas[1].weight) == (250, 1500)
+    # Cooled down, the below rule retires the clone (weight 0) and its node frees its claim.
+    clone_node = next(iter(record.replicas.values())).node
+    hold(net, primary, COOL, 3000)
+    net.run(300)
+    assert record.replicas == {}
+    assert net.cores[clone_node].ledger.allocated(replica_key(jid, 1)) is None
+    assert [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"][-1] == "decay"
+    # All members ended with the same weights and actions.
+    assert len({(r.replica_seq, r.primary_weight, repr(r.replicas)) for r in records(net, jid).values()}) == 1
+
+
+def test_r4_a_second_value_at_the_same_action_number_is_stale():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    core = net.cores[KEYS[2]]
+    done = actions(net, KEYS[2])[0]
+    again = dataclasses.replace(done, anchor=done.anchor + 1)   # another noticer's value, same number
+    error = core.replicas.action_value_error(replica_instance_id(jid, 0, again.anchor), again, core.view)
+    assert "stale" in error
+    from protocol.ready import Ready
+    before = core.job_table.get(jid).replica_seq
+    core.replicas.apply(replica_instance_id(jid, 0, again.anchor), "replica_action", again, b"", 0, net.now, Ready())
+    assert core.job_table.get(jid).replica_seq == before and core.counters["replica_action_stale"] == 1
+
+
+def test_r4_a_replica_on_an_evicted_node_is_dropped_and_a_fill_replaces_it():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=2, max_replicas=2))
+    readings(net, 3)
+    record = net.cores[primary].job_table.get(jid)
+    victim = record.replicas[1].node
+    net.down.add(victim)
+    net.run(3000)
+    readings(net, 4)
+    record = net.cores[primary].job_table.get(jid)
+    assert 1 not in record.replicas and len(record.replicas) == 1
+    assert next(iter(record.replicas.values())).node not in (victim, primary)
+
+
+def test_r4_replica_action_value_round_trips_and_binds_its_instance():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    value = actions(net, KEYS[0])[0]
+    assert ReplicaAction.from_body(codec.unpack(codec.pack(value.to_body()))) == value
+    flow = net.cores[KEYS[0]].replicas
+    assert flow.binding_error(replica_instance_id(jid, 0, value.anchor), "replica_action", value, 0) is None
+    assert "another instance" in flow.binding_error(replica_instance_id(jid, 1, value.anchor), "replica_action",
+                                                    value, 0)
