@@ -62,6 +62,7 @@ from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVec
                                Resources, Suspicion, SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
+from protocol.replicas import endpoint_table
 from protocol.workload_orders import WorkloadOrders
 
 
@@ -216,6 +217,12 @@ class MeshCore:
     def job_view(self, jid: bytes) -> dict | None:
         record = self.job_table.get(jid)
         return None if record is None else self.gangs.annotate(record.as_dict())
+
+    def endpoints(self, jid: bytes, address_of) -> list[dict] | None:
+        """SPEC.md R4e: the job's endpoint table (None: unknown job); ``address_of(node)``
+        gives a node's address (the driver knows the members' multiaddrs)."""
+        record = self.job_table.get(jid)
+        return None if record is None else endpoint_table(record, address_of)
 
     def pending_report(self, jid: bytes, now_ms: int) -> dict | None:
         """SPEC.md Q4: a job's pool, queue position, holding quota and estimated start, from

@@ -93,7 +93,7 @@ class ControlApi:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "move": self.move, "why": self.why, "join": self.join,
                 "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
-                "job_status": self.job_status, "job_output": self.job_output,
+                "job_status": self.job_status, "job_output": self.job_output, "endpoints": self.endpoints,
                 "set_simulated_telemetry": self.set_simulated_telemetry}
 
     async def status(self, args) -> dict:
@@ -178,6 +178,16 @@ class ControlApi:
                     "running_here": bool(self.node.runner and job["job_id"] in self.node.runner.running()),
                     "this_node": self.node.identity.public_key.hex()})
         return row
+
+    async def endpoints(self, args) -> dict:
+        """A job's endpoint table (SPEC.md R4e, `meshnode endpoints`): replica -> node, address,
+        the service port and weight; the same at every member."""
+        job = self._find_job(args)
+        rows = self.node.core.endpoints(job["job_id"], self.node.member_host) or []
+        total = sum(row["weight"] for row in rows)
+        return {"job_id": job["job_id"].hex(), "name": job["manifest"].name, "state": job["state"],
+                "port": job["manifest"].service.port, "total_weight": total,
+                "endpoints": [{**row, "node": _hex(row["node"])} for row in rows]}
 
     async def job_output(self, args) -> dict:
         """Part of a job's output (SPEC.md 9.8): ``target`` "log" | "files" | "file", read here
