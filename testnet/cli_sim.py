@@ -135,6 +135,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
                                              default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
+        # --reflex (SPEC.md R4): replica actions (clone, reroute, decay, fill) decided, over all seeds.
+        "replica_actions": sum(r.counters.get("replica_actions", 0) for r in results),
         # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
         # reason (testnet/sim_liveness.py); and stalled seeds by why their jobs are late.
         "late_seeds_by_reason": _seeds_by_reason(results, "late_reasons"),

@@ -869,6 +869,7 @@ class Simulation:
         log_digest = checker.log_digest()
         if self.reflex_audit is not None:
             self.counters["reflex_moves"] = len(self.reflex_audit.moves)
+            self.counters["replica_actions"] = len(self.reflex_audit.replica_actions)
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
@@ -923,6 +924,7 @@ class Simulation:
                 continue
             ledger = core.ledger
             mine = {r.job_id for r in core.job_table.mine() if r.state in LIVE_JOB_STATES}
+            mine |= set(core.replicas.allocated)   # R4: the replicas it holds are its own claims
             allocated = set(ledger.allocations())
             waiting = set(core._refuse_after_sync)   # refused once the restart's sync answers
             for what, jids in (("holds the allocation of jobs it is not the primary of", allocated - mine),

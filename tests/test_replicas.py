@@ -161,3 +161,31 @@ def test_r4_replica_action_value_round_trips_and_binds_its_instance():
     assert flow.binding_error(replica_instance_id(jid, 0, value.anchor), "replica_action", value, 0) is None
     assert "another instance" in flow.binding_error(replica_instance_id(jid, 1, value.anchor), "replica_action",
                                                     value, 0)
+
+
+def test_r4_a_short_simulator_sweep_with_replica_rules_and_faults_keeps_every_check():
+    from testnet.sim import SimConfig, Simulation
+    results = [Simulation(SimConfig(nodes=4, jobs=6, seed=seed, reflex_per_mille=600, byzantine_milli=200)).run()
+               for seed in range(3)]
+    assert [r.violation_count for r in results] == [0, 0, 0]
+    assert sum(r.counters["replica_actions"] for r in results) > 0
+
+
+def test_r4_the_simulator_audit_catches_a_replica_action_applied_twice_and_beyond_max():
+    from types import SimpleNamespace
+    from testnet.sim_reflex import ReflexAudit
+    net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(max_replicas=2))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    decision = net.certified(KEYS[1], "replica_action")[0]
+    failures = []
+    audit = ReflexAudit(MESH, SimpleNamespace(fail=lambda *args: failures.append(args)))
+    node = SimpleNamespace(index=1, incarnation=0, core=net.cores[KEYS[1]])
+    audit.check(node, decision)
+    assert not failures
+    audit.check(node, decision)
+    assert [f[0] for f in failures] == ["reflex_applied_twice"]
+    record = net.cores[KEYS[1]].job_table.get(jid)
+    record.manifest = dataclasses.replace(record.manifest, service=Service(max_replicas=1))   # as if one too many
+    audit.check(node, dataclasses.replace(decision, value=dataclasses.replace(decision.value, seq=7)))
+    assert failures[-1][0] == "replica_bounds"
