@@ -5,11 +5,10 @@ ledger, evictions and the endpoint table."""
 import dataclasses
 
 from protocol import codec
-from protocol.messages import (REPLICA_WEIGHT, Reflex, ReplicaAction, Service, encode_message, job_id,
-                               replica_instance_id, replica_key)
+from protocol.messages import REPLICA_WEIGHT, Reflex, ReplicaAction, Service, replica_instance_id, replica_key
 from protocol.replicas import endpoint_table
-from tests.test_mesh_core import KEYS, MESH, OWNER, Net, make_job
-from tests.test_reflex import hold, telemetry
+from tests.test_mesh_core import KEYS, MESH, make_job
+from tests.test_reflex import hold, running_reflex_job, telemetry
 
 HOT, COOL = 95_000, 5_000
 
@@ -22,18 +21,7 @@ def rule(action, amount, above=80, below=None, for_ms=1000, cooldown_ms=0):
 def running_replicated_job(*rules, service=Service(port=8080, min_replicas=1, max_replicas=3)):
     """(net, job id, primary): a 1-GPU job with ``rules`` and ``service``, running, every
     node's vector known to all."""
-    net = Net(gpus=(4, 2, 2, 2))
-    job, _ = make_job(backups=1)
-    job = dataclasses.replace(job, reflexes=tuple(rules), service=service)
-    net.submit(KEYS[1], encode_message(OWNER, MESH, job))
-    net.run(50)
-    jid = job_id(job)
-    primary = net.cores[KEYS[1]].job_view(jid)["primary"]
-    net.emit(primary, net.cores[primary].workload_started(jid, 1, 0, net.now))
-    for key, core in net.cores.items():
-        net.emit(key, core.update_telemetry((), 0, net.now))
-    net.run(20)
-    return net, jid, primary
+    return running_reflex_job(*rules, service=service)
 
 
 def readings(net, times):
@@ -151,12 +139,24 @@ def test_r4_a_replica_on_an_evicted_node_is_dropped_and_a_fill_replaces_it():
     assert next(iter(record.replicas.values())).node not in (victim, primary)
 
 
-def test_r4_replica_action_value_round_trips_and_binds_its_instance():
+def test_r4_replica_action_value_round_trips_and_its_certificate_verifies_offline():
+    from protocol.certificate import verify_commit_certificate
+    from protocol.flows.binding import certificate_binding_error
+    from protocol.messages import decode_message
+    from protocol.quorum import EpochView
+    from tests.test_mesh_core import GENESIS
     net, jid, primary = running_replicated_job(rule("clone", 1))
     hold(net, primary, HOT, 1500)
     net.run(200)
     value = actions(net, KEYS[0])[0]
     assert ReplicaAction.from_body(codec.unpack(codec.pack(value.to_body()))) == value
+    # As `meshnode cert verify` checks it: the quorum's signatures, then what binds the value.
+    data = next(c for c in net.certificates[KEYS[2]] if decode_message(c, MESH)[1].value_kind == "replica_action")
+    cert, decided = verify_commit_certificate(data, MESH, EpochView.from_genesis(GENESIS))
+    assert decided == codec.pack(value.to_body()) and cert.instance == replica_instance_id(jid, 0, value.anchor)
+    assert certificate_binding_error("replica_action", cert.instance, cert.value, cert.epoch, MESH, 0) is None
+    assert "another instance" in certificate_binding_error("replica_action", replica_instance_id(jid, 1, 0),
+                                                           cert.value, cert.epoch, MESH, 0)
     flow = net.cores[KEYS[0]].replicas
     assert flow.binding_error(replica_instance_id(jid, 0, value.anchor), "replica_action", value, 0) is None
     assert "another instance" in flow.binding_error(replica_instance_id(jid, 1, value.anchor), "replica_action",
@@ -189,3 +189,15 @@ def test_r4_the_simulator_audit_catches_a_replica_action_applied_twice_and_beyon
     record.manifest = dataclasses.replace(record.manifest, service=Service(max_replicas=1))   # as if one too many
     audit.check(node, dataclasses.replace(decision, value=dataclasses.replace(decision.value, seq=7)))
     assert failures[-1][0] == "replica_bounds"
+
+
+def test_r4_a_replica_run_learns_its_index_and_the_service_port_and_plain_jobs_get_nothing():
+    from meshnode.node.driver import replica_environment
+    from protocol.workload_orders import WorkloadRun
+    job, _ = make_job()
+    serving = dataclasses.replace(job, service=Service(port=8080, max_replicas=2))
+    assert replica_environment(WorkloadRun(b"k" * 32, 1, (), False, serving, replica=1)) == {
+        "MESHNODE_REPLICA_INDEX": "1", "MESHNODE_SERVICE_PORT": "8080"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, serving)) == {
+        "MESHNODE_REPLICA_INDEX": "0", "MESHNODE_SERVICE_PORT": "8080"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, job)) == {}

@@ -272,7 +272,7 @@ class ControlApi:
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt: retries and
         refusals, P2, R1), its slot's if that lists it (P7), the evictions whose
-        migrations name it (F5) and its owner's moves (R2)."""
+        migrations name it (F5), its owner's moves (R2) and its replica actions (R4)."""
         manifest, jid = job["manifest"], job["job_id"]
         instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
@@ -286,6 +286,8 @@ class ControlApi:
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
         rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
                  if self._moved_job_id(self._decided(row)) == jid]
+        rows += [row for row in self._certificate_rows("value_kind = 'replica_action'", [])
+                 if self._decided(row).job_id == jid]   # its clones, reroutes and decays (R4)
         # Preemptions (P8) that placed it (one per attempt) or stopped it.
         preempting = {preemption_instance_id(bytes.fromhex(instance)).hex() for instance in instances}
         rows += [row for row in self._certificate_rows("value_kind = 'preemption'", [])

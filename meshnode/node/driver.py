@@ -57,6 +57,19 @@ BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
 
+REPLICA_INDEX_ENV = "MESHNODE_REPLICA_INDEX"
+SERVICE_PORT_ENV = "MESHNODE_SERVICE_PORT"
+
+
+def replica_environment(run: WorkloadRun) -> dict:
+    """SPEC.md R4e: a serving job's run learns which replica it is and the port to serve on
+    (a job with no port and no replicas gets neither: its environment is as before)."""
+    port = run.manifest.service.port
+    if not port and not run.replica:
+        return {}
+    return {REPLICA_INDEX_ENV: str(run.replica), SERVICE_PORT_ENV: str(port)}
+
+
 class Node:
     def __init__(self, data_dir, *, transport_factory=None, run_workloads: bool = True,
                  runner_factory=None, rng: random.Random | None = None):
@@ -350,9 +363,7 @@ class Node:
             self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            extra_env = gang_environment(run.gang, self.member_host)
-            if manifest.service.port or run.replica:
-                extra_env.update(MESHNODE_REPLICA_INDEX=str(run.replica), MESHNODE_SERVICE_PORT=str(manifest.service.port))
+            extra_env = {**gang_environment(run.gang, self.member_host), **replica_environment(run)}
             if run.gang is not None:
                 extra_env[GANG_PEERS_FILE_ENV] = self._publish_gang_peers(job_id, run.gang)
             pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence,

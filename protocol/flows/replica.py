@@ -100,7 +100,7 @@ class ReplicaFlow(ValueFlow):
             self.pending[iid] = (record.job_id, record.replica_seq, anchor, trigger)
             inst = self.instances.start(iid, self, record.job_id, self.epochs.view, now_ms, out)
             if inst is not None and inst.awaiting_value and iid in self.instances.instances:
-                self._propose(inst, now_ms, out)
+                self.on_awaiting_value(inst, now_ms, out)
 
     def _trigger(self, record, node: bytes, history) -> bytes | None:
         """b"" for a fill, a signed ReflexTrigger for the first replica rule that holds, or None."""
@@ -130,9 +130,7 @@ class ReplicaFlow(ValueFlow):
 
     # --- the leader's value --------------------------------------------------------------------
     def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
-        self._propose(inst, now_ms, out)
-
-    def _propose(self, inst, now_ms: int, out: Ready) -> None:
+        """Propose the action for the trigger held for the instance (ours, or a proposal's)."""
         held = self.pending.get(inst.instance_id)
         if held is None:
             return
