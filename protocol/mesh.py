@@ -293,6 +293,8 @@ class MeshCore:
         """Every input's Ready ends with the workload orders it implies (workload_orders.py),
         the reservations it made or dropped (R1: persisted before its bids are sent) and,
         when the capability seq passed its persisted floor, the new floor."""
+        if self.replicas.parked:   # R4d: a job learnt after its replica actions were decided
+            self.replicas.apply_parked(self.liveness.last_tick_ms, out)
         self.replicas.drop_gone(self.liveness.last_tick_ms, out)   # R4b: before the orders it changes
         self.orders.reconcile(out)
         self.capability.broadcast_if_running_changed(self.liveness.last_tick_ms, out)

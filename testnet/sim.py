@@ -632,7 +632,10 @@ class Simulation:
         self._call(node, node.core.job_exited, jid, code, self.now_ms)
 
     def _job_events(self, node: SimNode, events) -> None:
-        """A job that ended at the node that holds it gives its load back in the checker."""
+        """A job that ended at the node that holds it gives its load back in the checker; the
+        replica actions an honest node applied go to the reflex audit (R4)."""
+        if self.reflex_audit is not None and node.behaviour is None:
+            self.reflex_audit.on_replica_events(node, events)
         ended = False
         for event in events:
             if event.kind in ("job_exited", "job_cancelled", "job_refused", "gang_worker_stopped"):

@@ -77,11 +77,10 @@ class ReflexAudit:
         self.moves: set[bytes] = set()     # instances a reflex move was decided in
         self.replica_applied: set[tuple] = set()   # (node, incarnation, job id, seq)
         self.replica_actions: set[bytes] = set()   # instances a replica action was decided in
-        self.retired: dict[tuple, int] = {}        # (node, incarnation, job id) -> replicas its actions retired
 
     def check(self, node, decision) -> None:
         if decision.value_kind == "replica_action":
-            self.check_replica_action(node, decision)
+            self.replica_actions.add(decision.instance)   # checked from its events (on_replica_events)
             return
         if decision.value_kind != "job_move":
             return
@@ -95,31 +94,28 @@ class ReflexAudit:
                               "job %s fence %d" % (request.job_id.hex()[:12], request.fence))
         self.applied.add(key)
 
-    def check_replica_action(self, node, decision) -> None:
-        """R4: one application per (job, seq) on a node incarnation; after it, the job runs
-        at most max_replicas on members, and an action that retired one left at least
-        min_replicas (unless a replica was dropped with its evicted node meanwhile: then the
-        fill restores it)."""
-        action = decision.value
-        self.replica_actions.add(decision.instance)
-        key = (node.index, node.incarnation, action.job_id, action.seq)
-        if key in self.replica_applied:
-            self.checker.fail("reflex_applied_twice", node.index, decision.instance,
-                              "replica action %d of job %s" % (action.seq, action.job_id.hex()[:12]))
-        self.replica_applied.add(key)
-        record = node.core.job_table.get(action.job_id)
-        if record is None:
-            return
-        service = record.manifest.service
-        members = node.core.view.stakes
-        running = 1 + sum(1 for r in record.replicas.values() if r.node in members)
-        if running > service.max_replicas:
-            self.checker.fail("replica_bounds", node.index, decision.instance, "job %s runs %d replicas, max %d"
-                              % (action.job_id.hex()[:12], running, service.max_replicas))
-        retired = sum(1 for _i, w in zip(action.replicas, action.weights) if w == 0 and _i != 0)
-        job_key = (node.index, node.incarnation, action.job_id)
-        self.retired[job_key] = self.retired.get(job_key, 0) + retired
-        dropped = (record.next_replica - 1) - len(record.replicas) - self.retired[job_key]
-        if retired and dropped <= 0 and 1 + len(record.replicas) < service.min_replicas:
-            self.checker.fail("replica_bounds", node.index, decision.instance, "job %s retired to %d replicas, min %d"
-                              % (action.job_id.hex()[:12], 1 + len(record.replicas), service.min_replicas))
+    def on_replica_events(self, node, events) -> None:
+        """R4, from the ``replica_action`` events of an honest node (one per action it applied,
+        none for a stale value): one application per (job, seq) on a node incarnation; after
+        it, at most max_replicas on members, and an action that retired one left at least
+        min_replicas (unless a replica was dropped with its evicted node: a fill restores it)."""
+        for event in events:
+            if event.kind != "replica_action":
+                continue
+            jid, seq = bytes.fromhex(event.detail["job_id"]), event.detail["seq"]
+            key = (node.index, node.incarnation, jid, seq)
+            if key in self.replica_applied:
+                self.checker.fail("reflex_applied_twice", node.index, None,
+                                  "replica action %d of job %s" % (seq, jid.hex()[:12]))
+            self.replica_applied.add(key)
+            record = node.core.job_table.get(jid)
+            if record is None:
+                continue
+            service, members = record.manifest.service, node.core.view.stakes
+            running = 1 + sum(1 for r in record.replicas.values() if r.node in members)
+            if running > service.max_replicas:
+                self.checker.fail("replica_bounds", node.index, None, "job %s runs %d replicas, max %d"
+                                  % (jid.hex()[:12], running, service.max_replicas))
+            if event.detail["retired"] and not record.replicas_dropped and running < service.min_replicas:
+                self.checker.fail("replica_bounds", node.index, None, "job %s retired to %d replicas, min %d"
+                                  % (jid.hex()[:12], running, service.min_replicas))

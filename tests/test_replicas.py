@@ -177,17 +177,17 @@ def test_r4_the_simulator_audit_catches_a_replica_action_applied_twice_and_beyon
     net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(max_replicas=2))
     hold(net, primary, HOT, 1500)
     net.run(200)
-    decision = net.certified(KEYS[1], "replica_action")[0]
+    applied = [e for e in net.events[KEYS[1]] if e.kind == "replica_action"]
     failures = []
     audit = ReflexAudit(MESH, SimpleNamespace(fail=lambda *args: failures.append(args)))
     node = SimpleNamespace(index=1, incarnation=0, core=net.cores[KEYS[1]])
-    audit.check(node, decision)
+    audit.on_replica_events(node, applied)
     assert not failures
-    audit.check(node, decision)
+    audit.on_replica_events(node, applied)
     assert [f[0] for f in failures] == ["reflex_applied_twice"]
     record = net.cores[KEYS[1]].job_table.get(jid)
     record.manifest = dataclasses.replace(record.manifest, service=Service(max_replicas=1))   # as if one too many
-    audit.check(node, dataclasses.replace(decision, value=dataclasses.replace(decision.value, seq=7)))
+    audit.on_replica_events(SimpleNamespace(index=1, incarnation=1, core=net.cores[KEYS[1]]), applied)
     assert failures[-1][0] == "replica_bounds"
 
 
@@ -201,3 +201,23 @@ def test_r4_a_replica_run_learns_its_index_and_the_service_port_and_plain_jobs_g
     assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, serving)) == {
         "MESHNODE_REPLICA_INDEX": "0", "MESHNODE_SERVICE_PORT": "8080"}
     assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, job)) == {}
+
+
+def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_member_ends_alike():
+    from protocol.ready import Ready
+    net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))
+    readings(net, 2)                     # the fill: action 0
+    hold(net, primary, HOT, 1500)        # the clone: action 1
+    net.run(200)
+    first, second = actions(net, KEYS[0])[:2]
+    fresh = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))[0]
+    late = fresh.cores[KEYS[3]]          # a member that has applied neither
+    record = late.job_table.get(jid)
+    record.replicas.clear(), setattr(record, "replica_seq", 0), setattr(record, "next_replica", 1)
+    flow = late.replicas
+    flow.apply(replica_instance_id(jid, 1, second.anchor), "replica_action", second, b"", 0, 0, Ready())
+    assert record.replica_seq == 0 and late.counters["replica_action_parked"] == 1   # waits for action 0
+    flow.apply(replica_instance_id(jid, 0, first.anchor), "replica_action", first, b"", 0, 0, Ready())
+    assert record.replica_seq == 2 and not flow.parked
+    assert {i: r.node for i, r in record.replicas.items()} == {
+        i: r.node for i, r in net.cores[KEYS[0]].job_table.get(jid).replicas.items()}

@@ -34,6 +34,7 @@ from protocol.replicas import (action_error, add_replica, clones_wanted, holders
 
 ACTING_STATES = ("placed", "running")   # a validator may not have seen the job run yet (as R2)
 MAX_PENDING = 1024                      # replica instances held here, not yet decided
+MAX_PARKED = 1024                       # decided actions held until their predecessors arrive
 
 
 def related_reflex_at(record, index: int) -> list:
@@ -73,6 +74,7 @@ class ReplicaFlow(ValueFlow):
         self.allocated: dict[bytes, tuple] = {}  # replica key -> (job id, index): replicas this node holds
         self.with_replicas: set[bytes] = set()   # jobs that have had replicas beyond the primary
         self.exited_here: set[bytes] = set()     # replica keys whose workload ended here
+        self.parked: dict[bytes, dict] = {}      # job id -> {seq: ReplicaAction} decided ahead of their turn here
 
     def validators(self, iid: bytes) -> tuple:
         return self._validator(iid), None
@@ -309,9 +311,38 @@ class ReplicaFlow(ValueFlow):
             if held[0] == action.job_id and held[1] <= action.seq:
                 self._forget(other)
         record = self.jobs.get(action.job_id)
+        if record is None or action.seq > record.replica_seq:
+            # Its predecessors (or the job itself) have not reached this node yet: applied once
+            # they have, in number order, so every member ends with the same replicas.
+            self._park(action)
+            return
+        self._apply_action(record, action, now_ms, out)
+        self.apply_parked(now_ms, out)
+
+    def _park(self, action: ReplicaAction) -> None:
+        if sum(len(held) for held in self.parked.values()) >= MAX_PARKED:
+            self.ctx.counters["replica_actions_parked_full"] += 1
+            return
+        self.parked.setdefault(action.job_id, {})[action.seq] = action
+        self.ctx.counters["replica_action_parked"] += 1
+
+    def apply_parked(self, now_ms: int, out: Ready) -> None:
+        """Apply each parked action whose turn came (its job known, its number the job's next)."""
+        for jid in sorted(self.parked):
+            record = self.jobs.get(jid)
+            held = self.parked[jid]
+            while record is not None and record.replica_seq in held:
+                self._apply_action(record, held.pop(record.replica_seq), now_ms, out)
+            if record is not None:
+                for seq in [s for s in held if s < record.replica_seq]:
+                    del held[seq]   # another value took that number here meanwhile
+            if not held:
+                del self.parked[jid]
+
+    def _apply_action(self, record, action: ReplicaAction, now_ms: int, out: Ready) -> None:
         # Only the action number decides (every member counts the same actions in the same
         # order); the job's state may differ between members for a while, so it does not.
-        if record is None or record.replica_seq != action.seq:
+        if record.replica_seq != action.seq:
             self.ctx.counters["replica_action_stale"] += 1
             out.events.append(self.ctx.event("replica_action_stale", now_ms, job_id=action.job_id.hex(),
                                              seq=action.seq))
@@ -319,10 +350,14 @@ class ReplicaFlow(ValueFlow):
         rule, detail = None, {"action": "fill"}
         if action.trigger:
             trigger = decode_message(action.trigger, self.ctx.mesh_id, expect=ReflexTrigger, caches=self.ctx.caches)[1]
+            if trigger.rule >= len(record.manifest.reflexes) or not trigger.evidence:
+                self.ctx.counters["replica_action_unbound"] += 1   # only a Byzantine quorum certifies one
+                return
             rule = record.manifest.reflexes[trigger.rule]
             first, last = (decode_message(trigger.evidence[i], self.ctx.mesh_id, expect=CapabilityVector,
                                           caches=self.ctx.caches)[1] for i in (0, -1))
-            record.replica_reflex_at[trigger.rule] = (record.primary, last.taken_ms)
+            # The evidence's signer (the primary then), from the value: the same at every member.
+            record.replica_reflex_at[trigger.rule] = (last.node, last.taken_ms)
             detail = {"action": rule.action, "amount": rule.amount, "reflex": trigger.rule, "signal": rule.signal,
                       "held_ms": last.taken_ms - first.taken_ms}
         record.replica_seq += 1
@@ -336,6 +371,7 @@ class ReplicaFlow(ValueFlow):
             self.release(record.job_id, index)
         out.events.append(self.ctx.event("replica_action", now_ms, job_id=record.job_id.hex(), seq=action.seq,
                                          replicas=replica_count(record), added=added, retired=retired,
+                                         to_nodes=[node.hex() for node in action.nodes],
                                          weights=[w for _i, w in sorted(weights(record).items())], **detail))
 
     def _take_on(self, record, index: int, now_ms: int, out: Ready) -> None:
@@ -380,6 +416,7 @@ class ReplicaFlow(ValueFlow):
             for index in gone:
                 del record.replicas[index]
                 self.release(record.job_id, index)
+            record.replicas_dropped += len(gone)
             if gone:
                 out.events.append(self.ctx.event("replicas_dropped", now_ms, job_id=record.job_id.hex(),
                                                  retired=sorted(gone)))
