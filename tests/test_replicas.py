@@ -221,3 +221,19 @@ def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_membe
     assert record.replica_seq == 2 and not flow.parked
     assert {i: r.node for i, r in record.replicas.items()} == {
         i: r.node for i, r in net.cores[KEYS[0]].job_table.get(jid).replicas.items()}
+
+
+def test_r4_a_primary_moved_onto_a_replicas_node_replaces_that_replica_and_a_fill_follows():
+    from tests.test_job_move import ask, move_request
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=2, max_replicas=2))
+    readings(net, 3)
+    replica_node = net.cores[primary].job_table.get(jid).replicas[1].node
+    ask(net, primary, move_request(jid, 1, to_node=replica_node))
+    net.run(300)
+    assert all(net.cores[k].job_table.get(jid).primary == replica_node for k in KEYS)
+    assert net.cores[replica_node].ledger.allocated(replica_key(jid, 1)) is None   # one run of the job there
+    net.emit(replica_node, net.cores[replica_node].workload_started(jid, 2, 0, net.now))
+    readings(net, 4)
+    tables = {repr(sorted((i, r.node) for i, r in net.cores[k].job_table.get(jid).replicas.items())) for k in KEYS}
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert len(tables) == 1 and list(record.replicas) == [2] and record.replicas[2].node not in (replica_node,)

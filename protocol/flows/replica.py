@@ -400,9 +400,10 @@ class ReplicaFlow(ValueFlow):
             self.ledger.free(key)
 
     def drop_gone(self, now_ms: int, out: Ready) -> None:
-        """R4b: a replica whose node is no longer a member (evicted or left) is dropped (a
-        fill brings the job back to min_replicas); a job that ended drops all of its. Both
-        are final, so the order in which members see them does not matter."""
+        """R4b: a replica whose node is no longer a member (evicted or left) or is now the
+        job's primary is dropped (a fill brings the job back to min_replicas); a job that
+        ended drops all of its. Each is final, so the order in which members see them does
+        not matter."""
         if not self.with_replicas:
             return
         members = self.epochs.view.stakes
@@ -412,7 +413,9 @@ class ReplicaFlow(ValueFlow):
                 self.with_replicas.discard(jid)
                 continue
             ended = record.state in TERMINAL
-            gone = [i for i, r in record.replicas.items() if ended or r.node not in members]
+            # A replica's node that became the job's primary (a move or an eviction took the
+            # primary there) runs the primary instead: one run of the job per node, one port.
+            gone = [i for i, r in record.replicas.items() if ended or r.node not in members or r.node == record.primary]
             for index in gone:
                 del record.replicas[index]
                 self.release(record.job_id, index)
