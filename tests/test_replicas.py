@@ -237,3 +237,25 @@ def test_r4_a_primary_moved_onto_a_replicas_node_replaces_that_replica_and_a_fil
     tables = {repr(sorted((i, r.node) for i, r in net.cores[k].job_table.get(jid).replicas.items())) for k in KEYS}
     record = net.cores[KEYS[0]].job_table.get(jid)
     assert len(tables) == 1 and list(record.replicas) == [2] and record.replicas[2].node not in (replica_node,)
+
+
+def test_r4_a_clone_never_goes_to_a_node_with_an_unhealthy_gpu_and_validators_refuse_one():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    others = [k for k in KEYS if k != primary]
+    sick, healthy = others[:2], others[2]
+    for _ in range(6):   # the primary hot, two other nodes with an ECC error on one GPU
+        for key in KEYS:
+            gpus = net.cores[key].capability._gpu_states()
+            gpus = tuple(dataclasses.replace(g, util_milli=HOT if key == primary else 0,
+                                             ecc_errors=1 if key in sick and g.index == 0 else 0) for g in gpus)
+            net.emit(key, net.cores[key].update_telemetry(gpus, 0, net.now))
+        net.run(250)
+    net.run(200)
+    [clone] = actions(net, KEYS[0])
+    assert clone.nodes == (healthy,)
+    core = net.cores[KEYS[1]]   # the same clone to a sick node instead: refused by the node rule
+    bad = dataclasses.replace(clone, nodes=(sick[0],),
+                              capabilities=(core.capability.signed_vector(sick[0], net.now)[0],))
+    record = core.job_table.get(jid)
+    error = core.replicas.nodes_error(record, record.manifest.reflexes[0], bad, core.view)
+    assert "has an unhealthy GPU" in error, error
