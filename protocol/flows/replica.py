@@ -10,9 +10,10 @@ has had, ``anchor`` the seq of the primary's vector it noticed at. The value car
 trigger (the evidence, R3's check) and, for a clone or a fill, the new replicas' nodes
 with the signed vectors that show their room.
 
-One action per number: applying a value whose ``seq`` is not the job's (another instance
+One action per number: applying a value whose ``seq`` is below the job's (another instance
 at the same number applied first) changes nothing (``replica_action_stale``), so a second
-noticer or a re-proposal can never apply an action twice. Applying a clone adds replicas
+noticer or a re-proposal can never apply an action twice; one above it waits for its
+predecessors (``parked``), so every member applies a job's actions in number order. Applying a clone adds replicas
 (their nodes take them through the ledger, R1, or run nothing); a reroute or decay changes
 weights, and a replica decayed to weight 0 is retired (its node frees its allocation).
 """
@@ -111,12 +112,11 @@ class ReplicaFlow(ValueFlow):
         for index, rule in enumerate(record.manifest.reflexes):
             if rule.action not in REPLICA_ACTIONS or action_error(record, rule) is not None:
                 continue
-            found = None
-            for last in related_reflex_at(record, index) or [None]:
-                found = shortest_evidence(rule, history, record.job_id, record.fence,
-                                          *cooldown_bounds(rule, last, node))
-                if found is None:
-                    break
+            # Every related cooldown at once (what replica_evidence_error checks one by one):
+            # the longest span any asks, from the latest start any allows.
+            bounds = [cooldown_bounds(rule, last, node) for last in related_reflex_at(record, index) or [None]]
+            found = shortest_evidence(rule, history, record.job_id, record.fence, max(b[0] for b in bounds),
+                                      max(b[1] for b in bounds))
             if found is not None:
                 return self.ctx.sign(ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
                                                    evidence=tuple(envelope for envelope, _cap in found)))
