@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from protocol.messages import JobManifest
+from protocol.messages import REPLICA_WEIGHT, JobManifest
 
 TERMINAL = ("completed", "failed", "cancelled")
 LIVE_JOB_STATES = ("placed", "running", "migrating")
@@ -79,6 +79,16 @@ class JobRecord:
     # (job id, fence): a decided preemption (P8) named this job at that fence, to make room
     # for that job. It was preempted once its attempt ended (its node refused it).
     preempted_by: tuple | None = None
+    # R4: the replicas beyond the primary (index >= 1 -> protocol/replicas.py Replica), the
+    # primary's endpoint weight, the number of replica actions applied (the next action's
+    # ``seq``), the next replica index, and per reflex rule (index) the (node, taken_ms) of
+    # the last evidence vector of its last replica action (its cooldown, as ``reflex_at``).
+    replicas: dict = field(default_factory=dict)
+    primary_weight: int = REPLICA_WEIGHT
+    replica_seq: int = 0
+    next_replica: int = 1
+    replica_reflex_at: dict = field(default_factory=dict)
+    replicas_dropped: int = 0   # replicas dropped with their node or the job's end (R4b), not by an action
 
     def preempted_by_job(self) -> bytes | None:
         """The job this one was last preempted for, if its preempted attempt has ended."""
@@ -163,7 +173,7 @@ class JobTable:
                 self._reflex_jobs.discard(old)
         record = JobRecord(jid, data, job, now_ms)
         self.records[jid] = record
-        if job.reflexes:
+        if job.reflexes or job.service.min_replicas > 1:   # R3, R4: watched as their primary's vectors come
             self._reflex_jobs.add(jid)
         return record
 
@@ -175,7 +185,8 @@ class JobTable:
         return tuple(r.job_id for r in self.records.values() if r.primary == node and r.state in LIVE_JOB_STATES)
 
     def reflex_jobs_of(self, node: bytes) -> list[JobRecord]:
-        """The running jobs ``node`` is primary of whose manifests hold reflex rules (R3)."""
+        """The running jobs ``node`` is primary of whose manifests hold reflex rules (R3) or
+        more than one replica at least (R4)."""
         if not self._reflex_jobs:
             return []
         return [r for jid in sorted(self._reflex_jobs) if (r := self.records.get(jid)) is not None

@@ -44,6 +44,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
+from protocol.flows.replica import ReplicaFlow
 from protocol.flows.gang import GangFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
@@ -61,6 +62,7 @@ from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVec
                                Resources, Suspicion, SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
+from protocol.replicas import endpoint_table
 from protocol.workload_orders import WorkloadOrders
 
 
@@ -119,7 +121,9 @@ class MeshCore:
         liveness.joins = joins
         self.preemptions = preemptions = PreemptionFlow(ctx, epochs, jobs, ledger, instances, bidding, capability,
                                                         placement, lifecycle)
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs))
+        self.replicas = replicas = ReplicaFlow(ctx, epochs, jobs, ledger, instances, capability)
+        self.orders.replicas = replicas
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
@@ -214,6 +218,12 @@ class MeshCore:
         record = self.job_table.get(jid)
         return None if record is None else self.gangs.annotate(record.as_dict())
 
+    def endpoints(self, jid: bytes, address_of) -> list[dict] | None:
+        """SPEC.md R4e: the job's endpoint table (None: unknown job); ``address_of(node)``
+        gives a node's address (the driver knows the members' multiaddrs)."""
+        record = self.job_table.get(jid)
+        return None if record is None else endpoint_table(record, address_of)
+
     def pending_report(self, jid: bytes, now_ms: int) -> dict | None:
         """SPEC.md Q4: a job's pool, queue position, holding quota and estimated start, from
         this node's job table and the capability vectors it holds."""
@@ -283,6 +293,9 @@ class MeshCore:
         """Every input's Ready ends with the workload orders it implies (workload_orders.py),
         the reservations it made or dropped (R1: persisted before its bids are sent) and,
         when the capability seq passed its persisted floor, the new floor."""
+        if self.replicas.parked:   # R4d: a job learnt after its replica actions were decided
+            self.replicas.apply_parked(self.liveness.last_tick_ms, out)
+        self.replicas.drop_gone(self.liveness.last_tick_ms, out)   # R4b: before the orders it changes
         self.orders.reconcile(out)
         self.capability.broadcast_if_running_changed(self.liveness.last_tick_ms, out)
         for key, claim in self.ledger.take_journal():
@@ -348,11 +361,13 @@ class MeshCore:
         out = self.capability.update_telemetry(gpus, rtt_us, now_ms, simulated=simulated, fault=fault,
                                                job_signals=job_signals)
         self.moves.notice_reflexes(self.me, now_ms, out)   # R3: the primary may notice its own
+        self.replicas.notice(self.me, now_ms, out)         # R4
         return self._with_orders(out)
 
     def _on_capability(self, envelope, cap, data, now_ms: int, out: Ready) -> None:
         self.capability.on_capability(envelope, cap, data, now_ms, out)
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
+        self.replicas.notice(envelope.signer, now_ms, out)         # R4
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))
@@ -364,6 +379,9 @@ class MeshCore:
     def job_exited(self, jid: bytes, exit_code: int, now_ms: int) -> Ready:
         """The workload ran out here (or could not start: the driver reports 127)."""
         self.orders.exited(jid)
+        out = Ready()
+        if self.replicas.exited(jid, now_ms, out):   # R4: a replica's run, not a job's
+            return self._with_orders(out)
         return self._with_orders(self.lifecycle.job_exited(jid, exit_code, now_ms))
 
     def request_join(self, bootstrap_key: bytes, now_ms: int) -> Ready:
@@ -495,6 +513,7 @@ class MeshCore:
                 self._refuse_after_sync.append(record.job_id)
             else:
                 record.gpus = claim.gpus
+        self.replicas.rebuild_claims()   # R4: the replicas it holds, after its primaries
         deadline = now_ms + BID_LIFETIME_ROUNDS * self.params.round_timeout_max_ms
         applied, gone = self.instance_table.applied, []
         for persisted in reservations:

@@ -30,6 +30,7 @@ class WorkloadRun:
     resume: bool         # from this node's newest checkpoint; False: a fresh retry (P6, R1)
     manifest: object     # the owner-signed JobManifest: entrypoint, args, resources
     gang: object = None  # a gang's rank: flows/gang.py GangRank (rank, world size, peers), else None
+    replica: int = 0     # R4: 0 the primary; >= 1 a further replica, whose job_id is its replica_key
 
 
 class WorkloadOrders:
@@ -42,6 +43,7 @@ class WorkloadOrders:
         self.gang_rank = gang_rank           # job id -> its GangRank, if it is a gang's worker
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
         self.gang_told: dict[bytes, object] = {}   # a gang rank's job id -> the GangRank its run was last told
+        self.replicas = None   # the ReplicaFlow (set by the core): the replicas this node holds (R4)
 
     def exited(self, jid: bytes) -> None:
         """The driver reports the workload gone: nothing to stop any more."""
@@ -49,20 +51,28 @@ class WorkloadOrders:
         self.gang_told.pop(jid, None)
 
     def reconcile(self, out: Ready) -> None:
-        if not self.ordered and not self.jobs.may_have_mine():
+        replicas = self.replicas.runnable() if self.replicas is not None else ()
+        if not self.ordered and not self.jobs.may_have_mine() and not replicas:
             return   # nothing ordered, nothing to order: most inputs of most nodes
         wanted: dict[bytes, object] = {}
+        replica_runs: dict[bytes, WorkloadRun] = {}
         # Nothing before the first tick's restart check (F6) has had its say on our history.
         if self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due:
             allocated = self.ledger.allocated
             wanted = {r.job_id: r for r in self.jobs.mine()
                       if r.state in LIVE_JOB_STATES and allocated(r.job_id) is not None
                       and r.job_id not in self.handoff_waits}
+            # R4: a replica runs like a primary, from scratch (replicas keep no checkpoints).
+            replica_runs = {key: WorkloadRun(key, replica.fence, tuple(claim.gpus), resume=False,
+                                             manifest=record.manifest, replica=index)
+                            for key, record, index, replica, claim in replicas}
         stops = tuple(jid for jid, fence in self.ordered.items()
-                      if jid not in wanted or wanted[jid].fence != fence)
+                      if (jid not in wanted and jid not in replica_runs)
+                      or (wanted[jid].fence if jid in wanted else replica_runs[jid].fence) != fence)
         runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=resumes_from_checkpoint(r),
                                  manifest=r.manifest, gang=self.gang_rank(r.job_id))
                      for jid, r in wanted.items() if self.ordered.get(jid) != r.fence)
+        runs += tuple(run for key, run in replica_runs.items() if self.ordered.get(key) != run.fence)
         moved = tuple((jid, rank) for jid, rank in ((jid, self.gang_rank(jid)) for jid in wanted
                                                      if jid in self.gang_told and self.ordered.get(jid) == wanted[jid].fence)
                       if rank != self.gang_told[jid])

@@ -73,8 +73,10 @@ def register(subparsers) -> None:
                         help="the share of jobs their owner moves to another node (SPEC.md R2), at a drawn time "
                              "in the fault window (a refused request is retried)")
     parser.add_argument("--reflex", type=float, default=0.0, metavar="F",
-                        help="the share of jobs with a reflex rule that migrates them off a hot primary "
-                             "(SPEC.md R3); nodes' GPUs run hot in drawn spells (default 0)")
+                        help="the share of jobs with reflex rules: a rule that migrates them off a hot primary "
+                             "(SPEC.md R3), or (every other job) replica rules that clone, reroute and decay "
+                             "while hot and decay the clones away once cool (R4); nodes' GPUs run hot in drawn "
+                             "spells (default 0)")
     parser.add_argument("--preempt", action="store_true",
                         help="a preemption workload: GPU jobs, more than fit, of mixed priorities, half preemptible "
                              "(SPEC.md P8; use with --job-ms so room returns)")
@@ -137,6 +139,8 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "reflex_moves_job_signal": sum(r.counters.get("reflex_moves_job_signal", 0) for r in results),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
+        # --reflex (SPEC.md R4): replica actions (clone, reroute, decay, fill) decided, over all seeds.
+        "replica_actions": sum(r.counters.get("replica_actions", 0) for r in results),
         # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
         # reason (testnet/sim_liveness.py); and stalled seeds by why their jobs are late.
         "late_seeds_by_reason": _seeds_by_reason(results, "late_reasons"),

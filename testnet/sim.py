@@ -637,7 +637,10 @@ class Simulation:
         self._call(node, node.core.job_exited, jid, code, self.now_ms)
 
     def _job_events(self, node: SimNode, events) -> None:
-        """A job that ended at the node that holds it gives its load back in the checker."""
+        """A job that ended at the node that holds it gives its load back in the checker; the
+        replica actions an honest node applied go to the reflex audit (R4)."""
+        if self.reflex_audit is not None and node.behaviour is None:
+            self.reflex_audit.on_replica_events(node, events)
         ended = False
         for event in events:
             if event.kind in ("job_exited", "job_cancelled", "job_refused", "gang_worker_stopped"):
@@ -877,6 +880,7 @@ class Simulation:
             self.counters["reflex_moves_job_signal"] = len(self.job_signal_moves.moves)
         if self.reflex_audit is not None:
             self.counters["reflex_moves"] = len(self.reflex_audit.moves)
+            self.counters["replica_actions"] = len(self.reflex_audit.replica_actions)
         stats = self.network.stats
         return SimResult(
             config=self.config, violations=list(checker.violations), violation_count=checker.violation_count,
@@ -931,6 +935,7 @@ class Simulation:
                 continue
             ledger = core.ledger
             mine = {r.job_id for r in core.job_table.mine() if r.state in LIVE_JOB_STATES}
+            mine |= set(core.replicas.allocated)   # R4: the replicas it holds are its own claims
             allocated = set(ledger.allocations())
             waiting = set(core._refuse_after_sync)   # refused once the restart's sync answers
             for what, jids in (("holds the allocation of jobs it is not the primary of", allocated - mine),

@@ -34,8 +34,9 @@ from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, C
                                Constraints, Evidence, Gang, GangPlacement, GangWorker, GpuState, Join, JobMove, Member,
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
                                Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
-                               Resources, RoundChange, RoundSync, RunningJob, job_id, move_instance_id,
-                               placement_instance_id, placement_slot_id, preemption_instance_id, value_hash)
+                               ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service, job_id,
+                               move_instance_id, placement_instance_id, placement_slot_id, preemption_instance_id,
+                               replica_instance_id, replica_key, value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 from protocol.messages import JobSignals
 
@@ -46,7 +47,7 @@ VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, JobSignals, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
-                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex)
+                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex, Service, ReplicaAction)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -95,6 +96,8 @@ NESTED_ENVELOPES = {
                                             "consecutive seqs, each showing the rule's condition and the job "
                                             "running at `fence` (R3)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
+    (ReplicaAction, "capabilities"): (("cap",), "this mesh, the i-th signed by the i-th of `nodes`, `node` = "
+                                                "signer, showing room and healthy GPUs (R4c)"),
 }
 
 BEGIN = "<!-- BEGIN GENERATED: %s (python -m testnet.spec_tables --write SPEC.md) -->"
@@ -208,8 +211,15 @@ def _coherent(cls, body: dict) -> dict:
     if cls is MESSAGE_TYPES["job"]:
         body.update(owner=me, name="vector-job", entrypoint="counter")  # 4.1: signed by its owner
         del body["reflexes"]   # 4.2: no reflexes, the key left out (the ReflexTrigger sample has its own)
+        del body["service"]    # R4: the default service (one replica, no port), the key left out
     elif cls is Reflex:
         body.update(signal="gpu_temp", above=85, below=None, for_ms=5000, action="migrate", cooldown_ms=60_000)
+        del body["amount"]     # R4: a migrate rule has no amount, the key left out
+    elif cls is Service:
+        body.update(port=8080, min_replicas=1, max_replicas=3)
+    elif cls is ReplicaAction:
+        body.update(job_id=sample_job_id(), seq=0, anchor=1, trigger=b"", nodes=[me],
+                    capabilities=[_seal("cap", sample_body(CapabilityVector))], replicas=[], weights=[])
     elif cls is ReflexTrigger:
         body.update(rule=0, evidence=[_seal("cap", sample_body(CapabilityVector))])
     elif cls is CapabilityVector:
@@ -389,6 +399,17 @@ def render_move_vectors() -> str:
                       "job_move_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
 
 
+def render_replica_vectors() -> str:
+    """R4: the instance of the sample job's first replica action noticed at vector seq 1, a
+    fill adding one replica on the vector key's node (a sample only: a real replica goes to
+    another node than the primary), its hash, and the ledger key of replica 1."""
+    value = codec.pack(sample_body(ReplicaAction))
+    return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "seq: 0", "anchor: 1",
+                      "replica_instance: %s" % replica_instance_id(sample_job_id(), 0, 1).hex(),
+                      "replica_action_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(),
+                      "replica_key index=1: %s" % replica_key(sample_job_id(), 1).hex(), "```"])
+
+
 def sample_preemption() -> Preemption:
     """P8: the sample job (attempt 0) placed by preempting two jobs on the vector key's node."""
     victims = tuple(PreemptionVictim(job_id=bytes([b]) * 32, fence=65_537) for b in (0x11, 0x22))
@@ -460,7 +481,7 @@ def render_gang_vectors() -> str:
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
-             "move vectors": render_move_vectors,
+             "move vectors": render_move_vectors, "replica vectors": render_replica_vectors,
              "preemption vector": render_preemption_vector,
              "job signals vector": render_job_signals_vector,
              "gang vectors": render_gang_vectors}

@@ -129,9 +129,13 @@ def test_reflex_rules_parse_with_defaults_and_jobs_without_them_keep_their_ids()
 
 
 @pytest.mark.parametrize("tail, error", [
-    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "clone"\n',
-     "reflex[0].action: 'clone' is not supported yet (supported: migrate)"),
-    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "explode"\n', "reflex[0].action: expected one of 'migrate'"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "clone"\nclone = 0\n', "reflex[0].clone: expected an integer 1..7"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "decay"\n', "reflex[0].decay: required with action = 'decay'"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "decay"\ndecay = 101\n', "reflex[0].decay: expected an integer 1..100"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\nclone = 1\n', "reflex[0].clone: only a rule with"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "clone"\nreroute = 5\n', "reflex[0].reroute: only a rule with"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\namount = 1\n', "reflex[0]: unknown key 'amount'"),
+    ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "explode"\n', "reflex[0].action: expected one of 'migrate', 'clone'"),
     ('[[reflex]]\nsignal = "fan_rpm"\nabove = 85\naction = "migrate"\n', "reflex[0].signal: expected one of"),
     ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\nfor = 3\n', "reflex[0]: unknown key 'for'"),
     ('[[reflex]]\nsignal = "gpu_temp"\naction = "migrate"\n', "reflex[0]: give exactly one of above and below"),
@@ -144,6 +148,30 @@ def test_reflex_rules_parse_with_defaults_and_jobs_without_them_keep_their_ids()
     ('[[reflex]]\nsignal = "gpu_temp"\nabove = 85\naction = "migrate"\n' * 9, "reflex: at most 8 rules"),
 ])
 def test_reflex_errors_name_the_field(tail, error):
+    with pytest.raises(ManifestError) as info:
+        parse(MINIMAL + tail)
+    assert error in str(info.value)
+
+
+def test_service_table_and_replica_reflexes_parse_and_old_job_ids_stay():
+    job = parse(MINIMAL + '[service]\nport = 8080\nmin_replicas = 1\nmax_replicas = 3\n'
+                '[[reflex]]\nsignal = "gpu_util"\nabove = 80\nfor_ms = 5000\naction = "clone"\n'
+                '[[reflex]]\nsignal = "gpu_util"\nabove = 80\nfor_ms = 5000\naction = "reroute"\nreroute = 50\n'
+                '[[reflex]]\nsignal = "gpu_util"\nbelow = 20\nfor_ms = 5000\naction = "decay"\ndecay = 100\n')
+    assert (job.service.port, job.service.min_replicas, job.service.max_replicas) == (8080, 1, 3)
+    assert [(r.action, r.amount) for r in job.reflexes] == [("clone", 1), ("reroute", 50), ("decay", 100)]
+    assert verify_signed_job(encode_message(OWNER, ANY_MESH, job))[1] == job
+    plain = parse(REFLEX).to_body()   # R4: no [service] and a migrate rule: the bytes of before
+    assert "service" not in plain and "amount" not in plain["reflexes"][0]
+
+
+@pytest.mark.parametrize("tail, error", [
+    ('[service]\nport = 70000\n', "service.port: expected an integer 0..65535"),
+    ('[service]\nmin_replicas = 3\nmax_replicas = 2\n', "[service]: min_replicas 3 is above max_replicas 2"),
+    ('[service]\nmax_replicas = 9\n', "service.max_replicas: expected an integer 1..8"),
+    ('[service]\nreplicas = 2\n', "[service]: unknown key 'replicas'"),
+])
+def test_service_errors_name_the_field(tail, error):
     with pytest.raises(ManifestError) as info:
         parse(MINIMAL + tail)
     assert error in str(info.value)

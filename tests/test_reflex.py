@@ -20,12 +20,12 @@ def rule(for_ms=2000, cooldown_ms=60_000, signal="gpu_util", above=80, zone=""):
                   cooldown_ms=cooldown_ms)
 
 
-def running_reflex_job(*rules):
-    """(net, job id, primary): a 1-GPU job with ``rules``, running on KEYS[0] (most GPUs),
-    every node's vector known to all."""
+def running_reflex_job(*rules, **manifest_changes):
+    """(net, job id, primary): a 1-GPU job with ``rules`` (and ``manifest_changes``), running
+    on KEYS[0] (most GPUs), every node's vector known to all."""
     net = Net(gpus=(4, 2, 2, 2))
     job, _ = make_job(backups=1)
-    job = dataclasses.replace(job, reflexes=tuple(rules))
+    job = dataclasses.replace(job, reflexes=tuple(rules), **manifest_changes)
     net.submit(KEYS[1], encode_message(OWNER, MESH, job))
     net.run(50)
     jid = job_id(job)

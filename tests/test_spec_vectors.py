@@ -204,6 +204,8 @@ def test_nested_samples_are_the_kind_their_field_holds():
         nested_kinds_seen(opened(kind)[1], seen)
     nested_kinds_seen(decode_value("job_move", bytes.fromhex(move_vectors()["job_move_value"])), seen)   # R2
     nested_kinds_seen(spec_tables.sample_preemption(), seen)   # the value of P8e's vector
+    nested_kinds_seen(decode_value("replica_action", bytes.fromhex(replica_vectors()["replica_action_value"])),
+                      seen)   # R4
     for record, field, kind in seen:
         assert kind in table[(record, field)], (record, field, kind)
     # Every documented field is exercised by some vector, apart from MembershipChange's
@@ -322,6 +324,29 @@ def test_move_vectors_of_r2_follow_the_formulas_and_hang_together():
     envelope, request = decode_message(move.request, MESH_ID)
     assert (request.job_id, request.fence, request.to_node) == (jid, fence, b"")
     assert envelope.signer == opened("job")[1].owner
+
+
+def replica_vectors() -> dict:
+    block = spec_tables.generated_block(SPEC, "replica vectors").strip("`\n")
+    return dict(line.split(": ", 1) for line in block.splitlines())
+
+
+def test_replica_vectors_of_r4_follow_the_formulas_and_hang_together():
+    """R4c's instance id and R4d's ledger key from the formulas with hashlib alone; the
+    ReplicaAction value decodes (a fill: no trigger) and its hash is 6.4's."""
+    vectors = replica_vectors()
+    jid, seq, anchor = bytes.fromhex(vectors["job_id"]), int(vectors["seq"]), int(vectors["anchor"])
+    assert jid.hex() == DERIVED["job_id"]
+    instance = hashlib.sha256(b"replica-action" + jid + seq.to_bytes(8, "big") + anchor.to_bytes(8, "big"))
+    assert vectors["replica_instance"] == instance.hexdigest()
+    key = hashlib.sha256(b"replica" + jid + (1).to_bytes(2, "big")).hexdigest()
+    assert vectors["replica_key index=1"] == key
+    value = bytes.fromhex(vectors["replica_action_value"])
+    assert vectors["value_hash"] == hashlib.sha256(b"meshnode/v1/value\x00" + value).hexdigest()
+    action = decode_value("replica_action", value)
+    assert (action.job_id, action.seq, action.anchor, action.trigger) == (jid, seq, anchor, b"")
+    assert len(action.nodes) == len(action.capabilities) == 1 and (action.replicas, action.weights) == ((), ())
+    assert decode_message(action.capabilities[0], MESH_ID)[1].node == action.nodes[0]
 
 
 def test_instance_id_vectors_follow_the_formulas_of_p2_and_p7():

@@ -36,6 +36,7 @@ COMMAND_MODULES = {
     "events": "meshnode.cli.node",
     "submit": "meshnode.cli.node",
     "why": "meshnode.cli.node",
+    "endpoints": "meshnode.cli.endpoints",
     "consensus": "meshnode.cli.node",
     "join": "meshnode.cli.node",
     "cert": "meshnode.cli.cert",
@@ -50,7 +51,8 @@ COMMAND_MODULES = {
 COMMAND_GROUPS = (
     ("operate a node", ("keys", "mesh", "node", "run", "join")),
     ("own jobs", ("job", "submit", "tui")),
-    ("inspect a node", ("status", "nodes", "jobs", "why", "consensus", "events", "metrics", "cert")),
+    ("inspect a node", ("status", "nodes", "jobs", "why", "endpoints", "consensus", "events", "metrics",
+                        "cert")),
     ("test and try", ("dev", "testnet", "sim", "bench", "demo")),
 )
 TOP_LEVEL_EXAMPLES = (

@@ -93,7 +93,7 @@ class ControlApi:
         return {"status": self.status, "nodes": self.nodes, "jobs": self.jobs, "consensus": self.consensus,
                 "submit": self.submit, "cancel": self.cancel, "move": self.move, "why": self.why, "join": self.join,
                 "checkpoint_stats": self.checkpoint_stats, "certificates": self.certificates,
-                "job_status": self.job_status, "job_output": self.job_output,
+                "job_status": self.job_status, "job_output": self.job_output, "endpoints": self.endpoints,
                 "set_simulated_telemetry": self.set_simulated_telemetry}
 
     async def status(self, args) -> dict:
@@ -184,6 +184,16 @@ class ControlApi:
                     "this_node": self.node.identity.public_key.hex()})
         return row
 
+    async def endpoints(self, args) -> dict:
+        """A job's endpoint table (SPEC.md R4e, `meshnode endpoints`): replica -> node, address,
+        the service port and weight; the same at every member."""
+        job = self._find_job(args)
+        rows = self.node.core.endpoints(job["job_id"], self.node.member_host) or []
+        total = sum(row["weight"] for row in rows)
+        return {"job_id": job["job_id"].hex(), "name": job["manifest"].name, "state": job["state"],
+                "port": job["manifest"].service.port, "total_weight": total,
+                "endpoints": [{**row, "node": _hex(row["node"])} for row in rows]}
+
     async def job_output(self, args) -> dict:
         """Part of a job's output (SPEC.md 9.8): ``target`` "log" | "files" | "file", read here
         if this node runs the job, else from its primary with ``request`` (owner-signed)."""
@@ -267,7 +277,7 @@ class ControlApi:
     def _job_certificate_rows(self, job: dict) -> list[dict]:
         """A job's certificates: those of its placement instances (every attempt: retries and
         refusals, P2, R1), its slot's if that lists it (P7), the evictions whose
-        migrations name it (F5) and its owner's moves (R2)."""
+        migrations name it (F5), its owner's moves (R2) and its replica actions (R4)."""
         manifest, jid = job["manifest"], job["job_id"]
         instances = [placement_instance_id(jid, attempt).hex() for attempt in range(placement_attempts(manifest))]
         placeholders = ",".join("?" * len(instances))
@@ -281,6 +291,8 @@ class ControlApi:
                  if any(m.job_id == jid for m in self._decided(row).migrations)]
         rows += [row for row in self._certificate_rows("value_kind = 'job_move'", [])
                  if self._moved_job_id(self._decided(row)) == jid]
+        rows += [row for row in self._certificate_rows("value_kind = 'replica_action'", [])
+                 if self._decided(row).job_id == jid]   # its clones, reroutes and decays (R4)
         # Preemptions (P8) that placed it (one per attempt) or stopped it.
         preempting = {preemption_instance_id(bytes.fromhex(instance)).hex() for instance in instances}
         rows += [row for row in self._certificate_rows("value_kind = 'preemption'", [])

@@ -58,6 +58,19 @@ BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
 
+REPLICA_INDEX_ENV = "MESHNODE_REPLICA_INDEX"
+SERVICE_PORT_ENV = "MESHNODE_SERVICE_PORT"
+
+
+def replica_environment(run: WorkloadRun) -> dict:
+    """SPEC.md R4e: a serving job's run learns which replica it is and the port to serve on
+    (a job with no port and no replicas gets neither: its environment is as before)."""
+    port = run.manifest.service.port
+    if not port and not run.replica:
+        return {}
+    return {REPLICA_INDEX_ENV: str(run.replica), SERVICE_PORT_ENV: str(port)}
+
+
 class Node:
     def __init__(self, data_dir, *, transport_factory=None, run_workloads: bool = True,
                  runner_factory=None, rng: random.Random | None = None):
@@ -172,11 +185,11 @@ class Node:
         path = os.path.join(self.runner.workdir(job_id), GANG_PEERS_FILE)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="ascii") as fh:
-            fh.write(format_peers(gang, self._member_host))
+            fh.write(format_peers(gang, self.member_host))
         os.replace(path + ".tmp", path)
         return path
 
-    def _member_host(self, key: bytes) -> str:
+    def member_host(self, key: bytes) -> str:
         """The host part of a member's first address (a gang's peer, SPEC.md GA5)."""
         record = next((m for m in self.core.member_records() if m.public_key == key), None)
         return multiaddr_host(record.addrs[0]) if record is not None and record.addrs else "127.0.0.1"
@@ -357,10 +370,11 @@ class Node:
             latest = self.checkpoints.latest(job_id)
             if latest is not None:
                 restore = (latest.state, latest.progress, latest.seq)
-        self.checkpoints.raise_fence(job_id, fence)
+        if not run.replica:   # a further replica keeps no checkpoints (SPEC.md R4e)
+            self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            extra_env = gang_environment(run.gang, self._member_host)
+            extra_env = {**gang_environment(run.gang, self.member_host), **replica_environment(run)}
             if run.gang is not None:
                 extra_env[GANG_PEERS_FILE_ENV] = self._publish_gang_peers(job_id, run.gang)
             pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence,
@@ -369,7 +383,8 @@ class Node:
             log.warning("cannot start job %s: %s", job_id.hex()[:12], exc)
             await self._handle(self.core.job_exited(job_id, 127, now_ms()))
             return
-        self.job_fences[job_id] = fence
+        if not run.replica:   # its checkpoints go to the core; a replica's are not taken
+            self.job_fences[job_id] = fence
         for gpu in run.gpus:
             self.telemetry.set_load(gpu, 90_000, manifest.resources.gpu_mem_mib)
         await self._handle(self.core.workload_started(job_id, fence, restore[2] if restore else 0, now_ms()))

@@ -13,8 +13,8 @@ import tomllib
 from protocol import codec
 from protocol.envelope import Envelope
 from protocol.errors import ManifestError, RemoteProtocolError
-from protocol.messages import (MAX_REFLEXES, REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, Constraints, Gang, JobManifest,
-                               Reflex, Resources, Scheduling, decode_message)
+from protocol.messages import (MAX_REFLEXES, REFLEX_AMOUNTS, Constraints, Gang,
+                               JobManifest, Reflex, Resources, Scheduling, Service, decode_message)
 from protocol.schema import Bool, Bytes, FieldType, Int, List, Optional, Text, TextMap
 
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -23,12 +23,14 @@ MAX_MANIFEST_BYTES = 64 * 1024
 TOP_LEVEL_DEFAULTS = {"args": [], "strategy": "throughput", "priority": 0, "backups": 1,
                       "max_retries": 3, "nonce": 0}
 REQUIRED = ("name", "entrypoint")
-TABLES = {"resources": Resources, "constraints": Constraints, "scheduling": Scheduling, "gang": Gang}
+TABLES = {"resources": Resources, "constraints": Constraints, "scheduling": Scheduling, "gang": Gang,
+          "service": Service}
 TABLE_DEFAULTS = {
     "resources": {"gpus": 0, "gpu_mem_mib": 0, "cpu_milli": 0, "mem_mib": 0, "gpu_milli": 0, "gpu_model": ""},
     "constraints": {"zones": [], "labels": {}, "attested": {}},
     "scheduling": {"pool": "", "preemptible": False, "max_runtime_ms": 0},
     "gang": {"workers": 1, "min_workers": 0, "max_workers": 0, "multiple_of": 1, "topology": "none"},
+    "service": {"port": 0, "min_replicas": 1, "max_replicas": 1},
 }
 # Filled in from the signer and the clock, never from the file.
 NOT_IN_FILE = ("owner", "created_ms", "epoch")
@@ -36,6 +38,10 @@ NOT_IN_FILE = ("owner", "created_ms", "epoch")
 REFLEX_KEY = "reflex"
 REFLEX_DEFAULTS = {"above": None, "below": None, "for_ms": 5000, "zone": "", "cooldown_ms": 60_000}
 REFLEX_REQUIRED = ("signal", "action")
+# R4: a replica action's amount is written under the action's own name (``clone = 2``,
+# ``reroute = 50``, ``decay = 50``); a clone adds one replica unless it says more.
+REFLEX_AMOUNT_KEYS = ("clone", "reroute", "decay")
+REFLEX_AMOUNT_DEFAULTS = {"clone": 1}
 
 
 def human_expectation(ftype: FieldType) -> str:
@@ -101,19 +107,33 @@ def _reflexes(document: dict) -> tuple:
     rules = []
     for i, item in enumerate(raw):
         where = "%s[%d]" % (REFLEX_KEY, i)
-        _reject_unknown(item, Reflex.SCHEMA, where)
+        _reject_unknown(item, [f for f in Reflex.SCHEMA if f != "amount"] + list(REFLEX_AMOUNT_KEYS), where)
         for name in REFLEX_REQUIRED:
             if name not in item:
                 raise ManifestError("%s.%s: required, expected %s" % (where, name, human_expectation(Reflex.SCHEMA[name])))
-        if item["action"] in REFLEX_ACTIONS_LATER:
-            raise ManifestError("%s.action: %r is not supported yet (supported: %s)"
-                                % (where, item["action"], ", ".join(REFLEX_ACTIONS)))
         if ("above" in item) == ("below" in item):
             raise ManifestError("%s: give exactly one of above and below" % where)
         values = {**REFLEX_DEFAULTS, **item}
+        values["amount"] = _reflex_amount(item, where)
         rules.append(Reflex(**{field: _checked(ftype, values[field], "%s.%s" % (where, field))
                                for field, ftype in Reflex.SCHEMA.items()}))
     return tuple(rules)
+
+
+def _reflex_amount(item: dict, where: str) -> int:
+    """R4: the rule's amount, from the key named after its action (refused under another)."""
+    action = item["action"]
+    for key in REFLEX_AMOUNT_KEYS:
+        if key in item and key != action:
+            raise ManifestError("%s.%s: only a rule with action = %r gives it (this one's action is %r)"
+                                % (where, key, key, action))
+    if action not in REFLEX_AMOUNTS or action not in REFLEX_AMOUNT_KEYS:
+        return 0   # migrate (an unknown action is refused by the schema, naming reflex[i].action)
+    if action not in item and action not in REFLEX_AMOUNT_DEFAULTS:
+        raise ManifestError("%s.%s: required with action = %r, expected an integer %d..%d (a percentage)"
+                            % ((where, action, action) + REFLEX_AMOUNTS[action]))
+    low, high = REFLEX_AMOUNTS[action]
+    return _checked(Int(low, high), item.get(action, REFLEX_AMOUNT_DEFAULTS.get(action)), "%s.%s" % (where, action))
 
 
 def parse_manifest(text: str, owner_pubkey: bytes, now_ms: int, *, epoch: int) -> JobManifest:

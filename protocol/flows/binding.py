@@ -4,7 +4,7 @@ Votes sign only the value's hash (SPEC.md 6.4), so a certificate's ``value_kind`
 signed by its voters: anyone can relabel a real placement certificate as an eviction.
 A certificate counts only if its value decodes as the stated kind AND its instance id is
 the one that kind's flow decides that value in (a job's attempt, a slot, an epoch's
-change, a job's move from a fence). The node checks this before applying a decision (protocol/mesh.py), and the
+change, a job's move from a fence, a job's replica action). The node checks this before applying a decision (protocol/mesh.py), and the
 offline verifier (``meshnode cert verify``) runs the same function.
 """
 
@@ -16,11 +16,12 @@ from protocol.flows.move import MoveFlow
 from protocol.flows.gang import GangFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
+from protocol.flows.replica import ReplicaFlow
 from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
 BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, MoveFlow,
-                                                                      PreemptionFlow, GangFlow)
+                                                                      PreemptionFlow, GangFlow, ReplicaFlow)
             for kind in flow.value_kinds}
 
 

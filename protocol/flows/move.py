@@ -160,6 +160,8 @@ class MoveFlow(ValueFlow):
                 continue
             history = history if history is not None else self.capability.history.of(node)
             for index, rule in enumerate(record.manifest.reflexes):
+                if rule.action != "migrate":
+                    continue   # clone, reroute and decay are replica actions (flows/replica.py, R4)
                 found = shortest_evidence(rule, history, record.job_id, record.fence,
                                           *cooldown_bounds(rule, record.reflex_at, node))
                 if found is None:

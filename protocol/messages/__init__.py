@@ -21,7 +21,8 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``output``: reading a job's output from its primary (requests and answers);
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
 - ``slots``: checks of a placement slot's value (SPEC.md P7);
-- ``preemption``: the value a preemption instance decides (SPEC.md P8).
+- ``preemption``: the value a preemption instance decides (SPEC.md P8);
+- ``replicas``: a job's ``[service]`` table and the replica action value (SPEC.md R4).
 """
 
 from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PROPOSAL, MAX_BIDS_PER_SLOT_JOB,
@@ -30,7 +31,8 @@ from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_BIDS_PER_PR
 from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, GangPlacement, GangWorker,
                                     MAX_REFUSALS, MAX_RUNNING_LISTED, Bid, CapabilityVector, Cancel, Constraints,
                                     Decline, GpuState, JobExit, JobManifest, JobRefusal, Placement, PlacementSlot,
-                                    REFLEX_ACTIONS, REFLEX_ACTIONS_LATER, REFLEX_SIGNALS, Reflex,
+                                    REFLEX_ACTIONS, REFLEX_AMOUNTS, REFLEX_SIGNALS, Reflex,
+                                    REPLICA_ACTIONS,
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id, JOB_REFLEX_SIGNALS, JobSignals)
@@ -43,6 +45,8 @@ from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, 
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
 from protocol.messages.preemption import (MAX_VICTIMS, Preemption, PreemptionVictim, preemption_binding_error,
                                           preemption_instance_id)
+from protocol.messages.replicas import (MAX_REPLICAS, REPLICA_WEIGHT, ReplicaAction, Service, replica_instance_id,
+                                        replica_key)
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
@@ -56,7 +60,7 @@ __all__ = [
     # jobs
     "GANG_TOPOLOGIES", "MAX_GANG_WORKERS", "Gang", "GangPlacement", "GangWorker",
     "MAX_REFUSALS", "MAX_RUNNING_LISTED", "Bid", "CapabilityVector", "Cancel", "Constraints", "Decline",
-    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_ACTIONS_LATER", "REFLEX_SIGNALS", "Reflex",
+    "GpuState", "JobExit", "JobManifest", "JobRefusal", "Placement", "PlacementSlot", "REFLEX_ACTIONS", "REFLEX_AMOUNTS", "REFLEX_SIGNALS", "Reflex", "REPLICA_ACTIONS",
     "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts", "JOB_REFLEX_SIGNALS", "JobSignals",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
@@ -64,6 +68,8 @@ __all__ = [
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # moves
     "MAX_EVIDENCE", "MAX_REFLEXES", "JobMove", "MoveRequest", "ReflexTrigger", "move_instance_id",
+    # replicas
+    "MAX_REPLICAS", "REPLICA_WEIGHT", "ReplicaAction", "Service", "replica_instance_id", "replica_key",
     # membership
     "Attestation", "Endorsement", "Join", "Leave", "Member", "MembershipChange",
     # output

@@ -13,6 +13,7 @@ from protocol.messages.fields import (DECLINE_REASONS, ENVELOPE, MAX_SLOT_JOBS, 
                                       record)
 from protocol.errors import RemoteProtocolError
 from protocol.messages.moves import MAX_REFLEXES
+from protocol.messages.replicas import MAX_REPLICAS, Service
 from protocol.schema import Bool, Int, Key, List, Nested, Optional, Record, Text, TextMap
 
 
@@ -156,8 +157,10 @@ class Scheduling(Record):
 
 
 REFLEX_SIGNALS = ("gpu_util", "gpu_temp", "gpu_mem", "throttle", "ecc_errors")
-REFLEX_ACTIONS = ("migrate",)
-REFLEX_ACTIONS_LATER = ("clone", "reroute", "decay")   # named in the design, refused until built
+REFLEX_ACTIONS = ("migrate", "clone", "reroute", "decay")
+REPLICA_ACTIONS = ("clone", "reroute", "decay")   # decided as replica actions (R4), not moves
+# R4: the bounds of a rule's ``amount`` per action: replicas to add, or a percentage.
+REFLEX_AMOUNTS = {"migrate": (0, 0), "clone": (1, MAX_REPLICAS - 1), "reroute": (1, 100), "decay": (1, 100)}
 
 
 @record
@@ -166,7 +169,9 @@ class Reflex(Record):
     above ``above`` (or below ``below``) for ``for_ms``, in zone ``zone`` ("" = any), the
     mesh takes ``action``, then no other reflex action on the job for ``cooldown_ms``.
     Units: gpu_util and gpu_mem in percent, gpu_temp in degrees C, throttle 1 while a
-    protective throttle reason is set, ecc_errors a count."""
+    protective throttle reason is set, ecc_errors a count. ``amount`` (R4): the replicas a
+    clone adds, the percentage a reroute moves or a decay takes; 0 for migrate, and then
+    left out of the body (so rules written before replicas keep their bytes)."""
     signal: str
     above: int | None
     below: int | None
@@ -174,14 +179,33 @@ class Reflex(Record):
     zone: str
     action: str
     cooldown_ms: int
+    amount: int = 0
     SCHEMA: ClassVar = {"signal": Text(choices=REFLEX_SIGNALS + JOB_REFLEX_SIGNALS), "above": Optional(Int(0, 1 << 40)),
                         "below": Optional(Int(0, 1 << 40)), "for_ms": Int(0, 3_600_000), "zone": Text(0, 64),
-                        "action": Text(choices=REFLEX_ACTIONS), "cooldown_ms": Int(0, 1 << 40)}
+                        "action": Text(choices=REFLEX_ACTIONS), "cooldown_ms": Int(0, 1 << 40),
+                        "amount": Int(0, 100)}
 
     def __post_init__(self):
         super().__post_init__()
         if (self.above is None) == (self.below is None):
             raise ValueError("Reflex: exactly one of above and below must be set")
+        low, high = REFLEX_AMOUNTS[self.action]
+        if not low <= self.amount <= high:
+            raise ValueError("Reflex: amount %d for action %r, expected %d..%d" % (self.amount, self.action, low, high))
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        if not self.amount:
+            del body["amount"]
+        return body
+
+    @classmethod
+    def from_body(cls, body, where: str | None = None):
+        if isinstance(body, dict) and "amount" not in body:
+            body = {**body, "amount": 0}
+        elif isinstance(body, dict) and body["amount"] == 0:
+            raise RemoteProtocolError("%s.amount: 0 is left out, not sent" % (where or cls.__name__))
+        return super().from_body(body, where)
 
 
 GANG_TOPOLOGIES = ("none", "zone", "rail_group", "spread_zones")
@@ -255,19 +279,22 @@ class JobManifest(Record):
     scheduling: Scheduling = Scheduling()
     gang: Gang = Gang()
     reflexes: tuple = ()   # absent from the body when empty (SPEC.md 4.2): older job ids stay
+    service: Service = Service()   # absent from the body when the default (R4): older job ids stay
     SCHEMA: ClassVar = {
         "owner": Key(), "name": Text(1, 64), "nonce": Int(), "entrypoint": Text(1, 64),
         "args": List(Text(0, 1024), 64), "resources": Nested(Resources),
         "strategy": Text(choices=STRATEGIES), "constraints": Nested(Constraints),
         "priority": Int(0, 1000), "backups": Int(0, 4), "max_retries": Int(0, 16), "created_ms": Int(),
         "epoch": Int(), "scheduling": Nested(Scheduling), "gang": Nested(Gang),
-        "reflexes": List(Nested(Reflex), MAX_REFLEXES),
+        "reflexes": List(Nested(Reflex), MAX_REFLEXES), "service": Nested(Service),
     }
 
     def to_body(self) -> dict:
         body = super().to_body()
         if not self.reflexes:
             del body["reflexes"]
+        if self.service == Service():
+            del body["service"]
         return body
 
     @classmethod
@@ -277,6 +304,10 @@ class JobManifest(Record):
             body = {**body, "reflexes": []}
         elif isinstance(body, dict) and body["reflexes"] == []:
             raise RemoteProtocolError("%s.reflexes: an empty list is left out, not sent" % (where or cls.__name__))
+        if isinstance(body, dict) and "service" not in body:
+            body = {**body, "service": Service().to_body()}
+        elif isinstance(body, dict) and body["service"] == Service().to_body():
+            raise RemoteProtocolError("%s.service: the default is left out, not sent" % (where or cls.__name__))
         return super().from_body(body, where)
 
 

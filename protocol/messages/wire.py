@@ -15,6 +15,7 @@ from protocol.messages.moves import JobMove, MoveRequest, ReflexTrigger
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
 from protocol.messages.preemption import Preemption
+from protocol.messages.replicas import ReplicaAction
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync)
 from protocol.schema import Record, scalars_only
@@ -105,7 +106,7 @@ def _remember_decoded(caches: CoreCaches, key: tuple, decoded: tuple) -> None:
 
 _VALUE_TYPES = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
                 "placement_slot": PlacementSlot, "job_move": JobMove, "preemption": Preemption,
-                "gang_placement": GangPlacement}
+                "gang_placement": GangPlacement, "replica_action": ReplicaAction}
 
 
 def decode_value(value_kind: str, data: bytes, *, caches: CoreCaches | None = None):

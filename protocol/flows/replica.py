@@ -1,0 +1,445 @@
+"""The replica flow: clone, reroute and decay as decided values (SPEC.md R4).
+
+A job's manifest may ask for more than one replica (``[service]`` min/max_replicas) and
+hold reflex rules whose action is ``clone N``, ``reroute P%`` or ``decay P%``. Every member
+watches the job's primary's signed capability vectors (as for R3's migrate); when a rule
+holds for its duration, after its cooldown, within the bounds, or when the job runs fewer
+replicas than its min_replicas (a *fill*), a member signs a trigger and starts the instance
+``replica_instance_id(job, seq, anchor)``: ``seq`` the number of replica actions the job
+has had, ``anchor`` the seq of the primary's vector it noticed at. The value carries the
+trigger (the evidence, R3's check) and, for a clone or a fill, the new replicas' nodes
+with the signed vectors that show their room.
+
+One action per number: applying a value whose ``seq`` is below the job's (another instance
+at the same number applied first) changes nothing (``replica_action_stale``), so a second
+noticer or a re-proposal can never apply an action twice; one above it waits for its
+predecessors (``parked``), so every member applies a job's actions in number order. Applying a clone adds replicas
+(their nodes take them through the ledger, R1, or run nothing); a reroute or decay changes
+weights, and a replica decayed to weight 0 is retired (its node frees its allocation).
+"""
+
+from __future__ import annotations
+
+from protocol import codec
+from protocol.errors import RemoteProtocolError
+from protocol.flows.base import ValueFlow
+from protocol.flows.move import move_rank
+from protocol.job_table import TERMINAL
+from protocol.messages import (REPLICA_ACTIONS, CapabilityVector, ReflexTrigger, ReplicaAction, decode_message,
+                               replica_instance_id, replica_key)
+from protocol.placement import capability_check, gpu_healthy
+from protocol.ready import Ready
+from protocol.reflexes import condition_holds, cooldown_bounds, evidence_error, shortest_evidence
+from protocol.replicas import (action_error, add_replica, clones_wanted, holders, replica_count, set_weights,
+                               weight_changes, weights)
+
+ACTING_STATES = ("placed", "running")   # a validator may not have seen the job run yet (as R2)
+MAX_PENDING = 1024                      # replica instances held here, not yet decided
+MAX_PARKED = 1024                       # decided actions held until their predecessors arrive
+
+
+def related_reflex_at(record, index: int) -> list:
+    """R4c's cooldown and hysteresis: the last actions of the rule itself and of every rule
+    that pulls the other way (an ``above`` rule against the ``below`` ones)."""
+    rules = record.manifest.reflexes
+    upward = rules[index].above is not None
+    return [at for i, at in sorted(record.replica_reflex_at.items())
+            if i == index or (i < len(rules) and (rules[i].above is not None) != upward)]
+
+
+def replica_evidence_error(record, trigger: ReflexTrigger, mesh_id: bytes, caches=None) -> str | None:
+    """R3's evidence check, against the rule's own cooldown and its opposite rules' (R4c)."""
+    rule = record.manifest.reflexes[trigger.rule]
+    for last in related_reflex_at(record, trigger.rule) or [None]:
+        error = evidence_error(rule, trigger.evidence, record.primary, record.job_id, record.fence, mesh_id,
+                               last, caches=caches)
+        if error is not None:
+            return error
+    return None
+
+
+class ReplicaFlow(ValueFlow):
+    value_kind = "replica_action"
+    value_kinds = ("replica_action",)
+    max_justification = 0   # the value carries its own proof: the trigger and the vectors
+
+    def __init__(self, ctx, epochs, jobs, ledger, instances, capability) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.ledger = ledger
+        self.instances = instances
+        self.capability = capability
+        self.pending: dict[bytes, tuple] = {}   # instance -> (job id, seq, anchor, trigger bytes)
+        self.noticing: dict[bytes, bytes] = {}  # job id -> the instance this node started for it
+        self.allocated: dict[bytes, tuple] = {}  # replica key -> (job id, index): replicas this node holds
+        self.with_replicas: set[bytes] = set()   # jobs that have had replicas beyond the primary
+        self.exited_here: set[bytes] = set()     # replica keys whose workload ended here
+        self.parked: dict[bytes, dict] = {}      # job id -> {seq: ReplicaAction} decided ahead of their turn here
+
+    def validators(self, iid: bytes) -> tuple:
+        return self._validator(iid), None
+
+    # --- noticing (SPEC.md R4c) --------------------------------------------------------------------
+    def notice(self, node: bytes, now_ms: int, out: Ready) -> None:
+        """``node`` signed a new vector: for each running job it is primary of that is below
+        its min_replicas or whose replica rule now holds, start the job's next action."""
+        history = None
+        for record in self.jobs.reflex_jobs_of(node):
+            if record.job_id in self.noticing or len(self.pending) >= MAX_PENDING:
+                continue
+            history = history if history is not None else self.capability.history.of(node)
+            if not history:
+                return
+            trigger = self._trigger(record, node, history)
+            if trigger is None:
+                continue
+            anchor = history[-1][1].seq
+            iid = replica_instance_id(record.job_id, record.replica_seq, anchor)
+            if self.instances.is_done(iid):
+                continue
+            self.ctx.counters["replica_noticed"] += 1
+            self.noticing[record.job_id] = iid
+            self.pending[iid] = (record.job_id, record.replica_seq, anchor, trigger)
+            inst = self.instances.start(iid, self, record.job_id, self.epochs.view, now_ms, out)
+            if inst is not None and inst.awaiting_value and iid in self.instances.instances:
+                self.on_awaiting_value(inst, now_ms, out)
+
+    def _trigger(self, record, node: bytes, history) -> bytes | None:
+        """b"" for a fill, a signed ReflexTrigger for the first replica rule that holds, or None."""
+        if clones_wanted(record, None):
+            return b""
+        for index, rule in enumerate(record.manifest.reflexes):
+            if rule.action not in REPLICA_ACTIONS or action_error(record, rule) is not None:
+                continue
+            # Every related cooldown at once (what replica_evidence_error checks one by one):
+            # the longest span any asks, from the latest start any allows.
+            bounds = [cooldown_bounds(rule, last, node) for last in related_reflex_at(record, index) or [None]]
+            found = shortest_evidence(rule, history, record.job_id, record.fence, max(b[0] for b in bounds),
+                                      max(b[1] for b in bounds))
+            if found is not None:
+                return self.ctx.sign(ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
+                                                   evidence=tuple(envelope for envelope, _cap in found)))
+        return None
+
+    def instance_from_proposal(self, proposal, action: ReplicaAction, view, now_ms: int, out: Ready):
+        if replica_instance_id(action.job_id, action.seq, action.anchor) != proposal.instance:
+            raise RemoteProtocolError("replica_action proposal under a foreign instance id")
+        if len(self.pending) >= MAX_PENDING:
+            return None
+        self.pending.setdefault(proposal.instance, (action.job_id, action.seq, action.anchor, action.trigger))
+        return self.instances.start(proposal.instance, self, action.job_id, view, now_ms, out)
+
+    # --- the leader's value --------------------------------------------------------------------
+    def on_awaiting_value(self, inst, now_ms: int, out: Ready) -> None:
+        """Propose the action for the trigger held for the instance (ours, or a proposal's)."""
+        held = self.pending.get(inst.instance_id)
+        if held is None:
+            return
+        jid, seq, anchor, trigger = held
+        record = self.jobs.get(jid)
+        if record is None or record.replica_seq != seq:
+            return
+        rule = self._rule(trigger)
+        nodes, vectors, changes = (), (), ()
+        if rule is not None and rule.action != "clone":
+            changes = weight_changes(record, rule)
+        else:
+            picked = self._targets(record, rule, inst.instance_id, inst.view, now_ms)
+            if not picked:
+                out.events.append(self.ctx.event("replica_no_target", now_ms, job_id=jid.hex()))
+                return
+            nodes, vectors = tuple(n for n, _ in picked), tuple(v for _, v in picked)
+        action = ReplicaAction(job_id=jid, seq=seq, anchor=anchor, trigger=trigger, nodes=nodes,
+                               capabilities=vectors, replicas=tuple(i for i, _w in changes),
+                               weights=tuple(w for _i, w in changes))
+        self.instances.drive(inst, inst.propose(codec.pack(action.to_body()), (), now_ms, "replica_action"),
+                             now_ms, out)
+
+    def _rule(self, trigger: bytes):
+        if not trigger:
+            return None
+        _envelope, request = decode_message(trigger, self.ctx.mesh_id, expect=ReflexTrigger, caches=self.ctx.caches)
+        record = self.jobs.get(request.job_id)
+        return record.manifest.reflexes[request.rule] if record and request.rule < len(record.manifest.reflexes) else None
+
+    def _targets(self, record, rule, iid: bytes, view, now_ms: int) -> list:
+        """The best members for new replicas by R2's move_rank: not running the job already,
+        room shown, healthy GPUs, and (for a reflex) not showing the rule's condition."""
+        ranked = []
+        taken = holders(record)
+        for node in view.members:
+            if node in taken:
+                continue
+            known = self.capability.signed_vector(node, now_ms)
+            if known is None or self.target_error(record, rule, known[1]) is not None:
+                continue
+            ranked.append((move_rank(record.manifest, iid, node, known[1]), node, known[0]))
+        ranked.sort()
+        return [(node, vector) for _rank, node, vector in ranked[:clones_wanted(record, rule)]]
+
+    @staticmethod
+    def target_error(record, rule, cap: CapabilityVector) -> str | None:
+        ok, reason, detail = capability_check(record.manifest, cap, {})
+        if not ok:
+            return "has no room: %s (%s)" % (reason, detail)
+        if not all(gpu_healthy(g) for g in cap.gpus):
+            return "has an unhealthy GPU"
+        if rule is not None and condition_holds(rule, cap):
+            return "shows the reflex's condition too"
+        return None
+
+    # --- validation (SPEC.md R4c) ------------------------------------------------------------------
+    def _validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
+            inst = self.instances.get(iid)
+            view = inst.view if inst is not None else self.epochs.view
+            try:
+                action = ReplicaAction.from_body(codec.unpack(value_bytes))
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid replica_action proposal: %s" % exc
+            return self.action_value_error(iid, action, view)
+        return validate
+
+    def action_value_error(self, iid: bytes, action: ReplicaAction, view) -> str | None:
+        if replica_instance_id(action.job_id, action.seq, action.anchor) != iid:
+            return "the action is for another instance"
+        record = self.jobs.get(action.job_id)
+        short = action.job_id.hex()[:12]
+        if record is None:
+            return "unknown job %s" % short
+        if record.state not in ACTING_STATES:
+            return "job %s is %s, not running" % (short, record.state)
+        if action.seq != record.replica_seq:
+            return "action %d of job %s, but it has had %d (stale)" % (action.seq, short, record.replica_seq)
+        rule = None
+        if action.trigger:
+            try:
+                envelope, trigger = decode_message(action.trigger, self.ctx.mesh_id, expect=ReflexTrigger,
+                                                   caches=self.ctx.caches)
+                last = decode_message(trigger.evidence[-1], self.ctx.mesh_id, expect=CapabilityVector,
+                                      caches=self.ctx.caches)[1] if trigger.evidence else None
+            except RemoteProtocolError as exc:
+                return "the action's trigger is not valid: %s" % exc
+            if envelope.signer not in view.stakes:
+                return "the trigger is not signed by a member"
+            if trigger.job_id != action.job_id or trigger.fence != record.fence:
+                return "the trigger is for another job or fence"
+            if trigger.rule >= len(record.manifest.reflexes):
+                return "the job has no reflex rule %d" % trigger.rule
+            rule = record.manifest.reflexes[trigger.rule]
+            if rule.action not in REPLICA_ACTIONS:
+                return "reflex rule %d is not a replica action" % trigger.rule
+            if last is None or last.seq != action.anchor:
+                return "the trigger's last vector is not the action's anchor"
+            error = replica_evidence_error(record, trigger, self.ctx.mesh_id, self.ctx.caches)
+            if error is not None:
+                return error
+        error = action_error(record, rule)
+        if error is not None:
+            return error
+        if rule is not None and rule.action != "clone":
+            if action.nodes:
+                return "a %s adds no nodes" % rule.action
+            if list(zip(action.replicas, action.weights)) != weight_changes(record, rule):
+                return "the weights do not follow R4d"
+            return None
+        if action.replicas:
+            return "a clone changes no weights"
+        return self.nodes_error(record, rule, action, view)
+
+    def nodes_error(self, record, rule, action: ReplicaAction, view) -> str | None:
+        """A clone or fill: 1..clones_wanted new nodes, members, distinct, not running the
+        job, each with its own signed vector showing room, healthy GPUs, no condition."""
+        if not 1 <= len(action.nodes) <= clones_wanted(record, rule):
+            return "the action adds %d replicas, expected 1..%d" % (len(action.nodes), clones_wanted(record, rule))
+        taken = holders(record)
+        if len(set(action.nodes)) != len(action.nodes) or taken & set(action.nodes):
+            return "a new replica's node runs the job already"
+        for node, data in zip(action.nodes, action.capabilities):
+            if node not in view.stakes:
+                return "%s is not a member" % node.hex()[:12]
+            try:
+                envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
+            except RemoteProtocolError as exc:
+                return "a new replica's vector is not valid: %s" % exc
+            if envelope.signer != node or cap.node != node:
+                return "the action carries another node's capability vector"
+            unfit = self.target_error(record, rule, cap)
+            if unfit is not None:
+                return "%s %s" % (node.hex()[:12], unfit)
+        return None
+
+    # --- applying (SPEC.md R4d) ------------------------------------------------------------------
+    @staticmethod
+    def value_binding_error(iid: bytes, value_kind: str, action, epoch: int, mesh_id: bytes, slot_ms: int,
+                            caches=None) -> str | None:
+        """Votes sign only the value's hash: the instance must be the one the value names,
+        and its trigger (if any) a valid reflex trigger of this mesh for that job."""
+        if replica_instance_id(action.job_id, action.seq, action.anchor) != iid:
+            return "the action is for another instance"
+        if action.trigger:
+            try:
+                trigger = decode_message(action.trigger, mesh_id, expect=ReflexTrigger, caches=caches)[1]
+            except RemoteProtocolError as exc:
+                return "the action's trigger is not valid: %s" % exc
+            if trigger.job_id != action.job_id:
+                return "the action's trigger is for another job"
+        return None
+
+    def binding_error(self, iid: bytes, value_kind: str, action, epoch: int) -> str | None:
+        return self.value_binding_error(iid, value_kind, action, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
+
+    def _forget(self, iid: bytes) -> None:
+        held = self.pending.pop(iid, None)
+        if held is not None and self.noticing.get(held[0]) == iid:
+            del self.noticing[held[0]]
+
+    def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
+        self._forget(iid)
+        out.events.append(self.ctx.event("replica_action_gave_up", now_ms, job_id=subject.hex()))
+
+    def on_dropped(self, iid: bytes) -> None:
+        self._forget(iid)
+
+    def apply(self, iid: bytes, value_kind: str, action: ReplicaAction, certificate: bytes, epoch: int, now_ms: int,
+              out: Ready) -> None:
+        self._forget(iid)
+        # Instances of the same number (other noticers' anchors) can decide nothing now: this
+        # node notices the job's next action without waiting for them to give up.
+        for other, held in list(self.pending.items()):
+            if held[0] == action.job_id and held[1] <= action.seq:
+                self._forget(other)
+        record = self.jobs.get(action.job_id)
+        if record is None or action.seq > record.replica_seq:
+            # Its predecessors (or the job itself) have not reached this node yet: applied once
+            # they have, in number order, so every member ends with the same replicas.
+            self._park(action)
+            return
+        self._apply_action(record, action, now_ms, out)
+        self.apply_parked(now_ms, out)
+
+    def _park(self, action: ReplicaAction) -> None:
+        if sum(len(held) for held in self.parked.values()) >= MAX_PARKED:
+            self.ctx.counters["replica_actions_parked_full"] += 1
+            return
+        self.parked.setdefault(action.job_id, {})[action.seq] = action
+        self.ctx.counters["replica_action_parked"] += 1
+
+    def apply_parked(self, now_ms: int, out: Ready) -> None:
+        """Apply each parked action whose turn came (its job known, its number the job's next)."""
+        for jid in sorted(self.parked):
+            record = self.jobs.get(jid)
+            held = self.parked[jid]
+            while record is not None and record.replica_seq in held:
+                self._apply_action(record, held.pop(record.replica_seq), now_ms, out)
+            if record is not None:
+                for seq in [s for s in held if s < record.replica_seq]:
+                    del held[seq]   # another value took that number here meanwhile
+            if not held:
+                del self.parked[jid]
+
+    def _apply_action(self, record, action: ReplicaAction, now_ms: int, out: Ready) -> None:
+        # Only the action number decides (every member counts the same actions in the same
+        # order); the job's state may differ between members for a while, so it does not.
+        if record.replica_seq != action.seq:
+            self.ctx.counters["replica_action_stale"] += 1
+            out.events.append(self.ctx.event("replica_action_stale", now_ms, job_id=action.job_id.hex(),
+                                             seq=action.seq))
+            return
+        rule, detail = None, {"action": "fill"}
+        if action.trigger:
+            trigger = decode_message(action.trigger, self.ctx.mesh_id, expect=ReflexTrigger, caches=self.ctx.caches)[1]
+            if trigger.rule >= len(record.manifest.reflexes) or not trigger.evidence:
+                self.ctx.counters["replica_action_unbound"] += 1   # only a Byzantine quorum certifies one
+                return
+            rule = record.manifest.reflexes[trigger.rule]
+            first, last = (decode_message(trigger.evidence[i], self.ctx.mesh_id, expect=CapabilityVector,
+                                          caches=self.ctx.caches)[1] for i in (0, -1))
+            # The evidence's signer (the primary then), from the value: the same at every member.
+            record.replica_reflex_at[trigger.rule] = (last.node, last.taken_ms)
+            detail = {"action": rule.action, "amount": rule.amount, "reflex": trigger.rule, "signal": rule.signal,
+                      "held_ms": last.taken_ms - first.taken_ms}
+        record.replica_seq += 1
+        added = [add_replica(record, node, action.seq + 1) for node in action.nodes]
+        if added:
+            self.with_replicas.add(record.job_id)
+        for index in added:
+            self._take_on(record, index, now_ms, out)
+        retired = set_weights(record, zip(action.replicas, action.weights))
+        for index in retired:
+            self.release(record.job_id, index)
+        out.events.append(self.ctx.event("replica_action", now_ms, job_id=record.job_id.hex(), seq=action.seq,
+                                         replicas=replica_count(record), added=added, retired=retired,
+                                         to_nodes=[node.hex() for node in action.nodes],
+                                         weights=[w for _i, w in sorted(weights(record).items())], **detail))
+
+    def _take_on(self, record, index: int, now_ms: int, out: Ready) -> None:
+        """R1 for a new replica on this node: its allocation, or it runs nothing here."""
+        if record.replicas[index].node != self.ctx.me:
+            return
+        key = replica_key(record.job_id, index)
+        if self.ledger.allocate_now(key, record.manifest.resources) is None:
+            self.ctx.counters["replica_no_room"] += 1
+            out.events.append(self.ctx.event("replica_no_room", now_ms, job_id=record.job_id.hex(), replica=index))
+            return
+        self.allocated[key] = (record.job_id, index)
+
+    def rebuild_claims(self) -> None:
+        """R1 after a restart (the ledger was cleared): allocate each replica held here again,
+        or hold it no more (it then runs nothing here)."""
+        for key, (jid, index) in sorted(self.allocated.items()):
+            record = self.jobs.get(jid)
+            if record is None or self.ledger.allocate_now(key, record.manifest.resources) is None:
+                del self.allocated[key]
+
+    def release(self, jid: bytes, index: int) -> None:
+        key = replica_key(jid, index)
+        self.exited_here.discard(key)
+        if self.allocated.pop(key, None) is not None:
+            self.ledger.free(key)
+
+    def drop_gone(self, now_ms: int, out: Ready) -> None:
+        """R4b: a replica whose node is no longer a member (evicted or left) or is now the
+        job's primary is dropped (a fill brings the job back to min_replicas); a job that
+        ended drops all of its. Each is final, so the order in which members see them does
+        not matter."""
+        if not self.with_replicas:
+            return
+        members = self.epochs.view.stakes
+        for jid in sorted(self.with_replicas):
+            record = self.jobs.get(jid)
+            if record is None or not record.replicas:
+                self.with_replicas.discard(jid)
+                continue
+            ended = record.state in TERMINAL
+            # A replica's node that became the job's primary (a move or an eviction took the
+            # primary there) runs the primary instead: one run of the job per node, one port.
+            gone = [i for i, r in record.replicas.items() if ended or r.node not in members or r.node == record.primary]
+            for index in gone:
+                del record.replicas[index]
+                self.release(record.job_id, index)
+            record.replicas_dropped += len(gone)
+            if gone:
+                out.events.append(self.ctx.event("replicas_dropped", now_ms, job_id=record.job_id.hex(),
+                                                 retired=sorted(gone)))
+
+    def exited(self, key: bytes, now_ms: int, out: Ready) -> bool:
+        """A replica's workload ended here (or could not start): it is not started again
+        (a decay retires it, or the job's end drops it). False: ``key`` is no replica of ours."""
+        held = self.allocated.get(key)
+        if held is None:
+            return False
+        self.exited_here.add(key)
+        out.events.append(self.ctx.event("replica_exited", now_ms, job_id=held[0].hex(), replica=held[1]))
+        return True
+
+    def runnable(self) -> list:
+        """(key, record, index, replica, claim) of the replicas this node holds an allocation
+        for and that have not exited here: what the workload orders run (R4e)."""
+        rows = []
+        for key, (jid, index) in sorted(self.allocated.items()):
+            record = self.jobs.get(jid)
+            if key not in self.exited_here and record is not None and index in record.replicas:
+                rows.append((key, record, index, record.replicas[index], self.ledger.allocated(key)))
+        return rows

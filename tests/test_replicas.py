@@ -1,0 +1,261 @@
+"""SPEC.md R4: replicas of a job, and clone / reroute / decay decided as replica actions from
+the primary's signed vectors; bounds, cooldown, one application per action number, the
+ledger, evictions and the endpoint table."""
+
+import dataclasses
+
+from protocol import codec
+from protocol.messages import REPLICA_WEIGHT, Reflex, ReplicaAction, Service, replica_instance_id, replica_key
+from protocol.replicas import endpoint_table
+from tests.test_mesh_core import KEYS, MESH, make_job
+from tests.test_reflex import hold, running_reflex_job, telemetry
+
+HOT, COOL = 95_000, 5_000
+
+
+def rule(action, amount, above=80, below=None, for_ms=1000, cooldown_ms=0):
+    return Reflex(signal="gpu_util", above=above, below=below, for_ms=for_ms, zone="", action=action,
+                  cooldown_ms=cooldown_ms, amount=amount)
+
+
+def running_replicated_job(*rules, service=Service(port=8080, min_replicas=1, max_replicas=3)):
+    """(net, job id, primary): a 1-GPU job with ``rules`` and ``service``, running, every
+    node's vector known to all."""
+    return running_reflex_job(*rules, service=service)
+
+
+def readings(net, times):
+    """Every live node reads its GPUs ``times`` times, each reading new (so each is a new vector)."""
+    for i in range(times):
+        for key in KEYS:
+            if key not in net.down:
+                telemetry(net, key, 1000 + 100 * i)
+        net.run(300)
+
+
+def actions(net, key):
+    return [d.value for d in net.certified(key, "replica_action")]
+
+
+def records(net, jid):
+    return {key: net.cores[key].job_table.get(jid) for key in KEYS}
+
+
+def test_r4_clone_adds_one_replica_on_another_healthy_node_once_and_every_member_agrees():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    decided = {key: actions(net, key) for key in KEYS}
+    assert all(len(a) == 1 for a in decided.values()), decided   # one clone, at every member
+    clone = decided[KEYS[0]][0]
+    assert clone.seq == 0 and len(clone.nodes) == 1 and clone.nodes[0] != primary
+    tables = {key: endpoint_table(r, lambda node: node.hex()[:4]) for key, r in records(net, jid).items()}
+    assert len({repr(t) for t in tables.values()}) == 1   # the same table at every member
+    table = tables[KEYS[0]]
+    assert [(row["replica"], row["node"], row["weight"], row["port"]) for row in table] == [
+        (0, primary, REPLICA_WEIGHT, 8080), (1, clone.nodes[0], REPLICA_WEIGHT, 8080)]
+    # The new replica's node holds it through its ledger (R1) and is ordered to run it.
+    holder = net.cores[clone.nodes[0]]
+    assert holder.ledger.allocated(replica_key(jid, 1)) is not None
+    runs = [run for d in net.decisions[clone.nodes[0]] if d.value_kind == "run" for run in d.value]
+    assert [(run.job_id, run.replica) for run in runs] == [(replica_key(jid, 1), 1)]
+    events = [e for e in net.events[KEYS[2]] if e.kind == "replica_action"]
+    assert events[0].detail["action"] == "clone" and events[0].detail["held_ms"] >= 1000
+
+
+def test_r4_never_beyond_max_replicas_and_the_bound_is_checked_by_validators():
+    net, jid, primary = running_replicated_job(rule("clone", 3), service=Service(max_replicas=2))
+    hold(net, primary, HOT, 3000)
+    net.run(200)
+    assert [len(a.nodes) for a in actions(net, KEYS[0])] == [1]   # amount 3, but max_replicas 2
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert len(record.replicas) == 1
+    # A value adding another replica is refused by every validator, naming the bound.
+    flow = net.cores[KEYS[3]].replicas
+    extra = ReplicaAction(job_id=jid, seq=1, anchor=9, trigger=b"", nodes=(), capabilities=(), replicas=(),
+                          weights=())
+    error = flow.action_value_error(replica_instance_id(jid, 1, 9), extra, net.cores[KEYS[3]].view)
+    assert "min_replicas already" in error
+
+
+def test_r4_fill_brings_a_job_to_its_min_replicas_without_any_rule():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=3, max_replicas=3))
+    readings(net, 4)
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert 1 + len(record.replicas) == 3
+    nodes = {primary} | {r.node for r in record.replicas.values()}
+    assert len(nodes) == 3   # three replicas on three nodes
+    assert all(a.trigger == b"" for a in actions(net, KEYS[0]))
+
+
+def test_r4_reroute_and_decay_change_weights_and_a_below_rule_decays_the_clone_away():
+    net, jid, primary = running_replicated_job(
+        rule("clone", 1, cooldown_ms=60_000), rule("reroute", 50, cooldown_ms=60_000),
+        rule("decay", 50, cooldown_ms=60_000), rule("decay", 100, above=None, below=20, for_ms=1000, cooldown_ms=0))
+    hold(net, primary, HOT, 4000)
+    net.run(300)
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    kinds = [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"]
+    assert kinds == ["clone", "reroute", "decay"], kinds   # each once: their cooldowns
+    assert len(record.replicas) == 1
+    # reroute 50%: half the original's 1000 to the clone; decay 50%: the original's 500 halved.
+    assert (record.primary_weight, record.replicas[1].weight) == (250, 1500)
+    # Cooled down, the below rule retires the clone (weight 0) and its node frees its claim.
+    clone_node = next(iter(record.replicas.values())).node
+    hold(net, primary, COOL, 3000)
+    net.run(300)
+    assert record.replicas == {}
+    assert net.cores[clone_node].ledger.allocated(replica_key(jid, 1)) is None
+    assert [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"][-1] == "decay"
+    # All members ended with the same weights and actions.
+    assert len({(r.replica_seq, r.primary_weight, repr(r.replicas)) for r in records(net, jid).values()}) == 1
+
+
+def test_r4_a_second_value_at_the_same_action_number_is_stale():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    core = net.cores[KEYS[2]]
+    done = actions(net, KEYS[2])[0]
+    again = dataclasses.replace(done, anchor=done.anchor + 1)   # another noticer's value, same number
+    error = core.replicas.action_value_error(replica_instance_id(jid, 0, again.anchor), again, core.view)
+    assert "stale" in error
+    from protocol.ready import Ready
+    before = core.job_table.get(jid).replica_seq
+    core.replicas.apply(replica_instance_id(jid, 0, again.anchor), "replica_action", again, b"", 0, net.now, Ready())
+    assert core.job_table.get(jid).replica_seq == before and core.counters["replica_action_stale"] == 1
+
+
+def test_r4_a_replica_on_an_evicted_node_is_dropped_and_a_fill_replaces_it():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=2, max_replicas=2))
+    readings(net, 3)
+    record = net.cores[primary].job_table.get(jid)
+    victim = record.replicas[1].node
+    net.down.add(victim)
+    net.run(3000)
+    readings(net, 4)
+    record = net.cores[primary].job_table.get(jid)
+    assert 1 not in record.replicas and len(record.replicas) == 1
+    assert next(iter(record.replicas.values())).node not in (victim, primary)
+
+
+def test_r4_replica_action_value_round_trips_and_its_certificate_verifies_offline():
+    from protocol.certificate import verify_commit_certificate
+    from protocol.flows.binding import certificate_binding_error
+    from protocol.messages import decode_message
+    from protocol.quorum import EpochView
+    from tests.test_mesh_core import GENESIS
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    value = actions(net, KEYS[0])[0]
+    assert ReplicaAction.from_body(codec.unpack(codec.pack(value.to_body()))) == value
+    # As `meshnode cert verify` checks it: the quorum's signatures, then what binds the value.
+    data = next(c for c in net.certificates[KEYS[2]] if decode_message(c, MESH)[1].value_kind == "replica_action")
+    cert, decided = verify_commit_certificate(data, MESH, EpochView.from_genesis(GENESIS))
+    assert decided == codec.pack(value.to_body()) and cert.instance == replica_instance_id(jid, 0, value.anchor)
+    assert certificate_binding_error("replica_action", cert.instance, cert.value, cert.epoch, MESH, 0) is None
+    assert "another instance" in certificate_binding_error("replica_action", replica_instance_id(jid, 1, 0),
+                                                           cert.value, cert.epoch, MESH, 0)
+    flow = net.cores[KEYS[0]].replicas
+    assert flow.binding_error(replica_instance_id(jid, 0, value.anchor), "replica_action", value, 0) is None
+    assert "another instance" in flow.binding_error(replica_instance_id(jid, 1, value.anchor), "replica_action",
+                                                    value, 0)
+
+
+def test_r4_a_short_simulator_sweep_with_replica_rules_and_faults_keeps_every_check():
+    from testnet.sim import SimConfig, Simulation
+    results = [Simulation(SimConfig(nodes=4, jobs=6, seed=seed, reflex_per_mille=600, byzantine_milli=200)).run()
+               for seed in range(3)]
+    assert [r.violation_count for r in results] == [0, 0, 0]
+    assert sum(r.counters["replica_actions"] for r in results) > 0
+
+
+def test_r4_the_simulator_audit_catches_a_replica_action_applied_twice_and_beyond_max():
+    from types import SimpleNamespace
+    from testnet.sim_reflex import ReflexAudit
+    net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(max_replicas=2))
+    hold(net, primary, HOT, 1500)
+    net.run(200)
+    applied = [e for e in net.events[KEYS[1]] if e.kind == "replica_action"]
+    failures = []
+    audit = ReflexAudit(MESH, SimpleNamespace(fail=lambda *args: failures.append(args)))
+    node = SimpleNamespace(index=1, incarnation=0, core=net.cores[KEYS[1]])
+    audit.on_replica_events(node, applied)
+    assert not failures
+    audit.on_replica_events(node, applied)
+    assert [f[0] for f in failures] == ["reflex_applied_twice"]
+    record = net.cores[KEYS[1]].job_table.get(jid)
+    record.manifest = dataclasses.replace(record.manifest, service=Service(max_replicas=1))   # as if one too many
+    audit.on_replica_events(SimpleNamespace(index=1, incarnation=1, core=net.cores[KEYS[1]]), applied)
+    assert failures[-1][0] == "replica_bounds"
+
+
+def test_r4_a_replica_run_learns_its_index_and_the_service_port_and_plain_jobs_get_nothing():
+    from meshnode.node.driver import replica_environment
+    from protocol.workload_orders import WorkloadRun
+    job, _ = make_job()
+    serving = dataclasses.replace(job, service=Service(port=8080, max_replicas=2))
+    assert replica_environment(WorkloadRun(b"k" * 32, 1, (), False, serving, replica=1)) == {
+        "MESHNODE_REPLICA_INDEX": "1", "MESHNODE_SERVICE_PORT": "8080"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, serving)) == {
+        "MESHNODE_REPLICA_INDEX": "0", "MESHNODE_SERVICE_PORT": "8080"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, job)) == {}
+
+
+def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_member_ends_alike():
+    from protocol.ready import Ready
+    net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))
+    readings(net, 2)                     # the fill: action 0
+    hold(net, primary, HOT, 1500)        # the clone: action 1
+    net.run(200)
+    first, second = actions(net, KEYS[0])[:2]
+    fresh = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))[0]
+    late = fresh.cores[KEYS[3]]          # a member that has applied neither
+    record = late.job_table.get(jid)
+    record.replicas.clear(), setattr(record, "replica_seq", 0), setattr(record, "next_replica", 1)
+    flow = late.replicas
+    flow.apply(replica_instance_id(jid, 1, second.anchor), "replica_action", second, b"", 0, 0, Ready())
+    assert record.replica_seq == 0 and late.counters["replica_action_parked"] == 1   # waits for action 0
+    flow.apply(replica_instance_id(jid, 0, first.anchor), "replica_action", first, b"", 0, 0, Ready())
+    assert record.replica_seq == 2 and not flow.parked
+    assert {i: r.node for i, r in record.replicas.items()} == {
+        i: r.node for i, r in net.cores[KEYS[0]].job_table.get(jid).replicas.items()}
+
+
+def test_r4_a_primary_moved_onto_a_replicas_node_replaces_that_replica_and_a_fill_follows():
+    from tests.test_job_move import ask, move_request
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=2, max_replicas=2))
+    readings(net, 3)
+    replica_node = net.cores[primary].job_table.get(jid).replicas[1].node
+    ask(net, primary, move_request(jid, 1, to_node=replica_node))
+    net.run(300)
+    assert all(net.cores[k].job_table.get(jid).primary == replica_node for k in KEYS)
+    assert net.cores[replica_node].ledger.allocated(replica_key(jid, 1)) is None   # one run of the job there
+    net.emit(replica_node, net.cores[replica_node].workload_started(jid, 2, 0, net.now))
+    readings(net, 4)
+    tables = {repr(sorted((i, r.node) for i, r in net.cores[k].job_table.get(jid).replicas.items())) for k in KEYS}
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    assert len(tables) == 1 and list(record.replicas) == [2] and record.replicas[2].node not in (replica_node,)
+
+
+def test_r4_a_clone_never_goes_to_a_node_with_an_unhealthy_gpu_and_validators_refuse_one():
+    net, jid, primary = running_replicated_job(rule("clone", 1))
+    others = [k for k in KEYS if k != primary]
+    sick, healthy = others[:2], others[2]
+    for _ in range(6):   # the primary hot, two other nodes with an ECC error on one GPU
+        for key in KEYS:
+            gpus = net.cores[key].capability._gpu_states()
+            gpus = tuple(dataclasses.replace(g, util_milli=HOT if key == primary else 0,
+                                             ecc_errors=1 if key in sick and g.index == 0 else 0) for g in gpus)
+            net.emit(key, net.cores[key].update_telemetry(gpus, 0, net.now))
+        net.run(250)
+    net.run(200)
+    [clone] = actions(net, KEYS[0])
+    assert clone.nodes == (healthy,)
+    core = net.cores[KEYS[1]]   # the same clone to a sick node instead: refused by the node rule
+    bad = dataclasses.replace(clone, nodes=(sick[0],),
+                              capabilities=(core.capability.signed_vector(sick[0], net.now)[0],))
+    record = core.job_table.get(jid)
+    error = core.replicas.nodes_error(record, record.manifest.reflexes[0], bad, core.view)
+    assert "has an unhealthy GPU" in error, error
