@@ -250,3 +250,29 @@ def test_one_rank_cannot_be_cancelled_alone_but_the_gang_cancels_every_rank():
     for key in KEYS:
         assert [w.state for w in workers_of(net, key, job)[:2]] == ["cancelled", "cancelled"]
         assert all(jid not in running(net, key) for jid in (rank0, gang_worker_id(job_id(job), 1)))
+
+
+def _gang_round(net, key, job):
+    core = net.cores[key]
+    inst = core.instances.get(core.job_table.get(job_id(job)).instance)
+    return None if inst is None else inst.round
+
+
+def test_an_infeasible_gang_holds_its_round_and_is_placed_when_capacity_frees():
+    """P3a for gangs: every member answered and no gang fits the bids (rank 3's node is
+    full, and only zone-b's rail group can hold two): the round holds instead of changing
+    rounds until it gives up (the demo's gang reached round 26). Once rank 3's node frees
+    its GPU it bids to every member, the hold ends and the gang is placed."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    occupied = net.cores[KEYS[3]]
+    filler, _ = make_job(nonce=99, gpus=1)
+    occupied.ledger.allocate_now(b"x" * 32, filler.resources)
+    job, envelope = make_gang(Gang(workers=2, topology="rail_group"), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(30_000, step_ms=20)
+    assert not net.certified(KEYS[0], "gang_placement")
+    assert all(_gang_round(net, key, job) == 0 for key in KEYS)
+    occupied.ledger.free(b"x" * 32)
+    net.run(2_000, step_ms=20)
+    gang = net.certified(KEYS[0], "gang_placement")[0].value
+    assert {w.node for w in gang.workers} == {KEYS[2], KEYS[3]}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.placement import PlacementFlow
+from protocol.flows.placement import MAX_JOBS_SHOWN, PlacementFlow
 from protocol.gang_placement import (choose_gang, gang_port, gang_shortfall, gang_worker_id, shortfall,
                                      topology_error)
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
@@ -124,6 +124,42 @@ class GangFlow(PlacementFlow):
         if record.outcome is not None and record.attempt > 0:
             out.messages.append(Outbound(None, record.outcome))   # what ended the last attempt (P6)
         self.instances.drive(inst, inst.propose(codec.pack(gang.to_body()), justification, now_ms), now_ms, out)
+
+    # --- a gang no set of members can hold waits (P3a, GA3) ------------------------------------------
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """SPEC.md GA3 with P3a: every member of the instance's epoch answered (this node
+        holds its bid or decline: the round's leader forwards them all) and GA2 finds no gang
+        in those bids, so no round can place it: it waits in its round, and a member whose
+        capacity frees bids to all (reconsider_held), which ends the hold."""
+        if inst.locked_round is not None:
+            return False
+        record = self._pending_record(inst)
+        if record is None:
+            return False
+        held = self.bidding.held.get(inst.instance_id, {})
+        if not all(member in held or member in record.declines for member in inst.view.members):
+            return False
+        return self._gang_from(record, inst.instance_id, held) is None
+
+    def _gang_from(self, record, iid: bytes, held: dict):
+        """GA2 over the held bids of live members, as the leader proposes it (None: no gang fits)."""
+        live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
+        return choose_gang(record.envelope, record.manifest, iid, chosen)
+
+    def forward_unanimous_declines(self, inst, out: Ready) -> None:
+        """P3a for a gang: the round's leader, holding every member's answer and no gang in
+        them, sends every bid and decline to every member (once per round): all hold alike."""
+        key = (inst.instance_id, inst.round)
+        if inst.leader != self.ctx.me or key in self.declines_forwarded or not self.round_on_hold(inst, 0):
+            return
+        if len(self.declines_forwarded) >= MAX_JOBS_SHOWN:
+            self.declines_forwarded.clear()
+        self.declines_forwarded.add(key)
+        for _facts, data in self.bidding.held.get(inst.instance_id, {}).values():
+            out.messages.append(Outbound(None, data))
+        for data in self.bidding.declined.get(inst.instance_id, {}).values():
+            out.messages.append(Outbound(None, data))
 
     def _validator(self, iid: bytes):
         mesh_id = self.ctx.mesh_id
