@@ -45,6 +45,7 @@ from protocol.flows.base import FlowRegistry
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
 from protocol.flows.gang import GangFlow
+from protocol.flows.gang_replace import GangReplaceFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
@@ -119,7 +120,10 @@ class MeshCore:
         liveness.joins = joins
         self.preemptions = preemptions = PreemptionFlow(ctx, epochs, jobs, ledger, instances, bidding, capability,
                                                         placement, lifecycle)
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs))
+        self.gang_ranks = gang_ranks = GangReplaceFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
+                                                       lifecycle)
+        epoch_changes.gang_ranks = gang_ranks
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, gang_ranks))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
