@@ -51,6 +51,11 @@ class GangFlow(PlacementFlow):
         self.ranks: dict[bytes, tuple[bytes, ...]] = {}        # gang id -> its placed attempt's worker ids
         self.ports: dict[tuple, int] = {}                       # (worker id, fence) -> gang_port
         self.resizes: dict[bytes, int] = {}                     # gang id -> shrinks decided (GA8)
+        # The signed vectors the bids of a gang's placement carried, by signer: per instance
+        # as validated, then per gang once applied, so a replacement (GA7) has the survivors'
+        # vectors even where a survivor never sent one since.
+        self.bid_vectors: dict[bytes, dict] = {}
+        self.worker_vectors: dict[bytes, dict] = {}
 
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
@@ -190,6 +195,9 @@ class GangFlow(PlacementFlow):
                     if broken is not None:
                         return broken
                 expected = choose_gang(gang.job, job, iid, facts)
+                if len(self.bid_vectors) >= MAX_PORTS_REMEMBERED:
+                    self.bid_vectors.clear()
+                self.bid_vectors[iid] = {f.signer: f.bid.capability for f in facts}
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid gang placement proposal: %s" % exc
             if expected != gang:
@@ -256,6 +264,9 @@ class GangFlow(PlacementFlow):
             self._replay_evictions_since(w, epoch, now_ms, out)
             workers.append(w)
         self.ranks[jid] = tuple(w.job_id for w in workers)
+        if len(self.worker_vectors) >= MAX_PORTS_REMEMBERED:
+            self.worker_vectors.clear()
+        self.worker_vectors[jid] = self.bid_vectors.pop(iid, {})
         out.events.append(self.ctx.event("gang_placed", now_ms, job_id=jid.hex(), fence=fence,
                                          workers=[w.primary.hex() if w.primary else "" for w in workers]))
         # Each rank's node allocates it from its bid's reservation (R1); one refusal refuses the gang.

@@ -148,7 +148,7 @@ class GangReplaceFlow(ValueFlow):
         if record is None or record.state != "replacing":
             return
         gang, rank, others = self._gang_facts(record)
-        survivors = [self.capability.signed_vector(w.primary, now_ms) if w.primary else None for w in others]
+        survivors = [self._survivor_vector(gang.job_id, w.primary, now_ms) for w in others]
         if any(s is None for s in survivors):
             record.hint = "a surviving rank's node has no capability vector here yet (GA7)"
             return
@@ -176,6 +176,20 @@ class GangReplaceFlow(ValueFlow):
                                     size=size, backups=())
         justification = tuple(e for e, _cap in candidates)
         self.instances.drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
+
+    def _survivor_vector(self, gang_id: bytes, node: bytes | None, now_ms: int):
+        """(envelope, vector) of a surviving rank's node: its newest, else the one its bid for
+        the gang's placement carried (the topology check reads its zone and rail group)."""
+        if node is None:
+            return None
+        newest = self.capability.signed_vector(node, now_ms)
+        if newest is not None:
+            return newest
+        data = self.gangs.worker_vectors.get(gang_id, {}).get(node)
+        if data is None:
+            return None
+        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
+        return data, cap
 
     def _worker_rank(self, record) -> int:
         return self.gangs.worker_of[record.job_id][1]   # its rank at placement: its worker id's (GA4)
@@ -269,6 +283,7 @@ class GangReplaceFlow(ValueFlow):
         if value.shrinks:
             self.gangs.shrink(gang_id, record, value.size, now_ms, out)
             return
+        self.gangs.worker_vectors.setdefault(gang_id, {})[value.to_node] = value.capability
         self.jobs.assign(record, value.to_node, value.backups, (), fence=record.fence + 1)
         record.state, record.hint = "migrating", None
         out.events.append(self.ctx.event("gang_rank_replaced", now_ms, job_id=gang_id.hex(), rank=value.rank,
