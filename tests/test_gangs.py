@@ -226,6 +226,10 @@ def test_a_dead_ranks_node_is_replaced_by_decision_and_the_others_learn_its_new_
     net.run(200)
     gang = net.certified(KEYS[0], "gang_placement")[0].value
     first, second = [w.node for w in gang.workers]
+    rank1 = gang_worker_id(job_id(job), 1)
+    # Rank 1 checkpoints (replicated to the gang's backup, P6); the replacement resumes from it.
+    net.emit(second, net.cores[second].local_checkpoint(rank1, 7, 7, net.now, b"step 7", net.now))
+    net.run(50)
     before = len(net.decisions[first])
     net.down.add(second)
     net.run(1500)
@@ -240,6 +244,8 @@ def test_a_dead_ranks_node_is_replaced_by_decision_and_the_others_learn_its_new_
     assert [node for node, _port in told[-1][1].peers] == [first, to_node]
     moved = [run for d in net.decisions[to_node] if d.value_kind == "run" for run in d.value]
     assert [(run.gang.rank, run.resume) for run in moved] == [(1, True)]
+    held = net.cores[to_node].job_table.get(rank1)
+    assert held.last_checkpoint_seq == 7 and held.checkpoint_fence == 1   # handed over unless it was the backup
     for key in set(KEYS) - {second}:
         rank1 = workers_of(net, key, job)[1]
         assert rank1.primary == to_node and rank1.fence == 3   # placed at 1, evicted 2, replaced 3
