@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.placement import MAX_JOBS_SHOWN, PlacementFlow
+from protocol.flows.placement import PlacementFlow
 from protocol.gang_placement import (choose_gang, gang_port, gang_shortfall, gang_worker_id, shortfall,
                                      topology_error)
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
@@ -156,19 +156,11 @@ class GangFlow(PlacementFlow):
         chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
         return choose_gang(record.envelope, record.manifest, iid, chosen)
 
-    def forward_unanimous_declines(self, inst, out: Ready) -> None:
-        """P3a for a gang: the round's leader, holding every member's answer and no gang in
-        them, sends every bid and decline to every member (once per round): all hold alike."""
-        key = (inst.instance_id, inst.round)
-        if inst.leader != self.ctx.me or key in self.declines_forwarded or not self.round_on_hold(inst, 0):
-            return
-        if len(self.declines_forwarded) >= MAX_JOBS_SHOWN:
-            self.declines_forwarded.clear()
-        self.declines_forwarded.add(key)
-        for _facts, data in self.bidding.held.get(inst.instance_id, {}).values():
-            out.messages.append(Outbound(None, data))
-        for data in self.bidding.declined.get(inst.instance_id, {}).values():
-            out.messages.append(Outbound(None, data))
+    def answers_forwarded(self, inst) -> list:
+        """P3a for a gang: the held round's leader sends every bid and decline it holds to
+        every member (once per round), so all of them hold alike."""
+        bids = [data for _facts, data in self.bidding.held.get(inst.instance_id, {}).values()]
+        return bids + super().answers_forwarded(inst)
 
     def _validator(self, iid: bytes):
         mesh_id = self.ctx.mesh_id
