@@ -180,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
     if args.driver == "node":
-        if args.reflex:
-            raise SystemExit("meshnode sim: --reflex runs with --driver core only")
+        if args.reflex or args.gang_kills:
+            raise SystemExit("meshnode sim: --reflex and --gang-kills run with --driver core only")
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")

@@ -368,3 +368,17 @@ def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted()
     assert not result.liveness_missing
     assert result.counters["gang_replacements"] > 0 and result.counters["gang_resizes"] > 0
     assert result.counters.get("gang_ranks_restarted", 0) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gang-kills", "-1"], "--gang-kills must be >= 0"),
+    (["--driver", "node", "--gang-kills", "2"], "--gang-kills run with --driver core only"),
+])
+def test_sim_refuses_bad_gang_kills(argv, message):
+    import argparse
+    from testnet import cli_sim
+    parser = argparse.ArgumentParser(prog="meshnode")
+    cli_sim.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sim", *argv])
+    with pytest.raises(SystemExit, match=message):
+        args.func(args)
