@@ -2,6 +2,7 @@
 placing every rank, and a refusal ending the whole attempt. Cores in a small FIFO Net
 (tests/test_mesh_core.py's), an integer clock."""
 
+import argparse
 import hashlib
 import pathlib
 import random
@@ -21,7 +22,7 @@ from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, Gan
                                decode_message, encode_message, gang_replace_instance_id, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
-from testnet import spec_tables
+from testnet import cli_sim, spec_tables
 from testnet.sim import FAULTS, SimConfig, run_simulation
 from test_no_overcommit import running
 from test_mesh_core import IDS, KEYS, MESH, OWNER, ZONES, Net, make_job
@@ -375,8 +376,6 @@ def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted()
     (["--driver", "node", "--gang-kills", "2"], "--gang-kills run with --driver core only"),
 ])
 def test_sim_refuses_bad_gang_kills(argv, message):
-    import argparse
-    from testnet import cli_sim
     parser = argparse.ArgumentParser(prog="meshnode")
     cli_sim.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sim", *argv])
