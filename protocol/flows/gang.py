@@ -253,12 +253,15 @@ class GangFlow(PlacementFlow):
             self.worker_of[wid] = (jid, rank)
             w.attempt, w.instance, w.state, w.hint, w.exit_code = attempt, iid, "placed", None, None
             self.jobs.assign(w, worker.node, gang.backups, worker.gpus, fence=fence)
-            self._replay_evictions_since(w, epoch, now_ms, out)
             workers.append(w)
         self.ranks[jid] = tuple(w.job_id for w in workers)
         if len(self.worker_vectors) >= MAX_PORTS_REMEMBERED:
             self.worker_vectors.clear()
         self.worker_vectors[jid] = self.bid_vectors.pop(iid, {})
+        # P5, once the whole gang is in the table: a rank on a node evicted since waits for
+        # its replacement (GA7) as it would had the placement been applied in time.
+        for w in workers:
+            self._replay_evictions_since(w, epoch, now_ms, out)
         out.events.append(self.ctx.event("gang_placed", now_ms, job_id=jid.hex(), fence=fence,
                                          workers=[w.primary.hex() if w.primary else "" for w in workers]))
         # Each rank's node allocates it from its bid's reservation (R1); one refusal refuses the gang.

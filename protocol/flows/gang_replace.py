@@ -107,10 +107,9 @@ class GangReplaceFlow(ValueFlow):
         record.hint = "its node was evicted: the mesh decides its replacement (GA7)"
         out.events.append(self.ctx.event("gang_rank_lost", now_ms, job_id=record.job_id.hex(), node=evicted.hex(),
                                          fence=record.fence))
-        iid = gang_replace_instance_id(record.job_id, record.fence)
-        inst = self.instances.start(iid, self, record.job_id, view, now_ms, out)
-        if inst is not None and inst.awaiting_value and iid in self.instances.instances:
-            self._propose(inst, now_ms, out)
+        # Started in the eviction's epoch; its round's leader proposes as it starts (on_awaiting_value).
+        self.instances.start(gang_replace_instance_id(record.job_id, record.fence), self, record.job_id, view,
+                             now_ms, out)
 
     def instance_from_proposal(self, proposal, value: GangReplacement, view, now_ms: int, out: Ready):
         """Only a node that applied the eviction runs the instance (it holds the rank as
@@ -148,7 +147,12 @@ class GangReplaceFlow(ValueFlow):
         if record is None or record.state != "replacing":
             return
         gang, rank, others = self._gang_facts(record)
-        survivors = [self._survivor_vector(gang.job_id, w.primary, now_ms) for w in others]
+        if any(w.primary not in inst.view.stakes for w in others):
+            # Another rank's node is gone too (or not replayed out yet): no survivors to check against.
+            record.hint = "another rank of the gang has no live node: the gang cannot be repaired (GA7)"
+            return
+        survivors = [rank_vector(self.ctx, self.capability, self.gangs, gang.job_id, w.primary, now_ms)
+                     for w in others]
         if any(s is None for s in survivors):
             record.hint = "a surviving rank's node has no capability vector here yet (GA7)"
             return
@@ -176,20 +180,6 @@ class GangReplaceFlow(ValueFlow):
                                     size=size, backups=())
         justification = tuple(e for e, _cap in candidates)
         self.instances.drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
-
-    def _survivor_vector(self, gang_id: bytes, node: bytes | None, now_ms: int):
-        """(envelope, vector) of a surviving rank's node: its newest, else the one its bid for
-        the gang's placement carried (the topology check reads its zone and rail group)."""
-        if node is None:
-            return None
-        newest = self.capability.signed_vector(node, now_ms)
-        if newest is not None:
-            return newest
-        data = self.gangs.worker_vectors.get(gang_id, {}).get(node)
-        if data is None:
-            return None
-        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
-        return data, cap
 
     def _worker_rank(self, record) -> int:
         return self.gangs.worker_of[record.job_id][1]   # its rank at placement: its worker id's (GA4)
@@ -288,6 +278,11 @@ class GangReplaceFlow(ValueFlow):
         record.state, record.hint = "migrating", None
         out.events.append(self.ctx.event("gang_rank_replaced", now_ms, job_id=gang_id.hex(), rank=value.rank,
                                          worker=record.job_id.hex(), to_node=value.to_node.hex(), fence=record.fence))
+        # P5 for a late replacement: an eviction of its node decided since, applied here
+        # before this, leaves the rank waiting again, as on the nodes that applied this first.
+        self.gangs._replay_evictions_since(record, epoch, now_ms, out)
+        if record.state != "migrating":
+            return
         if value.to_node == self.ctx.me:
             holds_checkpoint = record.checkpoint_envelope is not None
             if self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred and not holds_checkpoint:
@@ -300,6 +295,21 @@ class GangReplaceFlow(ValueFlow):
         record = self.jobs.get(subject)
         if record is not None and record.state == "replacing":
             self.gangs.end_attempt(record, now_ms, out)
+
+
+def rank_vector(ctx, capability, gangs, gang_id: bytes, node: bytes | None, now_ms: int):
+    """(envelope, vector) of the node running a gang's rank: its newest, else the one its bid
+    for the gang's placement (or its replacement) carried: the topology check reads its zone
+    and rail group, which a node does not change."""
+    if node is None:
+        return None
+    newest = capability.signed_vector(node, now_ms)
+    if newest is not None:
+        return newest
+    data = gangs.worker_vectors.get(gang_id, {}).get(node)
+    if data is None:
+        return None
+    return data, decode_message(data, ctx.mesh_id, expect=CapabilityVector, caches=ctx.caches)[1]
 
 
 def replacement_backups(record, to_node: bytes, members) -> tuple:
