@@ -381,3 +381,32 @@ def test_sim_refuses_bad_gang_kills(argv, message):
     args = parser.parse_args(["sim", *argv])
     with pytest.raises(SystemExit, match=message):
         args.func(args)
+
+
+def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
+    """GA8: an elastic gang of 2..3 loses a rank while a fourth node is free: the decided
+    value replaces the rank there, and a shrink carrying that node's vector is refused."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=3, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    nodes = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    free = next(k for k in KEYS if k not in nodes)
+    for key in KEYS:
+        net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.down.add(nodes[1])
+    net.run(1500)
+    keeper = nodes[0]
+    decided = net.certified(keeper, "gang_replace")
+    assert len(decided) == 1 and decided[0].value.to_node == free
+    core = net.cores[keeper]
+    record = core.job_table.get(gang_worker_id(job_id(job), 1))
+    lost_fence = record.fence - 1   # the replacement's fence is one above the one it was decided at
+    iid = gang_replace_instance_id(record.job_id, lost_fence)
+    record.state, record.fence = "replacing", lost_fence   # as the validators held it then
+    vectors = {k: core.capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
+    shrink = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
+                             survivors=(vectors[nodes[0]], vectors[nodes[2]]), size=2, backups=())
+    validate = core.gang_ranks.validators(iid)[0]
+    assert "a shrink while a candidate fits" in validate(codec.pack(shrink.to_body()), (vectors[free],))
+    assert validate(codec.pack(shrink.to_body()), ()) is None   # with none, the shrink to 2 follows
