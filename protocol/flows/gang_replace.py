@@ -136,17 +136,16 @@ class GangReplaceFlow(ValueFlow):
         self._propose(inst, now_ms, out)
 
     def _gang_facts(self, record):
-        """(gang record, this rank's index, the surviving ranks' records in rank order)."""
+        """(gang record, the other ranks' records in rank order: the survivors)."""
         gang_id, _rank = self.gangs.worker_of[record.job_id]
-        ranks = self.gangs.ranks.get(gang_id, ())
-        others = [self.jobs.get(wid) for wid in ranks if wid != record.job_id]
-        return self.jobs.get(gang_id), ranks.index(record.job_id), others
+        others = [self.jobs.get(wid) for wid in self.gangs.ranks.get(gang_id, ()) if wid != record.job_id]
+        return self.jobs.get(gang_id), others
 
     def _propose(self, inst, now_ms: int, out: Ready) -> None:
         record = self.jobs.get(self.instances.role(inst.instance_id).subject)
         if record is None or record.state != "replacing":
             return
-        gang, rank, others = self._gang_facts(record)
+        gang, others = self._gang_facts(record)
         if any(w.primary not in inst.view.stakes for w in others):
             # Another rank's node is gone too (or not replayed out yet): no survivors to check against.
             record.hint = "another rank of the gang has no live node: the gang cannot be repaired (GA7)"
@@ -217,7 +216,7 @@ class GangReplaceFlow(ValueFlow):
         record = self._replacing(value)
         if record is None:
             return "the rank is not waiting for a replacement at fence %d here" % value.fence
-        _gang, _rank, others = self._gang_facts(record)
+        _gang, others = self._gang_facts(record)
         if [cap.node for cap in survivors] != [w.primary for w in others]:
             return "the survivors' vectors are not the surviving ranks' nodes, in rank order"
         if len({cap.node for cap in candidates}) != len(candidates):
