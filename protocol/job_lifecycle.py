@@ -197,6 +197,9 @@ class JobLifecycle:
         if envelope.signer != record.primary and self._handed_over_after_move(envelope, checkpoint, data, record,
                                                                               now_ms, out):
             return
+        if envelope.signer != record.primary and self._handed_to_replacement(envelope.signer, checkpoint, record):
+            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
+            return
         if envelope.signer != record.primary or checkpoint.fence < record.fence:
             counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
             out.events.append(self.ctx.event("checkpoint_refused", now_ms, job_id=checkpoint.job_id.hex(),
@@ -234,6 +237,21 @@ class JobLifecycle:
             return False
         return (held is None or not same_work(held, record.attempt, record.manifest)
                 or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0))
+
+    def _handed_to_replacement(self, signer: bytes, checkpoint: Checkpoint, record) -> bool:
+        """GA7: a gang's rank replaced within its attempt: the newest checkpoint of it, taken
+        by the node that ran it at that (earlier) fence of this attempt, handed to the
+        replacement or a backup of it before the new run took one of its own; taken if newer
+        than any held."""
+        me = self.ctx.me
+        if record.state != "migrating" or not self._gang_rank(record) or (record.primary != me
+                                                                          and me not in record.backups):
+            return False
+        if (checkpoint.fence >= record.fence or checkpoint.fence // FENCE_PER_ATTEMPT != record.attempt
+                or record.primaries.get(checkpoint.fence) != signer):
+            return False
+        held = record.checkpoint_fence
+        return held is None or (checkpoint.fence, checkpoint.seq) > (held, record.last_checkpoint_seq or 0)
 
     def _handed_over_after_move(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int,
                                 out: Ready) -> bool:

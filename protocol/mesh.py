@@ -46,6 +46,7 @@ from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
 from protocol.flows.replica import ReplicaFlow
 from protocol.flows.gang import GangFlow
+from protocol.flows.gang_replace import GangReplaceFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
@@ -123,7 +124,10 @@ class MeshCore:
                                                         placement, lifecycle)
         self.replicas = replicas = ReplicaFlow(ctx, epochs, jobs, ledger, instances, capability)
         self.orders.replicas = replicas
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas))
+        self.gang_ranks = gang_ranks = GangReplaceFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
+                                                       lifecycle)
+        epoch_changes.gang_ranks = gang_ranks
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas, gang_ranks))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,

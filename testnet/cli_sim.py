@@ -82,6 +82,9 @@ def register(subparsers) -> None:
                              "(SPEC.md P8; use with --job-ms so room returns)")
     parser.add_argument("--gangs", type=float, default=0.0, metavar="F",
                         help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
+    parser.add_argument("--gang-kills", type=int, default=0, metavar="K",
+                        help="K times (every 1.5 s from 1.5 s on) crash an honest node running a gang's rank for "
+                             "1.2 s, so it is evicted and the rank replaced or the gang shrunk (SPEC.md GA7, GA8)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -152,6 +155,10 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
         "gangs": sum(r.counters.get("gangs", 0) for r in results),
         "gangs_placed": sum(r.counters.get("gangs_placed", 0) for r in results),
+        "gang_kills": sum(r.counters.get("gang_kills", 0) for r in results),
+        "gang_replacements": sum(r.counters.get("gang_replacements", 0) for r in results),
+        "gang_resizes": sum(r.counters.get("gang_resizes", 0) for r in results),
+        "gang_ranks_restarted": sum(r.counters.get("gang_ranks_restarted", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},
         "virtual_ms_max": max((r.virtual_ms for r in results), default=0),
@@ -179,14 +186,16 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit("meshnode sim: --seeds must be in 1..%d" % MAX_SEEDS)
     if args.driver == "node":
-        if args.reflex:
-            raise SystemExit("meshnode sim: --reflex runs with --driver core only")
+        if args.reflex or args.gang_kills:
+            raise SystemExit("meshnode sim: --reflex and --gang-kills run with --driver core only")
         return run_node_driver(args)
     if not 0.0 <= args.byzantine < 1.0:
         raise SystemExit("meshnode sim: --byzantine must be in [0, 1)")
     if args.quota_gpus < 0:
         raise SystemExit("meshnode sim: --quota-gpus must be >= 0")
     shares = (args.fail, args.cancel, args.move, args.fractional, args.gangs, args.reflex)
+    if args.gang_kills < 0:
+        raise SystemExit("meshnode sim: --gang-kills must be >= 0")
     if args.job_ms < 0 or not all(0.0 <= share <= 1.0 for share in shares):
         raise SystemExit("meshnode sim: --job-ms must be >= 0, --fail, --cancel, --move, --fractional, --gangs and "
                          "--reflex in [0, 1]")
@@ -200,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                          job_ms=args.job_ms, job_fail_per_mille=round(args.fail * 1000),
                          cancel_per_mille=round(args.cancel * 1000), move_per_mille=round(args.move * 1000),
                          fractional_per_mille=round(args.fractional * 1000), quota_gpus=args.quota_gpus,
-                         reservations=args.reservations, preempt=args.preempt,
+                         reservations=args.reservations, preempt=args.preempt, gang_kills=args.gang_kills,
                          gang_per_mille=round(args.gangs * 1000), reflex_per_mille=round(args.reflex * 1000))
                for k in range(args.seeds)]
     started = time.perf_counter()

@@ -43,7 +43,9 @@ from testnet.sim_job_signals import JobSignalMoves, job_signals, use_latency_rul
 from testnet.sim_world import GENESIS_MS, SIM_PARAMS, ZONES, World, build_world, with_gangs
 
 FAULTS = ("crash", "partition", "asym", "delay", "loss", "dup", "reorder")
-TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT, TELEMETRY = range(11)
+TICK, DELIVER, SUBMIT, CRASH, RESTART, HEAL, EXIT, CANCEL, MOVE, CHECKPOINT, TELEMETRY, GANG_KILL = range(12)
+GANG_KILL_START_MS, GANG_KILL_SPACING_MS = 1500, 3500   # --gang-kills: after gangs are placed, one per spacing
+GANG_KILL_DOWN_MS = 3000                                 # a killed rank node's downtime: detection is 300 ms
 CHECKPOINT_MS = 100             # with --preempt, a run reports its start, then checkpoints this often
 CANCEL_TRIES = 20                # an owner's client tries this many nodes before it gives the cancel up
 MAX_EVENTS_QUEUED = 20_000_000   # a runaway message storm fails the run instead of eating memory
@@ -109,6 +111,10 @@ class SimConfig:
     # their own rng too. A gang no set of honest members fits (its size, its topology) may
     # stay pending: unplaced gangs are counted, not owed by the liveness check.
     gang_per_mille: int = 0
+    # ``gang_kills``: that many times, from GANG_KILL_START_MS on, every GANG_KILL_SPACING_MS,
+    # a seeded pick among the honest nodes running a gang's rank crashes for GANG_KILL_DOWN_MS
+    # (long past detection, so it is evicted and the rank replaced, GA7, or the gang shrunk).
+    gang_kills: int = 0
 
     @property
     def workloads(self) -> bool:
@@ -152,6 +158,8 @@ class SimConfig:
             line += " --preempt"
         if self.gang_per_mille:
             line += " --gangs %s" % (self.gang_per_mille / 1000)
+        if self.gang_kills:
+            line += " --gang-kills %d" % self.gang_kills
         return line
 
 
@@ -214,12 +222,15 @@ class Simulation:
         self.rng = random.Random(config.seed)
         faulty = bool(config.faults)
         self.heal_ms = config.safety_ms if faulty else 0
+        if config.gang_kills:
+            self.heal_ms = max(self.heal_ms, GANG_KILL_START_MS + config.gang_kills * GANG_KILL_SPACING_MS)
         self.world: World = build_world(self.rng, config.nodes, config.jobs, config.byzantine_milli,
                                         config.submit_window_ms,
                                         replace(SIM_PARAMS, placement_slot_ms=config.slot_ms),
                                         fractional_per_mille=config.fractional_per_mille,
                                         quota_gpus=config.quota_gpus, reservations=config.reservations,
                                         preempt=config.preempt)
+        self.gang_kill_rng = random.Random(config.seed * 1_000_003 + 0x4B11)   # its own: other draws unchanged
         if config.gang_per_mille:
             self.world = with_gangs(self.world, random.Random(config.seed * 1_000_003 + 0x6A46),
                                     config.gang_per_mille)
@@ -283,6 +294,7 @@ class Simulation:
         self.busy_until_ms = max([self.heal_ms] + [end + REFLEX_SETTLE_MS for spells in self.hot.values()
                                                    for _start, end in spells])
         self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (workload runs)
+        self.gang_runs_started: set[tuple] = set()   # (node, incarnation, rank, fence) ordered to run (GA7)
         for index in sorted(self.world.byzantine):
             spec = self.world.nodes[index]
             behaviours = self._draw_behaviours()
@@ -366,6 +378,8 @@ class Simulation:
                 down_ms = rng.randrange(self.heal_ms)
                 self.push(down_ms, CRASH, victim, None)
                 self.push(min(self.heal_ms, down_ms + rng.randint(20, 700)), RESTART, victim, None)
+        for kill in range(cfg.gang_kills):
+            self.push(GANG_KILL_START_MS + kill * GANG_KILL_SPACING_MS, GANG_KILL, -1, None)
         if self.heal_ms:
             self.push(self.heal_ms, HEAL, -1, None)
 
@@ -396,9 +410,9 @@ class Simulation:
         self._schedule_faults()
         self._schedule_cancels()
         self._schedule_moves()
-        if cfg.reflex_per_mille:
+        if cfg.reflex_per_mille or cfg.gang_kills:   # a gang's replacement is chosen from vectors (GA7)
             for node in self.nodes:
-                self.push(self.workload_rng.randrange(TELEMETRY_MS), TELEMETRY, node.index, 0)
+                self.push(self._telemetry_rng().randrange(TELEMETRY_MS), TELEMETRY, node.index, 0)
         last_submit = max((j.submit_ms for j in self.world.jobs), default=0)
         deadline_ms = self.deadline_ms = max(self.heal_ms, last_submit) + cfg.liveness_bound_ms
         total_jobs = len(self.world.jobs)
@@ -430,6 +444,8 @@ class Simulation:
                 self._telemetry(target)
             elif kind == CHECKPOINT:
                 self._checkpoint(target, payload)
+            elif kind == GANG_KILL:
+                self._kill_a_rank_node()
             if self.complete >= total_jobs and at_ms >= self.busy_until_ms:
                 break
             if len(queue) > MAX_EVENTS_QUEUED:
@@ -572,14 +588,18 @@ class Simulation:
         self.counters["moves"] = self.counters.get("moves", 0) + 1
         self._emit(node, ready)
 
+    def _telemetry_rng(self) -> random.Random:
+        """Readings draw from the workload rng; with --gang-kills alone, from the kills' own."""
+        return self.workload_rng or self.gang_kill_rng
+
     def _telemetry(self, index: int) -> None:
         """A node reads its GPUs (SPEC.md R3 runs): hot inside its spells, cool outside; the
         jobs it runs report their load (R3a), slow inside the same spells."""
         node = self.nodes[index]
         if node.up:
-            hot = any(start <= self.now_ms < end for start, end in self.hot[index])
-            gpus = reading(self.world.nodes[index].capacity, hot, self.workload_rng)
-            reported = job_signals(node.running, hot, self.workload_rng)
+            hot = any(start <= self.now_ms < end for start, end in self.hot.get(index, ()))
+            gpus = reading(self.world.nodes[index].capacity, hot, self._telemetry_rng())
+            reported = job_signals(node.running, hot, self._telemetry_rng())
             self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms, job_signals=reported)
         self.push(self.now_ms + TELEMETRY_MS, TELEMETRY, index, 0)
 
@@ -592,6 +612,8 @@ class Simulation:
         elif decision.value_kind == "run":
             cfg = self.config
             for run in decision.value:
+                if run.gang is not None and node.behaviour is None:
+                    self._check_rank_not_restarted(node, run)
                 node.running[run.job_id] = run
                 if cfg.job_ms:
                     duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
@@ -603,6 +625,16 @@ class Simulation:
             if cfg.runs_reported:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
+
+    def _check_rank_not_restarted(self, node: SimNode, run) -> None:
+        """SPEC.md GA7: a gang's surviving ranks are never stopped and started again: one run
+        per (rank, fence) per incarnation of an honest node (a replacement has a new fence)."""
+        key = (node.index, node.incarnation, run.job_id, run.fence)
+        if key in self.gang_runs_started:
+            self.counters["gang_ranks_restarted"] = self.counters.get("gang_ranks_restarted", 0) + 1
+            self.checker.fail("gang", node.index, None, "node %d started rank %s again at fence %d"
+                              % (node.index, run.job_id.hex()[:12], run.fence))
+        self.gang_runs_started.add(key)
 
     def _checkpoint(self, index: int, payload) -> None:
         """With --preempt: the run reports its start (``step`` 0), then a checkpoint every
@@ -657,6 +689,20 @@ class Simulation:
         node.core = self._new_core(node)
         self.counters["restarts"] += 1
         self.push(self.now_ms + self.rng.randrange(self.config.tick_ms), TICK, index, node.incarnation)
+
+    def _kill_a_rank_node(self) -> None:
+        """--gang-kills: crash an honest node that runs a gang's rank for GANG_KILL_DOWN_MS,
+        long past detection: one whose stake with the Byzantine stake (which may stay silent)
+        is under a third of the total, else no eviction could be decided without it (F4a)."""
+        byzantine, total = self.world.byzantine_stake_fraction()
+        running_ranks = [node.index for node in self.nodes if node.up and node.behaviour is None
+                         and 3 * (byzantine + self.world.nodes[node.index].stake) < total
+                         and any(run.gang is not None for run in node.running.values())]
+        if running_ranks:
+            self.counters["gang_kills"] = self.counters.get("gang_kills", 0) + 1
+            victim = self.gang_kill_rng.choice(running_ranks)
+            self._crash(victim)
+            self.push(min(self.heal_ms, self.now_ms + GANG_KILL_DOWN_MS), RESTART, victim, None)
 
     def _heal(self) -> None:
         for node in self.nodes:
@@ -892,6 +938,7 @@ class Simulation:
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
+                          gang_replacements=checker.gang_replaced, gang_resizes=checker.gang_resized,
                           unplaceable_jobs=len(unplaceable) - len(quota_held),
                           quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
                           liveness_unpromised_jobs=len(unpromised),

@@ -32,7 +32,8 @@ from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id, topology_error
 from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.job_table import FENCE_PER_ATTEMPT
-from protocol.messages import (MAX_GANG_WORKERS, Eviction, GangPlacement, JobManifest, JobMove, MembershipChange,
+from protocol.messages import (MAX_GANG_WORKERS, Eviction, GangPlacement, GangReplacement, JobManifest, JobMove,
+                               MembershipChange,
                                Placement, PlacementSlot, decode_message, decode_value, job_id, placement_attempt,
                                value_hash)
 from protocol.policy import LocalCapacity, NodePolicy
@@ -111,6 +112,9 @@ class DecisionChecker:
         self.members = set(range(len(facts)))                 # after the evictions and joins decided so far
         self.plans: dict[int, dict] = {}                      # evicted node -> job id -> (target, backups)
         self.gang_attempt: dict[bytes, tuple] = {}            # gang job id -> (newest attempt placed, world size)
+        self.gang_active: dict[bytes, list] = {}              # gang job id -> its ranks' worker ids now (GA8)
+        self.gang_of_rank: dict[bytes, bytes] = {}            # worker id -> its gang's job id
+        self.gang_replaced = self.gang_resized = 0            # decided gang_replace values, by form (GA7, GA8)
         self.violations: list[Violation] = []
         self.violation_count = 0
         # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
@@ -196,6 +200,8 @@ class DecisionChecker:
                 self._check_placement(node, instance, placement)
         elif isinstance(value, Eviction):
             self._apply_eviction(node, instance, value)
+        elif isinstance(value, GangReplacement):
+            self._check_gang_replace(node, instance, value)
         elif isinstance(value, JobMove):
             self._apply_job_move(value)
         elif isinstance(value, MembershipChange) and value.change == "join":
@@ -305,7 +311,11 @@ class DecisionChecker:
                 return
             for rank in range(earlier[1]):   # the attempt before ended (a refusal or a failure)
                 self._unload(gang_worker_id(jid, rank))
+            for wid in self.gang_active.get(jid, ()):
+                self._unload(wid)   # ranks renumbered by a shrink, too
         self.gang_attempt[jid] = (attempt, len(gang.workers))
+        self.gang_active[jid] = [gang_worker_id(jid, rank) for rank in range(len(gang.workers))]
+        self.gang_of_rank.update((wid, jid) for wid in self.gang_active[jid])
         self.first_placement_of.setdefault(jid, instance)
         self.placement_of[jid] = instance
         self.placing_instances.setdefault(jid, []).append(instance)
@@ -324,20 +334,59 @@ class DecisionChecker:
             wid = gang_worker_id(jid, rank)
             self.job_backups[wid] = tuple(self.index_of.get(b) for b in gang.backups)
             self.job_resources[wid] = job.resources
-            if holder in self.members:
+            if holder in self.members:   # else evicted since: the rank waits for its replacement (GA7)
                 self._commit(holder, wid, job.resources, tuple(gang.workers[rank].gpus))
-            else:
-                self.job_home[wid] = holder
-                self._move_to_first_live_backup(wid, holder)
+
+    def _check_gang_replace(self, node: int, instance: bytes, value: GangReplacement) -> None:
+        """SPEC.md GA7, GA8: a lost rank of the gang's newest attempt goes to one member that
+        runs no other rank of it and keeps the topology rule with the survivors by their true
+        facts; a shrink leaves a size the job allows (within [min, max], a multiple), below
+        the one before, with the kept ranks keeping the rule. A value for an attempt that has
+        ended since changes nothing (every node finds the rank no longer waiting)."""
+        job = self._placed_job(node, instance, value.job)
+        if job is None:
+            return
+        jid = job_id(job)
+        wid = gang_worker_id(jid, value.rank)
+        active = self.gang_active.get(jid, [])
+        if wid not in active or value.fence // FENCE_PER_ATTEMPT != self.gang_attempt[jid][0]:
+            return
+        survivors = [w for w in active if w != wid]
+        homes = [self.job_home.get(w) for w in survivors]
+        self._unload(wid)
+        if value.shrinks:
+            self.gang_resized += 1
+            sizes = job.gang.sizes()
+            if value.size not in sizes or value.size >= len(active):
+                self.fail("gang", node, instance, "gang %s shrunk to %d workers from %d (sizes %s)"
+                          % (jid.hex()[:12], value.size, len(active), list(sizes)))
+            for dropped in survivors[value.size:]:
+                self._unload(dropped)
+            self.gang_active[jid] = survivors[:value.size]
+            kept = [h for h in homes[:value.size] if h is not None]
+            broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in kept])
+            if broken is not None and len(kept) == value.size:
+                self.fail("gang", node, instance, "gang %s shrunk against its topology: %s" % (jid.hex()[:12], broken))
+            return
+        self.gang_replaced += 1
+        target = self.index_of.get(value.to_node)
+        if target is None or target not in self.members or target in homes:
+            self.fail("gang", node, instance, "rank %d of gang %s replaced on a non-member or on a node running "
+                      "another rank" % (value.rank, jid.hex()[:12]))
+            return
+        placed = [h for h in homes if h is not None] + [target]
+        broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in placed])
+        if broken is not None and len(placed) == len(active):
+            self.fail("gang", node, instance, "gang %s repaired against its topology: %s" % (jid.hex()[:12], broken))
+        self.job_backups[wid] = tuple(self.index_of.get(b) for b in value.backups)
+        self._commit(target, wid, job.resources, self._least_loaded_gpus(target, job.resources.gpus))
 
     def check_gangs_running(self, runs_by_node: dict) -> None:
         """At the end of a run (SPEC.md GA4): no rank of a gang's ended attempt still runs on
         an honest node, and no rank runs on two honest nodes at once."""
         where: dict[bytes, int] = {}
-        newest = {gang_worker_id(jid, rank): (jid, attempt) for jid, (attempt, world) in self.gang_attempt.items()
-                  for rank in range(world)}
-        stale = {gang_worker_id(jid, rank): jid for jid, (attempt, world) in self.gang_attempt.items()
-                 for rank in range(world, MAX_GANG_WORKERS)}
+        newest = {wid: (jid, self.gang_attempt[jid][0]) for jid, wids in self.gang_active.items() for wid in wids}
+        stale = {gang_worker_id(jid, rank): jid for jid in self.gang_attempt for rank in range(MAX_GANG_WORKERS)}
         for node, runs in sorted(runs_by_node.items()):
             for run in runs:
                 wid = run.job_id
@@ -438,6 +487,8 @@ class DecisionChecker:
             if target is None or target == evicted:
                 self.fail("validity", node, instance, "migration to a non-member or to the evicted node")
                 continue
+            if migration.job_id in self.gang_of_rank:
+                continue   # GA7: a plan never moves a gang's rank (the node applying it ignores it)
             planned.add(migration.job_id)
             plan[migration.job_id] = (target, tuple(self.index_of.get(b) for b in migration.backups))
             if self.job_home.get(migration.job_id) != evicted:
@@ -445,6 +496,9 @@ class DecisionChecker:
             self.job_backups[migration.job_id] = tuple(self.index_of.get(b) for b in migration.backups)
             self._move(migration.job_id, evicted, target)
         for jid in [j for j, home in self.job_home.items() if home == evicted and j not in planned]:
+            if jid in self.gang_of_rank and jid in self.gang_active.get(self.gang_of_rank[jid], ()):
+                self._unload(jid)   # GA7: a gang's rank waits for its replacement, decided on its own
+                continue
             self._move_to_first_live_backup(jid, evicted)
 
     def _move_to_first_live_backup(self, jid: bytes, gone: int) -> None:

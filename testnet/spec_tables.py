@@ -31,12 +31,13 @@ from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, sea
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
-                               Constraints, Evidence, Gang, GangPlacement, GangWorker, GpuState, Join, JobMove, Member,
+                               Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangWorker, GpuState, Join, JobMove, Member,
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
                                Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
-                               ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service, job_id,
-                               move_instance_id, placement_instance_id, placement_slot_id, preemption_instance_id,
-                               replica_instance_id, replica_key, value_hash)
+                               ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service,
+                               gang_replace_instance_id, job_id, move_instance_id, placement_instance_id,
+                               placement_slot_id, preemption_instance_id, replica_instance_id, replica_key,
+                               value_hash)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 from protocol.messages import JobSignals
 
@@ -47,7 +48,8 @@ VECTOR_TIME_MS = 1_700_000_000_000
 # Records that appear only nested in messages or as decided values / genesis parts.
 NESTED_RECORDS = (GpuState, RunningJob, JobSignals, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
-                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, Reflex, Service, ReplicaAction)
+                  Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, GangReplacement, Reflex, Service,
+                  ReplicaAction)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -65,7 +67,8 @@ NESTED_ENVELOPES = {
                                   "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
                                   "validator ignores any); `preemption`: every member's `decline` and the "
-                                  "candidate nodes' `cap`s (at most 64, P8b). For the other kinds one that fails "
+                                  "candidate nodes' `cap`s (at most 64, P8b); `gang_replace`: the candidate members' `cap`s (at most 32, "
+                                  "GA7). For the other kinds one that fails "
                                   "makes the proposal invalid"),
     (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
                                                        "else the proposal is invalid (6.3)"),
@@ -88,6 +91,9 @@ NESTED_ENVELOPES = {
     (Preemption, "job"): (("job",), "this mesh or ANY_MESH, `owner` = signer (P8b); in a certificate, 6.7"),
     (GangPlacement, "job"): (("job",), "as Placement `job`, and the job has a `gang` of more than one "
                                        "worker (GA3)"),
+    (GangReplacement, "job"): (("job",), "as GangPlacement `job` (GA7)"),
+    (GangReplacement, "survivors"): (("cap",), "this mesh, one per surviving rank in rank order, signed by that "
+                                               "rank's node, `node` = signer (GA7)"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
     (JobMove, "request"): (("move_request", "reflex_trigger"),
                            "this mesh, for this instance: a `move_request` signed by the job's owner (R2), or a "
@@ -236,6 +242,9 @@ def _coherent(cls, body: dict) -> dict:
         body = Gang().to_body()   # the default: one worker, a plain job (GA1)
     elif cls is GangPlacement:
         body.update(job=_job_envelope(), backups=[])
+    elif cls is GangReplacement:   # GA8's form: a shrink names no node and carries no vector
+        body.update(job=_job_envelope(), to_node=b"", capability=b"", backups=[],
+                    survivors=[_seal("cap", sample_body(CapabilityVector))])
     elif cls is Proposal:
         body = _proposal_body(VECTOR_ROUND)
     elif cls in (MESSAGE_TYPES["prevote"], MESSAGE_TYPES["precommit"]):
@@ -474,6 +483,8 @@ def render_gang_vectors() -> str:
         worker = gang_worker_id(VECTOR_JOB_ID, rank)
         lines.append("gang_worker_id rank=%d: %s" % (rank, worker.hex()))
         lines.append("gang_port rank=%d fence=1: %d" % (rank, gang_port(worker, 1)))
+    lines.append("gang_replace_instance_id rank=1 fence=2: %s" % gang_replace_instance_id(
+        gang_worker_id(VECTOR_JOB_ID, 1), 2).hex())
     lines.append("```")
     return "\n".join(lines)
 

@@ -4,7 +4,8 @@ all-reduce over real TCP each step, and a restored gang agreeing on one step."""
 import socket
 import threading
 
-from meshnode.workload.builtin import ALLREDUCE_STATE, EXIT_RING_BROKEN, EXIT_SUM_WRONG, ProgressLog, Ring, run_allreduce
+from meshnode.workload.builtin import (ALLREDUCE_STATE, EXIT_RING_BROKEN, EXIT_SUM_WRONG, AllreduceRun, ProgressLog, Ring,
+                                      run_allreduce)
 from meshnode.workload.sdk import GangInfo, gang_environment, multiaddr_host
 from protocol.flows.gang import GangRank
 
@@ -46,6 +47,22 @@ def run_gang(world, restored, steps, corrupt_rank=None):
     return codes, [w.states for w in workloads]
 
 
+def start_survivors(peers, peers_file, ranks, steps):
+    """Ranks of a gang of len(peers) that run on through a break, each in a thread: their
+    AllreduceRuns, exit codes and threads (join them)."""
+    runs, codes = {}, {}
+
+    def survivor(rank):
+        runs[rank] = AllreduceRun(FakeWorkload(), GangInfo("g", rank, len(peers), peers, str(peers_file)), 10, 0,
+                                  ProgressLog(None), 0, 10)
+        codes[rank] = runs[rank].run(steps)
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    return runs, codes, threads
+
+
 def test_three_ranks_sum_their_vectors_every_step():
     codes, states = run_gang(3, [None] * 3, steps=4)
     assert codes == [0, 0, 0] and states == [[1, 2, 3, 4]] * 3
@@ -75,22 +92,12 @@ def test_a_moved_rank_rejoins_and_the_others_go_on_without_restarting(tmp_path):
     """GA5: rank 1's process ends after 3 steps (its node died); ranks 0 and 2 keep their
     processes and step, wait for the node to publish rank 1's new address, rebuild the
     ring, and all go on from the step the moved rank's checkpoint holds (2)."""
-    from meshnode.workload.builtin import AllreduceRun
     ports = free_ports(4)
     first = tuple(("127.0.0.1", port) for port in ports[:3])
     moved = (first[0], ("127.0.0.1", ports[3]), first[2])
     peers_file = tmp_path / "gang_peers"
     peers_file.write_text(",".join("%s:%d" % p for p in first))
-    runs, codes = {}, {}
-
-    def survivor(rank):
-        runs[rank] = AllreduceRun(FakeWorkload(), GangInfo("g", rank, 3, first, str(peers_file)), 10, 0,
-                                  ProgressLog(None), 0, 10)
-        codes[rank] = runs[rank].run(8)
-
-    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2)]
-    for thread in threads:
-        thread.start()
+    runs, codes, threads = start_survivors(first, peers_file, (0, 2), steps=8)
     gone = run_allreduce(FakeWorkload(), GangInfo("g", 1, 3, first), 10, 3, 0, ProgressLog(None))
     peers_file.write_text(",".join("%s:%d" % p for p in moved))   # the node learnt where rank 1 went
     replacement = FakeWorkload(restored_step=2)
@@ -101,3 +108,45 @@ def test_a_moved_rank_rejoins_and_the_others_go_on_without_restarting(tmp_path):
     assert [runs[r].rebuilds for r in (0, 2)] == [1, 1]
     assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 3, 4, 5, 6, 7, 8]
     assert replacement.states == [3, 4, 5, 6, 7, 8]
+
+
+def test_a_shrunk_gang_renumbers_its_ranks_and_goes_on_with_the_smaller_world(tmp_path):
+    """GA8: rank 1 is lost and the gang shrinks to 2: the node publishes the two survivors;
+    rank 2 finds its own address at index 1 and becomes rank 1 of 2; both keep their
+    processes and step and go on, their sums those of a world of 2. A published list with
+    an unreachable rank (its replacement not decided yet) is waited past."""
+    ports = free_ports(3)
+    first = tuple(("127.0.0.1", port) for port in ports)
+    peers_file = tmp_path / "gang_peers"
+    peers_file.write_text(",".join("%s:%d" % p for p in first))
+    runs, codes, threads = start_survivors(first, peers_file, (0, 2), steps=8)
+    gone = run_allreduce(FakeWorkload(), GangInfo("g", 1, 3, first), 10, 3, 0, ProgressLog(None))
+    peers_file.write_text("127.0.0.1:%d,0.0.0.0:%d,127.0.0.1:%d" % tuple(ports))   # rank 1 has no node yet
+    threading.Event().wait(0.2)
+    peers_file.write_text("127.0.0.1:%d,127.0.0.1:%d" % (ports[0], ports[2]))   # the shrink was decided
+    for thread in threads:
+        thread.join(30)
+    assert (gone, codes) == (0, {0: 0, 2: 0})
+    assert [(runs[r].gang.rank, runs[r].gang.world_size, runs[r].rebuilds) for r in (0, 2)] == [(0, 2, 1), (1, 2, 1)]
+    assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_barrier_returns_once_every_rank_reached_it():
+    peers = tuple(("127.0.0.1", port) for port in free_ports(3))
+    reached = []
+
+    def rank_main(rank):
+        ring = Ring(GangInfo("g", rank, 3, peers), timeout_s=10)
+        if rank == 2:
+            threading.Event().wait(0.3)   # the last to arrive
+        reached.append(("in", rank))
+        ring.barrier()
+        reached.append(("out", rank))
+        ring.close()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [kind for kind, _rank in reached[:3]] == ["in"] * 3 and len(reached) == 6

@@ -2,6 +2,7 @@
 placing every rank, and a refusal ending the whole attempt. Cores in a small FIFO Net
 (tests/test_mesh_core.py's), an integer clock."""
 
+import argparse
 import hashlib
 import pathlib
 import random
@@ -17,11 +18,11 @@ from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id
 from protocol.mesh import MeshCore
-from protocol.messages import (Cancel, Gang, GangPlacement, GangWorker, JobManifest, Proposal, decode_message,
-                               encode_message, job_id)
+from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, GangWorker, JobManifest, Proposal,
+                               decode_message, encode_message, gang_replace_instance_id, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
-from testnet import spec_tables
+from testnet import cli_sim, spec_tables
 from testnet.sim import FAULTS, SimConfig, run_simulation
 from test_no_overcommit import running
 from test_mesh_core import IDS, KEYS, MESH, OWNER, ZONES, Net, make_job
@@ -149,6 +150,9 @@ def test_spec_gang_ids_follow_the_stated_formulas():
                                       "big") % 40000
         assert int(lines["gang_port rank=%d fence=1" % rank]) == port
     assert lines["zone sizes=[3]"].startswith("ranks n1 n4 n5 diameter 1")   # the smaller diameter beats rank
+    rank1 = hashlib.sha256(b"gang-worker" + jid + (1).to_bytes(2, "big")).digest()   # GA7's instance
+    assert lines["gang_replace_instance_id rank=1 fence=2"] == hashlib.sha256(
+        b"gang-replace" + rank1 + (2).to_bytes(8, "big")).hexdigest()
 
 
 def test_validators_refuse_a_gang_that_breaks_its_topology():
@@ -212,25 +216,40 @@ def test_tools_show_a_gang_as_one_job_with_its_ranks():
     assert "2 workers, topology zone" in text and "rank 1" in text
 
 
-def test_a_dead_ranks_node_moves_only_that_rank_and_the_others_learn_its_new_peers():
-    """GA5: rank 1's node dies: the eviction moves rank 1 to the gang's backup (F5); rank
-    0's node keeps its workload (no stop, no new run) and is told rank 1's new address."""
+def test_a_dead_ranks_node_is_replaced_by_decision_and_the_others_learn_its_new_peers():
+    """GA7: rank 1's node dies: the eviction does not move rank 1 by F5; a gang_replace
+    decision puts it on the member that keeps the gang's diameter smallest (rank 0's rail
+    group), at the next fence; rank 0's node keeps its workload (no stop, no new run) and is
+    told rank 1's new address; the new node resumes rank 1."""
     net = GangNet()
     job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
     net.submit(KEYS[0], envelope)
     net.run(200)
     gang = net.certified(KEYS[0], "gang_placement")[0].value
-    (first, second), backup = [w.node for w in gang.workers], gang.backups[0]
+    first, second = [w.node for w in gang.workers]
+    rank1 = gang_worker_id(job_id(job), 1)
+    # Rank 1 checkpoints (replicated to the gang's backup, P6); the replacement resumes from it.
+    net.emit(second, net.cores[second].local_checkpoint(rank1, 7, 7, net.now, b"step 7", net.now))
+    net.run(50)
     before = len(net.decisions[first])
     net.down.add(second)
-    net.run(800)
+    net.run(1500)
+    replaced = net.certified(first, "gang_replace")
+    assert len(replaced) == 1 and replaced[0].value.rank == 1 and not replaced[0].value.shrinks
+    to_node = replaced[0].value.to_node
+    assert to_node not in (first, second)
     later = net.decisions[first][before:]
     assert not [d for d in later if d.value_kind in ("stop", "run")]
     told = [item for d in later if d.value_kind == "gang_peers" for item in d.value]
     assert told and told[-1][0] == gang_worker_id(job_id(job), 0)
-    assert [node for node, _port in told[-1][1].peers] == [first, backup]
-    moved = [run for d in net.decisions[backup] if d.value_kind == "run" for run in d.value]
+    assert [node for node, _port in told[-1][1].peers] == [first, to_node]
+    moved = [run for d in net.decisions[to_node] if d.value_kind == "run" for run in d.value]
     assert [(run.gang.rank, run.resume) for run in moved] == [(1, True)]
+    held = net.cores[to_node].job_table.get(rank1)
+    assert held.last_checkpoint_seq == 7 and held.checkpoint_fence == 1   # handed over unless it was the backup
+    for key in set(KEYS) - {second}:
+        rank1 = workers_of(net, key, job)[1]
+        assert rank1.primary == to_node and rank1.fence == 3   # placed at 1, evicted 2, replaced 3
 
 
 def test_one_rank_cannot_be_cancelled_alone_but_the_gang_cancels_every_rank():
@@ -250,3 +269,144 @@ def test_one_rank_cannot_be_cancelled_alone_but_the_gang_cancels_every_rank():
     for key in KEYS:
         assert [w.state for w in workers_of(net, key, job)[:2]] == ["cancelled", "cancelled"]
         assert all(jid not in running(net, key) for jid in (rank0, gang_worker_id(job_id(job), 1)))
+
+
+def _gang_round(net, key, job):
+    core = net.cores[key]
+    inst = core.instances.get(core.job_table.get(job_id(job)).instance)
+    return None if inst is None else inst.round
+
+
+def test_an_infeasible_gang_holds_its_round_and_is_placed_when_capacity_frees():
+    """P3a for gangs: every member answered and no gang fits the bids (rank 3's node is
+    full, and only zone-b's rail group can hold two): the round holds instead of changing
+    rounds until it gives up (the demo's gang reached round 26). Once rank 3's node frees
+    its GPU it bids to every member, the hold ends and the gang is placed."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    occupied = net.cores[KEYS[3]]
+    filler, _ = make_job(nonce=99, gpus=1)
+    occupied.ledger.allocate_now(b"x" * 32, filler.resources)
+    job, envelope = make_gang(Gang(workers=2, topology="rail_group"), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(30_000, step_ms=20)
+    assert not net.certified(KEYS[0], "gang_placement")
+    assert all(_gang_round(net, key, job) == 0 for key in KEYS)
+    occupied.ledger.free(b"x" * 32)
+    net.run(2_000, step_ms=20)
+    gang = net.certified(KEYS[0], "gang_placement")[0].value
+    assert {w.node for w in gang.workers} == {KEYS[2], KEYS[3]}
+
+
+def test_an_elastic_gang_shrinks_when_no_member_can_replace_a_rank():
+    """GA8: an elastic gang of 2..4 holds every node; one dies and no member is left to
+    replace it: a decided gang_replace shrinks it to 3, the survivors renumbered in rank
+    order and told the world of 3; none of them is stopped or started again."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    gang = net.certified(KEYS[0], "gang_placement")[0].value
+    nodes = [w.node for w in gang.workers]
+    assert len(nodes) == 4
+    lost = nodes[1]
+    alive = [n for n in nodes if n != lost]
+    before = {n: len(net.decisions[n]) for n in alive}
+    net.down.add(lost)
+    net.run(1500)
+    decided = net.certified(alive[0], "gang_replace")
+    assert len(decided) == 1 and decided[0].value.shrinks and decided[0].value.size == 3
+    for rank, node in enumerate(alive):
+        later = net.decisions[node][before[node]:]
+        assert not [d for d in later if d.value_kind in ("stop", "run")]
+        told = [item for d in later if d.value_kind == "gang_peers" for item in d.value][-1][1]
+        assert (told.rank, told.world_size, [p[0] for p in told.peers]) == (rank, 3, alive)
+    view = net.cores[alive[0]].job_view(job_id(job))
+    assert [w["primary"] for w in view["gang"]["workers"]] == alive and view["gang"]["resizes"] == 1
+
+
+def test_validators_refuse_a_replacement_that_breaks_the_topology():
+    """GA7: a gang in one zone loses a rank; a replacement value naming a node of the other
+    zone (which has room) is refused naming the rule, and a shrink of a fixed-size gang is
+    refused by its binding. No replacement fits, so the gang's attempt ends (GA4) and it is
+    placed afresh whole, in the zone that can hold it."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=2, topology="zone"), backups=0, max_retries=1)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    gang = net.certified(KEYS[0], "gang_placement")[0].value
+    first, second = [w.node for w in gang.workers]
+    others = [k for k in KEYS if k not in (first, second)]
+    for key in KEYS:   # capability vectors go out (P1), as a node's telemetry loop sends them
+        net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.down.add(second)
+    net.run(400)
+    core = net.cores[first]
+    record = core.job_table.get(gang_worker_id(job_id(job), 1))
+    assert record.state == "replacing"
+    iid = gang_replace_instance_id(record.job_id, record.fence)
+    vectors = {k: core.capability.signed_vector(k, net.now) for k in (first, *others)}
+    across = GangReplacement(job=envelope, rank=1, fence=record.fence, to_node=others[0],
+                             capability=vectors[others[0]][0], survivors=(vectors[first][0],), size=2, backups=())
+    validate = core.gang_ranks.validators(iid)[0]
+    assert "topology 'zone'" in validate(codec.pack(across.to_body()), tuple(vectors[k][0] for k in others))
+    shrink = GangReplacement(job=envelope, rank=1, fence=record.fence, to_node=b"", capability=b"",
+                             survivors=(vectors[first][0],), size=1, backups=())
+    assert "which the job does not allow" in validate(codec.pack(shrink.to_body()), ())
+    net.run(20_000, step_ms=20)
+    assert not net.certified(first, "gang_replace")
+    second_attempt = net.certified(first, "gang_placement")[-1].value
+    assert {w.node for w in second_attempt.workers} == set(others)
+
+
+def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted():
+    """Simulator (SPEC.md 11) with only gangs (fixed and elastic), every fault, 1/5 Byzantine
+    stake and two kills of rank nodes: lost ranks are replaced (GA7) and elastic gangs shrink
+    (GA8), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
+    and no surviving rank started again."""
+    result = run_simulation(SimConfig(nodes=7, jobs=6, seed=5, byzantine_milli=200, faults=FAULTS,
+                                      gang_per_mille=1000, gang_kills=2))
+    assert result.violation_count == 0, [v.line() for v in result.violations]
+    assert not result.liveness_missing
+    assert result.counters["gang_replacements"] > 0 and result.counters["gang_resizes"] > 0
+    assert result.counters.get("gang_ranks_restarted", 0) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gang-kills", "-1"], "--gang-kills must be >= 0"),
+    (["--driver", "node", "--gang-kills", "2"], "--gang-kills run with --driver core only"),
+])
+def test_sim_refuses_bad_gang_kills(argv, message):
+    parser = argparse.ArgumentParser(prog="meshnode")
+    cli_sim.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sim", *argv])
+    with pytest.raises(SystemExit, match=message):
+        args.func(args)
+
+
+def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
+    """GA8: an elastic gang of 2..3 loses a rank while a fourth node is free: the decided
+    value replaces the rank there, and a shrink carrying that node's vector is refused."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=3, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    nodes = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    free = next(k for k in KEYS if k not in nodes)
+    for key in KEYS:
+        net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.down.add(nodes[1])
+    net.run(1500)
+    keeper = nodes[0]
+    decided = net.certified(keeper, "gang_replace")
+    assert len(decided) == 1 and decided[0].value.to_node == free
+    core = net.cores[keeper]
+    record = core.job_table.get(gang_worker_id(job_id(job), 1))
+    lost_fence = record.fence - 1   # the replacement's fence is one above the one it was decided at
+    iid = gang_replace_instance_id(record.job_id, lost_fence)
+    record.state, record.fence = "replacing", lost_fence   # as the validators held it then
+    vectors = {k: core.capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
+    shrink = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
+                             survivors=(vectors[nodes[0]], vectors[nodes[2]]), size=2, backups=())
+    validate = core.gang_ranks.validators(iid)[0]
+    assert "a shrink while a candidate fits" in validate(codec.pack(shrink.to_body()), (vectors[free],))
+    assert validate(codec.pack(shrink.to_body()), ()) is None   # with none, the shrink to 2 follows

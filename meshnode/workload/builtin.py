@@ -18,7 +18,11 @@ is what `meshnode job logs` shows.
 ``--dim`` integers from its rank and the step, and the ranks sum them by a ring all-reduce
 (reduce-scatter, then all-gather) over TCP between their peers' addresses; each checks
 the sum against its closed form. State is the step; a restored gang first agrees on the
-smallest step any rank restored (a ring pass of the minimum), so all go on from one step.
+smallest step any rank restored (a ring pass of the minimum, ``Ring.consistent_step``), so
+all go on from one step; when the ring breaks the survivors pause (their processes stay)
+until the node publishes the replaced rank's address or the shrunk gang (GA7, GA8), and
+log ``rank R paused at step S`` and ``rank R of W resumed at step S (held H)``: H - S steps
+of a survivor's work were redone. ``Ring.barrier`` waits for every rank.
 Progress lines as ``counter``'s, and ``step <step> sum <sum>`` every ``--log-every`` steps.
 
 ``serve``: a small HTTP/1.1 service on 127.0.0.1 that reports its request rate and p99
@@ -218,6 +222,16 @@ class Ring:
             value = min(value, self._recv(1)[0])
         return value
 
+    def barrier(self) -> None:
+        """Returns once every rank has called it: after n - 1 hops each rank has heard,
+        through its predecessors, from every other."""
+        self.agree_min(0)
+
+    def consistent_step(self, newest_checkpointed: int) -> int:
+        """The gang's consistent checkpoint: the highest step every rank has checkpointed,
+        given this rank's newest (the smallest of the ranks' newest), at every rank."""
+        return self.agree_min(newest_checkpointed)
+
     def allreduce(self, vector: list[int]) -> list[int]:
         """Ring all-reduce (sum): reduce-scatter, then all-gather, n - 1 steps each."""
         n, total = self.world, list(vector)
@@ -267,17 +281,21 @@ class AllreduceRun:
                     ring.close()
             except OSError as exc:   # ConnectionError and timeouts included
                 ring = None
-                print("rank %d: the ring broke at step %d: %s" % (self.gang.rank, self.step, exc), flush=True)
+                print("rank %d paused at step %d: the ring broke: %s" % (self.gang.rank, self.step, exc), flush=True)
                 moved = self.gang.moved_peers(self.timeout_s)
                 if moved is None:
                     return EXIT_RING_BROKEN
                 self.gang, self.rebuilds = moved, self.rebuilds + 1
-                print("rank %d: rebuilding the ring with new peers" % self.gang.rank, flush=True)
+                print("rank %d of %d: rebuilding the ring with new peers" % (self.gang.rank, self.gang.world_size),
+                      flush=True)
 
     def _steps(self, ring: Ring, steps: int | None) -> int:
-        restored, self.step = self.step, ring.agree_min(self.step)
-        if self.log_every and (restored or self.step):
-            print("rank %d resumed at step %d (held %d)" % (self.gang.rank, self.step, restored), flush=True)
+        # Every rank's state is its step, checkpointed each step: the consistent gang
+        # checkpoint is the smallest, and ranks that held more roll back to it (recompute).
+        restored, self.step = self.step, ring.consistent_step(self.step)
+        if restored or self.step:
+            print("rank %d of %d resumed at step %d (held %d)" % (self.gang.rank, self.gang.world_size, self.step,
+                                                                 restored), flush=True)
         while steps is None or self.step < steps:
             total = ring.allreduce(local_vector(self.gang.rank, self.step, self.dim))
             if total != expected_sum(self.gang.world_size, self.step, self.dim):

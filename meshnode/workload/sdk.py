@@ -47,6 +47,7 @@ GANG_PEERS_ENV = "MESHNODE_GANG_PEERS"
 GANG_PEERS_FILE_ENV = "MESHNODE_GANG_PEERS_FILE"   # the node rewrites it when a rank moves
 GANG_PEERS_FILE = "gang_peers"                      # its name in the workload's working directory
 PEERS_POLL_S = 0.05
+UNREACHABLE_HOST = "0.0.0.0"   # a rank with no node: its replacement is being decided (GA7)
 
 # Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.
 FRAME_HEADER = struct.Struct(">IB")
@@ -142,17 +143,23 @@ class GangInfo:
         return cls(environ.get(GANG_ID_ENV, ""), rank, world, peers, environ.get(GANG_PEERS_FILE_ENV, ""))
 
     def moved_peers(self, timeout_s: float) -> "GangInfo | None":
-        """Wait up to ``timeout_s`` for the node to publish peers other than these (a rank
-        moved, GA5): this gang with them, or None."""
+        """Wait up to ``timeout_s`` for the node to publish peers other than these, every rank
+        reachable (a lost rank was replaced, GA7, or the gang shrank, GA8): this gang with
+        them, this worker's rank being where its own address is (a shrink renumbers the
+        ranks; a survivor keeps its address). None when none came, or this worker is no
+        longer among them (a shrink left it out: its node stops it)."""
         deadline = time.monotonic() + timeout_s
+        me = self.peers[self.rank]
         while self.peers_file and time.monotonic() < deadline:
             try:
                 with open(self.peers_file, encoding="ascii") as fh:
                     peers = parse_peers(fh.read().strip())
             except (OSError, ValueError):
                 peers = self.peers
-            if peers != self.peers and len(peers) == self.world_size:
-                return dataclasses.replace(self, peers=peers)
+            if peers != self.peers and not any(host == UNREACHABLE_HOST for host, _port in peers):
+                if me not in peers:
+                    return None
+                return dataclasses.replace(self, peers=peers, rank=peers.index(me), world_size=len(peers))
             time.sleep(PEERS_POLL_S)
         return None
 
@@ -164,7 +171,8 @@ def parse_peers(text: str) -> tuple:
 
 def format_peers(gang, host_of) -> str:
     """The node side: a GangRank's peers as ``parse_peers`` reads them."""
-    return ",".join("%s:%d" % (host_of(node) if node is not None else "0.0.0.0", port) for node, port in gang.peers)
+    return ",".join("%s:%d" % (host_of(node) if node is not None else UNREACHABLE_HOST, port)
+                    for node, port in gang.peers)
 
 
 def multiaddr_host(addr: str) -> str:

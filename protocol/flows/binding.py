@@ -14,6 +14,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
 from protocol.flows.gang import GangFlow
+from protocol.flows.gang_replace import GangReplaceFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.replica import ReplicaFlow
@@ -21,7 +22,7 @@ from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
 BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, MoveFlow,
-                                                                      PreemptionFlow, GangFlow, ReplicaFlow)
+                                                        PreemptionFlow, GangFlow, ReplicaFlow, GangReplaceFlow)
             for kind in flow.value_kinds}
 
 

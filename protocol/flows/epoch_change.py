@@ -53,6 +53,7 @@ class EpochChangeFlow(ValueFlow):
         self.placement = None   # the PlacementFlow, set by the core: jobs of an epoch entered start
         self.evicted_last_heard_ms: int | None = None   # while an eviction's jobs move: see _apply_eviction
         self.lifecycle = None   # the JobLifecycle, set by the core: a migrated job's new primary admits it (R1)
+        self.gang_ranks = None  # the GangReplaceFlow, set by the core: a gang's rank is replaced by decision (GA7)
 
     def bid_job(self, subject) -> None:
         return None
@@ -284,6 +285,9 @@ class EpochChangeFlow(ValueFlow):
         plan = {m.job_id: m for m in eviction.migrations}
         for record in records:
             if record.primary != eviction.node:
+                continue
+            if self.gang_ranks is not None and self.gang_ranks.takes(record) and record.state not in TERMINAL:
+                self.gang_ranks.await_replacement(record, eviction.node, view, now_ms, out)   # GA7, not F5
                 continue
             target = self._migration_target(record, plan.get(record.job_id), eviction.node, view)
             if target is None:

@@ -8,7 +8,8 @@ the bids; every validator recomputes it. Applying it makes one job-table record 
 partial gang never runs on: a rank whose node cannot allocate it refuses it (R1), and the
 refusal ends the whole attempt, every rank stopped, and the gang is placed afresh (GA4);
 a rank's failed exit ends the attempt too, a gang is done when every rank completed.
-A rank whose node is evicted moves alone (F5); the other ranks' run orders learn its new
+A rank whose node is evicted is replaced alone by a decision of its own, or an elastic gang
+shrinks (flows/gang_replace.py, GA7, GA8); the other ranks' run orders learn its new
 address (``rank_of``, workload_orders.py's "gang_peers") and keep running (GA5).
 """
 
@@ -49,19 +50,26 @@ class GangFlow(PlacementFlow):
         self.worker_of: dict[bytes, tuple[bytes, int]] = {}   # worker record id -> (gang id, rank)
         self.ranks: dict[bytes, tuple[bytes, ...]] = {}        # gang id -> its placed attempt's worker ids
         self.ports: dict[tuple, int] = {}                       # (worker id, fence) -> gang_port
+        self.resizes: dict[bytes, int] = {}                     # gang id -> shrinks decided (GA8)
+        # The signed vectors the bids of a gang's placement carried, by signer: per instance
+        # as validated, then per gang once applied, so a replacement (GA7) has the survivors'
+        # vectors even where a survivor never sent one since.
+        self.bid_vectors: dict[bytes, dict] = {}
+        self.worker_vectors: dict[bytes, dict] = {}
 
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
         return [self.jobs.get(wid) for wid in self.ranks.get(gang_id, ())]
 
     def rank_of(self, worker_id: bytes) -> GangRank | None:
-        """The gang of a worker's run order, its peers at their current nodes and fences."""
+        """The gang of a worker's run order, its peers at their current nodes and fences. Its
+        rank is its place among the gang's ranks now (a shrink renumbers them, GA8)."""
         found = self.worker_of.get(worker_id)
-        if found is None:
+        if found is None or worker_id not in self.ranks.get(found[0], ()):
             return None
-        gang_id, rank = found
+        gang_id = found[0]
         peers = tuple((w.primary, self._port(w.job_id, w.fence)) for w in self.worker_records(gang_id))
-        return GangRank(gang_id, rank, len(peers), peers)
+        return GangRank(gang_id, self.ranks[gang_id].index(worker_id), len(peers), peers)
 
     def _port(self, worker_id: bytes, fence: int) -> int:
         """gang_port, remembered: run orders ask for every rank's peers after every input."""
@@ -84,7 +92,8 @@ class GangFlow(PlacementFlow):
         spec = job["manifest"].gang
         if spec.is_gang and found is None:
             workers = [w for w in self.worker_records(jid) if w is not None]
-            job["gang"] = {"topology": spec.topology, "sizes": list(spec.sizes()), "workers": [
+            job["gang"] = {"topology": spec.topology, "sizes": list(spec.sizes()),
+                           "resizes": self.resizes.get(jid, 0), "workers": [
                 {"rank": rank, "job_id": w.job_id, "primary": w.primary, "state": w.state, "fence": w.fence}
                 for rank, w in enumerate(workers)]}
             if job["state"] == "placed" and workers and all(w.state == "running" for w in workers):
@@ -125,6 +134,34 @@ class GangFlow(PlacementFlow):
             out.messages.append(Outbound(None, record.outcome))   # what ended the last attempt (P6)
         self.instances.drive(inst, inst.propose(codec.pack(gang.to_body()), justification, now_ms), now_ms, out)
 
+    # --- a gang no set of members can hold waits (P3a, GA3) ------------------------------------------
+    def round_on_hold(self, inst, now_ms: int) -> bool:
+        """SPEC.md GA3 with P3a: every member of the instance's epoch answered (this node
+        holds its bid or decline: the round's leader forwards them all) and GA2 finds no gang
+        in those bids, so no round can place it: it waits in its round, and a member whose
+        capacity frees bids to all (reconsider_held), which ends the hold."""
+        if inst.locked_round is not None:
+            return False
+        record = self._pending_record(inst)
+        if record is None:
+            return False
+        held = self.bidding.held.get(inst.instance_id, {})
+        if not all(member in held or member in record.declines for member in inst.view.members):
+            return False
+        return self._gang_from(record, inst.instance_id, held) is None
+
+    def _gang_from(self, record, iid: bytes, held: dict):
+        """GA2 over the held bids of live members, as the leader proposes it (None: no gang fits)."""
+        live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
+        return choose_gang(record.envelope, record.manifest, iid, chosen)
+
+    def answers_forwarded(self, inst) -> list:
+        """P3a for a gang: the held round's leader sends every bid and decline it holds to
+        every member (once per round), so all of them hold alike."""
+        bids = [data for _facts, data in self.bidding.held.get(inst.instance_id, {}).values()]
+        return bids + super().answers_forwarded(inst)
+
     def _validator(self, iid: bytes):
         mesh_id = self.ctx.mesh_id
 
@@ -150,6 +187,9 @@ class GangFlow(PlacementFlow):
                     if broken is not None:
                         return broken
                 expected = choose_gang(gang.job, job, iid, facts)
+                if len(self.bid_vectors) >= MAX_PORTS_REMEMBERED:
+                    self.bid_vectors.clear()
+                self.bid_vectors[iid] = {f.signer: f.bid.capability for f in facts}
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid gang placement proposal: %s" % exc
             if expected != gang:
@@ -213,9 +253,15 @@ class GangFlow(PlacementFlow):
             self.worker_of[wid] = (jid, rank)
             w.attempt, w.instance, w.state, w.hint, w.exit_code = attempt, iid, "placed", None, None
             self.jobs.assign(w, worker.node, gang.backups, worker.gpus, fence=fence)
-            self._replay_evictions_since(w, epoch, now_ms, out)
             workers.append(w)
         self.ranks[jid] = tuple(w.job_id for w in workers)
+        if len(self.worker_vectors) >= MAX_PORTS_REMEMBERED:
+            self.worker_vectors.clear()
+        self.worker_vectors[jid] = self.bid_vectors.pop(iid, {})
+        # P5, once the whole gang is in the table: a rank on a node evicted since waits for
+        # its replacement (GA7) as it would had the placement been applied in time.
+        for w in workers:
+            self._replay_evictions_since(w, epoch, now_ms, out)
         out.events.append(self.ctx.event("gang_placed", now_ms, job_id=jid.hex(), fence=fence,
                                          workers=[w.primary.hex() if w.primary else "" for w in workers]))
         # Each rank's node allocates it from its bid's reservation (R1); one refusal refuses the gang.
@@ -235,6 +281,35 @@ class GangFlow(PlacementFlow):
                 w.state = state
                 out.events.append(self.ctx.event("gang_worker_stopped", now_ms, job_id=w.job_id.hex(),
                                                  node=holder.hex() if holder else ""))
+
+    def shrink(self, gang_id: bytes, lost, size: int, now_ms: int, out: Ready) -> None:
+        """GA8: the rank ``lost`` could not be replaced: the first ``size`` surviving ranks go
+        on, renumbered in rank order (their runs are not stopped, only told); the others stop."""
+        survivors = [wid for wid in self.ranks.get(gang_id, ()) if wid != lost.job_id]
+        kept, dropped = survivors[:size], [lost.job_id, *survivors[size:]]
+        for wid in dropped:
+            w = self.jobs.get(wid)
+            if w is not None and w.state not in TERMINAL:
+                if w.primary == self.ctx.me:
+                    self.ledger.free(wid)
+                self.jobs.assign(w, None, (), ())
+                w.state, w.hint = "cancelled", "left its gang when it shrank (GA8)"
+        self.ranks[gang_id] = tuple(kept)
+        self.resizes[gang_id] = self.resizes.get(gang_id, 0) + 1
+        out.events.append(self.ctx.event("gang_resized", now_ms, job_id=gang_id.hex(), size=size,
+                                         dropped=[wid.hex() for wid in dropped]))
+
+    def end_attempt(self, lost, now_ms: int, out: Ready) -> None:
+        """GA7: a rank neither replaced nor shrunk away: the attempt ends as a refusal ends it
+        (GA4), and the gang is placed afresh."""
+        gang = self.jobs.get(self.worker_of[lost.job_id][0])
+        self._stop_workers(gang.job_id, "pending", now_ms, out)
+        attempt = next_attempt(gang.attempt, gang.manifest, refused=True)
+        if attempt is None:
+            gang.state, gang.hint = "failed", "a rank's node was lost and no replacement fits, no retry left"
+        else:
+            self.lifecycle.place_again(gang, attempt, gang.outcome, now_ms, out)
+        out.events.append(self.ctx.event("gang_not_repaired", now_ms, job_id=gang.job_id.hex(), state=gang.state))
 
     def worker_refused(self, record, data: bytes, now_ms: int, out: Ready) -> bool:
         """A rank's node refused it (R1): the whole attempt ends and the gang is placed afresh.

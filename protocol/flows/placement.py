@@ -341,8 +341,11 @@ class PlacementFlow(ValueFlow):
         if len(self.declines_forwarded) >= MAX_JOBS_SHOWN:
             self.declines_forwarded.clear()
         self.declines_forwarded.add(key)
-        for data in self.bidding.declined.get(inst.instance_id, {}).values():
-            out.messages.append(Outbound(None, data))
+        out.messages.extend(Outbound(None, data) for data in self.answers_forwarded(inst))
+
+    def answers_forwarded(self, inst) -> list:
+        """What a held round's leader sends every member (P3a): every decline it holds."""
+        return list(self.bidding.declined.get(inst.instance_id, {}).values())
 
     def reconsider_held(self, now_ms: int, out: Ready) -> None:
         """P3a: capacity or health changed here (an exit, a cancel, a migration, a reservation

@@ -36,6 +36,7 @@ from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, Gan
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id, JOB_REFLEX_SIGNALS, JobSignals)
+from protocol.messages.gangs import GangReplacement, gang_replace_instance_id
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRequest, ReflexTrigger,
@@ -64,6 +65,8 @@ __all__ = [
     "Resources", "RunningJob", "Scheduling",
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts", "JOB_REFLEX_SIGNALS", "JobSignals",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
+    # gangs
+    "GangReplacement", "gang_replace_instance_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # moves
