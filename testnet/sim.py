@@ -599,7 +599,8 @@ class Simulation:
         if node.up:
             hot = any(start <= self.now_ms < end for start, end in self.hot.get(index, ()))
             gpus = reading(self.world.nodes[index].capacity, hot, self._telemetry_rng())
-            reported = job_signals(node.running, hot, self._telemetry_rng())
+            # Only reflex worlds' jobs report load: a gang-kill world's draws stay its own.
+            reported = job_signals(node.running, hot, self.workload_rng) if self.workload_rng else ()
             self._call(node, node.core.update_telemetry, gpus, 0, self.now_ms, job_signals=reported)
         self.push(self.now_ms + TELEMETRY_MS, TELEMETRY, index, 0)
 
