@@ -13,8 +13,9 @@ workdir), then K times:
 4. lost_work_ms: kill -> when the step the gang went back to was first done
    (testnet/bench_stats.lost_work over the moved rank's logs; the largest if several moved);
 5. healthy_restarted: ranks on surviving nodes whose workload process changed (a pid
-   gone or a new one, sampled from /proc right before the kill and after recovery): a
-   gang recovered without teardown restarts none;
+   gone or a new one, sampled from /proc right before the kill and after recovery), or
+   that /proc showed no process for before the kill and a node reported started
+   (job_started) meanwhile: a gang recovered without teardown restarts none;
 6. gangs_lost: kills after which the gang did not run again within RECOVERY_TIMEOUT_S,
    or was torn down (a new attempt, a new fence for every rank) or failed;
 7. resizes: changes of the gang's world size seen between kills (an elastic gang shrinking
@@ -40,7 +41,7 @@ import trio
 from protocol.errors import MeshError
 from protocol.gang_placement import gang_worker_id
 from testnet import launcher
-from testnet.bench_failover import OVERLAP_TOLERANCE_US, FailoverRun, read_progress, run_on_counter_testnet, workload_processes
+from testnet.bench_failover import OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun, read_progress, run_on_counter_testnet, workload_processes
 from testnet.bench_stats import ProgressLine, lost_work, machine_info, overlapping_runs, summary_ms
 
 UNIT_MS = 5                  # the allreduce's pause between steps
@@ -119,6 +120,8 @@ def restarted_ranks(before: dict[int, set], after: dict[int, set]) -> list[int]:
 # --- the run on a real testnet ---------------------------------------------------------------
 
 class GangRun(FailoverRun):
+    not_ready, ready_timeout_s = "the gang was not running on live nodes", READY_TIMEOUT_S
+
     def __init__(self, root: Path, layout: dict, jobs: list, rng: random.Random):
         super().__init__(root, layout, jobs, rng)
         self.gang_id = jobs[0][0]
@@ -129,7 +132,9 @@ class GangRun(FailoverRun):
         return gang_worker_id(self.gang_id, rank).hex()
 
     async def _gang_view(self) -> dict | None:
-        """The gang's row as the live nodes see it; the newest view (highest fences) wins."""
+        """The gang's row as the live nodes see it; the newest view (highest fences) wins. (Its
+        state may lag: only a rank's primary and backups see it running, so the progress logs,
+        not the row's state, say whether the gang works.)"""
         rows = []
         for index in self._alive():
             row = await self._job_row(index, self.gang_id.hex())
@@ -145,12 +150,12 @@ class GangRun(FailoverRun):
         return {rank: set(found.get(self._worker_hex(rank), ())) for rank in range(world)}
 
     async def _wait_gang_ready(self) -> dict:
-        """The gang's row once every rank runs on a live node and logged a step in the last second."""
+        """The gang's row once every rank is on a live node and logged a step there in the last second."""
         with trio.fail_after(READY_TIMEOUT_S):
             while True:
                 row = await self._gang_view()
                 alive = self._alive()
-                if row is not None and row["state"] == "running":
+                if row is not None and row["gang"]["workers"] and row["state"] not in ("failed", "completed"):
                     workers = row["gang"]["workers"]
                     nodes = [self.index_of.get(w["primary"]) for w in workers]
                     if all(n in alive for n in nodes):
@@ -195,22 +200,21 @@ class GangRun(FailoverRun):
             # A new attempt (the gang's own fence) is a teardown: every rank placed afresh (GA4).
             if after is None or after["state"] == "failed" or after["fence"] != row["fence"]:
                 record["gang_lost"] = "the gang was torn down and placed afresh, or failed"
-        record["healthy_restarted"] = restarted_ranks(
-            healthy_before, await trio.to_thread.run_sync(self._rank_pids, world))
+        by_pid = restarted_ranks(healthy_before, await trio.to_thread.run_sync(self._rank_pids, world))
+        unseen = {rank: pids for rank, pids in healthy_before.items() if not pids}
+        record["healthy_restarted"] = sorted(set(by_pid) | set(self._started_again(unseen, victim)))
         self.per_kill.append(record)
         await self._restart(nursery, victim)
 
-    async def run(self, kills: int) -> None:
-        async with trio.open_nursery() as nursery:
-            await self.watch_and_submit(nursery)
-            for number in range(kills):
-                try:
-                    await self.one_kill(nursery, number)
-                except trio.TooSlowError:
-                    self.aborted = "kill %d: the gang was not running on live nodes within %d s" % (
-                        number, READY_TIMEOUT_S)
-                    break
-            nursery.cancel_scope.cancel()
+    def _started_again(self, healthy: dict, victim: int) -> list[int]:
+        """Of ``healthy`` ranks (those whose process the /proc sample before the kill missed,
+        being restarted then), those some node reported started (job_started) since the
+        kill's cycle began. (A rank thawed after a halt, F3b, reports job_started too, but
+        its process is the same: the pids decide for every rank they saw.)"""
+        rank_of = {self._worker_hex(rank): rank for rank in healthy}
+        return sorted({rank_of[event["detail"]["job_id"]] for index, event in self.events.events
+                       if index != victim and event.get("kind") in STARTED_KINDS
+                       and event.get("detail", {}).get("job_id") in rank_of})
 
     def double_runs_from_logs(self) -> int:
         """Ranks that ran on two nodes at once, by their progress logs (as bench failover's jobs)."""
