@@ -41,7 +41,8 @@ import trio
 from protocol.errors import MeshError
 from protocol.gang_placement import gang_worker_id
 from testnet import launcher
-from testnet.bench_failover import OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun, read_progress, run_on_counter_testnet, workload_processes
+from testnet.bench_failover import (OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun, read_progress,
+                                    run_on_counter_testnet, workload_processes)
 from testnet.bench_stats import ProgressLine, lost_work, machine_info, overlapping_runs, summary_ms
 
 UNIT_MS = 5                  # the allreduce's pause between steps
@@ -243,7 +244,8 @@ def run_gang_bench(nodes: int, workers: int, kills: int, *, root=None, keep: boo
         "gangs_lost": sum(1 for k in per_kill if "gang_lost" in k),
         "resizes": max(0, len(run.world_sizes) - 1),
         "double_runs": len(run.proc_double_runs) + log_double_runs + len(stale_starts),
-        "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs, "stale_fence_starts": stale_starts, "aborted": run.aborted,
+        "double_runs_proc": len(run.proc_double_runs), "double_runs_logs": log_double_runs,
+        "stale_fence_starts": stale_starts, "aborted": run.aborted,
         "rejoin_failures": run.rejoin_failures, "rejoins_asked": run.rejoins_asked,
         "per_kill": per_kill, "machine": machine,
     }

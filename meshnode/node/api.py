@@ -226,7 +226,8 @@ class ControlApi:
         job = self._one_job(_text_arg(args, "job_id"))
         queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
         result = {"job_id": job["job_id"].hex(), "state": job["state"],
-                  "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
+                  "declines": {reason: [short_id(k) for k in nodes]
+                               for reason, nodes in job.get("declines", {}).items()},
                   "hint": job.get("hint"), "queue": queue,
                   "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
         if "gang" in job:

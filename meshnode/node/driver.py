@@ -85,6 +85,9 @@ class Node:
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
         self.frozen_fences: dict[bytes, int] = {}   # jobs a halt froze (SPEC.md F3b) -> the fence they ran under
+        # Between a "halt" order and the next "resume" (or this node's eviction), in the order the
+        # drain executes them: the core itself may already be past the halt when a stop is run.
+        self.holding = False
         self.drain = ReadyDrain(persist=self._persist, send=self._send, apply=self._apply, publish=self._publish)
         # stored_ms - taken_ms of the newest checkpoints stored here: as their primary (slot
         # read to local store) and as a backup (+ replication). Wall clocks of one host or
@@ -332,8 +335,10 @@ class Node:
         elif kind == "halt":
             # The core saw this node stall past the detection bound (SPEC.md F3): its workloads
             # may already run elsewhere, so none may work on; they are frozen, not killed (F3b).
+            self.holding = True
             await self._freeze_all()
         elif kind == "resume":
+            self.holding = False
             # F3: not evicted after all. The jobs it may run again get run orders (same
             # fence: thawed); a frozen one it may not (cancelled meanwhile) is stopped.
             for job_id in [j for j in self.frozen_fences if j not in decision.value]:
@@ -341,6 +346,7 @@ class Node:
         elif kind == "eviction" and decision.value.node == self.identity.public_key:
             # This node was evicted: its workloads may already run elsewhere. Its stop orders
             # cover the jobs it ordered; anything else the runner still runs stops too.
+            self.holding = False
             await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
 
     # --- workloads -------------------------------------------------------------------------------
@@ -378,9 +384,9 @@ class Node:
     async def _stop_workload(self, job_id: bytes, why: str, hand_over: bool = False) -> None:
         """``hand_over``: the core ordered the stop; if a move took the job away (SPEC.md R2),
         the core sends the run's final checkpoint, read as it stopped, to the new primary.
-        A job frozen by a halt stays frozen while the node is halted (F3b)."""
+        A job frozen by a halt stays frozen until the halt's resume (F3b)."""
         if job_id in self.frozen_fences:
-            if self.core.halted:
+            if self.holding:
                 return
             del self.frozen_fences[job_id]
         fence, final = self.job_fences.pop(job_id, None), None
