@@ -43,13 +43,18 @@ from protocol.gang_placement import gang_worker_id
 from testnet import launcher
 from testnet.bench_failover import (OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun, read_progress,
                                     run_on_counter_testnet, workload_processes)
-from testnet.bench_stats import ProgressLine, lost_work, machine_info, overlapping_runs, summary_ms
+from testnet.bench_stats import (ProgressLine, lost_work, machine_info, overlapping_runs, parse_progress_log,
+                                 summary_ms)
 
 UNIT_MS = 5                  # the allreduce's pause between steps
 KILL_PHASE_MS = 500          # the kill lands uniformly in this window after the gang is ready
 READY_TIMEOUT_S = 60.0       # the gang running on live nodes, every rank logging
 RECOVERY_TIMEOUT_S = 40.0    # a rank waits 30 s for new peers (GA5) before it gives up
 RECENT_PROGRESS_US = 1_000_000
+# Progress logs grow ~200 lines a second per rank: the polls read only their ends. Before a
+# kill, 64 KiB is ~2,800 steps (14 s), far more than the checkpoint the gang goes back to.
+READY_TAIL_BYTES = 4096
+BEFORE_KILL_BYTES = 64 * 1024
 MAX_KILLS = 1000
 PROGRESS_LOG = "{{workdir}}/progress.log"  # doubled braces: the manifest text goes through str.format
 
@@ -113,6 +118,20 @@ def gang_recovery(rank_logs: dict[int, dict[int, list[ProgressLine]]], moved: li
                         max(found.lost_ms for found in lost), successors)
 
 
+def read_log_from(path: Path, start: int) -> list[ProgressLine]:
+    """The progress lines of ``path`` from byte ``start`` on (a line cut by ``start`` is
+    dropped: its digits would read as another step); [] if there is no such file."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            text = fh.read().decode("ascii", errors="replace")
+    except FileNotFoundError:
+        return []
+    if start > 0:
+        text = text.split("\n", 1)[1] if "\n" in text else ""
+    return parse_progress_log(text)
+
+
 def restarted_ranks(before: dict[int, set], after: dict[int, set]) -> list[int]:
     """Ranks whose workload processes changed (one gone, or a new one) between two samples."""
     return sorted(rank for rank, pids in before.items() if pids and after.get(rank, set()) != pids)
@@ -143,8 +162,35 @@ class GangRun(FailoverRun):
                 rows.append(row)
         return max(rows, key=lambda r: (r["fence"], sum(w["fence"] for w in r["gang"]["workers"])), default=None)
 
-    def _rank_logs(self, world: int) -> dict[int, dict]:
-        return {rank: read_progress(self.layout, self._worker_hex(rank)) for rank in range(world)}
+    def _log_path(self, rank: int, node: dict) -> Path:
+        return Path(node["dir"]) / "workloads" / self._worker_hex(rank) / "progress.log"
+
+    def _log_sizes(self, world: int) -> dict[tuple, int]:
+        """(rank, node index) -> the size of that rank's progress log there now."""
+        sizes = {}
+        for rank in range(world):
+            for node in self.layout["nodes"]:
+                try:
+                    sizes[(rank, node["index"])] = self._log_path(rank, node).stat().st_size
+                except FileNotFoundError:
+                    continue
+        return sizes
+
+    def _rank_logs(self, world: int, starts: dict[tuple, int] | None = None) -> dict[int, dict]:
+        """rank -> node -> progress lines: whole logs, or each from ``starts[(rank, node)]``."""
+        if starts is None:
+            return {rank: read_progress(self.layout, self._worker_hex(rank)) for rank in range(world)}
+        logs: dict[int, dict] = {rank: {} for rank in range(world)}
+        for rank in range(world):
+            for node in self.layout["nodes"]:
+                lines = read_log_from(self._log_path(rank, node), starts.get((rank, node["index"]), 0))
+                if lines:
+                    logs[rank][node["index"]] = lines
+        return logs
+
+    def _log_tails(self, world: int, back_bytes: int) -> dict[int, dict]:
+        sizes = self._log_sizes(world)
+        return self._rank_logs(world, {key: max(0, size - back_bytes) for key, size in sizes.items()})
 
     def _rank_pids(self, world: int) -> dict[int, set]:
         found = workload_processes(self.root)
@@ -160,8 +206,8 @@ class GangRun(FailoverRun):
                     workers = row["gang"]["workers"]
                     nodes = [self.index_of.get(w["primary"]) for w in workers]
                     if all(n in alive for n in nodes):
-                        logs = await trio.to_thread.run_sync(self._rank_logs, len(workers))
                         now_us = time.time_ns() // 1000
+                        logs = await trio.to_thread.run_sync(self._log_tails, len(workers), READY_TAIL_BYTES)
                         if all(logs[r].get(n) and now_us - logs[r][n][-1].wall_us < RECENT_PROGRESS_US
                                for r, n in enumerate(nodes)):
                             return row
@@ -183,6 +229,8 @@ class GangRun(FailoverRun):
         await trio.sleep(self.rng.uniform(0, KILL_PHASE_MS / 1000))
         kill_wall_us = time.time_ns() // 1000
         launcher.signal_node(self.root, victim, signal.SIGKILL)
+        starts = {key: max(0, size - BEFORE_KILL_BYTES)   # logs a rank starts after the kill: whole
+                  for key, size in (await trio.to_thread.run_sync(self._log_sizes, world)).items()}
         record = {"kill": number, "rank": rank, "node": victim, "moved_ranks": moved, "world": world,
                   # healthy ranks whose process was seen before the kill: the ones a restart would show in
                   "healthy_watched": sum(1 for pids in healthy_before.values() if pids)}
@@ -190,8 +238,11 @@ class GangRun(FailoverRun):
         with trio.move_on_after(RECOVERY_TIMEOUT_S):
             while found is None:
                 await trio.sleep(0.1)
-                logs = await trio.to_thread.run_sync(self._rank_logs, world)
+                logs = await trio.to_thread.run_sync(self._rank_logs, world, starts)
                 found = gang_recovery(logs, moved, victim, kill_wall_us, UNIT_MS)
+        if found is not None and found.restored_step == 0:   # from scratch: all the work so far is lost
+            logs = await trio.to_thread.run_sync(self._rank_logs, world)
+            found = gang_recovery(logs, moved, victim, kill_wall_us, UNIT_MS)
         if found is None:
             record["gang_lost"] = "no rank-wide progress within %d s" % RECOVERY_TIMEOUT_S
         else:

@@ -2,7 +2,7 @@
 progress logs: when every rank works again, the work lost, and which healthy ranks
 were restarted. The real-testnet run is the benchmark itself (BENCHMARKS.md)."""
 
-from testnet.bench_gang import gang_recovery, restarted_ranks
+from testnet.bench_gang import gang_recovery, read_log_from, restarted_ranks
 from testnet.bench_stats import ProgressLine
 
 KILL_US = 1_000_000
@@ -48,3 +48,11 @@ def test_a_healthy_rank_counts_as_restarted_when_its_process_changed():
     assert restarted_ranks(before, {0: {101}, 2: {102}, 3: {103}}) == []
     assert restarted_ranks(before, {0: {101}, 2: {202}, 3: set()}) == [2, 3]
     assert restarted_ranks(before, {0: {101, 301}, 2: {102}, 3: {103}}) == [0]
+
+
+def test_a_log_read_from_an_offset_drops_the_line_the_offset_cuts(tmp_path):
+    path = tmp_path / "progress.log"
+    path.write_bytes(b"1234 1000\n1235 2000\n1236 3000\n")
+    assert [line.unit for line in read_log_from(path, 2)] == [1235, 1236]   # "34 1000" is not step 34
+    assert [line.unit for line in read_log_from(path, 0)] == [1234, 1235, 1236]
+    assert read_log_from(tmp_path / "missing.log", 0) == []
