@@ -157,6 +157,9 @@ def read_progress(layout: dict, job_hex: str) -> dict:
 
 
 class FailoverRun:
+    # What a kill waits for (one_kill), and the abort that says it never came.
+    not_ready, ready_timeout_s = "the job was not running with checkpoints on a live primary", READY_TIMEOUT_S
+
     def __init__(self, root: Path, layout: dict, jobs: list[tuple[bytes, bytes]], rng: random.Random):
         self.root = root
         self.layout = layout
@@ -331,8 +334,7 @@ class FailoverRun:
                 try:
                     await self.one_kill(nursery, number)
                 except trio.TooSlowError:
-                    self.aborted = ("kill %d: the job was not running with checkpoints on a live primary "
-                                    "within %d s" % (number, READY_TIMEOUT_S))
+                    self.aborted = "kill %d: %s within %d s" % (number, self.not_ready, self.ready_timeout_s)
                     break
             for index in self._alive():
                 await self._collect_checkpoint_stats(index)

@@ -18,7 +18,8 @@ def register(subparsers) -> None:
         "meshnode bench consensus --nodes 4 --jobs 200 --concurrency 16 --json",
         "meshnode bench failover --nodes 5 --kills 30 --json",
         "meshnode bench move --nodes 4 --moves 20 --json",
-        "meshnode bench preempt --rounds 10 --json"))
+        "meshnode bench preempt --rounds 10 --json",
+        "meshnode bench gang --nodes 6 --workers 4 --kills 20 --seed 1 --json"))
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     sub.required = True
 
@@ -106,6 +107,15 @@ def register(subparsers) -> None:
                          help="high-priority jobs submitted one after another (default 10)")
     _common(preempt)
     preempt.set_defaults(func=cmd_preempt)
+
+    gang = sub.add_parser("gang", help="kill -9 the nodes of a gang's ranks: recovery without teardown, lost "
+                                       "work, healthy workers restarted, gangs lost (SPEC.md GA4, GA5)",
+                          epilog=examples("meshnode bench gang --nodes 6 --workers 4 --kills 20 --seed 1 --json"))
+    gang.add_argument("--nodes", type=int, default=6, metavar="N", help="testnet nodes (default 6)")
+    gang.add_argument("--workers", type=int, default=4, metavar="N", help="ranks of the allreduce gang (default 4)")
+    gang.add_argument("--kills", type=int, default=20, metavar="N", help="rank nodes to SIGKILL (default 20)")
+    _common(gang)
+    gang.set_defaults(func=cmd_gang)
 
     hostile = sub.add_parser("hostile", help="hostile peers against a node of a running testnet: connect/close "
                                              "churn, stalled half frames; can a member still connect",
@@ -215,6 +225,16 @@ def cmd_preempt(args) -> int:
     _print(result)
     clean = (result["aborted"] is None and result["double_runs"] == 0
              and result["resumed"] == result["preemptions"] == result["rounds"])
+    return 0 if clean else 1
+
+
+def cmd_gang(args) -> int:
+    from testnet.bench_gang import run_gang_bench
+    _interrupt_on_sigterm()
+    result = run_gang_bench(args.nodes, args.workers, args.kills, root=args.dir, keep=args.keep, seed=args.seed)
+    _print(result)
+    clean = (result["aborted"] is None and result["healthy_restarted"] == 0 and result["gangs_lost"] == 0
+             and result["double_runs"] == 0)
     return 0 if clean else 1
 
 

@@ -23,7 +23,7 @@ FAULTS = (  # (command, what it does to node I)
     ("pause", "freeze node I (SIGSTOP)"),
     ("resume", "unfreeze node I (SIGCONT)"),
 )
-STATUS_COLUMNS = ("#", "node", "pid", "process", "port", "zone", "connected", "epoch")
+STATUS_COLUMNS = ("#", "node", "pid", "process", "port", "zone", "rail", "connected", "epoch")
 
 
 def register(subparsers) -> None:
@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected", epilog=examples(
         "meshnode testnet up --nodes 4 --dir net",
         "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores",
-        "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)"))
+        "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)",
+        "meshnode testnet up --nodes 6 --rail-groups 2 --dir net   # rail-1 on nodes 0,2,4 (zone-a), rail-2 on 1,3,5"))
     up.add_argument("--nodes", type=int, default=4, metavar="N", help="how many nodes (default 4)")
     up.add_argument("--owners", type=int, default=1, metavar="N",
                     help="workload owner keys to create, in DIR/owners/ (default 1)")
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
                     help="heartbeat period; the detection bound scales with it (6 periods; default 50)")
     up.add_argument("--pools", metavar="FILE",
                     help="pools, per-owner quotas and reservations for the genesis (TOML, as jobs/pools/lab.toml)")
+    up.add_argument("--rail-groups", type=int, default=0, metavar="G",
+                    help="node i's capability vector carries rail group rail-(i mod G + 1); an even G keeps each "
+                         "in one zone (default 0: every node's own rail)")
     up.add_argument("--netns", action="store_true",
                     help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
     _common(up)
@@ -109,7 +113,8 @@ def render_rows(rows):
     """The testnet's nodes: the index that fault commands take, and the node label every
     other table names the node by."""
     return compact_table("testnet", STATUS_COLUMNS, [
-        tuple(plain_text(row.get(c)) for c in ("index", "node", "pid", "process", "port", "zone", "connected", "epoch"))
+        tuple(plain_text(row.get(c)) for c in ("index", "node", "pid", "process", "port", "zone", "rail_group",
+                                               "connected", "epoch"))
         for row in rows])
 
 
@@ -120,7 +125,7 @@ def cmd_up(args) -> int:
         scheduling["pools"], scheduling["reservations"] = load_pools(args.pools)
     with progress(args, "creating the testnet in %s" % args.dir) as shown:
         rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
-                           netns=args.netns, on_step=shown.update, **scheduling)
+                           netns=args.netns, on_step=shown.update, rail_groups=args.rail_groups, **scheduling)
     layout = launcher.load_layout(args.dir)
 
     def render(console):

@@ -53,6 +53,17 @@ GPU_PROFILES = (
     ("L4-24GB", 2, 24576, "zone-a", "rail-3"),
     ("A10-24GB", 1, 24576, "zone-b", "rail-4"),
 )
+MAX_RAIL_GROUPS = 16
+
+
+def rail_group_of(index: int, rail_groups: int) -> str:
+    """Node ``index``'s rail group (README "Local testnet"): with ``rail_groups`` = G > 0,
+    ``rail-(index mod G + 1)``, so with an even G every rail group stays inside one zone
+    (zones alternate zone-a, zone-b); with 0, its hardware profile's own rail (rail-1..rail-4,
+    so no two nodes of one zone share one)."""
+    if rail_groups > 0:
+        return "rail-%d" % (index % rail_groups + 1)
+    return GPU_PROFILES[index % len(GPU_PROFILES)][4]
 
 
 @dataclass
@@ -65,6 +76,7 @@ class NodeEntry:
     metrics_port: int | None = None   # its Prometheus endpoint on 127.0.0.1 (README "Metrics")
     pid: int | None = None
     host: str = "127.0.0.1"           # its listen address: 10.77.0.x in its own namespace with --netns
+    rail_group: str = ""              # signed in its capability vector (SPEC.md GA2)
 
 
 def free_port() -> int:
@@ -96,7 +108,8 @@ def save_layout(root: Path, layout: dict) -> None:
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
                    rng: random.Random | None = None, metrics: bool = False,
-                   hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False) -> dict:
+                   hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False,
+                   rail_groups: int = 0) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -104,7 +117,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     (same mesh id, keys and attestations); its nodes are not meant for TCP then.
     With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
     nodes run in one process (driver tests) leave it off and bind nothing.
-    ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5).
+    ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5). ``rail_groups``: see
+    ``rail_group_of``.
     With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
     netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
     """
@@ -117,6 +131,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         now_ms = 0
     if not 1 <= nodes <= MAX_NODES:
         raise ConfigError("--nodes must be 1..%d" % MAX_NODES)
+    if not 0 <= rail_groups <= MAX_RAIL_GROUPS:
+        raise ConfigError("--rail-groups must be 0..%d" % MAX_RAIL_GROUPS)
     if _layout_path(root).exists():
         raise ConfigError("%s already holds a testnet (run `meshnode testnet down --dir %s --purge`)" % (root, root))
     root.mkdir(parents=True, exist_ok=True)
@@ -159,20 +175,21 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         # evicted (it crashed, or paused past the bound) rejoins through the ordinary join
         # path (SPEC.md F7), which admits only vouched stake.
         _write_node_files(node_dir, identity, authority, genesis, i, ports[i], owner_entries, name, stake=stake,
-                          issued_ms=now_ms, metrics_port=metrics_ports[i], host=hosts[i])
+                          issued_ms=now_ms, metrics_port=metrics_ports[i], host=hosts[i],
+                          rail_group=rail_group_of(i, rail_groups))
         entries.append(NodeEntry(i, str(node_dir), identity.public_key.hex(), ports[i], zone,
-                                 metrics_ports[i], host=hosts[i]).__dict__)
+                                 metrics_ports[i], host=hosts[i], rail_group=rail_group_of(i, rail_groups)).__dict__)
     layout = {"name": name, "mesh_id": genesis.mesh_id.hex(), "nodes": entries, "owners": owner_entries,
-              "run_workloads": run_workloads}
+              "run_workloads": run_workloads, "rail_groups": rail_groups}
     save_layout(root, layout)
     return layout
 
 
 def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, index: int, port: int,
                       owner_entries: list, name: str, stake: int, bootstrap=(), issued_ms: int | None = None,
-                      metrics_port: int | None = None, host: str = "127.0.0.1") -> None:
+                      metrics_port: int | None = None, host: str = "127.0.0.1", rail_group: str = "") -> None:
     """Config and attestation of one node; the attestation vouches ``stake`` for its (re)joins."""
-    model, count, mem_mib, zone, rail = GPU_PROFILES[index % len(GPU_PROFILES)]
+    model, count, mem_mib, zone, _rail = GPU_PROFILES[index % len(GPU_PROFILES)]
     if issued_ms is None:
         issued_ms = time.time_ns() // 1_000_000
     attestation = issue_attestation(authority, identity.public_key,
@@ -180,7 +197,7 @@ def _write_node_files(node_dir: Path, identity, authority, genesis: Genesis, ind
                                     issued_ms, issued_ms + ATTESTATION_VALID_MS, genesis.mesh_id)
     (node_dir / ATTESTATION_FILE).write_bytes(attestation)
     write_config(node_dir, NodeConfig(
-        listen=("/ip4/%s/tcp/%d" % (host, port),), bootstrap=tuple(bootstrap), zone=zone, rail_group=rail,
+        listen=("/ip4/%s/tcp/%d" % (host, port),), bootstrap=tuple(bootstrap), zone=zone, rail_group=rail_group,
         passphrase=PassphraseSource("insecure"),
         allowed_owners=tuple(bytes.fromhex(o["public_key"]) for o in owner_entries),
         attestation_files=(ATTESTATION_FILE,),
@@ -215,11 +232,12 @@ def add_node(root, stake: int = 100) -> dict:
     first = layout["nodes"][0]
     bootstrap = [BootstrapPeer(bytes.fromhex(first["public_key"]),
                                "/ip4/%s/tcp/%d" % (first.get("host", "127.0.0.1"), first["port"]))]
+    rail_group = rail_group_of(index, layout.get("rail_groups", 0))
     _write_node_files(node_dir, identity, authority, genesis, index, port, layout["owners"], layout["name"],
-                      stake=stake, bootstrap=bootstrap, metrics_port=metrics_port, host=host)
+                      stake=stake, bootstrap=bootstrap, metrics_port=metrics_port, host=host, rail_group=rail_group)
     zone = GPU_PROFILES[index % len(GPU_PROFILES)][3]
     layout["nodes"].append(NodeEntry(index, str(node_dir), identity.public_key.hex(), port, zone,
-                                     metrics_port, host=host).__dict__)
+                                     metrics_port, host=host, rail_group=rail_group).__dict__)
     if netns is not None:
         netns_mod.add_node_name(netns)
         save_layout(root, layout)  # the name is recorded before it exists, so `down` finds it
@@ -339,7 +357,7 @@ def node_status(entry: dict, timeout_s: float = 1.0) -> dict:
     public_key = bytes.fromhex(entry["public_key"])
     row = {"index": entry["index"], "node": short_id(public_key), "public_key": entry["public_key"],
            "pid": entry.get("pid"), "process": state, "port": entry["port"],
-           "host": entry.get("host", "127.0.0.1"), "zone": entry["zone"],
+           "host": entry.get("host", "127.0.0.1"), "zone": entry["zone"], "rail_group": entry.get("rail_group", ""),
            "connected": None, "epoch": None,
            "metrics": "http://%s:%d/metrics" % (METRICS_HOST, entry["metrics_port"])
            if entry.get("metrics_port") else None}
@@ -385,15 +403,16 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
        params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None,
-       pools: tuple = (), reservations: bool = False) -> list[dict]:
+       pools: tuple = (), reservations: bool = False, rail_groups: int = 0) -> list[dict]:
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
-    own; ``on_step(text)`` hears of each step (a CLI's progress line)."""
+    own; ``on_step(text)`` hears of each step (a CLI's progress line); ``rail_groups``: see
+    ``rail_group_of``."""
     if netns:
         netns_mod.check_available()
     on_step("writing keys, genesis and configs for %d nodes" % nodes)
     hosts = [netns_mod.node_address(i) for i in range(nodes)] if netns else None
     layout = create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True,
-                            hosts=hosts, pools=pools, reservations=reservations)
+                            hosts=hosts, pools=pools, reservations=reservations, rail_groups=rail_groups)
     try:
         if netns:
             layout["netns"] = netns_mod.plan(layout["mesh_id"], nodes)

@@ -158,11 +158,13 @@ async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(te
 
 
 @asynccontextmanager
-async def memory_mesh(root):
-    """The testnet's nodes running on one in-memory network; stopped and closed on exit."""
+async def memory_mesh(root, count: int = NODES, **node_options):
+    """The testnet's ``count`` nodes running on one in-memory network; stopped and closed on exit.
+    ``node_options`` go to each ``Node`` (by default it runs no workloads)."""
     network = MemoryNetwork()
-    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), run_workloads=False)
-             for i in range(NODES)]
+    node_options = {"run_workloads": False, **node_options}
+    nodes = [Node(root / ("node-%d" % i), transport_factory=memory_factory(network), **node_options)
+             for i in range(count)]
     try:
         async with trio.open_nursery() as nursery:
             for node in nodes:

@@ -13,7 +13,7 @@ from rich.console import Console
 from consensus_net import kind_of
 from meshnode.cli.job_life import render_job_status
 from meshnode.node.api import _gang_fields
-from meshnode.tui.tables import job_row
+from meshnode.tui.tables import job_row, jobs_table
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id
@@ -210,6 +210,7 @@ def test_tools_show_a_gang_as_one_job_with_its_ranks():
     row = {"job_id": gang["job_id"].hex(), "name": gang["name"], "owner": gang["owner"].hex(), "state": "placed",
            **_gang_fields(gang)}
     assert job_row(row)[3] == "gang 0/2"
+    assert "2 workers, topology zone; ranks 0 " in jobs_table([row]).caption   # `meshnode jobs`: who runs each rank
     console = Console(width=100, record=True)
     console.print(render_job_status(row))
     text = console.export_text()

@@ -28,7 +28,8 @@ from meshnode.control.wire import LENGTH_PREFIX_BYTES, decode_map, encode_frame
 from meshnode.tui.app import MAX_EVENT_LINES, FollowedJob, OwnerTui
 from meshnode.tui.form import DEFAULT_VALUES, check_form, field_of_error, form_to_toml
 from meshnode.tui.screens import ComposeScreen, PassphraseScreen, WhyScreen
-from meshnode.tui.tables import consensus_row, event_line, evidence_row, job_row, render_snapshot, status_line
+from meshnode.tui.tables import (consensus_row, event_line, evidence_row, job_row, node_label, render_snapshot,
+                                  status_line)
 from meshnode.tui.why import format_declines, group_declines, placeable_hint, suggest_changes
 from meshnode.workload.manifest import parse_manifest, verify_signed_job
 from protocol.messages import Cancel, decode_message, job_id
@@ -69,6 +70,7 @@ class FakeNode:
                       node_row("bbbb0002", "zone-b", [gpu(0, 24576, 0)], [0])]
         self.requests: list[str] = []
         self.received_jobs = []
+        self.why_gang = None   # a gang's part of the why reply (SPEC.md GA4), when a test sets one
         self.server = None
         self.writers: set = set()
         self.handlers: set = set()
@@ -124,6 +126,7 @@ class FakeNode:
             return {"job_id": cancel.job_id.hex()}
         if op == "why":
             return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory",
+                    **({"gang": self.why_gang} if self.why_gang else {}),
                     "queue": {"pool": "", "position": 1, "queue_length": 2, "ahead_with_higher_priority": 0,
                               "quota": None, "estimate": {"start_ms": None, "in_ms": None,
                                                           "reason": "unknown: no node frees enough by declared runtimes"}}}
@@ -414,6 +417,22 @@ def test_why_screen_shows_groups_and_hint():
             assert "node says: lower gpu memory" in text
             assert "queue: 1 of 2 in pool default" in text and "estimated start: unknown" in text   # SPEC Q3, Q4
             assert "resources.gpu_mem_mib: lower to <= 24576 MiB (asked 60000)" in text
+            await pilot.press("escape")
+            # A gang: its rule, ranks, topology groups and recovery history, as `meshnode why` shows them.
+            node.why_gang = {"topology": "rail_group", "sizes": [4, 2], "workers": [
+                {"rank": 0, "primary": "aa" * 32, "state": "running", "fence": 65537},
+                {"rank": 1, "primary": "bb" * 32, "state": "migrating", "fence": 65538}],
+                "groups": [{"group": "zone-a/rail-1", "nodes": 3, "fit": 2, "gpus": 18, "gpus_free": 12,
+                            "allowed": True}],
+                "history": [{"kind": "placed", "epoch": 1, "attempt": 0, "workers": ["aa" * 32, "cc" * 32]},
+                            {"kind": "rank_moved", "epoch": 2, "rank": 1, "from": "cc" * 32, "to": "bb" * 32}]}
+            await pilot.press("w")
+            await until(pilot, lambda: isinstance(app.screen, WhyScreen), "why screen")
+            text = text_of(app, "#why-text")
+            assert "gang: 2..4 workers (4/2), topology rail_group" in text
+            assert "zone-a/rail-1: 2/3 nodes, 12/18 GPUs" in text
+            assert "rank 1 moved %s -> %s" % (node_label("cc" * 32), node_label("bb" * 32)) in text
+            node.why_gang = None
             await pilot.press("escape")
             await pilot.press("x")  # an owner-signed Cancel, verified by the node
             await until(pilot, lambda: app.jobs[jid]["state"] == "cancelled", "the job to be cancelled")

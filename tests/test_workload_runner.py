@@ -404,3 +404,37 @@ async def test_stop_for_handover_returns_the_newest_state_offered_even_once_a_ti
         assert final == (seq + 1, progress, taken_ms, state) == (2, 7, taken_ms, b"offered before the stop")
         assert process_gone(pid) and await runner.stop_for_handover(JOB) is None
         nursery.cancel_scope.cancel()
+
+
+async def test_a_frozen_workload_keeps_its_process_offers_nothing_and_goes_on_when_thawed(tmp_path):
+    """SPEC.md F3b: a halted node freezes its workloads (SIGSTOP) instead of killing them, so a
+    healthy worker (a gang's rank) is not restarted when the halt ends; stop still kills it."""
+    async with trio.open_nursery() as nursery:
+        runner, recorder = await open_runner(nursery, tmp_path)
+        pid = await runner.start(JOB, "counter", [], gpus=[], restore=None, fence=1)
+        with trio.fail_after(WAIT_S):
+            await recorder.checkpoints.receive()
+        assert runner.freeze(JOB)
+        with trio.fail_after(WAIT_S):
+            while process_state(pid) != "T":
+                await trio.sleep(0.01)
+        ticks = lambda: len(runner.jobs_info()[0].interval_error_us)   # noqa: E731 (one tick per period)
+        with trio.fail_after(WAIT_S):
+            seen = ticks()
+            while ticks() < seen + 2:   # what it offered before the SIGSTOP landed is read by then
+                await trio.sleep(0.01)
+            frozen_at, seen = runner.running()[JOB]["progress"], ticks()
+            while ticks() < seen + 10:   # ten ticks: a running counter offers a new state in each
+                await trio.sleep(0.01)
+        assert runner.running()[JOB]["progress"] == frozen_at and runner.running()[JOB]["pid"] == pid
+        assert runner.thaw(JOB)
+        with trio.fail_after(WAIT_S):
+            _, _, progress, _, _ = await recorder.checkpoints.receive()
+            while progress <= frozen_at:
+                _, _, progress, _, _ = await recorder.checkpoints.receive()
+        assert runner.running()[JOB]["pid"] == pid and process_state(pid) != "T"
+        assert runner.freeze(JOB)
+        with trio.fail_after(WAIT_S):
+            await runner.stop(JOB)   # SIGKILL ends a frozen group too
+        assert process_gone(pid) and not runner.thaw(JOB) and not runner.freeze(JOB)
+        nursery.cancel_scope.cancel()

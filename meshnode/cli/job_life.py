@@ -20,7 +20,7 @@ from keys.identity import short_id
 from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examples, key_value_table,
                                  passphrase_source_from_args, unlock_identity)
 from meshnode.control.client import ControlClient, ControlError, ControlUnavailable
-from meshnode.tui.tables import format_ms, node_label, primary_cell, short_job_id
+from meshnode.tui.tables import format_ms, gang_summary, node_label, primary_cell, short_job_id
 from protocol.errors import MeshError
 from protocol.messages import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, Cancel, MoveRequest, OutputRead,
                                encode_message)
@@ -166,7 +166,7 @@ def render_job_status(job: dict) -> Table:
         rows += [("declines", declines), ("hint", job.get("hint") or "-")]
     gang = job.get("gang")
     if gang is not None:   # one job, its ranks listed (SPEC.md GA4)
-        rows += [("gang", "%s workers, topology %s" % ("/".join(map(str, gang["sizes"])), gang["topology"]))]
+        rows += [("gang", gang_summary(gang))]
         rows += [("rank %d" % w["rank"], "%s %s fence %d" % (node_label(w.get("primary")), w["state"], w["fence"]))
                  for w in gang["workers"]]
     if job.get("gang_of"):

@@ -12,7 +12,7 @@ from meshnode.cli.output import (add_json_flag, add_passphrase_args, emit, examp
                                  passphrase_source_from_args, progress, unlock_identity)
 from meshnode.control.client import ControlClient
 from meshnode.tui.tables import (consensus_table, event_line, evidence_table, format_ms, jobs_table, mesh_table,
-                                 node_label, short_job_id)
+                                 gang_lines, node_label, short_job_id)
 from meshnode.tui.why import format_declines, group_declines, queue_rows
 from protocol.errors import MeshError
 
@@ -263,13 +263,15 @@ def cmd_why(args) -> int:
 
 
 def render_why(console, result: dict) -> None:
-    """Declines grouped by reason for a pending job; for any other state, that state."""
+    """Declines grouped by reason for a pending job; for any other state, that state; for a
+    gang then its rule, ranks, groups and recovery history."""
     job = short_job_id(result["job_id"])
     preempted_by = result.get("preempted_by")
     if result.get("state") != "pending":
         console.print("job %s is %s, not pending: no decline holds it back%s" % (
             job, result.get("state", "?"), "" if not preempted_by else
             " (it was preempted by job %s, and resumed)" % short_job_id(preempted_by)))
+        _print_gang(console, result)
         return
     groups = group_declines(result.get("declines", {}))
     preempted = [("preempted by", "job %s, to place it (SPEC P8); resumes from its checkpoint when capacity "
@@ -277,6 +279,13 @@ def render_why(console, result: dict) -> None:
     console.print(key_value_table("why job %s is pending" % job, preempted + [
         (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]
         + queue_rows(result.get("queue"))))
+    _print_gang(console, result)
+
+
+def _print_gang(console, result: dict) -> None:
+    """A gang's rule, ranks, topology groups and recovery history (the TUI's why screen too)."""
+    if result.get("gang"):
+        console.print("\n".join(gang_lines(result["gang"])), markup=False, highlight=False)
 
 
 def cmd_join(args) -> int:

@@ -15,6 +15,8 @@ from meshnode.node.telemetry import SimulatedFault
 from protocol import codec
 from protocol.errors import MeshError, RemoteProtocolError
 from protocol.flows.move import decode_request
+from protocol.gang_placement import gang_worker_id
+from protocol.placement import resource_check
 from protocol.messages import (CommitCertificate, MoveRequest, decode_message, decode_value, job_id as job_id_of,
                                placement_attempts, placement_instance_id, placement_slot, placement_slot_id,
                                preemption_instance_id)
@@ -26,6 +28,7 @@ CHECKPOINT_STATS_WINDOW = 4096   # latencies kept for the checkpoint_stats op (t
 # The certificates op answers in one control frame (1 MiB): what it returns stays under
 # this, the rest of the frame being the keys and ids around the certificate bytes.
 CERTIFICATE_REPLY_BYTES = codec.MAX_FRAME_BYTES - 64 * 1024
+GANG_HISTORY_SHOWN = 32   # a gang's newest recovery-history entries `why` returns
 
 
 def _hex(value):
@@ -237,10 +240,58 @@ class ControlApi:
     async def why(self, args) -> dict:
         job = self._one_job(_text_arg(args, "job_id"))
         queue = self.node.core.pending_report(job["job_id"], now_ms()) if job["state"] == "pending" else None
-        return {"job_id": job["job_id"].hex(), "state": job["state"],
-                "declines": {reason: [short_id(k) for k in nodes] for reason, nodes in job.get("declines", {}).items()},
-                "hint": job.get("hint"), "queue": queue,
-                "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
+        result = {"job_id": job["job_id"].hex(), "state": job["state"],
+                  "declines": {reason: [short_id(k) for k in nodes]
+                               for reason, nodes in job.get("declines", {}).items()},
+                  "hint": job.get("hint"), "queue": queue,
+                  "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
+        if "gang" in job:
+            result["gang"] = dict(_gang_fields(job)["gang"], groups=self._topology_groups(job),
+                                  history=self._gang_history(job))
+        return result
+
+    def _topology_groups(self, job: dict) -> list[dict]:
+        """The groups a gang's topology rule draws its workers from (SPEC.md GA2), over the
+        members' newest capability vectors: per zone (``zone``, ``spread_zones``) or per zone and
+        rail group (``rail_group``, ``none``), its nodes, how many fit one worker now, and their
+        GPUs. A node with no rail group cannot hold a ``rail_group`` gang's worker (``allowed``)."""
+        manifest, book = job["manifest"], self.node.core.capability
+        by_zone = manifest.gang.topology in ("zone", "spread_zones")
+        groups: dict[str, dict] = {}
+        for member in self.node.core.members():
+            key = member["key"]
+            cap = book.vector if key == self.node.identity.public_key else book.peers.get(key)
+            if cap is None:
+                continue
+            name = cap.zone if by_zone else "%s/%s" % (cap.zone, cap.rail_group or "-")
+            group = groups.setdefault(name, {"group": name, "nodes": 0, "fit": 0, "gpus": 0, "gpus_free": 0,
+                                             "allowed": by_zone or bool(cap.rail_group)
+                                             or manifest.gang.topology == "none"})
+            group["nodes"] += 1
+            group["fit"] += int(resource_check(manifest, cap)[0])
+            group["gpus"] += len(cap.gpus)
+            group["gpus_free"] += len(cap.gpus_free)
+        return [groups[name] for name in sorted(groups)]
+
+    def _gang_history(self, job: dict) -> list[dict]:
+        """What the certificates this node applied say happened to a gang, in decision order:
+        each attempt's placement (GA3) and each rank an eviction moved (F5, GA5)."""
+        jid, manifest = job["job_id"], job["manifest"]
+        attempts = {placement_instance_id(jid, attempt).hex(): attempt
+                    for attempt in range(placement_attempts(manifest))}
+        rank_of = {gang_worker_id(jid, rank): rank for rank in range(max(manifest.gang.sizes()))}
+        history = []
+        for row in self._certificate_rows("value_kind IN ('gang_placement', 'eviction')", []):
+            if row["value_kind"] == "gang_placement":
+                if row["instance"] in attempts:
+                    history.append({"kind": "placed", "epoch": row["epoch"], "attempt": attempts[row["instance"]],
+                                    "workers": [w.node.hex() for w in self._decided(row).workers]})
+                continue
+            eviction = self._decided(row)
+            history += [{"kind": "rank_moved", "epoch": row["epoch"], "rank": rank_of[m.job_id],
+                         "from": eviction.node.hex(), "to": m.to_node.hex()}
+                        for m in eviction.migrations if m.job_id in rank_of]
+        return history[-GANG_HISTORY_SHOWN:]
 
     async def certificates(self, args) -> dict:
         """SPEC.md 10.5: the commit certificates (wire bytes) this node applied for one job or

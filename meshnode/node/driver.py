@@ -98,6 +98,10 @@ class Node:
         self.output = OutputService(self)   # job logs and files, for the control socket and for peers (SPEC 9.8)
         self.started_ms = 0
         self.job_fences: dict[bytes, int] = {}   # jobs this node runs -> fence they run under
+        self.frozen_fences: dict[bytes, int] = {}   # jobs a halt froze (SPEC.md F3b) -> the fence they ran under
+        # Between a "halt" order and the next "resume" (or this node's eviction), in the order the
+        # drain executes them: the core itself may already be past the halt when a stop is run.
+        self.holding = False
         self.drain = ReadyDrain(persist=self._persist, send=self._send, apply=self._apply, publish=self._publish)
         # stored_ms - taken_ms of the newest checkpoints stored here: as their primary (slot
         # read to local store) and as a backup (+ replication). Wall clocks of one host or
@@ -352,17 +356,29 @@ class Node:
         elif kind == "gang_peers":   # a rank moved: the others rebuild their ring with it (GA5)
             for job_id, gang in decision.value:
                 self._publish_gang_peers(job_id, gang)
-        elif kind == "halt" or (kind == "eviction" and decision.value.node == self.identity.public_key):
-            # The core saw this node stall past the detection bound (SPEC.md F3), or this
-            # node was evicted: its workloads may already run elsewhere. Its stop orders
+        elif kind == "halt":
+            # The core saw this node stall past the detection bound (SPEC.md F3): its workloads
+            # may already run elsewhere, so none may work on; they are frozen, not killed (F3b).
+            self.holding = True
+            await self._freeze_all()
+        elif kind == "resume":
+            self.holding = False
+            # F3: not evicted after all. The jobs it may run again get run orders (same
+            # fence: thawed); a frozen one it may not (cancelled meanwhile) is stopped.
+            for job_id in [j for j in self.frozen_fences if j not in decision.value]:
+                await self._stop_workload(job_id, "not resumed after the halt")
+        elif kind == "eviction" and decision.value.node == self.identity.public_key:
+            # This node was evicted: its workloads may already run elsewhere. Its stop orders
             # cover the jobs it ordered; anything else the runner still runs stops too.
-            await self._stop_all("halted (self-fencing check)" if kind == "halt" else
-                                 "this node was evicted (epoch %d)" % decision.value.epoch)
+            self.holding = False
+            await self._stop_all("this node was evicted (epoch %d)" % decision.value.epoch)
 
     # --- workloads -------------------------------------------------------------------------------
 
     async def _start_workload(self, run: WorkloadRun) -> None:
         job_id, fence, manifest = run.job_id, run.fence, run.manifest
+        if await self._thawed(run):
+            return
         if not self.run_workloads or job_id in self.runner.running():
             return
         restore = None
@@ -393,7 +409,12 @@ class Node:
 
     async def _stop_workload(self, job_id: bytes, why: str, hand_over: bool = False) -> None:
         """``hand_over``: the core ordered the stop; if a move took the job away (SPEC.md R2),
-        the core sends the run's final checkpoint, read as it stopped, to the new primary."""
+        the core sends the run's final checkpoint, read as it stopped, to the new primary.
+        A job frozen by a halt stays frozen until the halt's resume (F3b)."""
+        if job_id in self.frozen_fences:
+            if self.holding:
+                return
+            del self.frozen_fences[job_id]
         fence, final = self.job_fences.pop(job_id, None), None
         if job_id in self.runner.running():
             if hand_over:
@@ -416,6 +437,38 @@ class Node:
         return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
                                 progress_rate_milli=progress)
                      for job_id, (rate, p99, progress) in sorted(fresh.items()) if job_id in self.job_fences)
+    async def _freeze_all(self) -> None:
+        """SPEC.md F3b: freeze every workload of a halted node, to thaw it if the halt ends with
+        the same job here under the same fence. A runner that cannot freeze (the simulator's)
+        stops them, as a halt did before."""
+        freeze = getattr(self.runner, "freeze", None)
+        for job_id in list(self.runner.running()):
+            fence = self.job_fences.get(job_id)
+            if freeze is not None and fence is not None and freeze(job_id):
+                self.frozen_fences[job_id] = self.job_fences.pop(job_id)   # its checkpoints are not taken
+                log.info("froze job %s: halted (self-fencing check)", job_id.hex()[:12])
+            else:
+                await self._stop_workload(job_id, "halted (self-fencing check)")
+
+    async def _thawed(self, run: WorkloadRun) -> bool:
+        """A run order for a job a halt froze: under its fence, the frozen process goes on (the
+        healthy worker is not restarted; a gang's rank is told where its peers are now, GA5);
+        under another, it is stopped and the order runs."""
+        job_id, fence = run.job_id, run.fence
+        held = self.frozen_fences.pop(job_id, None)
+        if held is None:
+            return False
+        if held == fence and self.runner.thaw(job_id):
+            self.job_fences[job_id] = fence
+            if run.gang is not None:
+                self._publish_gang_peers(job_id, run.gang)
+            seq = self.runner.running()[job_id]["seq"]
+            log.info("thawed job %s fence %d at checkpoint seq %d", job_id.hex()[:12], fence, seq)
+            await self._handle(self.core.workload_started(job_id, fence, seq, now_ms()))
+            return True
+        await self.runner.stop(job_id)
+        log.info("stopped job %s: frozen under fence %d, now ordered under %d", job_id.hex()[:12], held, fence)
+        return False
 
     async def _on_checkpoint(self, job_id: bytes, seq: int, progress: int, taken_ms: int, state: bytes) -> None:
         if job_id not in self.job_fences:
@@ -434,6 +487,7 @@ class Node:
 
     async def _on_exit(self, job_id: bytes, exit_code: int) -> None:
         self.job_fences.pop(job_id, None)
+        self.frozen_fences.pop(job_id, None)
         await self._handle(self.core.job_exited(job_id, exit_code, now_ms()))
 
     # --- control API entry points ---------------------------------------------------------

@@ -256,6 +256,26 @@ class WorkloadRunner:
         await job.exited.wait()
         return job.popen.returncode
 
+    def freeze(self, job_id: bytes) -> bool:
+        """SIGSTOP the workload's process group (SPEC.md F3b): it keeps its process and its
+        memory but does no work and offers no new state until ``thaw``; ``stop`` still kills
+        it. False if the job does not run here."""
+        return self._signal_group(job_id, signal.SIGSTOP)
+
+    def thaw(self, job_id: bytes) -> bool:
+        """SIGCONT what ``freeze`` stopped: the same process goes on. False if it is gone."""
+        return self._signal_group(job_id, signal.SIGCONT)
+
+    def _signal_group(self, job_id: bytes, signum: int) -> bool:
+        job = self._jobs.get(job_id)
+        if job is None or job.stopping or job.process_gone or job.popen.returncode is not None:
+            return False
+        try:
+            os.killpg(job.popen.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
     async def stop_for_handover(self, job_id: bytes) -> tuple | None:
         """``stop``, and the newest state the workload offered, read once its process is gone
         (so it can offer nothing later) as the checkpoint after the last one read: (seq,

@@ -28,8 +28,8 @@ from meshnode.control.client import AsyncControlClient, ControlError, ControlUna
 from meshnode.tui.screens import ComposeScreen, HelpScreen, PassphraseScreen, WhyScreen
 from meshnode.workload.manifest import parse_manifest
 from meshnode.tui.tables import (CONSENSUS_COLUMNS, EVIDENCE_COLUMNS, JOB_COLUMNS, MESH_COLUMNS, consensus_row,
-                                 event_line, evidence_row, job_row, mesh_row, node_label, short_job_id,
-                                 status_line)
+                                 event_line, evidence_row, gang_summary, gang_workers_text, job_row, mesh_row,
+                                 node_label, short_job_id, status_line)
 from keys.errors import KeystoreError
 from meshnode.tui.why import format_declines
 from protocol.envelope import ANY_MESH
@@ -313,6 +313,9 @@ class OwnerTui(App):
         if selected is not None and selected.get("state") == "pending":
             lines.append("%s pending: %s (w: why)"
                          % (short_job_id(selected["job_id"]), format_declines(selected.get("declines", {}))))
+        if selected is not None and selected.get("gang"):   # the `meshnode jobs` caption's line (GA4)
+            lines.append("gang %s: %s; ranks %s (w: groups, recovery history)" % (
+                short_job_id(selected["job_id"]), gang_summary(selected["gang"]), gang_workers_text(selected["gang"])))
         self._show(self.jobs_note, "\n".join(lines))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:

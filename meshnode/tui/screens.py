@@ -7,6 +7,7 @@ so a node that goes away never reaches a screen as an exception.
 
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -14,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from meshnode.tui.form import DEFAULT_VALUES, FORM_FIELDS, check_form
-from meshnode.tui.tables import short_job_id
+from meshnode.tui.tables import gang_lines, short_job_id
 from meshnode.tui.why import format_declines, group_declines, placeable_hint, queue_rows
 from protocol.messages import STRATEGIES
 
@@ -68,7 +69,8 @@ class PassphraseScreen(ModalScreen):
 
 
 class WhyScreen(ModalScreen):
-    """Why a job is pending: declines grouped by reason, the node's hint and ours."""
+    """Why a job is pending: declines grouped by reason, the node's hint and ours; for a gang
+    also its ranks, topology groups and recovery history."""
     BINDINGS = [Binding("escape,w,q", "dismiss", "close")]
 
     def __init__(self, job: dict, why: dict | None, error: str, manifest_body: dict, nodes: list[dict]):
@@ -95,6 +97,9 @@ class WhyScreen(ModalScreen):
             lines.append("node says: %s" % node_hint)
         lines.extend("%s: %s" % row for row in queue_rows((self.why or {}).get("queue")))
         lines.append("to place it: %s" % placeable_hint(declines, self.manifest_body, self.nodes))
+        gang = (self.why or {}).get("gang")
+        if gang:   # a gang: its rule, ranks, the groups its rule allows, its recovery history
+            lines.extend(escape(line) for line in gang_lines(gang))
         with VerticalScroll(classes="dialog"):
             yield Static("\n".join(lines), id="why-text", markup=True)
 

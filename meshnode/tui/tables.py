@@ -140,6 +140,54 @@ def primary_cell(job: dict) -> str:
     return "gang %d/%d" % (running, len(workers) or max(gang.get("sizes") or [0]))
 
 
+# SPEC.md GA2's topology rules, as `why` and the TUI state them.
+TOPOLOGY_RULES = {"zone": "every worker in one zone", "rail_group": "every worker in one zone and one rail group",
+                  "spread_zones": "no zone holds more than half of the workers, rounded up",
+                  "none": "no rule: the smallest network diameter wins"}
+GANGS_IN_CAPTION = 3
+
+
+def gang_size_text(gang: dict) -> str:
+    """"4 workers", or for an elastic gang its range and sizes: "2..6 workers (6/4/2)"."""
+    sizes = sorted(gang.get("sizes") or [0])
+    if len(sizes) == 1:
+        return "%d workers" % sizes[0]
+    return "%d..%d workers (%s)" % (sizes[0], sizes[-1], "/".join(map(str, reversed(sizes))))
+
+
+def gang_summary(gang: dict) -> str:
+    return "%s, topology %s" % (gang_size_text(gang), gang.get("topology", "?"))
+
+
+def gang_workers_text(gang: dict) -> str:
+    """Each rank's node and state: "0 n1a2b3c running, 1 n4d5e6f migrating"."""
+    return ", ".join("%d %s %s" % (w.get("rank", 0), node_label(w.get("primary")), w.get("state", "?"))
+                     for w in gang.get("workers", ())) or "no rank placed"
+
+
+def gang_lines(gang: dict) -> list[str]:
+    """A gang in `why` and the TUI's why screen (plain text): its rule, ranks, the groups
+    its rule allows with their nodes and GPUs, and its recovery history."""
+    topology = gang.get("topology", "?")
+    lines = ["gang: %s (%s)" % (gang_summary(gang), TOPOLOGY_RULES.get(topology, topology)),
+             "ranks: " + gang_workers_text(gang)]
+    if gang.get("groups"):
+        lines.append("groups (nodes fitting one worker / nodes, GPUs free / GPUs):")
+        lines += ["  %s: %d/%d nodes, %d/%d GPUs%s" % (
+            g["group"], g["fit"], g["nodes"], g["gpus_free"], g["gpus"],
+            "" if g.get("allowed", True) else ", no rail group: not allowed") for g in gang["groups"]]
+    history = gang.get("history") or []
+    lines.append("recovery history:%s" % ("" if history else " none"))
+    for entry in history:
+        if entry.get("kind") == "rank_moved":
+            lines.append("  epoch %s: rank %s moved %s -> %s (its node was evicted)" % (
+                entry.get("epoch"), entry.get("rank"), node_label(entry.get("from")), node_label(entry.get("to"))))
+        else:
+            lines.append("  epoch %s: attempt %s placed ranks on %s" % (
+                entry.get("epoch"), entry.get("attempt"), " ".join(node_label(n) for n in entry.get("workers", ()))))
+    return lines
+
+
 def job_row(job: dict) -> tuple[str, ...]:
     ckpt = job.get("checkpoint_age_ms")
     seq = job.get("checkpoint_seq")
@@ -228,6 +276,9 @@ def jobs_table(jobs: list[dict]) -> Table:
     if pending:
         captions.append("; ".join("%s %s" % (short_job_id(j["job_id"]), format_declines(j["declines"]))
                                   for j in pending[:3]))
+    gangs = [j for j in jobs if j.get("gang")]
+    captions += ["gang %s: %s; ranks %s" % (short_job_id(j["job_id"]), gang_summary(j["gang"]),
+                                            gang_workers_text(j["gang"])) for j in gangs[:GANGS_IN_CAPTION]]
     shares = gpu_shares_caption(jobs)
     if shares:
         captions.append("shares: " + shares)
