@@ -437,6 +437,7 @@ class Node:
         return tuple(JobSignals(job_id=job_id, request_rate_milli=rate, latency_p99_us=p99,
                                 progress_rate_milli=progress)
                      for job_id, (rate, p99, progress) in sorted(fresh.items()) if job_id in self.job_fences)
+
     async def _freeze_all(self) -> None:
         """SPEC.md F3b: freeze every workload of a halted node, to thaw it if the halt ends with
         the same job here under the same fence. A runner that cannot freeze (the simulator's)
