@@ -133,6 +133,10 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "quota_held_jobs": sum(r.counters.get("quota_held_jobs", 0) for r in results),
         "quota_overshoot_gpu_milli_max": max((r.counters.get("quota_overshoot_gpu_milli", 0) for r in results),
                                              default=0),
+        # The same, at any moment: the most an owner held beyond it right after an honest node
+        # applied one of its placements (Q2's bound: at most (honest members - 1) x quota).
+        "quota_overshoot_peak_gpu_milli_max": max((r.counters.get("quota_overshoot_peak_gpu_milli", 0)
+                                                  for r in results), default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # Seeds with a job placed past the base deadline but within what SPEC 11 owes it, by
