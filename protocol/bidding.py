@@ -160,6 +160,10 @@ class Bidding:
         mine = self.mine.get(key)
         if mine is None or mine[0] != "decline":
             return True
+        if record.state != "pending":
+            # Cancelled (or placed by another attempt) while its instance still runs here: a
+            # bid now would reserve capacity for nothing until that instance ends (R1).
+            return False
         fresh = self.make_bid_or_decline(key, inst.view.epoch, record, now_ms)
         if fresh[0] == "decline":
             return False

@@ -24,6 +24,10 @@ from protocol.messages import (Cancel, Checkpoint, CheckpointAck, JobExit, JobRe
 from protocol.ready import Outbound, PersistRecord, Ready, local_decision
 
 HANDOFF_WAIT_MS = 250   # how long a job's next primary after a refusal waits for a checkpoint (R1)
+# How long a node that preempted a victim holds back its hand-over for the final checkpoint
+# (P8d): within the HANDOFF_WAIT_MS the victim's next primary waits, so that a node without
+# one (no driver reading it) still hands over its newest periodic checkpoint in time.
+FINAL_CHECKPOINT_WAIT_MS = 100
 
 
 def same_work(fence: int, attempt: int, job) -> bool:
@@ -56,6 +60,10 @@ class JobLifecycle:
         # their work: job id -> when it stops waiting for one to be handed over (R1). Not run
         # while waiting (workload_orders.py).
         self.handoff_waits: dict[bytes, int] = {}
+        # Victims this node refused for a preemption (P8d): job id -> (the fence it ran them
+        # under, until when it holds back their R1 hand-over for the final checkpoint its
+        # driver reads as it stops the run).
+        self.preempted_here: dict[bytes, tuple[int, int]] = {}
 
     # --- taking a job on (SPEC.md R1) ------------------------------------------------------------
     def admit(self, record, key: bytes | None, now_ms: int, out: Ready) -> bool:
@@ -68,7 +76,7 @@ class JobLifecycle:
         claim = self.ledger.take_on(key, record.job_id, record.manifest.resources, prefer=tuple(record.gpus))
         if claim is not None:
             record.gpus = claim.gpus   # what this node runs it on (a migration's own pick)
-            if key is not None and self._work_done_elsewhere(record):
+            if key is not None and (self._work_done_elsewhere(record) or self._preempted_elsewhere(record)):
                 self.handoff_waits[record.job_id] = now_ms + HANDOFF_WAIT_MS
             return True
         self.refuse(record, now_ms, out)
@@ -83,11 +91,24 @@ class JobLifecycle:
         return any(fence // FENCE_PER_ATTEMPT < record.attempt and same_work(fence, record.attempt, record.manifest)
                    for fence in record.primaries)
 
+    def _preempted_elsewhere(self, record) -> bool:
+        """P8d: this attempt follows one another node preempted, of the same work: that node
+        hands over the final checkpoint it took as it stopped the run, newer than any
+        periodic one this node may hold as a backup, so this node waits for it too."""
+        preempted = record.preempted_by
+        if preempted is None or not record.attempt or preempted[1] // FENCE_PER_ATTEMPT != record.attempt - 1:
+            return False
+        fence = preempted[1]
+        return record.primaries.get(fence) not in (None, self.ctx.me) and same_work(fence, record.attempt,
+                                                                                    record.manifest)
+
     def hand_off_checkpoint(self, record, out: Ready) -> None:
         """R1: a new attempt of a job was placed: the newest checkpoint this node holds of the
         work it goes on with, as its primary signed it, goes to the attempt's primary and
         backups (a backup may become the primary before the new run checkpoints)."""
         data, fence = record.checkpoint_envelope, record.checkpoint_fence
+        if record.job_id in self.preempted_here:
+            return   # held back for the final checkpoint (P8d): sent when it comes, or in time without
         if data is None or record.primary is None or not same_work(fence, record.attempt, record.manifest):
             return
         for target in (record.primary, *record.backups):
@@ -102,6 +123,13 @@ class JobLifecycle:
             del self.handoff_waits[jid]
             self.ctx.counters["checkpoint_handoff_timeout"] += 1
             out.events.append(self.ctx.event("checkpoint_handoff_timeout", now_ms, job_id=jid.hex()))
+        for jid in [jid for jid, (_fence, due) in self.preempted_here.items() if due <= now_ms]:
+            # No final checkpoint came (no driver reads one, or the run had ended): the
+            # newest periodic one goes instead, if the victim's next attempt is placed.
+            del self.preempted_here[jid]
+            record = self.jobs.get(jid)
+            if record is not None and record.state not in TERMINAL and record.state != "pending":
+                self.hand_off_checkpoint(record, out)
 
     def refuse(self, record, now_ms: int, out: Ready) -> None:
         """No room here for a job this node became the primary of: tell every node, which
@@ -279,6 +307,8 @@ class JobLifecycle:
         backups. Nothing for any other stop."""
         out = Ready()
         record = self.jobs.get(jid)
+        if record is not None and self.preempted_here.get(jid, (None,))[0] == fence:
+            return self._hand_over_preempted(record, fence, final, now_ms)
         if record is None or record.moved_from != (fence, self.ctx.me) or record.primary == self.ctx.me:
             return out
         if final is not None:
@@ -298,6 +328,32 @@ class JobLifecycle:
         for target in (record.primary, *record.backups):
             if target != self.ctx.me:
                 out.messages.append(Outbound(target, data))
+        return out
+
+    def _hand_over_preempted(self, record, fence: int, final: tuple | None, now_ms: int) -> Ready:
+        """P8d: this node stopped the run of a victim it preempted, under ``fence``. Its final
+        checkpoint (``final``, as for a move; None: nothing newer than the last one) becomes
+        the newest this node holds of the work, and the R1 hand-over it held back goes now
+        if the victim's next attempt is placed, else when this node applies that placement."""
+        out = Ready()
+        del self.preempted_here[record.job_id]
+        if final is not None:
+            seq, progress, taken_ms, state = final
+            checkpoint = Checkpoint(job_id=record.job_id, fence=fence, seq=seq, progress=progress, taken_ms=taken_ms,
+                                    state=state, state_hash=hashlib.sha256(state).digest())
+            data = self.ctx.sign(checkpoint)
+            out.persist.append(self._checkpoint_record(checkpoint, self.ctx.me))
+            held = (record.checkpoint_fence, record.last_checkpoint_seq or 0)
+            if record.checkpoint_fence is None or (fence, seq) > held:
+                record.checkpoint_envelope, record.checkpoint_fence = data, fence
+                record.last_checkpoint_seq, record.last_checkpoint_taken_ms = seq, taken_ms
+                record.known_checkpoint = (seq, now_ms)
+            self.ctx.counters["checkpoint_handed_over"] += 1
+            out.events.append(self.ctx.event("checkpoint_handed_over", now_ms, job_id=record.job_id.hex(),
+                                             fence=fence, final=True, preempted=True))
+        placed_again = record.fence // FENCE_PER_ATTEMPT > fence // FENCE_PER_ATTEMPT
+        if placed_again and record.state not in TERMINAL and record.state != "pending":
+            self.hand_off_checkpoint(record, out)
         return out
 
     def _take_handed_off(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int, out: Ready) -> None:

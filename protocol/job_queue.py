@@ -153,17 +153,23 @@ def start_estimate(record, jobs, quotas, free_by_node: dict, now_ms: int) -> Est
 
 
 # --- reservations and backfill (Q5) -----------------------------------------------------------
-def reservation_holder(record, jobs, me: bytes, total: Room):
+def reservation_holder(record, jobs, me: bytes, total: Room, quota_holds=lambda other: False):
     """Q5: the job this member holds capacity for against ``record``: the first pending job
     ahead of it in queue order (any pool), with a placement running, that this member
-    declined for want of capacity and that fits this member's total capacity. None:
-    nothing ahead waits here."""
+    declined for want of capacity, that fits this member's total capacity and that its
+    owner's quota does not hold back here now (``quota_holds(other)``, Q2). None: nothing
+    ahead waits here."""
     mine = queue_key(record)
     # A job whose placement gave up (no instance runs it) waits for nothing: it holds nothing.
     ahead = sorted((r for r in jobs if r.state == "pending" and r.instance and queue_key(r) < mine), key=queue_key)
     for other in ahead:
         answer = other.declines.get(me)
-        if answer is not None and answer[0] in CAPACITY_REASONS and total.holds(Room.of(other.manifest.resources)):
+        # A capacity decline stays on record after the quota took over as the reason (a
+        # decline decided afresh into another decline is not re-sent): a job its quota holds
+        # could not use the capacity, and reserving for it would hold the jobs behind it
+        # until the quota frees, which may be never while they wait (a deadlock).
+        if (answer is not None and answer[0] in CAPACITY_REASONS and total.holds(Room.of(other.manifest.resources))
+                and not quota_holds(other)):
             return other
     return None
 

@@ -333,8 +333,9 @@ class MeshCore:
         instance open, a reservation that expires, a hand-off awaited, jobs to refuse after
         the restart sync), every tick may matter. A later call (after any other input) may
         answer earlier; the driver asks again after each input."""
-        if (self.instance_table.instances or self.ledger.has_expiring_claims() or self.lifecycle.handoff_waits
-                or self._refuse_after_sync):
+        lifecycle = self.lifecycle
+        if (self.instance_table.instances or self.ledger.has_expiring_claims() or lifecycle.handoff_waits
+                or lifecycle.preempted_here or self._refuse_after_sync):
             return now_ms
         return self.liveness.next_due_ms(now_ms)
 

@@ -349,8 +349,9 @@ class PackingCluster:
         group.append(index)
         group.sort()
 
-    def choose(self, demand: TaskDemand) -> tuple[int, tuple[int, ...]] | None:
-        """(node index, GPUs) the policy picks for ``demand``, or None if it fits nowhere."""
+    def choose(self, demand: TaskDemand, allowed=None) -> tuple[int, tuple[int, ...]] | None:
+        """(node index, GPUs) the policy picks for ``demand``, or None if it fits nowhere.
+        ``allowed(node index) -> bool``: only those nodes (a reservation holds the others, Q5)."""
         shape = self._shape_ids.get(demand)
         if shape is None:
             if len(self._shape_ids) >= MAX_TASK_SHAPES:
@@ -362,7 +363,11 @@ class PackingCluster:
         best_states: list[int] = []
         policy = self.policy
         nodes = self.nodes
-        for state, members in self._groups.items():
+        groups = self._groups
+        if allowed is not None:
+            groups = {state: kept for state, members in groups.items()
+                      if (kept := [index for index in members if allowed(index)])}
+        for state, members in groups.items():
             scored = scores.get(state, False)
             if scored is False:
                 node = nodes[members[0]]
@@ -378,10 +383,10 @@ class PackingCluster:
         if best is None:
             return None
         if policy.random_ties:
-            candidates = sorted(i for state in best_states for i in self._groups[state])
+            candidates = sorted(i for state in best_states for i in groups[state])
             index = candidates[self.rng.randrange(len(candidates))]
         else:
-            index = min(self._groups[state][0] for state in best_states)
+            index = min(groups[state][0] for state in best_states)
         node = nodes[index]
         if policy.random_gpu and demand.gpu_count:
             fitting = [i for i, free in enumerate(node.gpu_milli_free) if free >= demand.gpu_milli_each]
@@ -391,11 +396,12 @@ class PackingCluster:
                 [i for i in fitting if node.gpu_milli_free[i] == MILLI_PER_GPU], demand.gpu_count)))
         return index, node.default_gpus(demand, scores[self._node_state[index]][1])
 
-    def place(self, task_id: object, demand: TaskDemand) -> tuple[int, Allocation] | None:
-        """Place ``demand`` where the policy chooses; None (and nothing changes) if it fits nowhere."""
+    def place(self, task_id: object, demand: TaskDemand, allowed=None) -> tuple[int, Allocation] | None:
+        """Place ``demand`` where the policy chooses (among the ``allowed`` nodes, as ``choose``);
+        None (and nothing changes) if it fits nowhere."""
         if task_id in self._task_node:
             raise ShareError("task %r is already placed" % (task_id,))
-        choice = self.choose(demand)
+        choice = self.choose(demand, allowed)
         if choice is None:
             return None
         index, gpus = choice

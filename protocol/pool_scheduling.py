@@ -38,12 +38,17 @@ class PoolScheduling:
             reason = "unknown_pool" if self.quotas.unknown_pool_error(record.manifest) else "over_quota"
             return False, reason, problem
         if self.reservations:
-            holder = reservation_holder(record, self.jobs, self.ctx.me, self._total())
+            holder = reservation_holder(record, self.jobs, self.ctx.me, self._total(), quota_holds=self._quota_holds)
             if holder is not None:
                 problem = backfill_error(record, holder, self._free(), self._running(), now_ms)
                 if problem is not None:
                     return False, "reserved", problem
         return True, None, ""
+
+    def _quota_holds(self, record) -> bool:
+        """Q2 at this member now, for a job that would hold capacity here (Q5)."""
+        return (self.quotas.enabled
+                and self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for()) is not None)
 
     def stamp(self):
         """What the bid rules read besides the ledger: which jobs are pending or live here.

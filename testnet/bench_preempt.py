@@ -45,6 +45,9 @@ from testnet.bench_failover import EventLog, read_progress, sample_double_runs
 from testnet.bench_stats import lost_work, machine_info, overlapping_runs, segments, summary_ms
 
 UNIT_MS = 2
+# A pause this long in a victim's progress log ends a run: resumed from the final checkpoint
+# taken as it was preempted (P8d), the next run goes on from the next unit, on the same node.
+RUN_GAP_US = 1_000_000
 HIGH_UNITS = 750               # J runs about 1.5 s
 STEP_TIMEOUT_S = 30.0
 SETTLE_S = 1.0                 # after the fill, and between rounds: checkpoints flow, vectors go out
@@ -178,10 +181,11 @@ class PreemptRun:
         with trio.move_on_after(STEP_TIMEOUT_S):
             while True:
                 logs = await trio.to_thread.run_sync(read_progress, self.layout, victim_hex)
-                runs = [s for s in segments(victim_node, logs.get(victim_node, [])) if s.first_us < preempted_wall_us]
+                runs = [s for s in segments(victim_node, logs.get(victim_node, []), RUN_GAP_US)
+                        if s.first_us < preempted_wall_us]
                 if runs:
                     stop_us = runs[-1].last_us
-                    lost = lost_work(logs, victim_node, stop_us, successor, UNIT_MS)
+                    lost = lost_work(logs, victim_node, stop_us, successor, UNIT_MS, RUN_GAP_US)
                     if lost is not None:
                         record["lost_work_ms"] = lost.lost_ms
                         record["lost_units"] = lost.lost_units

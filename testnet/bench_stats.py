@@ -70,12 +70,15 @@ class Segment:
     last_us: int
 
 
-def segments(node: int, lines: list[ProgressLine]) -> list[Segment]:
-    """Split one node's log into runs: a new run starts wherever the unit does not go up by 1."""
+def segments(node: int, lines: list[ProgressLine], gap_us: int | None = None) -> list[Segment]:
+    """Split one node's log into runs: a new run starts wherever the unit does not go up by 1,
+    or, with ``gap_us``, after a pause longer than that (a run resumed from a checkpoint
+    taken as the last one stopped goes on from the next unit: a preemption's final one)."""
     found = []
     start = prev = None
     for line in lines:
-        if prev is not None and line.unit != prev.unit + 1:
+        if prev is not None and (line.unit != prev.unit + 1 or (gap_us is not None
+                                                                and line.wall_us - prev.wall_us > gap_us)):
             found.append(Segment(node, start.unit, prev.unit, start.wall_us, prev.wall_us))
             start = None
         if start is None:
@@ -95,7 +98,7 @@ class LostWork:
 
 
 def lost_work(logs: dict[int, list[ProgressLine]], killed_node: int, kill_wall_us: int,
-              successor_node: int, unit_ms: float) -> LostWork | None:
+              successor_node: int, unit_ms: float, gap_us: int | None = None) -> LostWork | None:
     """Work lost by one kill, from the progress logs alone; None if no resumed run is logged.
 
     The resumed run is the successor's first segment that starts after the kill; it
@@ -107,7 +110,7 @@ def lost_work(logs: dict[int, list[ProgressLine]], killed_node: int, kill_wall_u
     work = time between the resumed checkpoint and the failure). Restored from scratch
     (unit 0), the run's start counts as ``first logged unit's time - unit_ms``.
     """
-    resumed = [s for s in segments(successor_node, logs.get(successor_node, [])) if s.first_us > kill_wall_us]
+    resumed = [s for s in segments(successor_node, logs.get(successor_node, []), gap_us) if s.first_us > kill_wall_us]
     if not resumed:
         return None
     restored_unit = resumed[0].first_unit - 1

@@ -39,6 +39,7 @@ def register(subparsers) -> None:
                                    description=__doc__.splitlines()[0],
                                    epilog=examples("meshnode replay --json", "meshnode replay --shuffle 3 --json",
                                                    "meshnode replay --timed --nodes 6 --policy pack --json",
+                                                   "meshnode replay --timed --reservations --nodes 6 --policy pack --json",
                                                    "meshnode replay --mesh-slice 60 --nodes 4 --json")
                                    + JSON_KEYS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER, metavar="NODES.csv",
@@ -60,6 +61,10 @@ def register(subparsers) -> None:
                              "qos and time columns")
     parser.add_argument("--no-preempt", action="store_true",
                         help="with --timed: queue by priority but never preempt (the baseline)")
+    parser.add_argument("--reservations", action="store_true",
+                        help="with --timed: a task with no room holds the nodes it waits for; others backfill "
+                             "them only if they end first (declared runtime: the traced duration) or leave it "
+                             "room (SPEC Q5, the mesh's own rule)")
     parser.add_argument("--checkpoint-ms", type=int, default=DEFAULT_CHECKPOINT_MS, metavar="MS",
                         help="with --timed: how often a running task checkpoints; a preempted task resumes from "
                              "its newest checkpoint and loses the work since (default %d)" % DEFAULT_CHECKPOINT_MS)
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         if args.timed:
             raise TraceError("--shuffle reorders the fill experiment; --timed follows the trace's times")
         tasks = shuffled(tasks, args.shuffle)
+    if args.reservations and not args.timed:
+        raise TraceError("--reservations holds capacity over time: use it with --timed")
     if args.checkpoint_ms < 1:
         raise TraceError("--checkpoint-ms must be >= 1, got %d" % args.checkpoint_ms)
     if args.mesh_slice is not None:
@@ -141,7 +148,8 @@ def run_timed(args, names, nodes, tasks, workload) -> int:
     results = {}
     for name in names:
         results[name] = r = timed(nodes, tasks, name, seed=args.seed, workload=workload,
-                                  preempt=not args.no_preempt, checkpoint_ms=args.checkpoint_ms)
+                                  preempt=not args.no_preempt, checkpoint_ms=args.checkpoint_ms,
+                                  reservations=args.reservations)
         if not args.json:
             by_class = "  ".join("%s p50 %s s p99 %s s (%d waiting, %d preempted)"
                                  % (q, c["delay_p50_s"], c["delay_p99_s"], c["never_started"], c["preemptions"])
@@ -151,6 +159,7 @@ def run_timed(args, names, nodes, tasks, workload) -> int:
         summary = {"cluster": str(args.cluster), "pods": str(args.pods), "timed": True, "nodes": len(nodes),
                    "gpus": sum(n.gpus for n in nodes), "tasks": len(tasks), "seed": args.seed,
                    "preempt": not args.no_preempt, "checkpoint_ms": args.checkpoint_ms,
+                   "reservations": args.reservations,
                    "policies": results}
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

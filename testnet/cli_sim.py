@@ -140,6 +140,10 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
                                              default=0),
         # --reflex (SPEC.md R3a): of the reflex moves, those decided on a job's reported latency.
         "reflex_moves_job_signal": sum(r.counters.get("reflex_moves_job_signal", 0) for r in results),
+        # The same, at any moment: the most an owner held beyond it right after an honest node
+        # applied one of its placements (Q2's bound: at most (honest members - 1) x quota).
+        "quota_overshoot_peak_gpu_milli_max": max((r.counters.get("quota_overshoot_peak_gpu_milli", 0)
+                                                  for r in results), default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # --reflex (SPEC.md R4): replica actions (clone, reroute, decay, fill) decided, over all seeds.

@@ -30,6 +30,7 @@ from protocol.messages import job_id
 from protocol.packing import PackingCluster, WorkloadDistribution, make_policy
 from testnet.replay_preemption import (DEFAULT_CHECKPOINT_MS, QOS_CLASSES, CheckpointClock, choose, manifest_for,
                                        node_key, running_job)
+from testnet.replay_reservations import Holders
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "alibaba-gpu-v2023"
 DEFAULT_CLUSTER = DATA_DIR / "openb_node_list_gpu_node.csv"
@@ -259,7 +260,7 @@ def _seconds(milliseconds: int | None) -> float | None:
 
 def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed: int = 0,
           workload: WorkloadDistribution | None = None, preempt: bool = True,
-          checkpoint_ms: int = DEFAULT_CHECKPOINT_MS) -> dict:
+          checkpoint_ms: int = DEFAULT_CHECKPOINT_MS, reservations: bool = False) -> dict:
     """Replay with the trace's times: each task arrives at its creation time and, once
     placed, runs for its traced duration (deletion - scheduled). Pending tasks wait in one
     queue, higher priority first, then in arrival order (QoS classes: QOS_CLASSES); a freed
@@ -269,7 +270,10 @@ def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed:
     they go back to the queue and resume from their newest checkpoint, losing the work
     since. Tasks without the times (pending in the trace: no scheduled or deletion time)
     are not replayed; tasks that fit on no node of this cluster even when it is empty are
-    counted apart, not queued. A missing qos or time column, or an unknown qos, is an error."""
+    counted apart, not queued. With ``reservations``, a task that has no room holds the
+    nodes it waits for and others backfill them only as SPEC.md Q5 allows
+    (testnet/replay_reservations.py). A missing qos or time column, or an unknown qos, is an
+    error."""
     started_wall = time.perf_counter()
     _check_timed_columns(tasks)
     workload = workload or WorkloadDistribution(t.demand for t in tasks)
@@ -310,11 +314,19 @@ def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed:
     lost: dict[str, list[int]] = {}
     preemptions = 0
 
-    def start(index: int, now: int) -> bool:
-        if cluster.place(index, tasks[index].demand) is None:
+    def start(index: int, now: int, holders: Holders | None = None) -> bool:
+        allowed = holders.allowed(index) if holders is not None else None
+        if cluster.place(index, tasks[index].demand, allowed) is None:
             return False
         begin(index, now)
         return True
+
+    def holders_at(now: int) -> Holders | None:
+        return Holders(cluster, tasks, manifest, remaining_ms, running_since, now) if reservations else None
+
+    def fits_somewhere(index: int) -> bool:
+        """Whether a task that did not start was kept off by reservations alone (Q5)."""
+        return reservations and any(node.fits(tasks[index].demand) for node in cluster.nodes)
 
     def begin(index: int, now: int) -> None:
         task = tasks[index]
@@ -360,19 +372,26 @@ def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed:
         preemption found no victims is not asked again in this pass."""
         blocked: set[int] = set()
         no_victims: set[tuple[int, int]] = set()
+        holders = holders_at(now)
         position = 0
         while position < len(queue):
             index = queue[position][2]
             shape = shape_of[index]
-            if shape not in blocked and start(index, now):
+            if shape not in blocked and start(index, now, holders):
                 del queue[position]
                 continue
+            if shape not in blocked and fits_somewhere(index):
+                position += 1     # held off by a reservation: it waits, and holds nothing
+                continue
             blocked.add(shape)
+            if holders is not None:
+                holders.add(index)
             key = (shape, priority_of[index])
             if may_preempt and key not in no_victims:
                 del queue[position]
                 if try_preemption(index, now):
                     blocked.clear()
+                    holders = holders_at(now)
                     position = 0
                     continue
                 no_victims.add(key)
@@ -384,7 +403,16 @@ def timed(nodes: list[NodeSpec], tasks: list[TraceTask], policy_name: str, seed:
         if kind == 1:
             # The tasks already waiting did not fit (nor preempt) at the last offer and nothing
             # was freed since, so only the newcomer is new to try.
-            if start(index, now):
+            holders = holders_at(now)
+            if holders is not None:
+                # Nothing was freed since the last offer: every task queued ahead has no room.
+                key = (-priority_of[index], tasks[index].creation_s * 1000, index)
+                for ahead in queue[:bisect.bisect_left(queue, key)]:
+                    holders.add(ahead[2])
+            if start(index, now, holders):
+                continue
+            if fits_somewhere(index):
+                bisect.insort(queue, (-priority_of[index], tasks[index].creation_s * 1000, index))
                 continue
             if may_preempt and try_preemption(index, now):
                 offer_queue(now)  # the victims wait now, and what they freed beyond the task's need is free

@@ -32,6 +32,7 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
+from protocol.quota import demand
 from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
@@ -237,6 +238,7 @@ class Simulation:
         if world_transform is not None:
             self.world = world_transform(self.world)
         self.mesh_id = self.world.mesh_id
+        self.owner_of_job = {spec.job_id: spec.job.owner for spec in self.world.jobs}
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
@@ -794,6 +796,8 @@ class Simulation:
                 placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
                 self.liveness.placed([self.checker.job_of(p) for p in placements])
             self.liveness.note_capacity()
+            if self.config.quota_gpus:
+                self._note_quota_overshoot()
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
             self.liveness.decided(decision.instance)
             done = self.honest_done.get(decision.instance, 0) + 1
@@ -1100,6 +1104,22 @@ class Simulation:
                 if limit is not None:
                     worst = max(worst, quotas.usage(table, owner, "").gpu_milli - limit.gpu_milli)
         return worst
+
+    def _note_quota_overshoot(self) -> None:
+        """The most an owner's jobs on honest nodes exceed its GPU quota (SPEC.md Q2's bound),
+        by the checker's truth of what each honest node holds (not a member's table, which
+        a missed exit inflates), after each first decision: ``_quota_overshoot`` sees only
+        the end of the run. Jobs a Byzantine member hosts run on its capacity (Q2 (c))."""
+        owner_of = self.owner_of_job
+        held: dict[bytes, int] = {}
+        for load in self.checker.loads:
+            for jid, (resources, _gpus) in load.jobs.items():
+                owner = owner_of.get(jid)
+                if owner is not None:
+                    held[owner] = held.get(owner, 0) + demand(resources).gpu_milli
+        over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
+        self.counters["quota_overshoot_peak_gpu_milli"] = max(self.counters.get("quota_overshoot_peak_gpu_milli", 0),
+                                                              over)
 
     def _declined(self, index: int, jid: bytes) -> bool:
         """Whether node ``index`` answered the job's current placement instance with a decline

@@ -56,6 +56,16 @@ def test_segments_split_where_the_count_goes_back():
     assert found[1].first_us == 10_000 and found[1].last_us == 11_000
 
 
+def test_segments_split_after_a_pause_when_asked_a_resumed_run_that_lost_nothing():
+    # A preempted run stopped after unit 5 (a final checkpoint) and resumed at unit 6 on
+    # the same node 3 s later: one count, two runs (gap_us); without gap_us, one run.
+    lines = run(1, 5, 0) + run(6, 8, 3_005_000)
+    assert [(s.first_unit, s.last_unit) for s in segments(2, lines, gap_us=1_000_000)] == [(1, 5), (6, 8)]
+    assert [(s.first_unit, s.last_unit) for s in segments(2, lines)] == [(1, 8)]
+    lost = lost_work({2: lines}, killed_node=2, kill_wall_us=4_000, successor_node=2, unit_ms=1, gap_us=1_000_000)
+    assert (lost.restored_unit, lost.lost_units) == (5, 0)
+
+
 # --- lost work -------------------------------------------------------------------------------
 
 def test_lost_work_is_kill_time_minus_when_the_restored_unit_was_done():

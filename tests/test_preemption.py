@@ -314,3 +314,73 @@ def test_a_held_decline_of_ours_from_before_a_restart_is_answered_afresh_not_rai
     out = Ready()
     assert core.placement.bid_again(inst, core.job_table.get(job_id(job)), net.now, out) is False
     assert core.bidding.mine[job_id(job)][0] == "decline"   # answered afresh: still no room
+
+
+def preempted_until_stopped():
+    """preempted_net, stopped as the preempting node orders the victim's run to stop (where
+    its driver reads the final checkpoint): (net, lows, high, node, victim, its fence)."""
+    net = Net(gpus=(1, 1, 1, 1))
+    lows = [job_of(n, priority=10, preemptible=True) for n in (1, 2, 3, 4)]
+    fill(net, lows)
+    high, envelope = job_of(100, priority=900)
+    net.submit(KEYS[2], envelope)
+    for _ in range(600):
+        net.run(5)
+        stopped = [(key, e) for key in KEYS for e in net.events[key] if e.kind == "job_preempted"]
+        if stopped:
+            node, event = stopped[0]
+            return net, lows, high, node, bytes.fromhex(event.detail["job_id"]), event.detail["fence"]
+    raise AssertionError("no preemption")
+
+
+def test_a_victim_is_checkpointed_as_it_is_stopped_and_resumes_from_that_final_checkpoint():
+    """P8d: the preempting node's driver stops the victim's run and reads its state as it
+    stops (as for a move, R2); that final checkpoint, newer than the periodic one, is what
+    the victim's next attempt resumes from, here on the same node once the job ends."""
+    net, lows, high, node, victim, fence = preempted_until_stopped()
+    core = net.cores[node]
+    ready = core.hand_over_moved(victim, fence, (2, 25, net.now, b"final"), net.now)
+    handed = [e for e in ready.events if e.kind == "checkpoint_handed_over"]
+    assert handed and handed[0].detail["final"] and handed[0].detail["preempted"]
+    assert [r.value["seq"] for r in ready.persist if r.table == "checkpoints"] == [2]
+    net.emit(node, ready)
+    assert core.hand_over_moved(victim, fence, (3, 30, net.now, b"again"), net.now).events == []   # once
+    net.run(1000)
+    high_fence = core.job_view(job_id(high))["fence"]
+    net.emit(node, core.workload_started(job_id(high), high_fence, 0, net.now))
+    net.emit(node, core.job_exited(job_id(high), 0, net.now))
+    net.run(2000)
+    assert core.job_view(victim)["primary"] == node
+    runs = [run for d in net.decisions[node] if d.value_kind == "run" for run in d.value if run.job_id == victim]
+    assert runs[-1].resume and core.job_view(victim)["last_checkpoint_seq"] == 2   # the final one
+
+
+def test_a_victim_placed_elsewhere_resumes_from_the_final_checkpoint_of_the_node_that_preempted_it():
+    """P8d with R1's hand-over: the final checkpoint, read as the run stopped, goes to the
+    victim's next primary, another node, when the preempting node applies that placement."""
+    net, lows, high, node, victim, fence = preempted_until_stopped()
+    net.emit(node, net.cores[node].hand_over_moved(victim, fence, (2, 25, net.now, b"final"), net.now))
+    # Room elsewhere: another low job ends, and the victim is placed there.
+    other = next(job_id(j) for j, _ in lows if job_id(j) != victim
+                 and net.cores[KEYS[0]].job_view(job_id(j))["primary"] != node)
+    holder = net.cores[KEYS[0]].job_view(other)["primary"]
+    net.emit(holder, net.cores[holder].job_exited(other, 0, net.now))
+    net.run(1000)
+    view = net.cores[holder].job_view(victim)
+    assert view["state"] == "placed" and view["primary"] == holder
+    assert view["last_checkpoint_seq"] == 2
+    runs = [run for d in net.decisions[holder] if d.value_kind == "run" for run in d.value if run.job_id == victim]
+    assert runs and runs[-1].resume
+
+
+def test_without_a_final_checkpoint_the_periodic_one_is_handed_over_in_time():
+    """A node whose driver reads no final checkpoint (the simulator's) still hands the
+    victim's newest periodic checkpoint to its next primary within that primary's wait."""
+    net, lows, high, node, victim, fence = preempted_until_stopped()
+    other = next(job_id(j) for j, _ in lows if job_id(j) != victim
+                 and net.cores[KEYS[0]].job_view(job_id(j))["primary"] != node)
+    holder = net.cores[KEYS[0]].job_view(other)["primary"]
+    net.emit(holder, net.cores[holder].job_exited(other, 0, net.now))
+    net.run(1000)
+    assert net.cores[holder].job_view(victim)["last_checkpoint_seq"] == 1
+    assert not [e for e in net.events[holder] if e.kind == "checkpoint_handoff_timeout"]

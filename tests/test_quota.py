@@ -308,10 +308,31 @@ def test_sim_sweep_with_quotas_and_reservations_has_no_violations_and_holds_jobs
         if not result.ok:
             failures.append("%s -> %s" % (result.config.reproduce(), [v.line() for v in result.violations[:2]]))
         held += result.counters["quota_held_jobs"]
+        # Q2's bound, on the checker's truth of what honest nodes run, at every first decision
+        assert 0 <= result.counters["quota_overshoot_peak_gpu_milli"] <= (len(sim.honest) - 1) * 1000
         declined += sum(1 for node in sim.nodes if node.core is not None for record in node.core.job_table
                         if any(reason == "over_quota" for reason, _ in record.declines.values()))
     assert not failures, "\n".join(failures)
     assert held + declined > 0
+
+
+def test_sim_quota_overshoot_peak_counts_what_honest_nodes_run_for_one_owner():
+    """The sweep's `quota_overshoot_peak_gpu_milli_max` (Q2's bound): an owner's demand on
+    honest nodes by the checker's truth, less its quota; the most seen so far is kept."""
+    from protocol.messages import Resources as R
+    from testnet.sim import SimConfig, Simulation
+    sim = Simulation(SimConfig(nodes=4, jobs=4, seed=1, quota_gpus=1))
+    first, second = sim.world.jobs[0], sim.world.jobs[1]
+    sim.owner_of_job[second.job_id] = sim.owner_of_job[first.job_id]   # one owner's two jobs
+    sim.checker.loads[0].jobs[first.job_id] = (R(gpus=2, gpu_mem_mib=1, cpu_milli=1, mem_mib=1), (0, 1))
+    sim._note_quota_overshoot()
+    assert sim.counters["quota_overshoot_peak_gpu_milli"] == 1000
+    sim.checker.loads[1].jobs[second.job_id] = (R(gpus=1, gpu_mem_mib=1, cpu_milli=1, mem_mib=1, gpu_milli=500), (0,))
+    sim._note_quota_overshoot()
+    assert sim.counters["quota_overshoot_peak_gpu_milli"] == 1500
+    sim.checker.loads[0].jobs.clear()
+    sim._note_quota_overshoot()
+    assert sim.counters["quota_overshoot_peak_gpu_milli"] == 1500   # the peak, not the end
 
 
 def test_a_job_over_its_owners_whole_quota_is_refused_at_submit():

@@ -304,3 +304,30 @@ def test_mesh_slice_and_checkpoint_options_refuse_bad_values(tmp_path):
         run_cli(base + ["--mesh-slice", "1", "--timed"])
     with pytest.raises(TraceError, match="--checkpoint-ms must be >= 1"):
         run_cli(base + ["--timed", "--checkpoint-ms", "0"])
+
+
+# --- the timed replay with reservations (testnet/replay_reservations.py: Q5's rule) ---------------
+
+def test_reservations_hold_capacity_for_a_big_task_and_let_only_short_ones_backfill(tmp_path):
+    # Two GPUs. a (LS, 1 GPU) runs 0-100 s. b (Guaranteed, 2 GPUs) arrives at 10 s: no room.
+    # c (Burstable, 1 GPU, runs 500 s) arrives at 20 s; d (BE, 1 GPU, runs 50 s) at 30 s.
+    # With reservations b holds the node from 10 s: c would end after b could start (100 s,
+    # when a ends) and waits until b ends (delay 130 s); d ends by then and backfills
+    # (delay 0); b starts at 100 s (delay 90). Without, c takes the free GPU at once and b
+    # waits for c to end at 520 s.
+    rows = ("a,1000,1024,1,1000,,LS,Running,0,100,0\nb,1000,1024,2,1000,,Guaranteed,Running,10,60,10\n"
+            "c,1000,1024,1,1000,,Burstable,Running,20,520,20\nd,1000,1024,1,1000,,BE,Running,30,80,30\n")
+
+    def delays(result):
+        return {qos: figures["delay_p99_s"] for qos, figures in result["qos"].items()}
+    held = timed_run(tmp_path, rows, gpus=2, preempt=False, reservations=True)
+    assert delays(held) == {"LS": 0, "Guaranteed": 90, "Burstable": 130, "BE": 0}
+    free_for_all = timed_run(tmp_path, rows, gpus=2, preempt=False)
+    assert delays(free_for_all) == {"LS": 0, "Guaranteed": 510, "Burstable": 0, "BE": 70}
+
+
+def test_reservations_need_timed(tmp_path):
+    nodes = write(tmp_path, "nodes.csv", NODES_HEADER + "n0,8000,8192,2,T4\n")
+    pods = write(tmp_path, "pods.csv", PODS_HEADER + "p0,1000,1024,1,500,,LS,Running,0,1,0\n")
+    with pytest.raises(TraceError, match="--reservations holds capacity over time: use it with --timed"):
+        run_cli(["--cluster", str(nodes), "--pods", str(pods), "--reservations"])

@@ -21,6 +21,7 @@ from protocol import codec
 from protocol.certificate import next_epoch_view
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.flows.base import ValueFlow
+from protocol.job_queue import queue_key
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CommitCertificate, JobManifest, Placement, decode_message,
                                decode_value, job_id, placement_attempt, placement_binding_error,
@@ -349,19 +350,25 @@ class PlacementFlow(ValueFlow):
 
     def reconsider_held(self, now_ms: int, out: Ready) -> None:
         """P3a: capacity or health changed here (an exit, a cancel, a migration, a reservation
-        let go, a GPU healthy again): each held placement this node declined is decided afresh,
-        and a bid now goes to every member (it ends their hold; the leader proposes with it)."""
+        let go, a GPU healthy again, quota freed): each undecided placement this node declined
+        is decided afresh, and a bid now goes to every member (it ends their hold; the leader
+        proposes with it). Not only held rounds: a round that cannot hold (a member, perhaps
+        Byzantine, never declines) would otherwise decide afresh only at its round changes,
+        and the room freed between two of them goes to jobs that bid first (quota freed for
+        a moment is taken by the owner's newer jobs, round after round)."""
         stamp = (self.ledger.version, self.bidding.capability.health_stamp(), self.bidding.scheduling.stamp())
         if stamp == self.reconsidered_at_stamp:
             return
         self.reconsidered_at_stamp = stamp
-        held = []
+        declined = []
         for inst in list(self.instances.instances.values()):
             role = self.instances.role(inst.instance_id)
-            if role is not None and role.flow is self and self.round_on_hold(inst, now_ms):
-                held.append((self._pending_record(inst), inst))
-        # Higher priority first (a stable sort): freed room goes to the job that would preempt for it (P8).
-        for record, inst in sorted(held, key=lambda pair: -pair[0].manifest.priority):
+            if role is not None and role.flow is self and inst.locked_round is None:
+                record = self._pending_record(inst)
+                if record is not None and self.ctx.me in record.declines:
+                    declined.append((record, inst))
+        # Queue order (Q3), highest priority first: freed room goes to the job that would preempt for it (P8).
+        for record, inst in sorted(declined, key=lambda pair: queue_key(pair[0])):
             self.bid_again(inst, record, now_ms, out)
 
     def bid_again(self, inst, record, now_ms: int, out: Ready) -> bool:

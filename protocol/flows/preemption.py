@@ -22,6 +22,7 @@ from __future__ import annotations
 from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
+from protocol.job_lifecycle import FINAL_CHECKPOINT_WAIT_MS
 from protocol.job_table import FENCE_PER_ATTEMPT, LIVE_JOB_STATES
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, Decline, JobManifest, decode_message,
                                decode_value, job_id, placement_instance_id, preemption_binding_error,
@@ -255,6 +256,8 @@ class PreemptionFlow(ValueFlow):
             lost = None if victim.known_checkpoint is None else max(0, now_ms - victim.known_checkpoint[1])
             fence = victim.fence
             self.ctx.counters["jobs_preempted"] += 1
+            # Its final checkpoint, read as its run stops, is handed over (P8d).
+            self.lifecycle.preempted_here[victim.job_id] = (fence, now_ms + FINAL_CHECKPOINT_WAIT_MS)
             self.lifecycle.refuse(victim, now_ms, out)
             out.events.append(self.ctx.event("job_preempted", now_ms, job_id=victim.job_id.hex(), by=jid.hex(),
                                              fence=fence, attempt=fence // FENCE_PER_ATTEMPT,
