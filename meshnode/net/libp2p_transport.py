@@ -411,6 +411,9 @@ class Libp2pTransport:
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self.send_nowait(peer_key, data)
+
+    def send_nowait(self, peer_key: bytes, data: bytes) -> None:
         if len(data) > self.max_frame_bytes:
             raise LocalProtocolError("frame of %d bytes over limit %d" % (len(data), self.max_frame_bytes))
         link = self._links.get(peer_key)
