@@ -61,11 +61,19 @@ mem_mib = 0
 """
 
 
-async def subscribe(node_dir, index: int, on_event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Feed ``on_event(index, event)`` every event node ``index`` publishes; started once live.
+# The events DecisionCollector reads. Asking for these only (SPEC.md 10.6) keeps the
+# benchmark from being dropped as a slow subscriber while it measures a loaded mesh.
+COLLECTED_EVENT_KINDS = ["decided", "placed"]
+
+
+async def subscribe(node_dir, index: int, on_event, *, task_status=trio.TASK_STATUS_IGNORED,
+                    kinds: list[str] | None = None) -> None:
+    """Feed ``on_event(index, event)`` every event node ``index`` publishes (of ``kinds``, if
+    given); started once live.
 
     A stream the node ends is an error here: the benchmark's nodes are meant to stay up."""
-    async with AsyncControlClient(node_dir, timeout_s=None).subscribe() as events:
+    args = {"kinds": kinds} if kinds else {}
+    async with AsyncControlClient(node_dir, timeout_s=None).subscribe(**args) as events:
         task_status.started()
         async for event in events:
             on_event(index, event)
@@ -182,7 +190,8 @@ async def measure(layout: dict, signed: list, concurrency: int,
     pids = [n.get("pid") for n in layout["nodes"]]
     async with trio.open_nursery() as nursery:
         for i, node_dir in enumerate(node_dirs):
-            await nursery.start(subscribe, node_dir, i, collector.on_event)
+            await nursery.start(functools.partial(subscribe, kinds=COLLECTED_EVENT_KINDS), node_dir, i,
+                                collector.on_event)
         idle_before_s = sum(process_cpu_s(pid) for pid in pids)
         idle_started = time.monotonic()
         await trio.sleep(IDLE_SAMPLE_S)
