@@ -3,7 +3,8 @@
 ``run_consensus_bench`` starts its own testnet of N ``meshnode run`` processes with
 workloads off (placements are decided, no process is started; the jobs ask for no
 GPU, CPU or memory, so capacity never runs out), subscribes to EVERY node's event
-stream, then submits J signed jobs round-robin over the nodes with C in flight.
+stream, then submits J signed jobs round-robin over the nodes with C in flight (with
+C >= N, each of the C submitters keeps to one node: C / N per node).
 
 * latency of a job = the latest ``mono_ns`` among the N nodes' ``decided`` events for
   its placement instance (each published when that node holds the commit certificate)
@@ -160,11 +161,14 @@ async def measure(layout: dict, signed: list, concurrency: int,
     refused: list[str] = []  # "node I: why" -- e.g. the node was evicted: the mesh is not healthy
     queue = iter(enumerate(signed))
 
-    async def worker() -> None:
-        connections: dict[int, AsyncControlClient] = {}  # one each, opened before the first submit is timed
+    async def worker(pinned: int | None) -> None:
+        # With C >= N submitters each keeps to one node (``pinned``), so a node holds C / N
+        # submit connections: with one to every node, 64 submitters passed a node's 64
+        # control connections and it closed idle ones under their feet (SPEC.md 10.5).
+        connections: dict[int, AsyncControlClient] = {}  # opened before the first submit is timed
         try:
             for k, job in queue:
-                target = k % len(node_dirs)
+                target = k % len(node_dirs) if pinned is None else pinned
                 if target not in connections:
                     connections[target] = AsyncControlClient(node_dirs[target], timeout_s=None)
                     await connections[target].connect()
@@ -198,8 +202,8 @@ async def measure(layout: dict, signed: list, concurrency: int,
         cpu_before_s = sum(process_cpu_s(pid) for pid in pids)
         idle_cores = (cpu_before_s - idle_before_s) / (time.monotonic() - idle_started)
         async with trio.open_nursery() as workers:
-            for _ in range(concurrency):
-                workers.start_soon(worker)
+            for index in range(concurrency):
+                workers.start_soon(worker, index % len(node_dirs) if concurrency >= len(node_dirs) else None)
         node_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before_s
         nursery.cancel_scope.cancel()
     latencies_ms, last_ns = [], 0
