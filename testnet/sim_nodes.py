@@ -429,6 +429,9 @@ class DelayedTransport:
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self.send_nowait(peer_key, data)
+
+    def send_nowait(self, peer_key: bytes, data: bytes) -> None:
         self._queue_send.send_nowait((trio.current_time() + self.delay_s, peer_key, data))
 
     async def pump(self) -> None:

@@ -187,6 +187,46 @@ async def test_subscribe_streams_events_then_client_close_unsubscribes(node_dir)
         nursery.cancel_scope.cancel()
 
 
+async def test_a_subscriber_that_names_kinds_gets_only_those(node_dir):
+    """SPEC.md 10.7: the events of other kinds are never queued for it, so a burst of them
+    cannot make it a slow subscriber."""
+    hub = EventHub(queue_events=4)
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir, hub)
+        events = AsyncControlClient(node_dir).subscribe(kinds=["decided", "placed"])
+
+        async def publish_when_subscribed():
+            while hub.subscriber_count == 0:
+                await trio.sleep(0)
+            for n in range(50):   # far more than the queue holds, none of them asked for
+                hub.publish(Event("bid", n))
+            hub.publish(Event("placed", 100, {"job_id": "ab"}))
+            hub.publish(Event("decided", 101))
+
+        nursery.start_soon(publish_when_subscribed)
+        received = [await events.__anext__(), await events.__anext__()]
+        await events.aclose()
+        assert [(e["kind"], e["at_ms"]) for e in received] == [("placed", 100), ("decided", 101)]
+        assert hub.dropped_subscribers == 0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("args, error", [
+    ({"kinds": []}, "kinds must be a list of 1..32"),
+    ({"kinds": "decided"}, "kinds must be a list"),
+    ({"kinds": ["decided", "decided"]}, "distinct"),
+    ({"kinds": [7]}, "kinds must be a list"),
+    ({"kinds": ["decided"], "since": 3}, "unknown argument 'since'"),
+])
+async def test_a_bad_subscribe_is_refused_naming_what_is_wrong(node_dir, args, error):
+    async with trio.open_nursery() as nursery:
+        await start_server(nursery, node_dir, EventHub())
+        with pytest.raises(ControlError, match=error):
+            async with AsyncControlClient(node_dir).subscribe(**args):
+                pass
+        nursery.cancel_scope.cancel()
+
+
 async def test_slow_subscriber_is_dropped_with_a_final_error_frame(node_dir):
     hub = EventHub(queue_events=4)
     async with trio.open_nursery() as nursery:

@@ -370,3 +370,13 @@ def test_instance_id_vectors_follow_the_formulas_of_p2_and_p7():
             expected = hashlib.sha256(b"slot" + epoch.to_bytes(8, "big") + (slot % (1 << 64)).to_bytes(8, "big"))
             expected = expected.digest()
         assert hex_id == expected.hex(), name
+
+
+def test_subscribe_vector_of_10_6_is_the_clients_frame():
+    from meshnode.control.server import subscribed_kinds
+    from meshnode.control.wire import encode_frame
+    vector = bytes.fromhex(re.search(r"subscribe request frame: ([0-9a-f]+)", SPEC).group(1))
+    request = {"id": 1, "op": "subscribe", "args": {"kinds": ["decided", "placed"]}}
+    assert encode_frame(request) == vector
+    assert codec.unpack(vector[4:]) == request and int.from_bytes(vector[:4], "big") == len(vector) - 4
+    assert subscribed_kinds(request["args"]) == {"decided", "placed"}

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from keys.identity import SigningIdentity, peer_id_bytes
-from meshnode.net.libp2p_transport import open_libp2p_transport
+from meshnode.net.libp2p_transport import _BufferedReads, open_libp2p_transport
 
 SEED_NODE = bytes([5]) * 32
 SEED_PLAINTEXT = bytes([6]) * 32
@@ -209,3 +209,28 @@ async def test_connections_have_tcp_nodelay_both_ways():
                 sockets = [_tcp_socket(c) for c in dialled + accepted]
                 assert len(sockets) == 2
                 assert [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets] == [1, 1]
+
+
+class _ChunkedConnection:
+    """A raw connection that hands out the given chunks, one per read, then EOF."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+        self.reads = 0
+        self.is_initiator = True
+
+    async def read(self, n=None):
+        self.reads += 1
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+async def test_buffered_reads_serve_noises_small_reads_from_one_socket_read():
+    # Two Noise-style messages (2-byte length, body) in one chunk, a third split over two.
+    raw = _ChunkedConnection([b"\x00\x03abc\x00\x02de\x00", b"\x04fghi"])
+    conn = _BufferedReads(raw)
+    reads = [await conn.read(2), await conn.read(3), await conn.read(2), await conn.read(2)]
+    assert reads == [b"\x00\x03", b"abc", b"\x00\x02", b"de"] and raw.reads == 1
+    assert await conn.read(2) == b"\x00"   # at most n, never past what the chunk holds
+    assert await conn.read(1) == b"\x04" and await conn.read(10) == b"fghi" and raw.reads == 2
+    assert await conn.read(2) == b"" and raw.reads == 3   # EOF passes through
+    assert conn.is_initiator is True   # everything else is the wrapped connection's

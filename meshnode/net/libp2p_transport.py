@@ -186,6 +186,46 @@ def _release_window_in_batches(stream: INetStream) -> None:
     muxed._auto_tune_and_send_window_update = release_after_read
 
 
+class _BufferedReads:
+    """A raw TCP connection whose reads take everything the socket holds (up to
+    READ_CHUNK_BYTES) and serve the next small reads from it.
+
+    py-libp2p 0.8.1's Noise reads each message as two exact reads, its 2-byte length and
+    then its body, and each read of the raw connection is a lock, a trio checkpoint and a
+    recv syscall: with several frames in the socket, one recv now serves all of them.
+    ``read(n)`` still returns at most n bytes (what every caller asks of a reader). Every
+    other attribute is the wrapped connection's."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._chunk = b""
+        self._offset = 0
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._offset >= len(self._chunk):
+            chunk = await self._conn.read(READ_CHUNK_BYTES)
+            if n is None or len(chunk) <= n:
+                return chunk
+            self._chunk, self._offset = chunk, 0
+        start = self._offset
+        end = len(self._chunk) if n is None else min(start + n, len(self._chunk))
+        self._offset = end
+        return self._chunk[start:end]
+
+
+class _BufferedNoise(NoiseTransport):
+    """Noise over ``_BufferedReads`` (a handshake and every message after it)."""
+
+    async def secure_inbound(self, conn):
+        return await super().secure_inbound(_BufferedReads(conn))
+
+    async def secure_outbound(self, conn, peer_id):
+        return await super().secure_outbound(_BufferedReads(conn), peer_id)
+
+
 class _BoundedBuffer(bytearray):
     """One yamux stream's receive buffer (an entry of ``Yamux.stream_buffers``) that
     refuses what a peer may not make us hold.
@@ -411,6 +451,9 @@ class Libp2pTransport:
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self.send_nowait(peer_key, data)
+
+    def send_nowait(self, peer_key: bytes, data: bytes) -> None:
         if len(data) > self.max_frame_bytes:
             raise LocalProtocolError("frame of %d bytes over limit %d" % (len(data), self.max_frame_bytes))
         link = self._links.get(peer_key)
@@ -901,7 +944,7 @@ async def open_libp2p_transport(
     host = new_host(
         key_pair=key_pair,
         # Noise only: the default also offers TLS, secio and plaintext (a downgrade).
-        sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
+        sec_opt={NOISE_PROTOCOL_ID: _BufferedNoise(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): muxer_class},
         # max_connections_per_peer=1: else every dial waits 250 ms (happy eyeballs).
         # The upgrade timeout bounds how long a silent peer holds a handshake slot.

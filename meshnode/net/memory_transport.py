@@ -114,6 +114,9 @@ class MemoryTransport:
 
     async def send(self, peer_key: bytes, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        self.send_nowait(peer_key, data)
+
+    def send_nowait(self, peer_key: bytes, data: bytes) -> None:
         if len(data) > self.max_frame_bytes:
             raise LocalProtocolError("frame of %d bytes over limit %d" % (len(data), self.max_frame_bytes))
         if self.closed or not self._network.is_live(self.local_key, peer_key):

@@ -82,6 +82,13 @@ class Transport(Protocol):
         ``LocalProtocolError`` if ``data`` is over this transport's max_frame_bytes."""
         ...
 
+    def send_nowait(self, peer_key: bytes, data: bytes) -> None:
+        """``send`` without its checkpoint: the node queues a whole Ready's messages (and a
+        whole batch of received frames' answers) before its writers run, so frames to one
+        peer leave in one write (issue 18: a checkpoint per message was a scheduler pass
+        and a separate Noise/yamux write per frame)."""
+        ...
+
     def peers(self) -> set[bytes]:
         """Public keys of peers with a live, authenticated connection."""
         ...

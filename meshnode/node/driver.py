@@ -53,6 +53,7 @@ TELEMETRY_MS = 1000         # DESIGN.md: a capability vector every second and on
 TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minute
 SIGNALS_FRESH_MS = 5000     # a workload's load report older than this is no longer its load (SPEC.md R3a)
 CONNECT_RETRY_MS = 500
+RECEIVE_BATCH_FRAMES = 32       # queued frames stepped before the receive loop yields
 RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
 BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
@@ -201,8 +202,19 @@ class Node:
     # --- the loops -----------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
-        async for sender, data in self.transport.incoming:
+        incoming = self.transport.incoming
+        async for sender, data in incoming:
             await self._handle(self.core.step(data, now_ms(), sender))
+            # The frames already queued are stepped before this task yields: the writers run
+            # once after the whole batch, so answers to one peer leave in one write and the
+            # scheduler passes once, not once per frame (issue 18). Bounded, so the tick loop
+            # still runs between batches on a flooded node.
+            for _ in range(RECEIVE_BATCH_FRAMES - 1):
+                try:
+                    sender, data = incoming.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                await self._handle(self.core.step(data, now_ms(), sender))
             # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
             # so a starved node would read frames faster than it sends their answers, until
             # the drain's loop guard stops it (seen at n = 16 on 2 loaded cores). Frames left
@@ -311,13 +323,15 @@ class Node:
         self.store.record_ready(Ready(persist=other, decisions=certified, events=ready.events))
 
     async def _send(self, messages: list) -> None:
-        # 2. send (best effort; the protocol tolerates loss).
+        # 2. send (best effort; the protocol tolerates loss). Queued without yielding: the
+        # transport's writer for each peer then sends all of them in one write.
+        send = self.transport.send_nowait
         for outbound in messages:
             if outbound.to is None:
                 for key in self.core.broadcast_targets():
-                    await self.transport.send(key, outbound.data)
+                    send(key, outbound.data)
             elif outbound.to != self.identity.public_key:
-                await self.transport.send(outbound.to, outbound.data)
+                send(outbound.to, outbound.data)
 
     async def _publish(self, events: list) -> None:
         # 4. log and publish events.
