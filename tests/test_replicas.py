@@ -259,3 +259,19 @@ def test_r4_a_clone_never_goes_to_a_node_with_an_unhealthy_gpu_and_validators_re
     record = core.job_table.get(jid)
     error = core.replicas.nodes_error(record, record.manifest.reflexes[0], bad, core.view)
     assert "has an unhealthy GPU" in error, error
+
+
+def test_r4_bounds_and_weight_arithmetic_never_retire_the_primary_or_below_min_replicas():
+    from types import SimpleNamespace
+    from protocol.replicas import Replica, action_error, weight_changes
+    job, _ = make_job()
+    record = SimpleNamespace(manifest=dataclasses.replace(job, service=Service(min_replicas=2, max_replicas=3)),
+                             primary_weight=1000, replicas={1: Replica(KEYS[1], 1, 1000)})
+    away = rule("decay", 100, above=None, below=20)
+    assert "fewer than min_replicas (2)" in action_error(record, away)   # 2 replicas, min 2: no retire
+    record.replicas[2] = Replica(KEYS[2], 2, 1000)
+    assert action_error(record, away) is None and weight_changes(record, away) == [(2, 0)]   # the newest goes
+    assert "retire it" in action_error(record, rule("decay", 100))   # an above rule decays the primary: never to 0
+    assert "max_replicas (3)" in action_error(record, rule("clone", 1))
+    assert weight_changes(record, rule("reroute", 50)) == [(0, 500), (1, 500), (2, 2000)]
+    assert weight_changes(record, rule("decay", 50)) == [(0, 500)]
