@@ -70,19 +70,21 @@ DETECTION_KINDS = frozenset({"suspected", "suspicion", "suspect", "eviction_star
                              "evicting"})
 STARTED_KINDS = frozenset({"workload_started", "started", "job_started"})
 
-FAILOVER_MANIFEST = """
-name = "bench-failover"
-entrypoint = "counter"
-args = ["--unit-ms", "%d", "--progress-log", "%s"]
-strategy = "throughput"
-backups = 2
+# What every benchmark job asks (bench gang's too): no GPU, a tenth of a CPU, retries to spare.
+BENCH_JOB_TERMS = """strategy = "throughput"
 max_retries = 16
 nonce = {nonce}
 [resources]
 gpus = 0
 cpu_milli = 100
 mem_mib = 64
-""" % (UNIT_MS, PROGRESS_LOG)
+"""
+FAILOVER_MANIFEST = """
+name = "bench-failover"
+entrypoint = "counter"
+args = ["--unit-ms", "%d", "--progress-log", "%s"]
+backups = 2
+""" % (UNIT_MS, PROGRESS_LOG) + BENCH_JOB_TERMS
 
 
 class EventLog:

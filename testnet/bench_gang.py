@@ -41,8 +41,8 @@ import trio
 from protocol.errors import MeshError
 from protocol.gang_placement import gang_worker_id
 from testnet import launcher
-from testnet.bench_failover import (OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun, read_progress,
-                                    run_on_counter_testnet, workload_processes)
+from testnet.bench_failover import (BENCH_JOB_TERMS, OVERLAP_TOLERANCE_US, STARTED_KINDS, FailoverRun,
+                                    read_progress, run_on_counter_testnet, workload_processes)
 from testnet.bench_stats import (ProgressLine, lost_work, machine_info, overlapping_runs, parse_progress_log,
                                  summary_ms)
 
@@ -62,15 +62,8 @@ GANG_MANIFEST = """
 name = "bench-gang"
 entrypoint = "allreduce"
 args = ["--dim", "64", "--unit-ms", "%d", "--progress-log", "%s"]
-strategy = "throughput"
 backups = %d
-max_retries = 16
-nonce = {nonce}
-[resources]
-gpus = 0
-cpu_milli = 100
-mem_mib = 64
-[gang]
+""" + BENCH_JOB_TERMS + """[gang]
 workers = %d
 topology = "none"
 """
