@@ -58,7 +58,8 @@ class DecisionTimes:
             return genesis_timeout_ms
         ordered = sorted(self.samples)
         p90 = ordered[-(-9 * len(ordered) // 10) - 1]   # nearest rank: ceil(0.9 n)
-        return min(max(genesis_timeout_ms, DECISION_TIME_FACTOR * p90), ADAPTED_TIMEOUT_MAX_FACTOR * genesis_timeout_ms)
+        adapted = max(genesis_timeout_ms, DECISION_TIME_FACTOR * p90)
+        return min(adapted, ADAPTED_TIMEOUT_MAX_FACTOR * genesis_timeout_ms)
 
 
 class InstanceRole(NamedTuple):
