@@ -15,7 +15,7 @@ after a restart, so it never signs a second proposal or vote for a round.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, NamedTuple
 
 from protocol.consensus import ConsensusInstance
@@ -35,6 +35,32 @@ MAX_APPLIED_KEPT = 1 << 16       # instance ids whose decision we applied
 MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 MAX_EVIDENCE_KEPT = 256
 SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restore reads back
+# SPEC.md 6.12, the adapted round timeout: 4 times the 90th percentile of the last 32 round-0
+# decisions, never under the genesis round_timeout_ms nor over twice it (4 times lengthened the
+# recovery of a placement whose round-0 leader failed: BENCHMARKS.md, "Fewer hops").
+DECISION_TIME_SAMPLES = 32
+DECISION_TIME_FACTOR = 4
+ADAPTED_TIMEOUT_MAX_FACTOR = 2
+
+
+class DecisionTimes:
+    """How long this node's round-0 decisions of adapting flows took, creation to decision:
+    a round timeout shorter than a loaded mesh's normal decision time only starts rounds
+    that cannot finish either (each round change costs a message to every leader-to-be)."""
+
+    def __init__(self) -> None:
+        self.samples: deque[int] = deque(maxlen=DECISION_TIME_SAMPLES)
+
+    def add(self, elapsed_ms: int) -> None:
+        self.samples.append(max(0, elapsed_ms))
+
+    def round_timeout_ms(self, genesis_timeout_ms: int) -> int:
+        if not self.samples:
+            return genesis_timeout_ms
+        ordered = sorted(self.samples)
+        p90 = ordered[-(-9 * len(ordered) // 10) - 1]   # nearest rank: ceil(0.9 n)
+        adapted = max(genesis_timeout_ms, DECISION_TIME_FACTOR * p90)
+        return min(adapted, ADAPTED_TIMEOUT_MAX_FACTOR * genesis_timeout_ms)
 
 
 class InstanceRole(NamedTuple):
@@ -54,6 +80,8 @@ class InstanceTable:
         self.applied: OrderedDict[bytes, None] = OrderedDict()   # instances whose decision we applied
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.roles: dict[bytes, InstanceRole] = {}
+        self.created_ms: dict[bytes, int] = {}   # live instance -> when this node created it
+        self.decision_times = DecisionTimes()
         self.rounds: dict[bytes, int] = {}       # the round each live instance was last seen in
         self.pending: OrderedDict[bytes, list] = OrderedDict()   # early messages for unknown instances
         self.timers: list[tuple[int, int, str, bytes]] = []      # (due_ms, seq, what, instance)
@@ -131,9 +159,12 @@ class InstanceTable:
             return None
         params = self.ctx.params
         validate, other_kinds = flow.validators(iid)
+        round_timeout_ms = params.round_timeout_ms
+        if flow.adapts_round_timeout:
+            round_timeout_ms = self.decision_times.round_timeout_ms(round_timeout_ms)
         inst = ConsensusInstance(instance_id=iid, value_kind=flow.value_kind, view=view, identity=self.ctx.identity,
                                  mesh_id=self.ctx.mesh_id,
-                                 round_timeout_ms=params.round_timeout_ms + flow.round_timeout_extra_ms,
+                                 round_timeout_ms=round_timeout_ms + flow.round_timeout_extra_ms,
                                  round_timeout_max_ms=params.round_timeout_max_ms,
                                  max_rounds=flow.max_rounds or params.max_rounds, validate=validate, now_ms=now_ms,
                                  other_kinds=other_kinds, caches=self.ctx.caches)
@@ -146,6 +177,7 @@ class InstanceTable:
                 self.ctx.counters["bad_safety_record"] += 1
         self.instances[iid] = inst
         self.roles[iid] = InstanceRole(flow, subject)
+        self.created_ms[iid] = now_ms
         self.rounds[iid] = inst.round
         self.drive(inst, inst.start(now_ms), now_ms, out)
         for envelope, message, data in self.pending.pop(iid, ()):
@@ -205,6 +237,7 @@ class InstanceTable:
             self._keep_safety_records(iid, records)
         self.roles.pop(iid, None)
         self.rounds.pop(iid, None)
+        self.created_ms.pop(iid, None)
 
     def _keep_safety_records(self, iid: bytes, records: list) -> None:
         """Add to what a re-created instance restores, upserted by (table, key) as on disk: a
@@ -220,6 +253,9 @@ class InstanceTable:
             return
         self.rounds.pop(iid, None)
         role = self.roles.pop(iid)
+        created_ms = self.created_ms.pop(iid, now_ms)
+        if role.flow.adapts_round_timeout and inst.decision is not None and inst.decision.round == 0:
+            self.decision_times.add(now_ms - created_ms)
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).

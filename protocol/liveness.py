@@ -344,7 +344,11 @@ class Liveness:
 
     def on_sync_request(self, envelope, request: SyncRequest, data, now_ms: int, out: Ready) -> None:
         self.answer_sync(envelope.signer, request.epoch, now_ms, out)
-        if envelope.signer in self.epochs.view.stakes and request.epoch >= self.epochs.epoch:
+        # SPEC F6: no heartbeat to a member this node signed a suspicion of (unrefuted): its
+        # eviction may be in flight, and the heartbeat would end a restarted member's hold on
+        # its jobs (F3) just before the certificate that moves them arrives.
+        evicting = self.ctx.me in self.suspicions.get(envelope.signer, {}) and envelope.signer not in self.refuted
+        if envelope.signer in self.epochs.view.stakes and request.epoch >= self.epochs.epoch and not evicting:
             beat = Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(envelope.signer, self.ctx.unsigned(beat)))
 

@@ -16,6 +16,10 @@ from typing import Iterable, Mapping
 LEADER_DOMAIN = b"meshnode/v1/leader\x00"
 VIEW_DOMAIN = b"meshnode/v1/view\x00"
 LEADER_CACHE_INSTANCES = 4096  # instances whose later rounds' leaders a view remembers
+# SPEC.md 6.11: in an epoch of at most this many members every member sends its votes to
+# every member and forms the certificates itself, two sequential hops fewer per decision
+# for (n - 1)^2 more vote deliveries per phase: cheap while n is small, quadratic beyond.
+VOTES_TO_EVERY_MEMBER_MAX_MEMBERS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +66,11 @@ class EpochView:
     @property
     def members(self) -> tuple[bytes, ...]:
         return self._members
+
+    @property
+    def votes_to_every_member(self) -> bool:
+        """Whether votes go to every member, not only to the round's leader (SPEC.md 6.11)."""
+        return len(self._members) <= VOTES_TO_EVERY_MEMBER_MAX_MEMBERS
 
     def is_member(self, key: bytes) -> bool:
         return key in self.stakes

@@ -62,7 +62,7 @@ def test_6_4_votes_go_only_to_the_collector_and_certificates_to_everyone():
                     assert kind in ("proposal", "prevote_cert", "commit") and out.to is None and key == leader
 
 
-@pytest.mark.parametrize("n", [4, 16, 64])
+@pytest.mark.parametrize("n", [5, 16, 64])
 def test_6_4_messages_per_decision_grow_linearly(n):
     net = Net(n)
     net.run()
@@ -70,6 +70,76 @@ def test_6_4_messages_per_decision_grow_linearly(n):
     # n-1 precommits come back: 5 (n-1) deliveries, about 5 per node at every size.
     assert net.delivered == 5 * (n - 1)
     assert 3.5 <= net.delivered / n <= 5
+
+
+# --- 6.11 votes to every member in a small mesh -----------------------------------------------
+
+def hops_until_every_node_decided(net: Net) -> int:
+    """Deliver the network in waves (each wave: every message queued before it): the number
+    of sequential message hops until every live node decided."""
+    net.start()
+    net.propose_where_asked(lambda key, round: b"value")
+    hops = 0
+    while not all(n.decision is not None for n in net.live()):
+        assert net.queue, "the network went quiet undecided"
+        net.deliver(limit=len(net.queue))
+        hops += 1
+    return hops
+
+
+@pytest.mark.parametrize("n, hops", [(1, 0), (2, 3), (4, 3), (5, 5), (7, 5)])
+def test_6_11_a_small_mesh_decides_in_three_hops_a_larger_one_in_five(n, hops):
+    # Proposal, prevote, precommit where every member collects (n <= 4); through the leader
+    # the two certificates add a hop each.
+    assert hops_until_every_node_decided(Net(n)) == hops
+
+
+def test_6_11_in_a_small_mesh_votes_go_to_everyone_and_each_member_certifies_itself():
+    net = Net(4)
+    leader = net.view.leader(INSTANCE, 0)
+    net.run()
+    for key in net.keys:
+        kinds = {kind_of(out.data): out.to for ready in net.readies[key] for out in ready.messages}
+        assert kinds["prevote"] is None and kinds["precommit"] is None
+        assert ("prevote_cert" in kinds and "commit" in kinds) == (key == leader)
+        assert len(net.events(key, "prevote_quorum")) == 1 and len(net.events(key, "decided")) == 1
+    # Each member's decision is a certificate it built from the precommits it counted.
+    for key, node in net.nodes.items():
+        envelope, _cert = decode_message(node.decision_envelope, MESH_ID)
+        assert envelope.signer == key
+        verify_commit_certificate(node.decision_envelope, MESH_ID, net.view)
+    # 3 (n-1) for the proposal and the leader's two certificates, n (n-1) per vote phase.
+    assert net.delivered == 3 * 3 + 2 * 4 * 3
+
+
+def test_6_11_a_member_that_misses_every_vote_decides_by_the_leaders_certificates():
+    net = Net(4)
+    leader = net.view.leader(INSTANCE, 0)
+    deaf = next(k for k in net.keys if k != leader)
+    net.block = lambda sender, to, kind: to == deaf and kind in ("prevote", "precommit")
+    net.run()
+    assert decided_values(net) == {b"value"}
+    envelope, _cert = decode_message(net.nodes[deaf].decision_envelope, MESH_ID)
+    assert envelope.signer == leader
+    assert net.nodes[deaf].decision.round == 0
+
+
+def test_6_11_a_member_counts_only_its_current_round_and_one_vote_per_signer():
+    net = Net(4)
+    leader = net.view.leader(INSTANCE, 0)
+    other = next(i for i, k in enumerate(net.keys) if k != leader)
+    member = net.node(other)
+    vote = Prevote(INSTANCE, 0, 0, value_hash(b"value"))
+    envelopes = [sign_message(net.ids[i], MESH_ID, vote).encode() for i in range(4) if i != other]
+    member.start(0)
+    member.receive(envelopes[0], 0)
+    member.receive(envelopes[0], 0)   # a duplicate counts once
+    member.receive(sign_message(net.ids[other], MESH_ID, Prevote(INSTANCE, 1, 0, value_hash(b"value"))).encode(), 0)
+    assert member.dropped["duplicate"] == 1 and member.dropped["future_round"] == 1
+    assert not [e for r in [member.receive(envelopes[1], 0)] for e in r.events if e.kind == "prevote_quorum"]
+    ready = member.receive(envelopes[2], 0)
+    assert [e.kind for e in ready.events if e.kind == "prevote_quorum"] == ["prevote_quorum"]
+    assert not ready.messages  # no proposal seen here: nothing to lock on, nothing to precommit
 
 
 # --- 6.1 quorum -----------------------------------------------------------------------------
@@ -122,7 +192,9 @@ def test_6_5_a_later_rounds_proposal_waits_until_the_node_enters_that_round():
     while node.round < round:   # its own timeouts bring it there; then it votes on the proposal
         votes += [m for m in node.tick(node.deadline_ms).messages if kind_of(m.data) == "prevote"]
     (vote,) = votes
-    assert vote.to == leader.public_key and decode_message(vote.data, MESH_ID)[1].round == round
+    # To the round's leader, or to everyone in a mesh this small (6.11).
+    assert vote.to == (None if net.view.votes_to_every_member else leader.public_key)
+    assert decode_message(vote.data, MESH_ID)[1].round == round
 
 
 def test_6_5_a_byzantine_proposal_for_a_last_round_cannot_make_a_node_give_up():
@@ -201,13 +273,14 @@ def test_6_6_a_locked_node_prevotes_nil_for_another_value_without_a_newer_proof_
 
 
 def test_6_6_a_lock_reported_in_a_round_change_is_re_proposed_with_its_proof():
-    """Only node X saw round 0's prevote certificate, so only X is locked; it tells the
-    round-1 leader, which must re-propose A with X's certificate as proof of lock."""
+    """Only node X saw round 0's prevotes, so only X is locked (on the certificate it formed
+    itself, 6.11); it tells the round-1 leader, which must re-propose A with X's certificate
+    as proof of lock."""
     net = Net(4, instance_id=instance_with_two_leaders())
     leader0 = net.view.leader(net.node(0).instance_id, 0)
     leader1 = net.view.leader(net.node(0).instance_id, 1)
     x = next(k for k in net.keys if k not in (leader0, leader1))
-    net.block = lambda sender, to, kind: (kind == "prevote_cert" and to != x) or kind == "precommit"
+    net.block = lambda sender, to, kind: (kind in ("prevote", "prevote_cert") and to != x) or kind == "precommit"
     net.start()
     net.propose_where_asked(lambda key, round: b"A")
     net.deliver()
@@ -228,7 +301,7 @@ def test_6_8_a_node_that_missed_the_decision_gets_it_in_reply_to_its_round_chang
     net = Net(4)
     leader0 = net.view.leader(INSTANCE, 0)
     late = next(k for k in net.keys if k not in (leader0, net.view.leader(INSTANCE, 1)))
-    net.block = lambda sender, to, kind: to == late and kind == "commit"
+    net.block = lambda sender, to, kind: to == late and kind in ("commit", "precommit")
     net.start()
     net.propose_where_asked(lambda key, round: b"value")
     net.deliver()

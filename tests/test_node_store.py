@@ -138,7 +138,7 @@ def test_safety_records_restore_a_consensus_lock_after_reopen(tmp_path):
     # ConsensusInstance.restore turns into the same lock and round.
     from consensus_net import Net, kind_of
     net = Net(4)
-    net.block = lambda sender, to, kind: kind == "commit"   # nobody but the leader decides
+    net.block = lambda sender, to, kind: kind in ("commit", "precommit")   # nobody decides
     net.start()
     net.propose_where_asked(lambda key, round: b"value")
     net.deliver()

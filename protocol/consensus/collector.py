@@ -4,7 +4,8 @@ Votes go to the round's leader only: it counts the prevotes and precommits of it
 by value and, at the first quorum, the instance broadcasts them as a certificate: O(n)
 messages per decision instead of all-to-all voting. A ``Collector`` keeps the counts
 per (kind, round) for the rounds not yet over and builds the certificates; it signs and
-sends nothing itself.
+sends nothing itself. In an epoch of at most 4 members every member collects (SPEC.md
+6.11): votes go to everyone, and each builds the certificates from what it counted.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class _Tally:
 
 
 class Collector:
-    """Votes sent to this node as a round's leader, per (kind, round)."""
+    """Votes sent to this node as a round's leader (or as any member, 6.11), per (kind, round)."""
 
     def __init__(self, instance_id: bytes, view: EpochView):
         self.instance_id = instance_id

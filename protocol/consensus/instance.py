@@ -331,7 +331,8 @@ class ConsensusInstance:
         kind = type(vote).KIND
         if self._is_repeat(kind, vote.round, envelope, data, now_ms, ready):
             return
-        if self.view.leader(self.instance_id, vote.round) != self.me:
+        leads_round = self.view.leader(self.instance_id, vote.round) == self.me
+        if not leads_round and not self.view.votes_to_every_member:
             return self._drop("not_collector", ready)
         if vote.round != self.round:
             return self._drop("stale_round" if vote.round < self.round else "future_round", ready)
@@ -345,7 +346,16 @@ class ConsensusInstance:
                 "instance": self.instance_id.hex(), "round": vote.round,
                 "value_hash": None if cert.value_hash is None else cert.value_hash.hex()}))
         cert_envelope = sign_message(self.identity, self.mesh_id, cert, caches=self.caches)
-        self._broadcast(cert_envelope, cert, cert_envelope.encode(), now_ms, ready)
+        cert_data = cert_envelope.encode()
+        if not self.view.votes_to_every_member:
+            self._broadcast(cert_envelope, cert, cert_data, now_ms, ready)
+            return
+        # SPEC.md 6.11: every member counted these votes itself, so it acts on the certificate
+        # at once, as if the leader had sent it. The leader still broadcasts its own, for members
+        # that missed votes, but after what it signs on it: its precommit is on the critical path.
+        self._handlers[type(cert)](cert_envelope, cert, cert_data, now_ms, ready)
+        if leads_round:
+            self._send(None, cert_data, ready)
 
     def _send_vote(self, vote_type: type, hash_: bytes | None, now_ms: int, ready: Ready) -> None:
         own = self._safety.signed(vote_type.KIND, self.round)
@@ -357,7 +367,10 @@ class ConsensusInstance:
         else:  # restored: repeat exactly what was signed before the restart
             envelope, data = own
             vote = vote_type.from_body(envelope.body)
-        self._send_to(self.leader, envelope, vote, data, now_ms, ready)
+        if self.view.votes_to_every_member:  # SPEC.md 6.11
+            self._broadcast(envelope, vote, data, now_ms, ready)
+        else:
+            self._send_to(self.leader, envelope, vote, data, now_ms, ready)
 
     # --- certificates ------------------------------------------------------------------------
 
@@ -365,6 +378,9 @@ class ConsensusInstance:
                                 ready: Ready) -> None:
         if cert.round < self.round:
             return self._drop("stale_round", ready)
+        if cert.round == self.round and self._polka is not None and cert.value_hash is not None:
+            # Formed here from the votes (6.11), or a second copy: nothing left to learn from it.
+            return self._drop("certificate_held", ready)
         try:
             check_prevote_certificate(envelope, cert, mesh_id=self.mesh_id, view=self.view, caches=self.caches)
         except RemoteProtocolError:
@@ -418,7 +434,7 @@ class ConsensusInstance:
         self.gave_up = False
         # Nothing below can change a decided instance: free it (many instances live at once).
         # The equivocation log stays: equivocation after the decision is still evidence, and
-        # it is small (a non-collector sees one proposal per round; votes reach only the collector).
+        # it is small (one proposal and at most one vote of each kind per member and round).
         self._collector.clear()
         self._other_rounds.clear()
         self._proposal = self._polka = None

@@ -17,6 +17,8 @@ class ValueFlow:
     value_kinds: tuple[str, ...] = ()    # every kind its instances may decide
     max_rounds: int | None = None        # None: the genesis' max_rounds
     places_jobs: bool = False            # whether its values place jobs (job_ids says which)
+    # SPEC.md 6.12: its round timeout follows the node's measured round-0 decision time.
+    adapts_round_timeout: bool = False
     # Proposal justifications beyond this are refused before any decoding (None: no limit).
     max_justification: int | None = MAX_BIDS_PER_PROPOSAL + 1
 

@@ -37,6 +37,7 @@ class PlacementFlow(ValueFlow):
     value_kind = "placement"
     places_jobs = True
     value_kinds = ("placement",)
+    adapts_round_timeout = True
     gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
