@@ -47,14 +47,14 @@ def run_gang(world, restored, steps, corrupt_rank=None):
     return codes, [w.states for w in workloads]
 
 
-def start_survivors(peers, peers_file, ranks, steps):
+def start_survivors(peers, peers_file, ranks, steps, timeout_s=10):
     """Ranks of a gang of len(peers) that run on through a break, each in a thread: their
     AllreduceRuns, exit codes and threads (join them)."""
     runs, codes = {}, {}
 
     def survivor(rank):
         runs[rank] = AllreduceRun(FakeWorkload(), GangInfo("g", rank, len(peers), peers, str(peers_file)), 10, 0,
-                                  ProgressLog(None), 0, 10)
+                                  ProgressLog(None), 0, timeout_s)
         codes[rank] = runs[rank].run(steps)
 
     threads = [threading.Thread(target=survivor, args=(rank,)) for rank in ranks]
@@ -106,6 +106,37 @@ def test_a_moved_rank_rejoins_and_the_others_go_on_without_restarting(tmp_path):
         thread.join(30)
     assert (gone, back, codes) == (0, 0, {0: 0, 2: 0})
     assert [runs[r].rebuilds for r in (0, 2)] == [1, 1]
+    assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+    assert replacement.states == [3, 4, 5, 6, 7, 8]
+
+
+def test_a_rank_moved_twice_rejoins_without_anyone_waiting_out_the_first_move(tmp_path):
+    """GA5, two quick moves (BENCHMARKS.md, gangbench17's "ring rebuild after two moves"):
+    rank 1's node dies, the node publishes rank 1 on a node that dies before the rank runs
+    there (nobody listens), then on a third node, where it resumes from step 2. The
+    survivors, dialling the first new address, switch to the newest peers as soon as they
+    are published, and the replacement, started with the newest peers (its node's peers
+    file unchanged since), waits for the survivors instead of for yet other peers. Before:
+    the survivors dialled the dead address until their timeout, and the replacement gave
+    up waiting for peers other than its own (exit 4)."""
+    ports = free_ports(5)
+    first = tuple(("127.0.0.1", port) for port in ports[:3])
+    dead_move = (first[0], ("127.0.0.1", ports[3]), first[2])
+    second_move = (first[0], ("127.0.0.1", ports[4]), first[2])
+    peers_file = tmp_path / "gang_peers"
+    peers_file.write_text(",".join("%s:%d" % p for p in first))
+    runs, codes, threads = start_survivors(first, peers_file, (0, 2), steps=8, timeout_s=5)
+    gone = run_allreduce(FakeWorkload(), GangInfo("g", 1, 3, first), 10, 3, 0, ProgressLog(None))
+    peers_file.write_text(",".join("%s:%d" % p for p in dead_move))
+    threading.Event().wait(0.3)
+    peers_file.write_text(",".join("%s:%d" % p for p in second_move))
+    replacement = FakeWorkload(restored_step=2)
+    back = run_allreduce(replacement, GangInfo("g", 1, 3, second_move, str(peers_file)), 10, 8, 0, ProgressLog(None),
+                         timeout_s=5)
+    for thread in threads:
+        thread.join(30)
+    assert (gone, back, codes) == (0, 0, {0: 0, 2: 0})
+    assert [runs[r].gang.peers for r in (0, 2)] == [second_move, second_move]
     assert runs[0].workload.states == runs[2].workload.states == [1, 2, 3, 3, 4, 5, 6, 7, 8]
     assert replacement.states == [3, 4, 5, 6, 7, 8]
 

@@ -32,13 +32,13 @@ latency to its node (meshnode/workload/serve.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
 import socket
 import struct
 import sys
-import threading
 import time
 from array import array
 
@@ -157,6 +157,7 @@ def run_train(workload: Workload, run: TrainingRun, steps: int | None, log: Prog
 ALLREDUCE_STATE = struct.Struct(">Q")   # steps done
 MAX_DIM = 4096                          # a step's vector fits the sockets' buffers: no send blocks a ring
 RING_TIMEOUT_S = 30.0                   # how long a rank waits for its neighbours (they start at other moments)
+RING_POLL_S = 0.05                      # while building a ring: between dials and reads of the peers file
 EXIT_SUM_WRONG = 3
 EXIT_RING_BROKEN = 4                    # a neighbour went away or never came
 
@@ -170,8 +171,55 @@ def expected_sum(world: int, step: int, dim: int) -> list[int]:
     return [(step + 1) * world * (world + 1) // 2 + world * i for i in range(dim)]
 
 
+def peers_digest(peers: tuple) -> bytes:
+    """What a rank sends first on its link to the next: the first 8 bytes of SHA-256 of its
+    peers as ``host:port,...``. A ring forms only among ranks that built it from one list
+    (after a shrink a stale list would sum over the wrong world size)."""
+    return hashlib.sha256(",".join("%s:%d" % peer for peer in peers).encode("ascii")).digest()[:8]
+
+
+def dial(address: tuple, digest: bytes):
+    """A link to ``address`` that has been sent ``digest``, or None (nobody listening yet)."""
+    try:
+        link = socket.create_connection(address, timeout=RING_POLL_S * 10)
+        link.sendall(digest)
+    except OSError:
+        return None
+    link.settimeout(RING_POLL_S)
+    return link
+
+
+def hear(link, heard: bytes, digest: bytes):
+    """(link, what it said so far) after one poll's read: (None, b"") when it closed or said
+    something other than ``digest`` (the other end built from other peers)."""
+    try:
+        chunk = link.recv(len(digest) - len(heard))
+    except TimeoutError:
+        return link, heard
+    except OSError:
+        chunk = b""
+    heard += chunk
+    if not chunk or not digest.startswith(heard):
+        link.close()
+        return None, b""
+    return link, heard
+
+
+class PeersChanged(Exception):
+    """The node published new peers while this rank was building its ring (GA5): build it
+    again with them. Waiting on the old ones would wait for a rank that moved on."""
+
+    def __init__(self, peers: tuple):
+        super().__init__("the node published new peers")
+        self.peers = peers
+
+
 class Ring:
-    """TCP to the next rank, from the previous one; integers as 8-byte big-endian words."""
+    """TCP to the next rank, from the previous one; integers as 8-byte big-endian words.
+
+    Building it polls the node's peers file: a rank that moved twice in quick succession
+    (its first new node died too) is published again, and a rank still dialling the first
+    new address would otherwise block for ``timeout_s`` (SPEC.md GA5)."""
 
     def __init__(self, gang: GangInfo, timeout_s: float = RING_TIMEOUT_S):
         self.rank, self.world = gang.rank, gang.world_size
@@ -179,23 +227,46 @@ class Ring:
         if self.world == 1:
             return
         listener = socket.create_server(("", gang.peers[gang.rank][1]), reuse_port=False)
-        listener.settimeout(timeout_s)
-        accepted: list = []
-        acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
-        acceptor.start()
+        listener.settimeout(RING_POLL_S)   # accept() waits one poll: the loop also dials and reads the peers
+        # Each link is checked both ways: the dialler sends its peers' digest, the listener
+        # echoes it when it is its own. A link the other end dropped (its build restarted,
+        # or it built from other peers) is seen at once and dialled or accepted again.
+        digest = peers_digest(gang.peers)
+        next_address = gang.peers[(gang.rank + 1) % self.world]
+        next_heard = prev_heard = b""
         deadline = time.monotonic() + timeout_s
-        while self.to_next is None:
-            try:
-                self.to_next = socket.create_connection(gang.peers[(gang.rank + 1) % self.world], timeout=timeout_s)
-            except OSError:
+        try:
+            while next_heard != digest or prev_heard != digest:
+                if self.to_next is None:
+                    self.to_next = dial(next_address, digest)
+                elif next_heard != digest:
+                    self.to_next, next_heard = hear(self.to_next, next_heard, digest)
+                if self.from_prev is None:
+                    try:
+                        self.from_prev = listener.accept()[0]
+                        self.from_prev.settimeout(RING_POLL_S)
+                    except TimeoutError:
+                        pass
+                elif prev_heard != digest:
+                    self.from_prev, prev_heard = hear(self.from_prev, prev_heard, digest)
+                    if prev_heard == digest:
+                        self.from_prev.sendall(digest)
+                if next_heard == digest and prev_heard == digest:
+                    break
+                published = gang.published_peers()
+                if published is not None:
+                    raise PeersChanged(published)
                 if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        acceptor.join(timeout_s)
-        listener.close()
-        if not accepted:
-            raise TimeoutError("rank %d: the previous rank never connected" % self.rank)
-        self.from_prev = accepted[0]
+                    raise TimeoutError("rank %d: %s" % (self.rank, "the next rank never answered" if next_heard != digest
+                                                        else "the previous rank never connected"))
+                if self.from_prev is not None and self.to_next is None:
+                    time.sleep(RING_POLL_S)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+        self.to_next.settimeout(timeout_s)
         self.from_prev.settimeout(timeout_s)
 
     def _send(self, values: list[int]) -> None:
@@ -272,22 +343,43 @@ class AllreduceRun:
         self.rebuilds = 0
 
     def run(self, steps: int | None, ring: Ring | None = None) -> int:
+        waiting_since = time.monotonic()
         while True:
             try:
-                ring = ring or Ring(self.gang, self.timeout_s)
+                ring = ring or Ring(self.gang, max(0.0, waiting_since + self.timeout_s - time.monotonic()))
                 try:
                     return self._steps(ring, steps)
                 finally:
                     ring.close()
+            except PeersChanged as change:
+                ring = None
+                if not self._adopt(change.peers):
+                    return EXIT_RING_BROKEN
+                waiting_since = time.monotonic()
             except OSError as exc:   # ConnectionError and timeouts included
                 ring = None
                 print("rank %d paused at step %d: the ring broke: %s" % (self.gang.rank, self.step, exc), flush=True)
-                moved = self.gang.moved_peers(self.timeout_s)
-                if moved is None:
+                # Rebuild with the newest published peers, the same ones included: a rank
+                # started with the newest peers waits for the others to rebuild with them.
+                if not self.gang.peers_file or time.monotonic() > waiting_since + self.timeout_s:
                     return EXIT_RING_BROKEN
-                self.gang, self.rebuilds = moved, self.rebuilds + 1
-                print("rank %d of %d: rebuilding the ring with new peers" % (self.gang.rank, self.gang.world_size),
-                      flush=True)
+                published = self.gang.published_peers()
+                if published is not None:
+                    if not self._adopt(published):
+                        return EXIT_RING_BROKEN
+                    waiting_since = time.monotonic()
+                else:
+                    time.sleep(RING_POLL_S)
+
+    def _adopt(self, peers: tuple) -> bool:
+        """Go on with the gang's new peers; False when this rank is not among them (a shrink
+        left it out: its node stops it)."""
+        moved = self.gang.with_peers(peers)
+        if moved is None:
+            return False
+        self.gang, self.rebuilds = moved, self.rebuilds + 1
+        print("rank %d of %d: rebuilding the ring with new peers" % (self.gang.rank, self.gang.world_size), flush=True)
+        return True
 
     def _steps(self, ring: Ring, steps: int | None) -> int:
         # Every rank's state is its step, checkpointed each step: the consistent gang

@@ -46,7 +46,6 @@ GANG_WORLD_SIZE_ENV = "MESHNODE_GANG_WORLD_SIZE"
 GANG_PEERS_ENV = "MESHNODE_GANG_PEERS"
 GANG_PEERS_FILE_ENV = "MESHNODE_GANG_PEERS_FILE"   # the node rewrites it when a rank moves
 GANG_PEERS_FILE = "gang_peers"                      # its name in the workload's working directory
-PEERS_POLL_S = 0.05
 UNREACHABLE_HOST = "0.0.0.0"   # a rank with no node: its replacement is being decided (GA7)
 
 # Frame layout (SPEC.md 9.4): u32 big-endian length of what follows, then a u8 type.
@@ -142,26 +141,28 @@ class GangInfo:
             raise ConfigError("gang environment: rank %d of %d with %d peers" % (rank, world, len(peers)))
         return cls(environ.get(GANG_ID_ENV, ""), rank, world, peers, environ.get(GANG_PEERS_FILE_ENV, ""))
 
-    def moved_peers(self, timeout_s: float) -> "GangInfo | None":
-        """Wait up to ``timeout_s`` for the node to publish peers other than these, every rank
-        reachable (a lost rank was replaced, GA7, or the gang shrank, GA8): this gang with
-        them, this worker's rank being where its own address is (a shrink renumbers the
-        ranks; a survivor keeps its address). None when none came, or this worker is no
-        longer among them (a shrink left it out: its node stops it)."""
-        deadline = time.monotonic() + timeout_s
+    def published_peers(self) -> "tuple | None":
+        """The peers the node publishes now when they differ from these and every rank is
+        reachable (no wait); None otherwise (no file, unreadable, unchanged, or a rank whose
+        replacement is still being decided)."""
+        if not self.peers_file:
+            return None
+        try:
+            with open(self.peers_file, encoding="ascii") as fh:
+                peers = parse_peers(fh.read().strip())
+        except (OSError, ValueError):
+            return None
+        if peers == self.peers or any(host == UNREACHABLE_HOST for host, _port in peers):
+            return None
+        return peers
+
+    def with_peers(self, peers: tuple) -> "GangInfo | None":
+        """This gang with ``peers``, this worker's rank being where its own address is; None
+        when it is not among them (a shrink left it out)."""
         me = self.peers[self.rank]
-        while self.peers_file and time.monotonic() < deadline:
-            try:
-                with open(self.peers_file, encoding="ascii") as fh:
-                    peers = parse_peers(fh.read().strip())
-            except (OSError, ValueError):
-                peers = self.peers
-            if peers != self.peers and not any(host == UNREACHABLE_HOST for host, _port in peers):
-                if me not in peers:
-                    return None
-                return dataclasses.replace(self, peers=peers, rank=peers.index(me), world_size=len(peers))
-            time.sleep(PEERS_POLL_S)
-        return None
+        if me not in peers:
+            return None
+        return dataclasses.replace(self, peers=peers, rank=peers.index(me), world_size=len(peers))
 
 
 def parse_peers(text: str) -> tuple:
