@@ -15,9 +15,9 @@ Then, with ``hold_s`` > 0, false triggers: every live node's GPUs are held at
 and every reflex move decided meanwhile (a ``moved`` event with a ``reflex``, counted once
 per fence it moved the job to) is a false trigger; the issue's bar is 0 over 5 minutes.
 
-``clone_ms``, ``rerouted_share`` and ``decay_ms`` are the figures of the clone, reroute
-and decay actions; this tree has only migrate, so they are null with ``"pending":
-"clone"``. The testnet is always torn down.
+Between the two, K rounds of the clone, reroute and decay actions (testnet/bench_clone.py):
+``clone_ms``, ``rerouted_share``, ``decay_ms``. The nodes listen on distinct loopback
+addresses, so a job's replicas serve one port. The testnet is always torn down.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import trio
 
 from protocol.errors import MeshError
+from testnet.bench_clone import CLONE_FOR_MS, CloneRounds, clone_figures
 from testnet.bench_failover import FAILOVER_MANIFEST, run_on_counter_testnet
 from testnet.bench_move import MAX_MOVES, MoveRun, move_figures
 from testnet.bench_stats import machine_info
@@ -55,6 +56,8 @@ class ReflexRun(MoveRun):
         return primary, sent_ns
 
     hold_s = 0.0
+    clone_rounds = 0
+    clones: CloneRounds | None = None
     false_triggers: int | None = None
     hold_observed_s: float | None = None
 
@@ -65,7 +68,11 @@ class ReflexRun(MoveRun):
             await self._call(hot, "set_simulated_telemetry", clear=True)
 
     async def after_moves(self) -> None:
-        """Every live node just below the rule's threshold for hold_s: count reflex moves."""
+        """The clone rounds, then every live node just below the migrate rule's threshold
+        for hold_s: count reflex moves."""
+        self.clones = CloneRounds(self)
+        for number in range(self.clone_rounds):
+            await self.clones.one_round(number)
         if not self.hold_s:
             return
         await self._wait_job_ready(self.jobs[0][0].hex())
@@ -95,12 +102,15 @@ def run_reflex_bench(nodes: int, moves: int, *, root=None, keep: bool = False, s
     def make_run(*args):
         run = ReflexRun(*args)
         run.hold_s = hold_s
+        run.clone_rounds = moves
         return run
 
     run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, 1, random.Random(seed), make_run, moves,
-                                                                keep, REFLEX_MANIFEST)
+                                                                keep, REFLEX_MANIFEST, loopback_hosts=True)
+    clones = clone_figures(run.clones.rounds if run.clones else [])
     return dict(move_figures(run, log_double_runs, stale_starts), bench="reflex", nodes=nodes, seed=seed,
-                rule_duration_ms=REFLEX_FOR_MS, machine=machine, **hold_figures(run), **PENDING_CLONE_FIGURES)
+                rule_duration_ms=REFLEX_FOR_MS, clone_rule_duration_ms=CLONE_FOR_MS, machine=machine,
+                **hold_figures(run), **clones)
 
 
 def reflex_moves_since(events, since_ns: int) -> int:
@@ -111,10 +121,6 @@ def reflex_moves_since(events, since_ns: int) -> int:
                 for _index, event in events
                 if event.get("kind") == "moved" and "reflex" in event.get("detail", {})
                 and event["detail"].get("mono_ns", 0) >= since_ns})
-
-
-# The figures of the clone, reroute and decay actions (issue 16), which this tree lacks.
-PENDING_CLONE_FIGURES = {"clone_ms": None, "rerouted_share": None, "decay_ms": None, "pending": "clone"}
 
 
 def hold_figures(run: ReflexRun) -> dict:
