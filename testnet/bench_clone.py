@@ -159,7 +159,7 @@ class CloneRounds:
     async def _endpoints(self, job_hex: str) -> dict | None:
         for index in self.run._alive():
             try:
-                return await self.run._call(index, "endpoints", job=job_hex)
+                return await self.run._call(index, "endpoints", job_id=job_hex)
             except (ControlError, MeshError, OSError):
                 continue
         return None
