@@ -131,6 +131,13 @@ def replica_action_after(kind_ok, job_hex: str, since_ns: int):
     return match
 
 
+def reflex_replica_actions_since(events, job_hex: str, since_ns: int) -> int:
+    """Replica actions of ``job_hex`` a rule caused (their event names a ``reflex``) from
+    ``since_ns`` on; every node reports each, so one is counted once per action number."""
+    return len({event["detail"].get("seq") for _index, event in events
+                if replica_action_after(lambda d: "reflex" in d, job_hex, since_ns)(_index, event)})
+
+
 def clone_figures(rounds: list[dict]) -> dict:
     """The issue's keys over the rounds (a round missing a figure adds nothing to it)."""
     def values(key):
@@ -188,6 +195,15 @@ class CloneRounds:
                 return table
             await trio.sleep(0.1)
 
+    async def _table_with_weights(self, job_hex: str, weights: list[int]) -> dict:
+        """The endpoint table once the node asked has applied the actions that gave ``weights``
+        (the first node to report one may be ahead of the one answering)."""
+        while True:
+            table = await self._endpoints(job_hex)
+            if table and [r["weight"] for r in table["endpoints"]] == weights:
+                return table
+            await trio.sleep(PROBE_S)
+
     async def _row_of(self, job_hex: str, replica: int) -> dict:
         while True:
             table = await self._endpoints(job_hex)
@@ -195,6 +211,19 @@ class CloneRounds:
             if row is not None:
                 return row
             await trio.sleep(PROBE_S)
+
+    async def start_held_job(self, number: int) -> str:
+        """Submit the rounds' job once more (port of round ``number``) for the false-trigger
+        hold; its hex id once it serves."""
+        run = self.run
+        (job_id, envelope), = sign_jobs(run.layout["owners"][0]["key_file"], run.mesh_id, 1, run.rng,
+                                        clone_manifest(FIRST_SERVICE_PORT + number), time.time_ns() // 1_000_000)
+        for index in run._alive():
+            await self._set_util(index, NORMAL_UTIL_MILLI)
+        await run._call(run.rng.choice(run._alive()), "submit", job=envelope)
+        with trio.fail_after(STEP_TIMEOUT_S):
+            await self._wait_serving(job_id.hex())
+        return job_id.hex()
 
     async def one_round(self, number: int) -> None:
         run = self.run
@@ -225,10 +254,10 @@ class CloneRounds:
                 record["clone_ms"] = clone_ms(hot_ns, CLONE_FOR_MS, await self._wait_answers(row["address"],
                                                                                                row["port"]))
                 for action in ("reroute", "decay"):
-                    await self._event(replica_action_after(lambda d, a=action: d.get("action") == a, job_hex, hot_ns),
-                                      action)
-            await self._set_util(primary, NORMAL_UTIL_MILLI)
-            table = await self._endpoints(job_hex)
+                    applied = await self._event(replica_action_after(lambda d, a=action: d.get("action") == a,
+                                                                     job_hex, hot_ns), action)
+                await self._set_util(primary, NORMAL_UTIL_MILLI)
+                table = await self._table_with_weights(job_hex, applied["detail"]["weights"])
             record["weights"] = [r["weight"] for r in table["endpoints"]]
             record["rerouted_share_expected"] = weight_share(table["endpoints"], {clone_index})
             load = await run_load(targets_from_endpoints(table), LOAD_RPS, LOAD_S)

@@ -7,6 +7,7 @@ import pytest
 from protocol.errors import MeshError
 from meshnode.workload.manifest import parse_manifest
 from testnet.bench_clone import (CLONE_FOR_MS, DECAY_FOR_MS, answered_share, clone_figures, clone_manifest, clone_ms,
+                                 reflex_replica_actions_since,
                                  replica_action_after, weight_share)
 from testnet.bench_reflex import BELOW_MILLI_C, reflex_moves_since, run_reflex_bench
 
@@ -84,3 +85,17 @@ def test_the_clone_rounds_manifest_is_a_valid_job_with_the_issues_rules():
     assert [(r.action, r.amount) for r in job.reflexes] == [("clone", 1), ("reroute", 50), ("decay", 50),
                                                            ("decay", 100)]
     assert job.reflexes[0].for_ms == CLONE_FOR_MS and job.reflexes[3].for_ms == DECAY_FOR_MS
+
+
+def test_replica_false_triggers_count_each_rule_action_once_and_no_fill():
+    def action(index, seq, mono_ns, job="ab" * 32, reflex=True):
+        detail = {"job_id": job, "seq": seq, "mono_ns": mono_ns, "action": "clone", "added": [1]}
+        if reflex:
+            detail.update(reflex=0, signal="gpu_util", held_ms=1000)
+        return index, {"kind": "replica_action", "detail": detail}
+    events = [action(i, 0, 150) for i in range(4)]       # one clone, reported by 4 nodes
+    events += [action(1, 1, 200, reflex=False)]          # a fill (min_replicas): no rule acted
+    events += [action(2, 2, 50)]                         # before the hold
+    events += [action(0, 3, 300, job="cd" * 32)]         # another job
+    assert reflex_replica_actions_since(events, "ab" * 32, 100) == 1
+    assert reflex_replica_actions_since(events, "ab" * 32, 400) == 0
