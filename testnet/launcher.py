@@ -415,6 +415,8 @@ def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
     own; ``on_step(text)`` hears of each step (a CLI's progress line); ``rail_groups``: see
     ``rail_group_of``; ``loopback_hosts``: see ``create_testnet``."""
+    if netns and loopback_hosts:
+        raise ConfigError("--netns and --loopback-hosts exclude each other (a namespace gives each node its address)")
     if netns:
         netns_mod.check_available()
     on_step("writing keys, genesis and configs for %d nodes" % nodes)

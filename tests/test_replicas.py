@@ -265,3 +265,16 @@ def test_r4_a_clone_never_goes_to_a_node_with_an_unhealthy_gpu_and_validators_re
     record = core.job_table.get(jid)
     error = core.replicas.nodes_error(record, record.manifest.reflexes[0], bad, core.view)
     assert "has an unhealthy GPU" in error, error
+
+
+def test_r4f_a_loopback_hosts_testnet_gives_each_node_its_own_address_and_netns_excludes_it(tmp_path):
+    import pytest
+    from keys.errors import ConfigError
+    from keys.genesis import Genesis
+    from testnet import launcher
+    layout = launcher.create_testnet(tmp_path / "net", 3, run_workloads=False, loopback_hosts=True)
+    assert [n["host"] for n in layout["nodes"]] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    genesis = Genesis.decode(launcher.node_paths(layout["nodes"][2]["dir"]).genesis.read_bytes())
+    assert [m.addrs[0].split("/")[2] for m in genesis.members] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    with pytest.raises(ConfigError, match="--loopback-hosts"):
+        launcher.up(tmp_path / "other", 2, netns=True, loopback_hosts=True)
