@@ -47,7 +47,7 @@ LOAD_RPS = 100
 LOAD_S = 3.0
 STEP_TIMEOUT_S = 60.0
 PROBE_S = 0.02
-CLONE_MANIFEST = """
+CLONE_JOB = """
 name = "bench-clone"
 entrypoint = "serve"
 args = ["--service-ms", "1"]
@@ -60,42 +60,23 @@ gpus = 0
 cpu_milli = 100
 mem_mib = 64
 [service]
-port = %(port)d
+port = %d
 min_replicas = 1
 max_replicas = 2
-[[reflex]]
-signal = "gpu_util"
-above = 80
-for_ms = %(clone_for)d
-action = "clone"
-clone = 1
-cooldown_ms = 60000
-[[reflex]]
-signal = "gpu_util"
-above = 80
-for_ms = %(clone_for)d
-action = "reroute"
-reroute = 50
-cooldown_ms = 60000
-[[reflex]]
-signal = "gpu_util"
-above = 80
-for_ms = %(clone_for)d
-action = "decay"
-decay = 50
-cooldown_ms = 60000
-[[reflex]]
-signal = "gpu_util"
-below = 20
-for_ms = %(decay_for)d
-action = "decay"
-decay = 100
-cooldown_ms = 1000
 """
+# The issue's rules, as jobs/serve-replicas.toml: (condition, for_ms, action, amount, cooldown_ms).
+CLONE_RULES = (("above = 80", CLONE_FOR_MS, "clone", 1, 60_000),
+               ("above = 80", CLONE_FOR_MS, "reroute", 50, 60_000),
+               ("above = 80", CLONE_FOR_MS, "decay", 50, 60_000),
+               ("below = 20", DECAY_FOR_MS, "decay", 100, 1000))
 
 
 def clone_manifest(port: int) -> str:
-    return CLONE_MANIFEST % {"port": port, "clone_for": CLONE_FOR_MS, "decay_for": DECAY_FOR_MS}
+    """The rounds' job serving on ``port`` (``{nonce}`` left for sign_jobs)."""
+    rules = "".join('[[reflex]]\nsignal = "gpu_util"\n%s\nfor_ms = %d\naction = "%s"\n%s = %d\ncooldown_ms = %d\n'
+                    % (condition, for_ms, action, action, amount, cooldown)
+                    for condition, for_ms, action, amount, cooldown in CLONE_RULES)
+    return CLONE_JOB % port + rules
 
 
 def clone_ms(hot_ns: int, for_ms: int, answered_ns: int) -> float:
