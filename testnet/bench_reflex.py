@@ -117,6 +117,11 @@ def run_reflex_bench(nodes: int, moves: int, *, root=None, keep: bool = False, s
 
     run, log_double_runs, stale_starts = run_on_counter_testnet(root, nodes, 1, random.Random(seed), make_run, moves,
                                                                 keep, REFLEX_MANIFEST, loopback_hosts=True)
+    # The serve jobs of the clone rounds run on two nodes at once by design (replicas): double
+    # runs are those of the migrated counter job alone.
+    counter_jobs = {job.hex() for job, _envelope in run.jobs}
+    run.proc_double_runs &= counter_jobs
+    stale_starts = [s for s in stale_starts if any(job.startswith(s["job"]) for job in counter_jobs)]
     clones = clone_figures(run.clones.rounds if run.clones else [])
     return dict(move_figures(run, log_double_runs, stale_starts), bench="reflex", nodes=nodes, seed=seed,
                 rule_duration_ms=REFLEX_FOR_MS, clone_rule_duration_ms=CLONE_FOR_MS, machine=machine,
