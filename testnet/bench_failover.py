@@ -362,9 +362,9 @@ class FailoverRun:
 
 
 def start_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random,
-                          manifest: str = FAILOVER_MANIFEST) -> tuple[dict, list]:
+                          manifest: str = FAILOVER_MANIFEST, loopback_hosts: bool = False) -> tuple[dict, list]:
     """Start a testnet that runs workloads and sign ``jobs`` counter jobs for it: (layout, jobs)."""
-    launcher.up(root, nodes, owners=1, run_workloads=True)
+    launcher.up(root, nodes, owners=1, run_workloads=True, loopback_hosts=loopback_hosts)
     layout = launcher.load_layout(root)
     signed = sign_jobs(layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"]), jobs, rng,
                        manifest, time.time_ns() // 1_000_000)
@@ -372,14 +372,14 @@ def start_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random,
 
 
 def run_on_counter_testnet(root: Path, nodes: int, jobs: int, rng: random.Random, make_run, count: int,
-                           keep: bool, manifest: str = FAILOVER_MANIFEST) -> tuple:
+                           keep: bool, manifest: str = FAILOVER_MANIFEST, loopback_hosts: bool = False) -> tuple:
     """Start a counter testnet, run ``make_run(root, layout, jobs, rng).run(count)`` on it and
     always tear it down: (the run, double runs in the progress logs, starts under a
     superseded fence). The directory is kept if the run aborted (its logs) or ``keep``."""
     failed, run = True, None
     log_double_runs, stale_starts = 0, []
     try:
-        layout, signed = start_counter_testnet(root, nodes, jobs, rng, manifest)
+        layout, signed = start_counter_testnet(root, nodes, jobs, rng, manifest, loopback_hosts)
         run = make_run(root, layout, signed, rng)
         trio.run(run.run, count)
         failed = run.aborted is not None  # keep the logs of an aborted run

@@ -86,7 +86,8 @@ def register(subparsers) -> None:
             ("move", "move a running job by its owner's request: latency, lost work, double runs (SPEC.md R2)",
              20, cmd_move),
             ("reflex", "a job's reflex rule moves it off its primary made hot: time to decide and to run again, "
-                       "lost work, double runs (SPEC.md R3)", 10, cmd_reflex)):
+                       "lost work, double runs (SPEC.md R3); then as many rounds of a serve job cloned, rerouted and decayed "
+                       "(R4)", 10, cmd_reflex)):
         move = sub.add_parser(name, help=what, epilog=examples(
             "meshnode bench %s --nodes 4 --moves %d --json" % (name, moves),
             *(["meshnode bench reflex --nodes 4 --moves 3 --hold-s 300 --json   # then 5 minutes just below: "

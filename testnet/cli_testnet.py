@@ -36,7 +36,8 @@ def register(subparsers) -> None:
         "meshnode testnet up --nodes 4 --dir net",
         "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores",
         "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)",
-        "meshnode testnet up --nodes 6 --rail-groups 2 --dir net   # rail-1 on nodes 0,2,4 (zone-a), rail-2 on 1,3,5"))
+        "meshnode testnet up --nodes 6 --rail-groups 2 --dir net   # rail-1 on nodes 0,2,4 (zone-a), rail-2 on 1,3,5",
+        "meshnode testnet up --nodes 4 --loopback-hosts --dir net   # node i on 127.0.0.(i+1): replicas serve one port"))
     up.add_argument("--nodes", type=int, default=4, metavar="N", help="how many nodes (default 4)")
     up.add_argument("--owners", type=int, default=1, metavar="N",
                     help="workload owner keys to create, in DIR/owners/ (default 1)")
@@ -50,6 +51,9 @@ def register(subparsers) -> None:
                          "in one zone (default 0: every node's own rail)")
     up.add_argument("--netns", action="store_true",
                     help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
+    up.add_argument("--loopback-hosts", action="store_true",
+                    help="node i listens on 127.0.0.(i+1): a serving job's replicas each bind its one port "
+                         "(SPEC.md R4f; jobs/serve-replicas.toml)")
     _common(up)
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="every node's process state and connections",
@@ -125,7 +129,8 @@ def cmd_up(args) -> int:
         scheduling["pools"], scheduling["reservations"] = load_pools(args.pools)
     with progress(args, "creating the testnet in %s" % args.dir) as shown:
         rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
-                           netns=args.netns, on_step=shown.update, rail_groups=args.rail_groups, **scheduling)
+                           netns=args.netns, on_step=shown.update, rail_groups=args.rail_groups,
+                           loopback_hosts=args.loopback_hosts, **scheduling)
     layout = launcher.load_layout(args.dir)
 
     def render(console):

@@ -105,11 +105,16 @@ def save_layout(root: Path, layout: dict) -> None:
     os.replace(tmp, _layout_path(root))
 
 
+def loopback_host(index: int) -> str:
+    """Node ``index``'s own loopback address (Linux routes all of 127.0.0.0/8 to lo)."""
+    return "127.0.0.%d" % (index + 1)
+
+
 def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
                    rng: random.Random | None = None, metrics: bool = False,
                    hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False,
-                   rail_groups: int = 0) -> dict:
+                   rail_groups: int = 0, loopback_hosts: bool = False) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -121,6 +126,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     ``rail_group_of``.
     With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
     netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
+    With ``loopback_hosts`` node i listens on 127.0.0.(i+1) (a free port): each node has an
+    address of its own on one machine, so replicas of a job serve its one port (SPEC.md R4f).
     """
     root = Path(root)
     if rng is None:
@@ -150,7 +157,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     create_keystore(root / "authority.key", authority, None)
     identities = [new_identity() for _ in range(nodes)]
     if hosts is None:
-        hosts = ["127.0.0.1"] * nodes
+        hosts = [loopback_host(i) if loopback_hosts else "127.0.0.1" for i in range(nodes)]
         ports = [free_port() if rng is None else 20000 + i for i in range(nodes)]
     else:
         ports = [netns_mod.NODE_PORT] * nodes
@@ -403,16 +410,20 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
        params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None,
-       pools: tuple = (), reservations: bool = False, rail_groups: int = 0) -> list[dict]:
+       pools: tuple = (), reservations: bool = False, rail_groups: int = 0,
+       loopback_hosts: bool = False) -> list[dict]:
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
     own; ``on_step(text)`` hears of each step (a CLI's progress line); ``rail_groups``: see
-    ``rail_group_of``."""
+    ``rail_group_of``; ``loopback_hosts``: see ``create_testnet``."""
+    if netns and loopback_hosts:
+        raise ConfigError("--netns and --loopback-hosts exclude each other (a namespace gives each node its address)")
     if netns:
         netns_mod.check_available()
     on_step("writing keys, genesis and configs for %d nodes" % nodes)
     hosts = [netns_mod.node_address(i) for i in range(nodes)] if netns else None
     layout = create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True,
-                            hosts=hosts, pools=pools, reservations=reservations, rail_groups=rail_groups)
+                            hosts=hosts, pools=pools, reservations=reservations, rail_groups=rail_groups,
+                            loopback_hosts=loopback_hosts)
     try:
         if netns:
             layout["netns"] = netns_mod.plan(layout["mesh_id"], nodes)

@@ -98,7 +98,7 @@ def endpoints_of_job(node_dir, job: str, timeout_s: float = 10.0) -> list[Target
     from meshnode.control.client import ControlClient, ControlError
     with ControlClient(node_dir, timeout_s) as client:
         try:
-            rows = client.call("endpoints", job=job)
+            rows = client.call("endpoints", job_id=job)
         except ControlError as exc:
             if "unknown op" in str(exc):
                 raise MeshError("the node at %s does not serve a job's endpoints (no `endpoints` call in its "

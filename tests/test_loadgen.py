@@ -103,17 +103,21 @@ def test_endpoint_table_rows_become_weighted_targets():
         targets_from_endpoints(rows[2:])
 
 
+class FakeControlClient:
+    """A node's control client as a context manager; subclasses answer ``call``."""
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_a_node_without_the_endpoints_call_gives_a_clear_error(monkeypatch):
-    class NodeWithoutEndpoints:
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class NodeWithoutEndpoints(FakeControlClient):
         def call(self, op, **args):
             raise ControlError("unknown op %r (known: jobs, status)" % op)
 
@@ -127,3 +131,18 @@ def test_cli_refuses_job_without_node(capsys):
     from meshnode.cli import main
     assert main(["load", "--job", "ea9a", "--rps", "1", "--duration-s", "1"]) == 2
     assert "--job needs --node DIR" in capsys.readouterr().err
+
+
+def test_job_targets_are_asked_by_job_id_as_the_control_api_names_it(monkeypatch):
+    asked = []
+
+    class Node(FakeControlClient):
+        def call(self, op, **args):
+            asked.append((op, args))
+            return {"endpoints": [{"replica": 0, "address": "127.0.0.2", "port": 18080, "weight": 1000}]}
+
+    import meshnode.control.client as client
+    monkeypatch.setattr(client, "ControlClient", Node)
+    targets = loadgen.endpoints_of_job("net/node-0", "ea9aec16873a")
+    assert asked == [("endpoints", {"job_id": "ea9aec16873a"})]
+    assert [(t.name, t.weight) for t in targets] == [("127.0.0.2:18080", 1000.0)]

@@ -191,16 +191,22 @@ def test_r4_the_simulator_audit_catches_a_replica_action_applied_twice_and_beyon
     assert failures[-1][0] == "replica_bounds"
 
 
-def test_r4_a_replica_run_learns_its_index_and_the_service_port_and_plain_jobs_get_nothing():
+def test_r4_a_replica_run_learns_its_index_the_service_port_and_host_and_plain_jobs_get_nothing():
     from meshnode.node.driver import replica_environment
     from protocol.workload_orders import WorkloadRun
     job, _ = make_job()
     serving = dataclasses.replace(job, service=Service(port=8080, max_replicas=2))
-    assert replica_environment(WorkloadRun(b"k" * 32, 1, (), False, serving, replica=1)) == {
-        "MESHNODE_REPLICA_INDEX": "1", "MESHNODE_SERVICE_PORT": "8080"}
-    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, serving)) == {
-        "MESHNODE_REPLICA_INDEX": "0", "MESHNODE_SERVICE_PORT": "8080"}
-    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, job)) == {}
+    assert replica_environment(WorkloadRun(b"k" * 32, 1, (), False, serving, replica=1), "127.0.0.3") == {
+        "MESHNODE_REPLICA_INDEX": "1", "MESHNODE_SERVICE_PORT": "8080", "MESHNODE_SERVICE_HOST": "127.0.0.3"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, serving), "127.0.0.1") == {
+        "MESHNODE_REPLICA_INDEX": "0", "MESHNODE_SERVICE_PORT": "8080", "MESHNODE_SERVICE_HOST": "127.0.0.1"}
+    assert replica_environment(WorkloadRun(b"j" * 32, 1, (), False, job), "127.0.0.1") == {}
+
+
+def test_r4f_serve_listens_on_the_host_its_node_names_else_loopback():
+    from meshnode.workload.serve import service_host
+    assert service_host({"MESHNODE_SERVICE_HOST": "127.0.0.3"}) == "127.0.0.3"
+    assert service_host({}) == "127.0.0.1"
 
 
 def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_member_ends_alike():
@@ -275,3 +281,16 @@ def test_r4_bounds_and_weight_arithmetic_never_retire_the_primary_or_below_min_r
     assert "max_replicas (3)" in action_error(record, rule("clone", 1))
     assert weight_changes(record, rule("reroute", 50)) == [(0, 500), (1, 500), (2, 2000)]
     assert weight_changes(record, rule("decay", 50)) == [(0, 500)]
+
+
+def test_r4f_a_loopback_hosts_testnet_gives_each_node_its_own_address_and_netns_excludes_it(tmp_path):
+    import pytest
+    from keys.errors import ConfigError
+    from keys.genesis import Genesis
+    from testnet import launcher
+    layout = launcher.create_testnet(tmp_path / "net", 3, run_workloads=False, loopback_hosts=True)
+    assert [n["host"] for n in layout["nodes"]] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    genesis = Genesis.decode(launcher.node_paths(layout["nodes"][2]["dir"]).genesis.read_bytes())
+    assert [m.addrs[0].split("/")[2] for m in genesis.members] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    with pytest.raises(ConfigError, match="--loopback-hosts"):
+        launcher.up(tmp_path / "other", 2, netns=True, loopback_hosts=True)

@@ -214,6 +214,7 @@ def test_the_builtin_entry_point_starts_serve_on_the_nodes_port(monkeypatch):
     monkeypatch.setattr(builtin.Workload, "connect", classmethod(lambda cls: RecordingWorkload()))
     monkeypatch.setattr(builtin, "run_serve", lambda *args: started.append(args) or 0)
     monkeypatch.setenv("MESHNODE_SERVICE_PORT", "18081")
+    monkeypatch.setenv("MESHNODE_SERVICE_HOST", "127.0.0.3")
     assert builtin.main(["serve", "--port", "18080", "--service-ms", "5", "--cpu-ms", "-1"]) == 0
-    _workload, port, service_ms, cpu_ms = started[0]
-    assert (port, service_ms, cpu_ms) == (18081, 5.0, 0.0)
+    _workload, port, service_ms, cpu_ms, host = started[0]
+    assert (port, service_ms, cpu_ms, host) == (18081, 5.0, 0.0, "127.0.0.3")

@@ -61,15 +61,18 @@ REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 
 
 REPLICA_INDEX_ENV = "MESHNODE_REPLICA_INDEX"
 SERVICE_PORT_ENV = "MESHNODE_SERVICE_PORT"
+SERVICE_HOST_ENV = "MESHNODE_SERVICE_HOST"
 
 
-def replica_environment(run: WorkloadRun) -> dict:
-    """SPEC.md R4e: a serving job's run learns which replica it is and the port to serve on
-    (a job with no port and no replicas gets neither: its environment is as before)."""
+def replica_environment(run: WorkloadRun, own_host: str) -> dict:
+    """SPEC.md R4e/R4f: a serving job's run learns which replica it is, the port to serve on
+    and the host the endpoint table names for this node (``own_host``: nodes sharing one
+    machine on distinct loopback addresses then serve one port each without colliding).
+    A job with no port and no replicas gets none of them: its environment is as before."""
     port = run.manifest.service.port
     if not port and not run.replica:
         return {}
-    return {REPLICA_INDEX_ENV: str(run.replica), SERVICE_PORT_ENV: str(port)}
+    return {REPLICA_INDEX_ENV: str(run.replica), SERVICE_PORT_ENV: str(port), SERVICE_HOST_ENV: own_host}
 
 
 class Node:
@@ -404,7 +407,8 @@ class Node:
             self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
         try:
-            extra_env = {**gang_environment(run.gang, self.member_host), **replica_environment(run)}
+            extra_env = {**gang_environment(run.gang, self.member_host),
+                         **replica_environment(run, self.member_host(self.identity.public_key))}
             if run.gang is not None:
                 extra_env[GANG_PEERS_FILE_ENV] = self._publish_gang_peers(job_id, run.gang)
             pid = await self.runner.start(job_id, manifest.entrypoint, args, list(run.gpus), restore, fence,

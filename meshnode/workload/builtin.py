@@ -43,7 +43,7 @@ import time
 from array import array
 
 from meshnode.workload.sdk import GangInfo, Workload
-from meshnode.workload.serve import SERVICE_PORT_ENV, run_serve, service_port
+from meshnode.workload.serve import SERVICE_PORT_ENV, run_serve, service_host, service_port
 from protocol.errors import RemoteProtocolError
 
 BUILTIN_KINDS = ("counter", "train", "allreduce", "serve")
@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_argument("--progress-log", default=None)
     allreduce.add_argument("--log-every", type=int, default=0, metavar="N",
                            help="print the step and the sum to stdout every N steps (default: never)")
-    serve = kinds.add_parser("serve", help="an HTTP/1.1 service on 127.0.0.1 that reports its load (SPEC.md 9.4a)")
+    serve = kinds.add_parser("serve", help="an HTTP/1.1 service ($MESHNODE_SERVICE_HOST, else 127.0.0.1) that reports its load (SPEC.md 9.4a)")
     serve.add_argument("--port", type=int, default=0,
                        help="port when $%s is not set (default 0: any free port)" % SERVICE_PORT_ENV)
     serve.add_argument("--service-ms", type=float, default=0.0, help="each request waits this long (I/O-bound cost)")
@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     workload = Workload.connect()
     if args.kind == "serve":   # its progress is requests served: no progress log
-        return run_serve(workload, service_port(args.port), max(0.0, args.service_ms), max(0.0, args.cpu_ms))
+        return run_serve(workload, service_port(args.port), max(0.0, args.service_ms), max(0.0, args.cpu_ms),
+                         service_host())
     log = ProgressLog(args.progress_log)
     if args.kind == "counter":
         run_counter(workload, max(1, args.unit_ms), args.units, log)

@@ -1,8 +1,9 @@
 """The built-in ``serve`` workload: a small HTTP/1.1 service that reports its own load.
 
 Started as ``python -m meshnode.workload.builtin serve [--port P] [--service-ms MS]
-[--cpu-ms MS]``. It listens on 127.0.0.1, on ``$MESHNODE_SERVICE_PORT`` when the node
-sets it (a job's declared service port), else on ``--port`` (0: any free port), and
+[--cpu-ms MS]``. It listens on ``$MESHNODE_SERVICE_HOST`` (else 127.0.0.1), on
+``$MESHNODE_SERVICE_PORT`` when the node sets it (a job's declared service port), else on
+``--port`` (0: any free port), and
 prints ``listening on HOST:PORT`` to its output (`meshnode job logs` shows it). Every
 ``GET`` is answered ``200`` with a one-line JSON body {"served": n, "fence": f} after
 ``--service-ms`` of waiting (an I/O-bound service: requests overlap) and ``--cpu-ms`` of
@@ -31,6 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from protocol.errors import RemoteProtocolError
 
 SERVICE_PORT_ENV = "MESHNODE_SERVICE_PORT"
+SERVICE_HOST_ENV = "MESHNODE_SERVICE_HOST"   # the host the endpoint table names for this node (R4f)
+DEFAULT_HOST = "127.0.0.1"
 SERVE_STATE = struct.Struct(">QQ")   # requests served, errors
 WINDOW_S = 5.0                       # the window request rate and p99 are measured over
 MAX_WINDOW_SAMPLES = 65_536          # a flood keeps the newest this many (memory stays bounded)
@@ -53,6 +56,12 @@ def service_port(argument: int, environ=os.environ) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise ValueError("%s=%r is not a port number" % (SERVICE_PORT_ENV, text))
     return int(text)
+
+
+def service_host(environ=os.environ) -> str:
+    """The address to listen on: the node's ``$MESHNODE_SERVICE_HOST`` (the host its endpoint
+    table row names, SPEC.md R4f) when set, else 127.0.0.1."""
+    return environ.get(SERVICE_HOST_ENV, "") or DEFAULT_HOST
 
 
 def percentile(values, fraction: float) -> float | None:
@@ -175,7 +184,7 @@ def bind_server(address, load: LoadWindow, service_ms: float, cpu_ms: float, fen
             time.sleep(0.05)
 
 
-def run_serve(workload, port: int, service_ms: float, cpu_ms: float, host: str = "127.0.0.1",
+def run_serve(workload, port: int, service_ms: float, cpu_ms: float, host: str = DEFAULT_HOST,
               stop: threading.Event | None = None, on_listening=None) -> int:
     """Serve until ``stop`` is set (never, under a node: the node stops the process);
     ``on_listening(address)`` once it listens (tests learn a free port so)."""
