@@ -411,3 +411,26 @@ def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
     validate = core.gang_ranks.validators(iid)[0]
     assert "a shrink while a candidate fits" in validate(codec.pack(shrink.to_body()), (vectors[free],))
     assert validate(codec.pack(shrink.to_body()), ()) is None   # with none, the shrink to 2 follows
+
+
+def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_the_lost_runs_checkpoint():
+    """GA7, found by `bench gang` (BENCHMARKS.md): without the refill each replacement used a
+    backup up, and a rank replaced twice had none, so its next node restarted it from step 0;
+    and a node that had run the rank before resumed at once from that older run's checkpoint."""
+    from types import SimpleNamespace
+    from protocol.flows.gang_replace import holds_lost_primarys_checkpoint
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    net.down.add(second)
+    net.run(1500)
+    value = net.certified(first, "gang_replace")[0].value
+    assert len(value.backups) == 1 and not {value.to_node, second} & set(value.backups)
+    assert all(net.cores[k].job_table.get(gang_worker_id(job_id(job), 1)).backups == value.backups
+               for k in KEYS if k != second)
+    older_run = SimpleNamespace(checkpoint_envelope=b"cp", checkpoint_fence=3)
+    assert holds_lost_primarys_checkpoint(older_run, replacing_fence=4)
+    assert not holds_lost_primarys_checkpoint(older_run, replacing_fence=6)
+    assert not holds_lost_primarys_checkpoint(SimpleNamespace(checkpoint_envelope=None, checkpoint_fence=5), 6)

@@ -26,7 +26,7 @@ from protocol.gang_placement import diameter, gang_worker_id, topology_error
 from protocol.job_lifecycle import HANDOFF_WAIT_MS
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, GangReplacement, JobManifest,
                                decode_message, decode_value, gang_replace_instance_id, job_id, next_attempt)
-from protocol.placement import capability_check
+from protocol.placement import capability_check, tie_break, wanted_backups
 from protocol.ready import Ready
 
 REPLACE_MAX_ROUNDS = 4   # then the gang's attempt ends (GA4): a gang never waits partial for long
@@ -167,7 +167,8 @@ class GangReplaceFlow(ValueFlow):
             value = GangReplacement(job=record.envelope, rank=self._worker_rank(record), fence=record.fence,
                                     to_node=chosen.node, capability=envelope,
                                     survivors=tuple(e for e, _cap in survivors), size=world,
-                                    backups=replacement_backups(record, chosen.node, inst.view.stakes))
+                                    backups=replacement_backups(record, chosen.node, inst.view.stakes,
+                                                                inst.instance_id))
         else:
             size = shrink_size(job, world, [cap for _e, cap in survivors])
             if size is None:
@@ -233,7 +234,7 @@ class GangReplaceFlow(ValueFlow):
             if chosen is None or chosen.node != value.to_node:
                 return "the replacement does not follow from its candidates (GA7)"
             if value.size != world or tuple(value.backups) != replacement_backups(record, value.to_node,
-                                                                                  view.stakes):
+                                                                                  view.stakes, iid):
                 return "the replacement's size or backups do not follow GA7"
             return None
         if choose_replacement(job, iid, survivors, candidates, record.backups) is not None:
@@ -283,8 +284,8 @@ class GangReplaceFlow(ValueFlow):
         if record.state != "migrating":
             return
         if value.to_node == self.ctx.me:
-            holds_checkpoint = record.checkpoint_envelope is not None
-            if self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred and not holds_checkpoint:
+            if (self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred
+                    and not holds_lost_primarys_checkpoint(record, value.fence)):
                 self.lifecycle.handoff_waits[record.job_id] = now_ms + HANDOFF_WAIT_MS   # the checkpoint comes
         else:
             self.lifecycle.hand_off_checkpoint(record, out)   # the rank's work goes on there (GA7)
@@ -311,6 +312,18 @@ def rank_vector(ctx, capability, gangs, gang_id: bytes, node: bytes | None, now_
     return data, decode_message(data, ctx.mesh_id, expect=CapabilityVector, caches=ctx.caches)[1]
 
 
-def replacement_backups(record, to_node: bytes, members) -> tuple:
-    """GA7: the rank's backups that are still members, less its new node."""
-    return tuple(b for b in record.backups if b != to_node and b in members)
+def replacement_backups(record, to_node: bytes, members, instance: bytes) -> tuple:
+    """GA7: the rank's backups that are still members, less its new node, refilled to the
+    job's backup count from the other members by P4's tie-break order for the instance.
+    Without the refill every replacement used one backup up, and a rank replaced twice had
+    none: its next node held no checkpoint and the rank (so the ring) restarted from step 0."""
+    kept = [b for b in record.backups if b != to_node and b in members]
+    spare = sorted((m for m in members if m != to_node and m not in kept), key=lambda m: tie_break(instance, m))
+    return tuple(kept + spare[:max(0, wanted_backups(record.manifest) - len(kept))])
+
+
+def holds_lost_primarys_checkpoint(record, replacing_fence: int) -> bool:
+    """GA7: the replacement resumes at once only from a checkpoint of the run it replaces
+    (fence ``replacing_fence - 1``); one of an older run here (a node that ran the rank
+    before, was killed and came back) waits for the hand-off like a node holding none."""
+    return record.checkpoint_envelope is not None and record.checkpoint_fence == replacing_fence - 1
