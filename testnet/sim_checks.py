@@ -370,8 +370,8 @@ class DecisionChecker:
             return
         self.gang_replaced += 1
         target = self.index_of.get(value.to_node)
-        if target is None or target not in self.members or target in homes:
-            self.fail("gang", node, instance, "rank %d of gang %s replaced on a non-member or on a node running "
+        if target is None or target in homes:
+            self.fail("gang", node, instance, "rank %d of gang %s replaced on an unknown node or on a node running "
                       "another rank" % (value.rank, jid.hex()[:12]))
             return
         placed = [h for h in homes if h is not None] + [target]
@@ -379,7 +379,8 @@ class DecisionChecker:
         if broken is not None and len(placed) == len(active):
             self.fail("gang", node, instance, "gang %s repaired against its topology: %s" % (jid.hex()[:12], broken))
         self.job_backups[wid] = tuple(self.index_of.get(b) for b in value.backups)
-        self._commit(target, wid, job.resources, self._least_loaded_gpus(target, job.resources.gpus))
+        if target in self.members:   # else evicted since the value's epoch: the rank waits again (P5, GA7)
+            self._commit(target, wid, job.resources, self._least_loaded_gpus(target, job.resources.gpus))
 
     def check_gangs_running(self, runs_by_node: dict) -> None:
         """At the end of a run (SPEC.md GA4): no rank of a gang's ended attempt still runs on
