@@ -14,8 +14,8 @@ from keys.identity import SigningIdentity
 from protocol import codec
 from protocol.envelope import ANY_MESH, CHANNEL_AUTHENTICATED_KINDS, Envelope, seal
 from protocol.errors import RemoteProtocolError
-from protocol.messages import (MESSAGE_TYPES, Checkpoint, Gang, JobManifest, MoveRequest, Reflex, Resources,
-                               decode_message, encode_message,
+from protocol.messages import (MESSAGE_TYPES, REFLEX_AMOUNTS, CapabilityVector, Checkpoint, Gang, JobManifest,
+                               MoveRequest, Reflex, Resources, Service, decode_message, encode_message,
                                encode_unsigned)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
@@ -62,15 +62,33 @@ def body_strategy(cls):
         body = body.map(lambda b: {**b, "state_hash": hashlib.sha256(b["state"]).digest()})
     if cls is Resources:  # cross-field rule, SPEC.md 4.1: a GPU share is a share of one GPU
         body = body.map(lambda b: {**b, "gpus": 1} if b["gpu_milli"] else b)
-    if cls is JobManifest:  # SPEC.md 4.2: no reflex rules is the key left out, never an empty list
-        body = body.map(lambda b: {k: v for k, v in b.items() if k != "reflexes" or v})
-    if cls is Reflex:  # cross-field rule, SPEC.md 4.2: exactly one of above and below
-        body = body.map(lambda b: {**b, "below": None} if b["above"] is not None else {**b, "below": b["below"] or 0})
+    if cls is JobManifest:  # SPEC.md 4.2: no reflex rules (the default service) is the key left out
+        body = body.map(lambda b: {k: v for k, v in b.items() if not (k == "reflexes" and not v)
+                                   and not (k == "service" and v == Service().to_body())})
+    if cls is Service:  # cross-field rule, SPEC.md R4: min_replicas <= max_replicas
+        body = body.map(lambda b: {**b, "min_replicas": min(b["min_replicas"], b["max_replicas"])})
+    if cls is Reflex:  # cross-field rules, SPEC.md 4.2, R4: one of above and below; the action's amount
+        body = body.map(lambda b: _coherent_reflex(
+            {**b, "below": None} if b["above"] is not None else {**b, "below": b["below"] or 0}))
+    if cls is CapabilityVector:  # SPEC.md R3a: signals only of running jobs, once each; none: left out
+        body = body.map(_coherent_job_signals)
     if cls is MoveRequest:  # cross-field rule, SPEC.md R2: no target, or a 32-byte key
         body = body.map(lambda b: {**b, "to_node": b["to_node"].ljust(32, b"\x01") if b["to_node"] else b""})
     if cls is Gang:  # cross-field rules, SPEC.md GA1: a fixed size, or an elastic range with a size in it
         body = body.map(_coherent_gang)
     return body
+
+
+def _coherent_reflex(b: dict) -> dict:
+    low, high = REFLEX_AMOUNTS[b["action"]]
+    amount = min(max(b["amount"], low), high)
+    return {**b, "amount": amount} if amount else {k: v for k, v in b.items() if k != "amount"}
+
+
+def _coherent_job_signals(b: dict) -> dict:
+    running = list(dict.fromkeys(r["job_id"] for r in b["running"]))
+    signals = [{**signal, "job_id": jid} for signal, jid in zip(b["job_signals"], running)]
+    return {**b, "job_signals": signals} if signals else {k: v for k, v in b.items() if k != "job_signals"}
 
 
 def _coherent_gang(b: dict) -> dict:
