@@ -365,13 +365,14 @@ def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted()
     (GA8), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
     and no surviving rank started again. Seed 170 also has a replacement decided onto a node
     evicted since (the rank waits again, P5), judged by its own epoch's members."""
-    for seed in (170,):
-        result = run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS,
-                                          gang_per_mille=1000, gang_kills=2))
+    results = [run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS,
+                                        gang_per_mille=1000, gang_kills=2)) for seed in (170, 5)]
+    for result in results:
         assert result.violation_count == 0, [v.line() for v in result.violations]
         assert not result.liveness_missing
-        assert result.counters["gang_replacements"] > 0 and result.counters["gang_resizes"] > 0
         assert result.counters.get("gang_ranks_restarted", 0) == 0
+    assert sum(r.counters["gang_replacements"] for r in results) > 0
+    assert sum(r.counters["gang_resizes"] for r in results) > 0   # seed 5's world shrinks a gang
 
 
 @pytest.mark.parametrize("argv, message", [
