@@ -437,3 +437,33 @@ def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_t
     assert holds_lost_primarys_checkpoint(older_run, replacing_fence=4)
     assert not holds_lost_primarys_checkpoint(older_run, replacing_fence=6)
     assert not holds_lost_primarys_checkpoint(SimpleNamespace(checkpoint_envelope=None, checkpoint_fence=5), 6)
+
+
+def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_not_dropped():
+    """GA7, found by `bench gang` (BENCHMARKS.md, session 11): a node that got a rank's
+    replacement before the eviction that starts it dropped it as stale, so its record of the
+    rank had no node and the gang's ring never formed again. Now it waits for the eviction."""
+    def placed_gang():
+        net = GangNet()
+        job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+        net.submit(KEYS[0], envelope)
+        net.run(200)
+        return net, job, [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+
+    ahead, job, (first, second) = placed_gang()
+    behind, _job, nodes = placed_gang()   # the same world, stopped before the kill
+    assert nodes == [first, second]
+    ahead.down.add(second)
+    ahead.run(1500)
+    replaced = ahead.certified(first, "gang_replace")[0]
+    eviction = next(d for d in ahead.decisions[first] if getattr(d, "value_kind", None) == "eviction")
+    lagging = behind.cores[first]
+    rank1 = gang_worker_id(job_id(job), 1)
+    out = Ready()
+    lagging.gang_ranks.apply(replaced.instance, "gang_replace", replaced.value, replaced.certificate,
+                             lagging.epoch + 1, behind.now, out)
+    assert lagging.job_table.get(rank1).primary == second   # held, not applied, not dropped
+    lagging._apply_certificate_bytes(eviction.certificate, behind.now, out)
+    record, truth = lagging.job_table.get(rank1), ahead.cores[first].job_table.get(rank1)
+    assert (record.primary, record.fence, record.backups) == (truth.primary, truth.fence, truth.backups)
+    assert lagging.counters["gang_replace_stale"] == 0

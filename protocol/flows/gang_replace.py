@@ -30,6 +30,7 @@ from protocol.placement import capability_check, tie_break, wanted_backups
 from protocol.ready import Ready
 
 REPLACE_MAX_ROUNDS = 4   # then the gang's attempt ends (GA4): a gang never waits partial for long
+MAX_PARKED_REPLACEMENTS = 256   # decided replacements held until this node applies their eviction
 
 
 def replacement_rank(job: JobManifest, instance: bytes, survivors: list, candidate, old_backups) -> tuple:
@@ -80,6 +81,10 @@ class GangReplaceFlow(ValueFlow):
         self.capability = capability
         self.gangs = gangs
         self.lifecycle = lifecycle
+        # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
+        # certificate came before the eviction that starts it (catch-up delivers, and a
+        # restart replays, in arrival order), applied when that eviction is (GA7).
+        self.parked: dict[tuple[bytes, int], tuple] = {}
 
     def bid_job(self, subject) -> None:
         return None   # nobody bids: the value is checked from signed vectors
@@ -110,6 +115,10 @@ class GangReplaceFlow(ValueFlow):
         # Started in the eviction's epoch; its round's leader proposes as it starts (on_awaiting_value).
         self.instances.start(gang_replace_instance_id(record.job_id, record.fence), self, record.job_id, view,
                              now_ms, out)
+        parked = self.parked.pop((record.job_id, record.fence), None)
+        if parked is not None:
+            iid, value, certificate, epoch = parked
+            self.apply(iid, "gang_replace", value, certificate, epoch, now_ms, out)
 
     def instance_from_proposal(self, proposal, value: GangReplacement, view, now_ms: int, out: Ready):
         """Only a node that applied the eviction runs the instance (it holds the rank as
@@ -267,7 +276,8 @@ class GangReplaceFlow(ValueFlow):
               now_ms: int, out: Ready) -> None:
         record = self._replacing(value)
         if record is None:
-            self.ctx.counters["gang_replace_stale"] += 1   # the gang ended or moved on meanwhile
+            if not self._park_early(iid, value, certificate, epoch):
+                self.ctx.counters["gang_replace_stale"] += 1   # the gang ended or moved on meanwhile
             return
         gang_id = self.gangs.worker_of[record.job_id][0]
         if value.shrinks:
@@ -289,6 +299,23 @@ class GangReplaceFlow(ValueFlow):
                 self.lifecycle.handoff_waits[record.job_id] = now_ms + HANDOFF_WAIT_MS   # the checkpoint comes
         else:
             self.lifecycle.hand_off_checkpoint(record, out)   # the rank's work goes on there (GA7)
+
+    def _park_early(self, iid: bytes, value: GangReplacement, certificate: bytes, epoch: int) -> bool:
+        """Hold a replacement decided for a fence this node's record of the rank has not
+        reached: the eviction that starts it is not applied here yet. Without this, a node
+        that got the later certificate first dropped it as stale and left the rank with no
+        node, and the gang's ring never formed again (`bench gang`, BENCHMARKS.md)."""
+        try:
+            _envelope, job = decode_message(value.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
+                                            caches=self.ctx.caches)
+        except RemoteProtocolError:
+            return False
+        record = self.jobs.get(gang_worker_id(job_id(job), value.rank))
+        if record is None or record.fence >= value.fence or len(self.parked) >= MAX_PARKED_REPLACEMENTS:
+            return False
+        self.parked[(record.job_id, value.fence)] = (iid, value, certificate, epoch)
+        self.ctx.counters["gang_replace_parked"] += 1
+        return True
 
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
         """No replacement and no shrink was decided: the gang's attempt ends (GA4)."""
