@@ -129,13 +129,17 @@ class GangReplaceFlow(ValueFlow):
             return None
         return self.instances.start(proposal.instance, self, record.job_id, view, now_ms, out)
 
-    def _replacing(self, value: GangReplacement):
+    def _rank_record(self, value: GangReplacement):
+        """This node's record of the value's rank (None: a job it does not know)."""
         try:
             _envelope, job = decode_message(value.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
                                             caches=self.ctx.caches)
         except RemoteProtocolError:
             return None
-        record = self.jobs.get(gang_worker_id(job_id(job), value.rank))
+        return self.jobs.get(gang_worker_id(job_id(job), value.rank))
+
+    def _replacing(self, value: GangReplacement):
+        record = self._rank_record(value)
         if record is None or record.state != "replacing" or record.fence != value.fence:
             return None
         return record
@@ -305,12 +309,7 @@ class GangReplaceFlow(ValueFlow):
         reached: the eviction that starts it is not applied here yet. Without this, a node
         that got the later certificate first dropped it as stale and left the rank with no
         node, and the gang's ring never formed again (`bench gang`, BENCHMARKS.md)."""
-        try:
-            _envelope, job = decode_message(value.job, self.ctx.mesh_id, expect=JobManifest, allow_any_mesh=True,
-                                            caches=self.ctx.caches)
-        except RemoteProtocolError:
-            return False
-        record = self.jobs.get(gang_worker_id(job_id(job), value.rank))
+        record = self._rank_record(value)
         if record is None or record.fence >= value.fence or len(self.parked) >= MAX_PARKED_REPLACEMENTS:
             return False
         self.parked[(record.job_id, value.fence)] = (iid, value, certificate, epoch)
