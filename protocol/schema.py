@@ -169,6 +169,10 @@ class Record:
     """Base of frozen, self-validating records. Subclasses are frozen dataclasses with SCHEMA."""
 
     SCHEMA: ClassVar[dict[str, FieldType]] = {}
+    # Fields added after a record's first version: at their default (given here as the
+    # decoded value) the key is left out of the body, so older bodies keep their bytes (and
+    # a job its id), and a body that sends the default is refused: one encoding per record.
+    LEFT_OUT_AT_DEFAULT: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self):
         # Validate on construction too: a locally built record is as strict as a decoded one.
@@ -184,6 +188,8 @@ class Record:
         where = where or cls.__name__
         if not isinstance(body, dict):
             raise _fail(where, "map", body)
+        if cls.LEFT_OUT_AT_DEFAULT:
+            body = cls._with_defaults(body, where)
         expected = set(cls.SCHEMA)
         if set(body) != expected:
             missing = sorted(expected - set(body))
@@ -201,13 +207,30 @@ class Record:
                 raise RemoteProtocolError("%s: %s" % (where, exc)) from None
         return record
 
+    @classmethod
+    def _with_defaults(cls, body: dict, where: str) -> dict:
+        body = dict(body)
+        for name, default in cls.LEFT_OUT_AT_DEFAULT.items():
+            encoded = cls.SCHEMA[name].encode(default)
+            if name not in body:
+                body[name] = encoded
+            elif body[name] == encoded:
+                what = "an empty list" if encoded == [] else "the default"
+                raise RemoteProtocolError("%s.%s: %s is left out, not sent" % (where, name, what))
+        return body
+
     def to_body(self) -> dict:
         names = _plain_fields.get(type(self))
         if names is None:
             names = _plain_fields[type(self)] = _fields_if_plain(self.SCHEMA)
         if names:  # every field encodes as itself (votes, most small messages): no call per field
-            return {name: getattr(self, name) for name in names}
-        return {name: ftype.encode(getattr(self, name)) for name, ftype in self.SCHEMA.items()}
+            body = {name: getattr(self, name) for name in names}
+        else:
+            body = {name: ftype.encode(getattr(self, name)) for name, ftype in self.SCHEMA.items()}
+        for name, default in self.LEFT_OUT_AT_DEFAULT.items():
+            if getattr(self, name) == default:
+                del body[name]
+        return body
 
 
 def scalars_only(schema: dict) -> bool:

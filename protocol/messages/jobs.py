@@ -101,19 +101,10 @@ class CapabilityVector(Record):
         "job_signals": List(Nested(JobSignals), MAX_RUNNING_LISTED),
     }
 
-    def to_body(self) -> dict:
-        body = super().to_body()
-        if not self.job_signals:
-            del body["job_signals"]
-        return body
+    LEFT_OUT_AT_DEFAULT: ClassVar = {"job_signals": ()}   # R3a: a vector without reports as before
 
     @classmethod
     def from_body(cls, body, where: str | None = None):
-        # One encoding per vector: no job signals is the key left out (as a manifest's reflexes).
-        if isinstance(body, dict) and "job_signals" not in body:
-            body = {**body, "job_signals": []}
-        elif isinstance(body, dict) and body["job_signals"] == []:
-            raise RemoteProtocolError("%s.job_signals: an empty list is left out, not sent" % (where or cls.__name__))
         cap = super().from_body(body, where)
         # Checked here, not in __post_init__: that would validate every field of every decoded
         # vector twice (Record.from_body calls an overridden __post_init__ after its own checks).
@@ -193,19 +184,7 @@ class Reflex(Record):
         if not low <= self.amount <= high:
             raise ValueError("Reflex: amount %d for action %r, expected %d..%d" % (self.amount, self.action, low, high))
 
-    def to_body(self) -> dict:
-        body = super().to_body()
-        if not self.amount:
-            del body["amount"]
-        return body
-
-    @classmethod
-    def from_body(cls, body, where: str | None = None):
-        if isinstance(body, dict) and "amount" not in body:
-            body = {**body, "amount": 0}
-        elif isinstance(body, dict) and body["amount"] == 0:
-            raise RemoteProtocolError("%s.amount: 0 is left out, not sent" % (where or cls.__name__))
-        return super().from_body(body, where)
+    LEFT_OUT_AT_DEFAULT: ClassVar = {"amount": 0}   # R4: migrate rules keep their bytes
 
 
 GANG_TOPOLOGIES = ("none", "zone", "rail_group", "spread_zones")
@@ -289,26 +268,9 @@ class JobManifest(Record):
         "reflexes": List(Nested(Reflex), MAX_REFLEXES), "service": Nested(Service),
     }
 
-    def to_body(self) -> dict:
-        body = super().to_body()
-        if not self.reflexes:
-            del body["reflexes"]
-        if self.service == Service():
-            del body["service"]
-        return body
-
-    @classmethod
-    def from_body(cls, body, where: str | None = None):
-        # One canonical body per manifest, so one job id: no reflexes is the key left out.
-        if isinstance(body, dict) and "reflexes" not in body:
-            body = {**body, "reflexes": []}
-        elif isinstance(body, dict) and body["reflexes"] == []:
-            raise RemoteProtocolError("%s.reflexes: an empty list is left out, not sent" % (where or cls.__name__))
-        if isinstance(body, dict) and "service" not in body:
-            body = {**body, "service": Service().to_body()}
-        elif isinstance(body, dict) and body["service"] == Service().to_body():
-            raise RemoteProtocolError("%s.service: the default is left out, not sent" % (where or cls.__name__))
-        return super().from_body(body, where)
+    # One canonical body per manifest, so one job id: manifests without reflexes or a service
+    # keep the bytes (and ids) they had before those fields existed.
+    LEFT_OUT_AT_DEFAULT: ClassVar = {"reflexes": (), "service": Service()}
 
 
 def job_id(job: JobManifest) -> bytes:
