@@ -39,7 +39,7 @@ class Bidding:
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.windows_closed: dict[bytes, int] = {}              # instance -> round whose last bid window closed
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
-        self.scheduling = PoolScheduling(ctx, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
+        self.scheduling = PoolScheduling(ctx, epochs, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:
@@ -114,6 +114,9 @@ class Bidding:
             envelope, bid = decode_message(data, mesh_id, expect=Bid, caches=self.ctx.caches)
             self.on_bid(envelope, bid, data, now_ms, out)
         else:
+            grant = self.scheduling.admission.grant_of(record)
+            if grant is not None:   # the leader proposes with it (Q7): it may have missed the home's broadcast
+                out.messages.append(Outbound(inst.leader, grant))
             out.messages.append(Outbound(inst.leader, data))
 
     def parse_member_bid(self, data: bytes, key: bytes, view):

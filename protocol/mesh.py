@@ -60,7 +60,7 @@ from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join,
                                MoveRequest, Precommit, Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync,
-                               Resources, Suspicion, SyncRequest, decode_message, decode_value)
+                               QuotaGrant, Resources, Suspicion, SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.replicas import endpoint_table
@@ -136,7 +136,8 @@ class MeshCore:
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
             JobRefusal: lifecycle.on_job_refusal, MoveRequest: moves.on_move_request,
             CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
-            Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
+            Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join,
+            QuotaGrant: self._on_quota_grant}
         safety_records = tuple(safety_records)
         # The history and outcomes set the job table; the ledger is rebuilt from the final
         # table (R1), never from the states in between (a job that exited, its room re-used).
@@ -146,7 +147,7 @@ class MeshCore:
         # which must resume from the votes it signed before the restart (6.9), not sign anew
         # (an honest leader proposed twice in one round: `meshnode sim --seed 1068 ... --fail 0.2`).
         instances.restore_safety_records()
-        lifecycle.replay_outcomes(job_outcomes, now_ms)
+        lifecycle.replay_outcomes(self._restore_quota_grants(job_outcomes, now_ms), now_ms)
         lifecycle.deferred = False
         self._refuse_after_sync: list[bytes] = []
         self._rebuild_ledger([r for r in safety_records if r.table == "reservations"], now_ms)
@@ -314,6 +315,7 @@ class MeshCore:
         out = Ready()
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
+        self.bidding.scheduling.admission.admit(now_ms, out)   # Q6: before held bids are decided afresh
         self.placement.reconsider_held(now_ms, out)
         self.preemptions.consider(now_ms, out)
         self.gangs.reconsider_held(now_ms, out)
@@ -368,6 +370,30 @@ class MeshCore:
         self.moves.notice_reflexes(self.me, now_ms, out)   # R3: the primary may notice its own
         self.replicas.notice(self.me, now_ms, out)         # R4
         return self._with_orders(out)
+
+    def _on_quota_grant(self, envelope, grant, data, now_ms: int, out: Ready) -> None:
+        """Q6: a quota home's grant; the job's leader may propose with it (Q7)."""
+        if self.bidding.scheduling.admission.on_grant(envelope, grant, data, now_ms, out):
+            self.placement.on_grant(grant.job_id, now_ms, out)
+
+    def _restore_quota_grants(self, job_outcomes: Iterable[bytes], now_ms: int) -> list[bytes]:
+        """The persisted grants (kept beside the outcomes in table ``jobs``) taken back; the
+        other outcomes returned for the lifecycle to replay."""
+        others = []
+        for data in job_outcomes:
+            try:
+                envelope, message = decode_message(data, self.mesh_id, caches=self.ctx.caches)
+            except RemoteProtocolError:
+                others.append(data)   # counted as a bad outcome there
+                continue
+            if isinstance(message, QuotaGrant):
+                try:
+                    self.bidding.scheduling.admission.on_grant(envelope, message, data, now_ms, Ready())
+                except RemoteProtocolError:
+                    self.counters["bad_job_outcome"] += 1
+            else:
+                others.append(data)
+        return others
 
     def _on_capability(self, envelope, cap, data, now_ms: int, out: Ready) -> None:
         self.capability.on_capability(envelope, cap, data, now_ms, out)

@@ -1,8 +1,9 @@
 """The scheduling rules a member applies to its own bids, from the genesis's pools and
-reservations switch (SPEC.md Q1-Q5): a job over its owner's quota is declined
-``over_quota``; with reservations on, a job that would delay the first job waiting here
-for capacity is declined ``reserved``. Both are per-member bid rules, like free
-capacity: leaders and validators do not re-check them (Q2).
+reservations switch (SPEC.md Q1-Q7): a job whose owner has a quota is declined
+``over_quota`` until its quota home granted it (Q6; a gang: while over its owner's quota
+by this member's count, Q2); with reservations on, a job that would delay the first job
+waiting here for capacity is declined ``reserved``. The reservation rule is a per-member
+bid rule, like free capacity; the quota is checked by validators through the grant (Q7).
 
 Also what "why pending" reports beyond the declines: the job's queue position, what
 holds it and an estimated start (Q3, Q4).
@@ -14,16 +15,18 @@ from protocol.job_queue import (Room, backfill_error, ends_ms, queue_position, r
                                 start_estimate)
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.quota import Quotas
+from protocol.quota_admission import QuotaAdmission
 
 
 class PoolScheduling:
-    def __init__(self, ctx, jobs, ledger, jobs_bid_for=lambda: ()) -> None:
+    def __init__(self, ctx, epochs, jobs, ledger, jobs_bid_for=lambda: ()) -> None:
         self.ctx = ctx
         self.jobs = jobs
         self.ledger = ledger
         self.jobs_bid_for = jobs_bid_for   # the pending jobs this member holds a bid for (Q2)
         self.quotas = Quotas(getattr(ctx.genesis, "pools", ()))
         self.reservations = bool(getattr(ctx.genesis, "reservations", False))
+        self.admission = QuotaAdmission(ctx, epochs, jobs, self.quotas)   # quota homes and grants (Q6)
 
     @property
     def enabled(self) -> bool:
@@ -33,7 +36,7 @@ class PoolScheduling:
         """Q2 then Q5, for a job that passed the policy and capability checks (P3)."""
         if not self.enabled:
             return True, None, ""
-        problem = self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for())
+        problem = self._quota_problem(record)
         if problem is not None:
             reason = "unknown_pool" if self.quotas.unknown_pool_error(record.manifest) else "over_quota"
             return False, reason, problem
@@ -45,18 +48,24 @@ class PoolScheduling:
                     return False, "reserved", problem
         return True, None, ""
 
+    def _quota_problem(self, record) -> str | None:
+        """Why the quota holds the job here now: no grant yet (Q6), or, for a job that needs
+        none (a gang), Q2's count; None when it does not."""
+        if self.admission.needs_grant(record.manifest):
+            return self.admission.wait_report(record)   # granted: capacity alone decides the bid (Q7)
+        return self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for())
+
     def _quota_holds(self, record) -> bool:
-        """Q2 at this member now, for a job that would hold capacity here (Q5)."""
-        return (self.quotas.enabled
-                and self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for()) is not None)
+        """Q2 or Q6 at this member now, for a job that would hold capacity here (Q5)."""
+        return self.quotas.enabled and self._quota_problem(record) is not None
 
     def stamp(self):
         """What the bid rules read besides the ledger: which jobs are pending or live here.
         A change makes held placements be decided afresh (P3a). None when the rules are off."""
         if not self.enabled:
             return None
-        return sum(hash((r.job_id, r.state, r.instance)) for r in self.jobs
-                   if r.state == "pending" or r.state in LIVE_JOB_STATES)
+        return self.admission.stamp() + sum(hash((r.job_id, r.state, r.instance)) for r in self.jobs
+                                            if r.state == "pending" or r.state in LIVE_JOB_STATES)
 
     def _total(self) -> Room:
         ledger = self.ledger
@@ -82,7 +91,7 @@ class PoolScheduling:
         job = record.manifest
         position, length = queue_position(self.jobs, record)
         pool = job.scheduling.pool
-        quota_problem = self.quotas.over_quota(job, self.jobs) if self.quotas.enabled else None
+        quota_problem = self._quota_problem(record) if self.quotas.enabled else None
         estimate = start_estimate(record, self.jobs, self.quotas, free_by_node, now_ms)
         ahead_higher = sum(1 for r in self.jobs if r.state == "pending" and r.manifest.scheduling.pool == pool
                            and r.manifest.priority > job.priority)

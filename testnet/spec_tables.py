@@ -61,10 +61,11 @@ NESTED_ENVELOPES = {
     (Bid, "attestations"): (("attestation",), "this mesh or ANY_MESH; one that fails to verify, is not by a "
                                               "genesis authority, not about the bidder or not valid at the "
                                               "vector's `taken_ms` is ignored (P4, 5.3)"),
-    (Proposal, "justification"): (("bid", "suspicion", "commit", "decline", "cap"),
+    (Proposal, "justification"): (("bid", "suspicion", "commit", "decline", "cap", "quota_grant"),
                                   "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
-                                  "and in a slot mesh's late attempt-0 placement the slot's `commit` last (P4b, "
-                                  "P7c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
+                                  "and in a slot mesh's late attempt-0 placement the slot's `commit` after them (P4b, "
+                                  "P7c), and last, for a job whose owner has a quota in its pool, its `quota_grant` "
+                                  "(exactly one, Q7); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
                                   "validator ignores any); `preemption`: every member's `decline` and the "
                                   "candidate nodes' `cap`s (at most 64, P8b); `gang_replace`: the candidate members' `cap`s (at most 32, "

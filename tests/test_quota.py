@@ -5,13 +5,18 @@ import dataclasses
 
 import pytest
 
+from protocol import codec
+
 from keys.genesis import DEFAULT_PARAMS, Genesis, OwnerQuota, Pool, Quota
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.job_queue import (Room, backfill_error, capacity_estimate, pool_queue, queue_position, quota_estimate,
                                 reservation_holder, start_estimate)
 from protocol.job_table import JobRecord
-from protocol.messages import Constraints, JobManifest, Resources, Scheduling, encode_message, job_id
+from protocol.messages import (Constraints, JobManifest, Resources, Scheduling, decode_message, encode_message,
+                               job_id)
 from protocol.quota import Quotas, Usage, demand
+from protocol.quota_admission import quota_home
+from protocol.signing import short_id
 from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net
 
 OTHER_OWNER = IDS[3]   # any key will do as a second owner
@@ -194,7 +199,9 @@ def test_a_job_over_its_owners_quota_waits_until_the_first_ends():
     assert sorted(view["declines"]) == ["over_quota"] and sorted(view["declines"]["over_quota"]) == sorted(KEYS)
     report = entry.pending_report(second, net.now)
     assert report["pool"] == "training" and (report["position"], report["queue_length"]) == (1, 1)
-    assert report["quota"] == "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)"
+    home = quota_home(sorted(KEYS), OWNER.public_key, "training")
+    assert report["quota"] == ("waiting for a quota grant from quota home %s: pool 'training' quota: gpu_milli "
+                               "1000 held + 1000 asked > 1000 (over by 1000)" % short_id(home))
     assert report["estimate"]["start_ms"] == 60_000 + entry.job_table.get(first).placed_ms
     assert report["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
     primary = entry.job_view(first)["primary"]
@@ -354,16 +361,21 @@ def test_q2_counts_the_jobs_this_member_bid_for_as_held():
     assert quotas.over_quota(manifest(2), [], bid_for=[other_pool]) is None
 
 
-def test_q2_one_member_does_not_bid_for_two_jobs_that_only_together_exceed_the_quota():
+def test_q6_the_home_grants_one_of_two_jobs_that_only_together_exceed_the_quota():
     net = Net(genesis=POOLED)
-    core = net.cores[KEYS[0]]
+    home = net.cores[quota_home(sorted(KEYS), OWNER.public_key, "training")]
     first, second = manifest(1), manifest(2, created_ms=1)
     for job in (first, second):   # both arrive before either is decided
-        core.step(encode_message(OWNER, POOLED.mesh_id, job), net.now, KEYS[1])
-    answers = {jid: core.bidding.mine.get(jid) or core.bidding.mine.get(core.job_table.get(jid).instance)
-               for jid in (job_id(first), job_id(second))}
-    kinds = sorted(answer[0] for answer in answers.values())
-    assert kinds == ["bid", "decline"]
+        home.step(encode_message(OWNER, POOLED.mesh_id, job), net.now, KEYS[1])
+    ready = home.tick(net.now + 1)
+    grants = [m.data for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
+    assert len(grants) == 1 and decode_message(grants[0], POOLED.mesh_id)[1].job_id == job_id(first)   # queue order
+    assert home.bidding.scheduling.admission.grant_of(home.job_table.get(job_id(second))) is None
+    # Without a grant every member declines the job, however much room it has (Q6).
+    other = net.cores[next(key for key in KEYS if key != home.me)]
+    other.step(encode_message(OWNER, POOLED.mesh_id, second), net.now, KEYS[1])
+    answer = other.bidding.mine.get(other.job_table.get(job_id(second)).instance)
+    assert answer[0] == "decline" and decode_message(answer[1], POOLED.mesh_id)[1].reason == "over_quota"
 
 
 def test_sim_liveness_counts_a_later_attempt_decided_at_a_node_that_missed_the_first():

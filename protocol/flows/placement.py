@@ -23,10 +23,12 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.flows.base import ValueFlow
 from protocol.job_queue import queue_key
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CommitCertificate, JobManifest, Placement, decode_message,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CommitCertificate, JobManifest, Placement, QuotaGrant,
+                               decode_message,
                                decode_value, job_id, placement_attempt, placement_binding_error,
                                placement_instance_id)
 from protocol.placement import choose_placement, select_justification, wanted_backups
+from protocol.quota_admission import grant_error
 from protocol.ready import Outbound, Ready
 
 MAX_JOBS_SHOWN = 4096           # (leader, instance) pairs we sent a job to, then forgotten
@@ -38,6 +40,7 @@ class PlacementFlow(ValueFlow):
     places_jobs = True
     value_kinds = ("placement",)
     adapts_round_timeout = True
+    max_justification = MAX_BIDS_PER_PROPOSAL + 2   # the bids, a slot's certificate (P7c), a quota grant (Q7)
     gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
@@ -101,8 +104,11 @@ class PlacementFlow(ValueFlow):
         me, members = self.ctx.me, inst.view.members
         chosen = [key for key in members
                   if key != me and self.bidding.sampled(record.job_id, 0, len(members), key)]
-        if inst.leader != me and inst.leader not in chosen:
-            chosen.append(inst.leader)
+        admission = self.bidding.scheduling.admission
+        home = admission.home_of(record.manifest) if admission.needs_grant(record.manifest) else None
+        for key in (inst.leader, home):   # the leader proposes; the quota home grants it (Q6)
+            if key not in (None, me) and key not in chosen:
+                chosen.append(key)
         return chosen
 
     def on_job(self, envelope, job: JobManifest, data: bytes, now_ms: int, out: Ready,
@@ -261,6 +267,13 @@ class PlacementFlow(ValueFlow):
             if record.slot_certificate is None:
                 return  # not this instance's to place before its slot is decided (P7c)
             justification += (record.slot_certificate,)
+        admission = self.bidding.scheduling.admission
+        if admission.needs_grant(record.manifest):
+            grant = admission.grant_of(record)
+            if grant is None:   # bidders send it with their bids, the home broadcasts it (Q7)
+                record.hint = "waiting for the job's quota grant to propose (%d bids)" % len(held)
+                return
+            justification += (grant,)
         self.instances.drive(inst, inst.propose(codec.pack(placement.to_body()), justification, now_ms), now_ms, out)
 
     def _lands_on(self, record, iid: bytes, placement: Placement, epoch: int, now_ms: int) -> bytes | None:
@@ -290,6 +303,10 @@ class PlacementFlow(ValueFlow):
                 binding = placement_binding_error(iid, job, view.epoch)
                 if binding is not None:
                     return binding
+                justification, grants = self._split_grants(justification)
+                problem = self._grant_problem(job, grants, view)
+                if problem is not None:
+                    return problem
                 bids, certificates = slots.split_justification(justification)
                 if len(bids) > MAX_BIDS_PER_PROPOSAL:
                     return "more than %d bids" % MAX_BIDS_PER_PROPOSAL
@@ -307,6 +324,32 @@ class PlacementFlow(ValueFlow):
                 return "placement does not follow from its bids"
             return None
         return validate
+
+    def _split_grants(self, justification: tuple) -> tuple[tuple, list]:
+        """(the other envelopes, the quota grants) of a placement proposal's justification."""
+        rest, grants = [], []
+        for data in justification:
+            envelope, _message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
+            (grants if envelope.kind == QuotaGrant.KIND else rest).append(data)
+        return tuple(rest), grants
+
+    def _grant_problem(self, job, grants: list, view) -> str | None:
+        """Q7: a job whose owner has a quota in its pool is placed only with its home's grant,
+        checked from the proposal alone; any other job carries none."""
+        if not self.bidding.scheduling.admission.needs_grant(job):
+            return "a quota grant for a job whose owner has no quota in its pool" if grants else None
+        if len(grants) != 1:
+            return "a job whose owner has a quota in pool %r needs exactly one quota grant (%d given)" % (
+                job.scheduling.pool, len(grants))
+        return grant_error(grants[0], job, view, self.ctx.mesh_id, caches=self.ctx.caches)
+
+    def on_grant(self, jid: bytes, now_ms: int, out: Ready) -> None:
+        """A grant arrived: the leader of the job's round may propose with it now (Q7)."""
+        record = self.jobs.get(jid)
+        inst = self.instances.get(record.instance) if record is not None and record.state == "pending" else None
+        role = self.instances.role(inst.instance_id) if inst is not None else None
+        if role is not None and role.flow is self and inst.leader == self.ctx.me:
+            self.on_answer(inst, now_ms, out)
 
     # --- rounds and giving up -----------------------------------------------------------------------
     def on_round_changed(self, inst, now_ms: int, out: Ready) -> None:

@@ -22,6 +22,7 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
 - ``slots``: checks of a placement slot's value (SPEC.md P7);
 - ``preemption``: the value a preemption instance decides (SPEC.md P8);
+- ``quota``: the quota grant a job's quota home signs (SPEC.md Q6);
 - ``replicas``: a job's ``[service]`` table and the replica action value (SPEC.md R4).
 """
 
@@ -46,6 +47,7 @@ from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, 
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
 from protocol.messages.preemption import (MAX_VICTIMS, Preemption, PreemptionVictim, preemption_binding_error,
                                           preemption_instance_id)
+from protocol.messages.quota import QuotaGrant
 from protocol.messages.replicas import (MAX_REPLICAS, REPLICA_WEIGHT, ReplicaAction, Service, replica_instance_id,
                                         replica_key)
 from protocol.messages.slots import slot_binding_error, slot_placements
@@ -80,6 +82,8 @@ __all__ = [
     "OutputFile", "OutputRead",
     # preemption
     "MAX_VICTIMS", "Preemption", "PreemptionVictim", "preemption_binding_error", "preemption_instance_id",
+    # quota
+    "QuotaGrant",
     # slots
     "slot_binding_error", "slot_placements",
     # votes

@@ -16,6 +16,7 @@ from protocol.messages.membership import Attestation, Endorsement, Join, Leave, 
 from protocol.messages.output import OutputData, OutputRead
 from protocol.messages.gangs import GangReplacement
 from protocol.messages.preemption import Preemption
+from protocol.messages.quota import QuotaGrant
 from protocol.messages.replicas import ReplicaAction
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync)
@@ -26,7 +27,7 @@ MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
     CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
     Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest, OutputRead, OutputData, JobRefusal,
-    MoveRequest, ReflexTrigger,
+    MoveRequest, ReflexTrigger, QuotaGrant,
 )}
 
 

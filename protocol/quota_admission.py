@@ -1,0 +1,199 @@
+"""Strict quotas by admission (SPEC.md Q6-Q8): one member, the **quota home** of an
+(owner, pool), admits the owner's jobs against the quota by signing a grant per job; a
+placement of such a job is valid only with that grant in its justification.
+
+Why a home and not a check at decision time: validators must agree from the proposal's
+contents alone, and their job tables differ while certificates and exits are in flight
+(Q2a). One member counting for the owner is a single, sequential count: it never grants
+two jobs that only together exceed the quota, whatever members bid. Validators check a
+signature and a hash rule, never a table.
+
+The home counts, by its own table, the owner's live jobs in the pool plus every job of
+the owner and pool it knows a grant for that is pending (granted, not placed yet, or
+back to pending after a refusal or preemption: a grant is a job's for its whole life).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from protocol.errors import RemoteProtocolError
+from protocol.job_queue import queue_key
+from protocol.job_table import LIVE_JOB_STATES
+from protocol.messages import QuotaGrant, decode_message, job_id
+from protocol.quota import Usage, demand
+from protocol.ready import Outbound, PersistRecord, Ready
+from protocol.signing import short_id
+
+QUOTA_HOME_TAG = b"meshnode quota home v1"
+MAX_GRANTS_KEPT = 65536      # grants held for jobs; the oldest is dropped beyond (a job then waits for a re-send)
+GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (beside the job's outcome row)
+
+
+def quota_home(members, owner: bytes, pool: str) -> bytes:
+    """Q6: the member whose SHA-256 of (tag, owner, pool length, pool, member key) is the
+    greatest (rendezvous hashing: the home moves only when it leaves the membership or a
+    joiner outranks it, so grants rarely change hands)."""
+    name = pool.encode("utf-8")
+    prefix = QUOTA_HOME_TAG + owner + bytes([len(name)]) + name
+    return max(members, key=lambda member: hashlib.sha256(prefix + member).digest())
+
+
+def grant_for(job) -> QuotaGrant:
+    """The grant a home signs for ``job``: its id, epoch, owner, pool and demand (Q1)."""
+    need = demand(job.resources)
+    return QuotaGrant(job_id=job_id(job), epoch=job.epoch, owner=job.owner, pool=job.scheduling.pool,
+                      gpu_milli=need.gpu_milli, cpu_milli=need.cpu_milli, mem_mib=need.mem_mib)
+
+
+def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | None:
+    """Q7, the validator's check: ``data`` is a grant for exactly ``job`` signed by the
+    quota home of ``view`` (the job's epoch). None when it is."""
+    try:
+        envelope, grant = decode_message(data, mesh_id, expect=QuotaGrant, caches=caches)
+    except RemoteProtocolError as exc:
+        return "quota grant: %s" % exc
+    if grant != grant_for(job):
+        return "quota grant: not this job's (id, epoch, owner, pool and demand must match)"
+    home = quota_home(view.members, job.owner, job.scheduling.pool)
+    if envelope.signer != home:
+        return "quota grant: signed by %s, not the quota home %s" % (short_id(envelope.signer), short_id(home))
+    return None
+
+
+class QuotaAdmission:
+    """The grants this member holds, and, for the (owner, pool)s it is home of, granting."""
+
+    def __init__(self, ctx, epochs, jobs, quotas) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.quotas = quotas
+        self.grants: dict[bytes, bytes] = {}     # job id -> grant envelope (verified)
+        self.resent_ms: dict[bytes, int] = {}    # job id -> when this node last re-sent the job or its grant
+        self.checked_at_stamp = None
+
+    # --- who needs a grant, and who gives it -------------------------------------------------------
+    def needs_grant(self, job) -> bool:
+        """Q6: a job whose owner has a quota in its (declared) pool. A gang keeps Q2's bid rule."""
+        return (self.quotas.enabled and not job.gang.is_gang and self.quotas.unknown_pool_error(job) is None
+                and self.quotas.limit(job.scheduling.pool, job.owner) is not None)
+
+    def home_of(self, job) -> bytes | None:
+        """The quota home of the job's owner and pool in the epoch the job names (None: that
+        epoch's view is not held here)."""
+        view = self.epochs.view_for(job.epoch)
+        return None if view is None else quota_home(view.members, job.owner, job.scheduling.pool)
+
+    def grant_of(self, record) -> bytes | None:
+        return self.grants.get(record.job_id)
+
+    def waiting_for_grant(self, record) -> bool:
+        return self.needs_grant(record.manifest) and record.job_id not in self.grants
+
+    def stamp(self) -> int:
+        """Changes when a grant arrives (held placements are decided afresh, P3a)."""
+        return len(self.grants)
+
+    # --- grants arriving ----------------------------------------------------------------------------
+    def on_grant(self, envelope, grant: QuotaGrant, data: bytes, now_ms: int, out: Ready) -> bool:
+        """A grant from a peer (or restored): kept if its signer is the home of its epoch; the
+        job it names is checked against it when used (Q7). True if it is new here."""
+        view = self.epochs.view_for(grant.epoch)
+        if view is None:
+            self.ctx.counters["quota_grant_unknown_epoch"] += 1
+            return False
+        if envelope.signer != quota_home(view.members, grant.owner, grant.pool):
+            raise RemoteProtocolError("quota grant not signed by the quota home of its owner and pool")
+        record = self.jobs.get(grant.job_id)
+        if record is not None and grant != grant_for(record.manifest):
+            raise RemoteProtocolError("quota grant does not match its job")
+        if grant.job_id in self.grants:
+            return False
+        self._keep(grant.job_id, data, out)
+        return True
+
+    def _keep(self, jid: bytes, data: bytes, out: Ready) -> None:
+        if len(self.grants) >= MAX_GRANTS_KEPT:
+            self.grants.pop(next(iter(self.grants)))
+        self.grants[jid] = data
+        # Persisted (a restarted home must count the grants it gave; a member, bid with them).
+        out.persist.append(PersistRecord("jobs", GRANT_PERSIST_PREFIX + jid.hex(),
+                                         {"job_id": jid, "outcome": "quota_grant", "envelope": data}))
+
+    # --- the home's count and its grants (Q6) -------------------------------------------------------
+    def counted(self, owner: bytes, pool: str) -> Usage:
+        """What the home counts against the quota: the owner's live jobs in the pool and its
+        pending jobs there that hold a grant."""
+        total = Usage()
+        for record in self.jobs:
+            job = record.manifest
+            if job.owner != owner or job.scheduling.pool != pool:
+                continue
+            if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
+                total = total + demand(job.resources)
+        return total
+
+    def over_by(self, record) -> list:
+        """(dimension, counted, demand, limit) for each dimension the job would take its
+        owner over the quota by this node's count (Q6)."""
+        job = record.manifest
+        limit = self.quotas.limit(job.scheduling.pool, job.owner)
+        held, asked = self.counted(job.owner, job.scheduling.pool), demand(job.resources)
+        return [(name, getattr(held, name), getattr(asked, name), cap) for name, _total, cap in (held + asked).exceeds(limit)]
+
+    def admit(self, now_ms: int, out: Ready) -> None:
+        """At the home: grant each waiting job of an (owner, pool) it is home of that fits
+        the quota by its count, in queue order (Q3), and broadcast the grant. Elsewhere: the
+        entry node re-sends a job still waiting for its grant to the home, and the home
+        re-sends a grant of a job still pending, once per maximal round timeout (a lost
+        broadcast must not hold a job for good)."""
+        if not self.quotas.enabled:
+            return
+        waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
+        self._resend(waiting, now_ms, out)
+        stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
+        if stamp == self.checked_at_stamp:
+            return
+        self.checked_at_stamp = stamp
+        for record in sorted(waiting, key=queue_key):
+            if record.job_id in self.grants or self.home_of(record.manifest) != self.ctx.me:
+                continue
+            if self.over_by(record):
+                continue
+            data = self.ctx.sign(grant_for(record.manifest))
+            self._keep(record.job_id, data, out)
+            out.messages.append(Outbound(None, data))
+            out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex()))
+
+    def _resend(self, waiting: list, now_ms: int, out: Ready) -> None:
+        every_ms = self.ctx.params.round_timeout_max_ms
+        for record in waiting:
+            if now_ms - self.resent_ms.setdefault(record.job_id, now_ms) < every_ms:
+                continue
+            home = self.home_of(record.manifest)
+            grant = self.grants.get(record.job_id)
+            if grant is not None and home == self.ctx.me:
+                self.resent_ms[record.job_id] = now_ms
+                out.messages.append(Outbound(None, grant))
+            elif grant is None and record.entry == self.ctx.me and home not in (None, self.ctx.me):
+                self.resent_ms[record.job_id] = now_ms
+                out.messages.append(Outbound(home, record.envelope))
+        if len(self.resent_ms) > MAX_GRANTS_KEPT:
+            self.resent_ms.clear()
+
+    def wait_report(self, record) -> str | None:
+        """For "why pending": the job waits for its grant, from which home, and which
+        dimension holds it by this node's count (None: it holds its grant, or needs none)."""
+        if not self.waiting_for_grant(record):
+            return None
+        job = record.manifest
+        home = self.home_of(job)
+        where = "quota home %s" % short_id(home) if home is not None else "its quota home (epoch %d not held here)" % job.epoch
+        over = self.over_by(record)
+        if not over:
+            return ("waiting for a quota grant from %s (pool %r): within the quota by this node's count, so the "
+                    "grant is in flight or the home is unreachable" % (where, job.scheduling.pool))
+        return "waiting for a quota grant from %s: pool %r quota: %s" % (where, job.scheduling.pool, ", ".join(
+            "%s %d held + %d asked > %d (over by %d)" % (name, held, asked, cap, held + asked - cap)
+            for name, held, asked, cap in over))
