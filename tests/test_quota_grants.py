@@ -1,0 +1,162 @@
+"""Strict quotas by admission (SPEC.md Q6-Q8): the quota home rule, the grant, the
+validators' check from the proposal alone, and four cores where concurrent submissions of
+one owner through different members stay within its quota (they did not under Q2's
+per-member bid rule: each member counted only its own bids)."""
+
+import dataclasses
+
+from protocol import codec
+from protocol.messages import JobRefusal, Proposal, QuotaGrant, decode_message, encode_message, job_id
+from protocol.quota_admission import GRANT_PERSIST_PREFIX, grant_error, grant_for, quota_home
+from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net
+from tests.test_quota import POOLS, manifest
+
+POOLED = dataclasses.replace(GENESIS, pools=POOLS)   # OWNER: 1 GPU in pool 'training'
+HOME = quota_home(sorted(KEYS), OWNER.public_key, "training")
+IDENTITY_OF = {identity.public_key: identity for identity in IDS}
+
+
+def submit(net, at, job):
+    net.submit(at, encode_message(OWNER, POOLED.mesh_id, job))
+    return job_id(job)
+
+
+def live_gpu_milli(net, jids) -> int:
+    """What the owner's jobs hold, by the primaries' own ledgers (the truth, not a table)."""
+    return sum(1000 * len(core.ledger.allocated(jid).gpus) for core in net.cores.values() for jid in jids
+               if core.ledger.allocated(jid) is not None)
+
+
+# --- the home rule and the grant -------------------------------------------------------------------
+def test_the_home_is_one_member_every_member_computes_alike_and_moves_only_when_it_leaves():
+    members = sorted(KEYS)
+    home = quota_home(members, OWNER.public_key, "training")
+    assert home in members and quota_home(list(reversed(members)), OWNER.public_key, "training") == home
+    others = [m for m in members if m != home]
+    assert quota_home([home] + others[1:], OWNER.public_key, "training") == home   # a non-home leaves: unchanged
+    assert quota_home(others, OWNER.public_key, "training") in others                # the home leaves: another
+    # The pool is length-prefixed: ("ab", owner) and ("a", owner + "b"...) hash apart.
+    assert len({quota_home(members, bytes([i]) * 32, "training") for i in range(32)}) > 1
+
+
+def test_a_grant_is_checked_against_its_job_and_its_signer_from_its_bytes_alone():
+    net = Net(genesis=POOLED)
+    view = net.cores[KEYS[0]].view
+    job = manifest(1)
+    grant = grant_for(job)
+    assert (grant.job_id, grant.epoch, grant.owner, grant.pool, grant.gpu_milli) == (
+        job_id(job), 0, OWNER.public_key, "training", 1000)
+    good = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant)
+    assert grant_error(good, job, view, POOLED.mesh_id) is None
+    not_home = next(key for key in KEYS if key != HOME)
+    forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant)
+    assert "not the quota home" in grant_error(forged, job, view, POOLED.mesh_id)
+    other_job = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant_for(manifest(2)))
+    assert "not this job's" in grant_error(other_job, job, view, POOLED.mesh_id)
+    smaller = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, dataclasses.replace(grant, gpu_milli=500))
+    assert "not this job's" in grant_error(smaller, job, view, POOLED.mesh_id)
+    assert "quota grant" in grant_error(encode_message(OWNER, POOLED.mesh_id, job), job, view, POOLED.mesh_id)
+
+
+def test_a_member_refuses_a_grant_not_signed_by_the_home():
+    net = Net(genesis=POOLED)
+    member = net.cores[next(key for key in KEYS if key != HOME)]
+    not_home = next(key for key in KEYS if key not in (HOME, member.me))
+    forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant_for(manifest(1)))
+    member.step(forged, 0, not_home)
+    assert member.counters["rejected_quota_grant"] == 1
+    assert member.bidding.scheduling.admission.grants == {}
+
+
+# --- four cores: concurrent submissions through different members ---------------------------------------
+def test_concurrent_submissions_of_one_owner_through_different_members_stay_within_its_quota():
+    """On main (Q2, a per-member bid rule) each of the four members bid for the job it was
+    handed, each counting only its own bids: 4 GPUs placed against a 1-GPU quota."""
+    net = Net(genesis=POOLED)
+    jids = [submit(net, key, manifest(nonce, created_ms=nonce)) for nonce, key in enumerate(KEYS, start=1)]
+    peak = 0
+    for _ in range(40):
+        net.run(25)
+        peak = max(peak, live_gpu_milli(net, jids))
+    assert peak == 1000
+    states = [net.cores[KEYS[0]].job_view(jid)["state"] for jid in jids]
+    assert states.count("placed") == 1 and states.count("pending") == 3
+    placed = jids[states.index("placed")]
+    assert placed == jids[0]   # the home grants in queue order (Q3): the oldest first
+    # Its exit frees the quota: the home grants the next job, which is placed; never two at once.
+    primary = net.cores[KEYS[0]].job_view(placed)["primary"]
+    net.emit(primary, net.cores[primary].job_exited(placed, 0, net.now))
+    for _ in range(40):
+        net.run(25)
+        peak = max(peak, live_gpu_milli(net, jids))
+    assert peak == 1000
+    assert [net.cores[KEYS[0]].job_view(jid)["state"] for jid in jids[1:]].count("placed") == 1
+
+
+def test_a_proposal_without_the_homes_grant_is_rejected_by_validators():
+    net = Net(genesis=POOLED)
+    proposals = []
+    original_send = net.send
+
+    def send(src, messages):
+        for message in messages:
+            if codec.unpack(message.data)[2] == "proposal":
+                proposals.append(message.data)
+        original_send(src, messages)
+    net.send = send
+    jid = submit(net, KEYS[1], manifest(1))
+    net.run(300)
+    assert net.cores[KEYS[2]].job_view(jid)["state"] == "placed"
+    _envelope, proposal = decode_message(proposals[0], POOLED.mesh_id, expect=Proposal)
+    validator = net.cores[KEYS[2]]
+    validate = validator.placement._validator(proposal.instance)
+    assert validate(proposal.value, proposal.justification) is None
+    kinds = [codec.unpack(data)[2] for data in proposal.justification]
+    assert kinds[-1] == "quota_grant" and kinds.count("quota_grant") == 1
+    without = proposal.justification[:-1]
+    assert "needs exactly one quota grant" in validate(proposal.value, without)
+    not_home = next(key for key in KEYS if key != HOME)
+    forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant_for(manifest(1)))
+    assert "not the quota home" in validate(proposal.value, without + (forged,))
+    twice = proposal.justification + (proposal.justification[-1],)
+    assert "exactly one" in validate(proposal.value, twice)
+
+
+def test_a_refused_job_keeps_its_grant_and_is_placed_again_without_a_new_one():
+    net = Net(genesis=POOLED)
+    jid = submit(net, KEYS[1], manifest(1))
+    net.run(300)
+    core = net.cores[KEYS[0]]
+    primary = core.job_view(jid)["primary"]
+    grant = core.bidding.scheduling.admission.grants[jid]
+    fence = core.job_view(jid)["fence"]
+    refusal = encode_message(IDENTITY_OF[primary], POOLED.mesh_id, JobRefusal(job_id=jid, fence=fence))
+    for key in KEYS:
+        net.emit(key, net.cores[key].step(refusal, net.now, primary))
+    assert core.job_view(jid)["state"] == "pending"
+    assert core.bidding.scheduling.admission.counted(OWNER.public_key, "training").gpu_milli == 1000
+    net.run(600)
+    assert all(c.job_view(jid)["state"] == "placed" for c in net.cores.values())
+    assert all(c.bidding.scheduling.admission.grants[jid] == grant for c in net.cores.values())
+
+
+def test_grants_are_persisted_and_a_restarted_member_takes_them_back():
+    net = Net(genesis=POOLED)
+    persisted = {key: [] for key in KEYS}
+    original = net.persist
+
+    def persist(src, ready):
+        persisted[src].extend(r for r in ready.persist if r.table == "jobs")
+        original(src, ready)
+    net.persist = persist
+    jid = submit(net, KEYS[1], manifest(1))
+    net.run(300)
+    rows = [r for r in persisted[HOME] if r.key == GRANT_PERSIST_PREFIX + jid.hex()]
+    assert len(rows) == 1 and decode_message(rows[0].value["envelope"], POOLED.mesh_id, expect=QuotaGrant)
+    from protocol.mesh import MeshCore
+    from protocol.policy import LocalCapacity, NodePolicy
+    import random
+    restarted = MeshCore(identity=IDENTITY_OF[HOME], genesis=POOLED, policy=NodePolicy(),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(0), now_ms=net.now,
+                         history=net.certificates[HOME], job_outcomes=[rows[0].value["envelope"]])
+    assert restarted.bidding.scheduling.admission.grants[jid] == rows[0].value["envelope"]
