@@ -115,7 +115,7 @@ class Bidding:
             self.on_bid(envelope, bid, data, now_ms, out)
         else:
             grant = self.scheduling.admission.grant_of(record)
-            if grant is not None:   # the leader proposes with it (Q7): it may have missed the home's broadcast
+            if grant is not None:   # the leader proposes with it (Q2c): it may have missed the home's broadcast
                 out.messages.append(Outbound(inst.leader, grant))
             out.messages.append(Outbound(inst.leader, data))
 

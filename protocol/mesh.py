@@ -315,7 +315,7 @@ class MeshCore:
         out = Ready()
         self.liveness.tick(now_ms, out)
         self.instance_table.run_timers(now_ms, out)
-        self.bidding.scheduling.admission.admit(now_ms, out)   # Q6: before held bids are decided afresh
+        self.bidding.scheduling.admission.admit(now_ms, out)   # Q2b: before held bids are decided afresh
         self.placement.reconsider_held(now_ms, out)
         self.preemptions.consider(now_ms, out)
         self.gangs.reconsider_held(now_ms, out)
@@ -372,7 +372,7 @@ class MeshCore:
         return self._with_orders(out)
 
     def _on_quota_grant(self, envelope, grant, data, now_ms: int, out: Ready) -> None:
-        """Q6: a quota home's grant; the job's leader may propose with it (Q7)."""
+        """Q2b: a quota home's grant; the job's leader may propose with it (Q2c)."""
         if self.bidding.scheduling.admission.on_grant(envelope, grant, data, now_ms, out):
             self.placement.on_grant(grant.job_id, now_ms, out)
 

@@ -1,9 +1,9 @@
 """The scheduling rules a member applies to its own bids, from the genesis's pools and
-reservations switch (SPEC.md Q1-Q7): a job whose owner has a quota is declined
-``over_quota`` until its quota home granted it (Q6; a gang: while over its owner's quota
+reservations switch (SPEC.md Q1-Q5, Q2b-Q2c): a job whose owner has a quota is declined
+``over_quota`` until its quota home granted it (Q2b; a gang: while over its owner's quota
 by this member's count, Q2); with reservations on, a job that would delay the first job
 waiting here for capacity is declined ``reserved``. The reservation rule is a per-member
-bid rule, like free capacity; the quota is checked by validators through the grant (Q7).
+bid rule, like free capacity; the quota is checked by validators through the grant (Q2c).
 
 Also what "why pending" reports beyond the declines: the job's queue position, what
 holds it and an estimated start (Q3, Q4).
@@ -26,7 +26,7 @@ class PoolScheduling:
         self.jobs_bid_for = jobs_bid_for   # the pending jobs this member holds a bid for (Q2)
         self.quotas = Quotas(getattr(ctx.genesis, "pools", ()))
         self.reservations = bool(getattr(ctx.genesis, "reservations", False))
-        self.admission = QuotaAdmission(ctx, epochs, jobs, self.quotas)   # quota homes and grants (Q6)
+        self.admission = QuotaAdmission(ctx, epochs, jobs, self.quotas)   # quota homes and grants (Q2b)
 
     @property
     def enabled(self) -> bool:
@@ -49,14 +49,14 @@ class PoolScheduling:
         return True, None, ""
 
     def _quota_problem(self, record) -> str | None:
-        """Why the quota holds the job here now: no grant yet (Q6), or, for a job that needs
+        """Why the quota holds the job here now: no grant yet (Q2b), or, for a job that needs
         none (a gang), Q2's count; None when it does not."""
         if self.admission.needs_grant(record.manifest):
-            return self.admission.wait_report(record)   # granted: capacity alone decides the bid (Q7)
+            return self.admission.wait_report(record)   # granted: capacity alone decides the bid (Q2c)
         return self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for())
 
     def _quota_holds(self, record) -> bool:
-        """Q2 or Q6 at this member now, for a job that would hold capacity here (Q5)."""
+        """Q2 or Q2b at this member now, for a job that would hold capacity here (Q5)."""
         return self.quotas.enabled and self._quota_problem(record) is not None
 
     def stamp(self):

@@ -1,4 +1,4 @@
-"""Strict quotas by admission (SPEC.md Q6-Q8): one member, the **quota home** of an
+"""Strict quotas by admission (SPEC.md Q2b-Q2d): one member, the **quota home** of an
 (owner, pool), admits the owner's jobs against the quota by signing a grant per job; a
 placement of such a job is valid only with that grant in its justification.
 
@@ -31,7 +31,7 @@ GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (b
 
 
 def quota_home(members, owner: bytes, pool: str) -> bytes:
-    """Q6: the member whose SHA-256 of (tag, owner, pool length, pool, member key) is the
+    """Q2b: the member whose SHA-256 of (tag, owner, pool length, pool, member key) is the
     greatest (rendezvous hashing: the home moves only when it leaves the membership or a
     joiner outranks it, so grants rarely change hands)."""
     name = pool.encode("utf-8")
@@ -47,7 +47,7 @@ def grant_for(job) -> QuotaGrant:
 
 
 def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | None:
-    """Q7, the validator's check: ``data`` is a grant for exactly ``job`` signed by the
+    """Q2c, the validator's check: ``data`` is a grant for exactly ``job`` signed by the
     quota home of ``view`` (the job's epoch). None when it is."""
     try:
         envelope, grant = decode_message(data, mesh_id, expect=QuotaGrant, caches=caches)
@@ -75,7 +75,7 @@ class QuotaAdmission:
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
-        """Q6: a job whose owner has a quota in its (declared) pool. A gang keeps Q2's bid rule."""
+        """Q2b: a job whose owner has a quota in its (declared) pool. A gang keeps Q2's bid rule."""
         return (self.quotas.enabled and not job.gang.is_gang and self.quotas.unknown_pool_error(job) is None
                 and self.quotas.limit(job.scheduling.pool, job.owner) is not None)
 
@@ -98,7 +98,7 @@ class QuotaAdmission:
     # --- grants arriving ----------------------------------------------------------------------------
     def on_grant(self, envelope, grant: QuotaGrant, data: bytes, now_ms: int, out: Ready) -> bool:
         """A grant from a peer (or restored): kept if its signer is the home of its epoch; the
-        job it names is checked against it when used (Q7). True if it is new here."""
+        job it names is checked against it when used (Q2c). True if it is new here."""
         view = self.epochs.view_for(grant.epoch)
         if view is None:
             self.ctx.counters["quota_grant_unknown_epoch"] += 1
@@ -121,7 +121,7 @@ class QuotaAdmission:
         out.persist.append(PersistRecord("jobs", GRANT_PERSIST_PREFIX + jid.hex(),
                                          {"job_id": jid, "outcome": "quota_grant", "envelope": data}))
 
-    # --- the home's count and its grants (Q6) -------------------------------------------------------
+    # --- the home's count and its grants (Q2b) -------------------------------------------------------
     def counted(self, owner: bytes, pool: str) -> Usage:
         """What the home counts against the quota: the owner's live jobs in the pool and its
         pending jobs there that hold a grant."""
@@ -136,7 +136,7 @@ class QuotaAdmission:
 
     def over_by(self, record) -> list:
         """(dimension, counted, demand, limit) for each dimension the job would take its
-        owner over the quota by this node's count (Q6)."""
+        owner over the quota by this node's count (Q2b)."""
         job = record.manifest
         limit = self.quotas.limit(job.scheduling.pool, job.owner)
         held, asked = self.counted(job.owner, job.scheduling.pool), demand(job.resources)

@@ -34,10 +34,11 @@ from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, C
                                Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangWorker, GpuState, Join, JobMove, Member,
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
                                Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
-                               ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service,
+                               QuotaGrant, ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service,
                                gang_replace_instance_id, job_id, move_instance_id, placement_instance_id,
                                placement_slot_id, preemption_instance_id, replica_instance_id, replica_key,
                                value_hash)
+from protocol.quota_admission import QUOTA_HOME_TAG, grant_for, quota_home
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 from protocol.messages import JobSignals
 
@@ -65,7 +66,7 @@ NESTED_ENVELOPES = {
                                   "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
                                   "and in a slot mesh's late attempt-0 placement the slot's `commit` after them (P4b, "
                                   "P7c), and last, for a job whose owner has a quota in its pool, its `quota_grant` "
-                                  "(exactly one, Q7); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
+                                  "(exactly one, Q2c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
                                   "validator ignores any); `preemption`: every member's `decline` and the "
                                   "candidate nodes' `cap`s (at most 64, P8b); `gang_replace`: the candidate members' `cap`s (at most 32, "
@@ -239,6 +240,8 @@ def _coherent(cls, body: dict) -> dict:
                                                         "expires_ms": VECTOR_TIME_MS + 86_400_000})])
     elif cls is Placement:
         body.update(job=_job_envelope(), primary=me, backups=[])
+    elif cls is QuotaGrant:   # Q2b: the sample job's grant, by its quota home (the vector key, the only member)
+        body = grant_for(MESSAGE_TYPES["job"].from_body(sample_body(MESSAGE_TYPES["job"]))).to_body()
     elif cls is Gang:
         body = Gang().to_body()   # the default: one worker, a plain job (GA1)
     elif cls is GangPlacement:
@@ -434,6 +437,27 @@ def render_preemption_vector() -> str:
                       "```"])
 
 
+VECTOR_QUOTA_POOL = "training"
+
+
+def vector_quota_members() -> list[bytes]:
+    """Q2b's vector membership: the vector key and three keys derived from it."""
+    return sorted([vector_key()] + [hashlib.sha256(b"member %d" % i).digest() for i in (1, 2, 3)])
+
+
+def render_quota_home_vector() -> str:
+    """Q2b: each member's rendezvous digest for (the vector key as owner, pool 'training'),
+    and the home: the member of the greatest digest."""
+    owner, name = vector_key(), VECTOR_QUOTA_POOL.encode("utf-8")
+    lines = ["```", "owner: %s" % owner.hex(), "pool: %s" % VECTOR_QUOTA_POOL]
+    for member in vector_quota_members():
+        digest = hashlib.sha256(QUOTA_HOME_TAG + owner + bytes([len(name)]) + name + member).digest()
+        lines.append("member %s digest %s" % (member.hex(), digest.hex()))
+    lines.append("home: %s" % quota_home(vector_quota_members(), owner, VECTOR_QUOTA_POOL).hex())
+    lines.append("```")
+    return "\n".join(lines)
+
+
 VECTOR_PASSPHRASE = b"meshnode test vector"
 VECTOR_SALT = bytes(range(16))
 VECTOR_NONCE = bytes(range(24))
@@ -496,7 +520,7 @@ GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render
              "move vectors": render_move_vectors, "replica vectors": render_replica_vectors,
              "preemption vector": render_preemption_vector,
              "job signals vector": render_job_signals_vector,
-             "gang vectors": render_gang_vectors}
+             "gang vectors": render_gang_vectors, "quota home vector": render_quota_home_vector}
 
 
 def generated_block(text: str, name: str) -> str:

@@ -371,7 +371,7 @@ def test_q6_the_home_grants_one_of_two_jobs_that_only_together_exceed_the_quota(
     grants = [m.data for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
     assert len(grants) == 1 and decode_message(grants[0], POOLED.mesh_id)[1].job_id == job_id(first)   # queue order
     assert home.bidding.scheduling.admission.grant_of(home.job_table.get(job_id(second))) is None
-    # Without a grant every member declines the job, however much room it has (Q6).
+    # Without a grant every member declines the job, however much room it has (Q2b).
     other = net.cores[next(key for key in KEYS if key != home.me)]
     other.step(encode_message(OWNER, POOLED.mesh_id, second), net.now, KEYS[1])
     answer = other.bidding.mine.get(other.job_table.get(job_id(second)).instance)

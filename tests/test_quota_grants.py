@@ -1,4 +1,4 @@
-"""Strict quotas by admission (SPEC.md Q6-Q8): the quota home rule, the grant, the
+"""Strict quotas by admission (SPEC.md Q2b-Q2d): the quota home rule, the grant, the
 validators' check from the proposal alone, and four cores where concurrent submissions of
 one owner through different members stay within its quota (they did not under Q2's
 per-member bid rule: each member counted only its own bids)."""
@@ -160,3 +160,31 @@ def test_grants_are_persisted_and_a_restarted_member_takes_them_back():
                          capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(0), now_ms=net.now,
                          history=net.certificates[HOME], job_outcomes=[rows[0].value["envelope"]])
     assert restarted.bidding.scheduling.admission.grants[jid] == rows[0].value["envelope"]
+
+
+# --- SPEC.md Q2b's vectors ------------------------------------------------------------------------------
+def test_spec_q2b_quota_home_vector_follows_the_formula():
+    import hashlib
+    import pathlib
+    import re
+    from testnet.spec_tables import generated_block
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "SPEC.md").read_text(encoding="utf-8")
+    block = generated_block(spec, "quota home vector")
+    owner = bytes.fromhex(re.search(r"owner: ([0-9a-f]{64})", block).group(1))
+    pool = re.search(r"pool: (\S+)", block).group(1).encode()
+    rows = re.findall(r"member ([0-9a-f]{64}) digest ([0-9a-f]{64})", block)
+    assert len(rows) == 4
+    for member, digest in rows:
+        expected = hashlib.sha256(b"meshnode quota home v1" + owner + bytes([len(pool)]) + pool
+                                  + bytes.fromhex(member)).hexdigest()
+        assert digest == expected
+    home = re.search(r"home: ([0-9a-f]{64})", block).group(1)
+    assert home == max(rows, key=lambda row: bytes.fromhex(row[1]))[0]
+    # The 4.4 quota_grant vector: the sample job's grant, by its home (the only member).
+    from testnet.spec_tables import sample_body, vector_genesis, vector_key
+    from protocol.messages import JobManifest
+    envelope_hex = re.search(r"kind: quota_grant\n(?:.*\n)*?envelope: ([0-9a-f]+)", spec).group(1)
+    envelope, grant = decode_message(bytes.fromhex(envelope_hex), vector_genesis().mesh_id, expect=QuotaGrant)
+    job = JobManifest.from_body(sample_body(JobManifest))
+    assert grant == grant_for(job) and envelope.signer == vector_key()
+    assert quota_home([vector_key()], job.owner, job.scheduling.pool) == vector_key()

@@ -40,7 +40,7 @@ class PlacementFlow(ValueFlow):
     places_jobs = True
     value_kinds = ("placement",)
     adapts_round_timeout = True
-    max_justification = MAX_BIDS_PER_PROPOSAL + 2   # the bids, a slot's certificate (P7c), a quota grant (Q7)
+    max_justification = MAX_BIDS_PER_PROPOSAL + 2   # the bids, a slot's certificate (P7c), a quota grant (Q2c)
     gangs = None   # the GangFlow, set by the core: a gang job's attempts are its to place (GA3)
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, apply_certificate_bytes) -> None:
@@ -106,7 +106,7 @@ class PlacementFlow(ValueFlow):
                   if key != me and self.bidding.sampled(record.job_id, 0, len(members), key)]
         admission = self.bidding.scheduling.admission
         home = admission.home_of(record.manifest) if admission.needs_grant(record.manifest) else None
-        for key in (inst.leader, home):   # the leader proposes; the quota home grants it (Q6)
+        for key in (inst.leader, home):   # the leader proposes; the quota home grants it (Q2b)
             if key not in (None, me) and key not in chosen:
                 chosen.append(key)
         return chosen
@@ -270,7 +270,7 @@ class PlacementFlow(ValueFlow):
         admission = self.bidding.scheduling.admission
         if admission.needs_grant(record.manifest):
             grant = admission.grant_of(record)
-            if grant is None:   # bidders send it with their bids, the home broadcasts it (Q7)
+            if grant is None:   # bidders send it with their bids, the home broadcasts it (Q2c)
                 record.hint = "waiting for the job's quota grant to propose (%d bids)" % len(held)
                 return
             justification += (grant,)
@@ -334,7 +334,7 @@ class PlacementFlow(ValueFlow):
         return tuple(rest), grants
 
     def _grant_problem(self, job, grants: list, view) -> str | None:
-        """Q7: a job whose owner has a quota in its pool is placed only with its home's grant,
+        """Q2c: a job whose owner has a quota in its pool is placed only with its home's grant,
         checked from the proposal alone; any other job carries none."""
         if not self.bidding.scheduling.admission.needs_grant(job):
             return "a quota grant for a job whose owner has no quota in its pool" if grants else None
@@ -344,7 +344,7 @@ class PlacementFlow(ValueFlow):
         return grant_error(grants[0], job, view, self.ctx.mesh_id, caches=self.ctx.caches)
 
     def on_grant(self, jid: bytes, now_ms: int, out: Ready) -> None:
-        """A grant arrived: the leader of the job's round may propose with it now (Q7)."""
+        """A grant arrived: the leader of the job's round may propose with it now (Q2c)."""
         record = self.jobs.get(jid)
         inst = self.instances.get(record.instance) if record is not None and record.state == "pending" else None
         role = self.instances.role(inst.instance_id) if inst is not None else None

@@ -22,7 +22,7 @@ import from ``protocol.messages`` and never need to know which file holds a reco
 - ``wire``: the kind registry, signing, decoding (envelope check + strict schema);
 - ``slots``: checks of a placement slot's value (SPEC.md P7);
 - ``preemption``: the value a preemption instance decides (SPEC.md P8);
-- ``quota``: the quota grant a job's quota home signs (SPEC.md Q6);
+- ``quota``: the quota grant a job's quota home signs (SPEC.md Q2b);
 - ``replicas``: a job's ``[service]`` table and the replica action value (SPEC.md R4).
 """
 

@@ -1,4 +1,4 @@
-"""The quota grant (SPEC.md Q6): the home member of an owner's pool admits one job
+"""The quota grant (SPEC.md Q2b): the home member of an owner's pool admits one job
 against the owner's quota, and a placement of that job carries the grant."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ QUOTA_LIMIT = 1 << 40   # a Quota's bound (5.5): a demand never exceeds it
 @record
 class QuotaGrant(Record):
     """``job_id`` (of ``owner``, in ``pool``, named epoch ``epoch``) may hold this demand
-    under its owner's quota: signed by the pool's quota home for that owner (Q6)."""
+    under its owner's quota: signed by the pool's quota home for that owner (Q2b)."""
     KIND: ClassVar = "quota_grant"
     job_id: bytes
     epoch: int
