@@ -21,6 +21,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.job_queue import queue_key
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.messages import QuotaGrant, decode_message, job_id
+from protocol.messages.quota import QUOTA_LIMIT
 from protocol.quota import Usage, demand
 from protocol.ready import Outbound, PersistRecord, Ready
 from protocol.signing import short_id
@@ -75,9 +76,12 @@ class QuotaAdmission:
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
-        """Q2b: a job whose owner has a quota in its (declared) pool. A gang keeps Q2's bid rule."""
-        return (self.quotas.enabled and not job.gang.is_gang and self.quotas.unknown_pool_error(job) is None
-                and self.quotas.limit(job.scheduling.pool, job.owner) is not None)
+        """Q2b: a job whose owner's quota in its (declared) pool limits some dimension (2^40
+        is no limit, 5.5). A gang keeps Q2's bid rule."""
+        if not self.quotas.enabled or job.gang.is_gang or self.quotas.unknown_pool_error(job) is not None:
+            return False
+        limit = self.quotas.limit(job.scheduling.pool, job.owner)
+        return limit is not None and min(limit.gpu_milli, limit.cpu_milli, limit.mem_mib) < QUOTA_LIMIT
 
     def home_of(self, job) -> bytes | None:
         """The quota home of the job's owner and pool in the epoch the job names (None: that

@@ -188,3 +188,12 @@ def test_spec_q2b_quota_home_vector_follows_the_formula():
     job = JobManifest.from_body(sample_body(JobManifest))
     assert grant == grant_for(job) and envelope.signer == vector_key()
     assert quota_home([vector_key()], job.owner, job.scheduling.pool) == vector_key()
+
+
+def test_only_a_quota_that_limits_something_needs_a_grant():
+    net = Net(genesis=POOLED)
+    admission = net.cores[KEYS[0]].bidding.scheduling.admission
+    assert admission.needs_grant(manifest(1))                  # OWNER: 1 GPU in 'training'
+    assert not admission.needs_grant(manifest(1, pool=""))     # the default pool: Quota(), every dimension 2^40
+    unpooled = Net().cores[KEYS[0]].bidding.scheduling.admission
+    assert not unpooled.needs_grant(manifest(1))               # no pools declared: no quotas
