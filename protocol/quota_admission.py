@@ -28,16 +28,35 @@ from protocol.signing import short_id
 
 QUOTA_HOME_TAG = b"meshnode quota home v1"
 MAX_GRANTS_KEPT = 65536      # grants held for jobs; the oldest is dropped beyond (a job then waits for a re-send)
+GRANT_HANDOVER_ROUNDS = 5   # a deputy of rank r grants a job its home left waiting r x this many round timeouts
 GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (beside the job's outcome row)
 
 
-def quota_home(members, owner: bytes, pool: str) -> bytes:
-    """Q2b: the member whose SHA-256 of (tag, owner, pool length, pool, member key) is the
-    greatest (rendezvous hashing: the home moves only when it leaves the membership or a
-    joiner outranks it, so grants rarely change hands)."""
+def home_ranking(members, owner: bytes, pool: str) -> list:
+    """Q2b: the members by their SHA-256 of (tag, owner, pool length, pool, member key),
+    greatest first (rendezvous hashing: a member's rank changes only when one ranked above
+    it leaves or a joiner outranks it, so grants rarely change hands)."""
     name = pool.encode("utf-8")
     prefix = QUOTA_HOME_TAG + owner + bytes([len(name)]) + name
-    return max(members, key=lambda member: hashlib.sha256(prefix + member).digest())
+    return sorted(members, key=lambda member: hashlib.sha256(prefix + member).digest(), reverse=True)
+
+
+def quota_home(members, owner: bytes, pool: str) -> bytes:
+    """Q2b: the quota home of (owner, pool) among ``members``: the first of the ranking."""
+    return home_ranking(members, owner, pool)[0]
+
+
+def quota_homes(view, owner: bytes, pool: str) -> tuple:
+    """Q2b: the home and its deputies in ``view``: the shortest prefix of the ranking whose
+    stake exceeds a third of the total, so at least one of them is honest while Byzantine
+    stake is under a third (a silent home cannot stall its owners' admissions for good)."""
+    homes, stake = [], 0
+    for member in home_ranking(view.members, owner, pool):
+        homes.append(member)
+        stake += view.stakes[member]
+        if 3 * stake > view.total_stake:
+            break
+    return tuple(homes)
 
 
 def grant_for(job) -> QuotaGrant:
@@ -56,9 +75,10 @@ def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | No
         return "quota grant: %s" % exc
     if grant != grant_for(job):
         return "quota grant: not this job's (id, epoch, owner, pool and demand must match)"
-    home = quota_home(view.members, job.owner, job.scheduling.pool)
-    if envelope.signer != home:
-        return "quota grant: signed by %s, not the quota home %s" % (short_id(envelope.signer), short_id(home))
+    homes = quota_homes(view, job.owner, job.scheduling.pool)
+    if envelope.signer not in homes:
+        return "quota grant: signed by %s, not a quota home (%s)" % (short_id(envelope.signer), ", ".join(
+            short_id(home) for home in homes))
     return None
 
 
@@ -72,7 +92,10 @@ class QuotaAdmission:
         self.quotas = quotas
         self.grants: dict[bytes, bytes] = {}     # job id -> grant envelope (verified)
         self.resent_ms: dict[bytes, int] = {}    # job id -> when this node last re-sent the job or its grant
+        self.signed_here: set[bytes] = set()     # job ids whose grant this node signed (it re-sends those)
+        self.waiting_since: dict[bytes, int] = {}   # job id -> since when it waits here for a grant (deputies)
         self.checked_at_stamp = None
+        self.deputy_due_ms = 0
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
@@ -83,11 +106,11 @@ class QuotaAdmission:
         limit = self.quotas.limit(job.scheduling.pool, job.owner)
         return limit is not None and min(limit.gpu_milli, limit.cpu_milli, limit.mem_mib) < QUOTA_LIMIT
 
-    def home_of(self, job) -> bytes | None:
-        """The quota home of the job's owner and pool in the epoch the job names (None: that
-        epoch's view is not held here)."""
+    def homes_of(self, job) -> tuple:
+        """The quota home and deputies of the job's owner and pool in the epoch the job names
+        (empty: that epoch's view is not held here)."""
         view = self.epochs.view_for(job.epoch)
-        return None if view is None else quota_home(view.members, job.owner, job.scheduling.pool)
+        return () if view is None else quota_homes(view, job.owner, job.scheduling.pool)
 
     def grant_of(self, record) -> bytes | None:
         return self.grants.get(record.job_id)
@@ -107,8 +130,8 @@ class QuotaAdmission:
         if view is None:
             self.ctx.counters["quota_grant_unknown_epoch"] += 1
             return False
-        if envelope.signer != quota_home(view.members, grant.owner, grant.pool):
-            raise RemoteProtocolError("quota grant not signed by the quota home of its owner and pool")
+        if envelope.signer not in quota_homes(view, grant.owner, grant.pool):
+            raise RemoteProtocolError("quota grant not signed by a quota home of its owner and pool")
         record = self.jobs.get(grant.job_id)
         if record is not None and grant != grant_for(record.manifest):
             raise RemoteProtocolError("quota grant does not match its job")
@@ -147,42 +170,56 @@ class QuotaAdmission:
         return [(name, getattr(held, name), getattr(asked, name), cap) for name, _total, cap in (held + asked).exceeds(limit)]
 
     def admit(self, now_ms: int, out: Ready) -> None:
-        """At the home: grant each waiting job of an (owner, pool) it is home of that fits
-        the quota by its count, in queue order (Q3), and broadcast the grant. Elsewhere: the
-        entry node re-sends a job still waiting for its grant to the home, and the home
-        re-sends a grant of a job still pending, once per maximal round timeout (a lost
-        broadcast must not hold a job for good)."""
+        """At a home: grant each waiting job of an (owner, pool) it is a home of that fits the
+        quota by its count, in queue order (Q3), and broadcast the grant; the home at once, a
+        deputy of rank r only once the job has waited r x GRANT_HANDOVER here (its home did
+        not grant it). Also the re-sends of _resend."""
         if not self.quotas.enabled:
             return
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
-        if stamp == self.checked_at_stamp:
+        if stamp == self.checked_at_stamp and now_ms < self.deputy_due_ms:
             return
-        self.checked_at_stamp = stamp
+        self.checked_at_stamp, self.deputy_due_ms = stamp, 1 << 62
+        handover_ms = GRANT_HANDOVER_ROUNDS * self.ctx.params.round_timeout_ms
+        still_waiting = {}
         for record in sorted(waiting, key=queue_key):
-            if record.job_id in self.grants or self.home_of(record.manifest) != self.ctx.me:
+            homes = self.homes_of(record.manifest)
+            if record.job_id in self.grants or self.ctx.me not in homes:
+                continue
+            rank = homes.index(self.ctx.me)
+            since = still_waiting[record.job_id] = self.waiting_since.get(record.job_id, now_ms)
+            if now_ms < since + rank * handover_ms:
+                self.deputy_due_ms = min(self.deputy_due_ms, since + rank * handover_ms)
                 continue
             if self.over_by(record):
                 continue
             data = self.ctx.sign(grant_for(record.manifest))
             self._keep(record.job_id, data, out)
+            if len(self.signed_here) >= MAX_GRANTS_KEPT:
+                self.signed_here.clear()
+            self.signed_here.add(record.job_id)
             out.messages.append(Outbound(None, data))
-            out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex()))
+            out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex(), rank=rank))
+        self.waiting_since = still_waiting
 
     def _resend(self, waiting: list, now_ms: int, out: Ready) -> None:
+        """Once every maximal round timeout: the entry node re-sends a job still waiting for
+        its grant to its homes, and a home re-sends each grant it signed of a job still
+        pending (a lost broadcast must not hold a job for good)."""
         every_ms = self.ctx.params.round_timeout_max_ms
         for record in waiting:
             if now_ms - self.resent_ms.setdefault(record.job_id, now_ms) < every_ms:
                 continue
-            home = self.home_of(record.manifest)
             grant = self.grants.get(record.job_id)
-            if grant is not None and home == self.ctx.me:
+            if grant is not None and record.job_id in self.signed_here:
                 self.resent_ms[record.job_id] = now_ms
                 out.messages.append(Outbound(None, grant))
-            elif grant is None and record.entry == self.ctx.me and home not in (None, self.ctx.me):
+            elif grant is None and record.entry == self.ctx.me:
                 self.resent_ms[record.job_id] = now_ms
-                out.messages.append(Outbound(home, record.envelope))
+                out.messages.extend(Outbound(home, record.envelope) for home in self.homes_of(record.manifest)
+                                    if home != self.ctx.me)
         if len(self.resent_ms) > MAX_GRANTS_KEPT:
             self.resent_ms.clear()
 
@@ -192,8 +229,9 @@ class QuotaAdmission:
         if not self.waiting_for_grant(record):
             return None
         job = record.manifest
-        home = self.home_of(job)
-        where = "quota home %s" % short_id(home) if home is not None else "its quota home (epoch %d not held here)" % job.epoch
+        homes = self.homes_of(job)
+        where = ("its quota home (epoch %d not held here)" % job.epoch if not homes else "quota home %s%s" % (
+            short_id(homes[0]), " (deputies %s)" % ", ".join(short_id(h) for h in homes[1:]) if len(homes) > 1 else ""))
         over = self.over_by(record)
         if not over:
             return ("waiting for a quota grant from %s (pool %r): within the quota by this node's count, so the "

@@ -38,7 +38,8 @@ from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, C
                                gang_replace_instance_id, job_id, move_instance_id, placement_instance_id,
                                placement_slot_id, preemption_instance_id, replica_instance_id, replica_key,
                                value_hash)
-from protocol.quota_admission import QUOTA_HOME_TAG, grant_for, quota_home
+from protocol.quorum import EpochView
+from protocol.quota_admission import QUOTA_HOME_TAG, grant_for, quota_home, quota_homes
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Record, Text, TextMap
 from protocol.messages import JobSignals
 
@@ -447,13 +448,16 @@ def vector_quota_members() -> list[bytes]:
 
 def render_quota_home_vector() -> str:
     """Q2b: each member's rendezvous digest for (the vector key as owner, pool 'training'),
-    and the home: the member of the greatest digest."""
+    the home (the member of the greatest digest) and, with stake 1 each, the home and its
+    deputy (the shortest prefix of the ranking holding over a third of the stake)."""
     owner, name = vector_key(), VECTOR_QUOTA_POOL.encode("utf-8")
     lines = ["```", "owner: %s" % owner.hex(), "pool: %s" % VECTOR_QUOTA_POOL]
     for member in vector_quota_members():
         digest = hashlib.sha256(QUOTA_HOME_TAG + owner + bytes([len(name)]) + name + member).digest()
         lines.append("member %s digest %s" % (member.hex(), digest.hex()))
     lines.append("home: %s" % quota_home(vector_quota_members(), owner, VECTOR_QUOTA_POOL).hex())
+    view = EpochView(VECTOR_EPOCH, {member: 1 for member in vector_quota_members()})
+    lines.append("homes, stake 1 each: %s" % " ".join(h.hex() for h in quota_homes(view, owner, VECTOR_QUOTA_POOL)))
     lines.append("```")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ from protocol.job_table import JobRecord
 from protocol.messages import (Constraints, JobManifest, Resources, Scheduling, decode_message, encode_message,
                                job_id)
 from protocol.quota import Quotas, Usage, demand
-from protocol.quota_admission import quota_home
+from protocol.quota_admission import quota_home, quota_homes
 from protocol.signing import short_id
 from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net
 
@@ -199,9 +199,9 @@ def test_a_job_over_its_owners_quota_waits_until_the_first_ends():
     assert sorted(view["declines"]) == ["over_quota"] and sorted(view["declines"]["over_quota"]) == sorted(KEYS)
     report = entry.pending_report(second, net.now)
     assert report["pool"] == "training" and (report["position"], report["queue_length"]) == (1, 1)
-    home = quota_home(sorted(KEYS), OWNER.public_key, "training")
-    assert report["quota"] == ("waiting for a quota grant from quota home %s: pool 'training' quota: gpu_milli "
-                               "1000 held + 1000 asked > 1000 (over by 1000)" % short_id(home))
+    home, deputy = quota_homes(entry.view, OWNER.public_key, "training")   # 20 of the 40 stake: over a third
+    assert report["quota"] == ("waiting for a quota grant from quota home %s (deputies %s): pool 'training' quota: "
+                               "gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)" % (short_id(home), short_id(deputy)))
     assert report["estimate"]["start_ms"] == 60_000 + entry.job_table.get(first).placed_ms
     assert report["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
     primary = entry.job_view(first)["primary"]
@@ -361,7 +361,7 @@ def test_q2_counts_the_jobs_this_member_bid_for_as_held():
     assert quotas.over_quota(manifest(2), [], bid_for=[other_pool]) is None
 
 
-def test_q6_the_home_grants_one_of_two_jobs_that_only_together_exceed_the_quota():
+def test_q2b_the_home_grants_one_of_two_jobs_that_only_together_exceed_the_quota():
     net = Net(genesis=POOLED)
     home = net.cores[quota_home(sorted(KEYS), OWNER.public_key, "training")]
     first, second = manifest(1), manifest(2, created_ms=1)

@@ -7,12 +7,15 @@ import dataclasses
 
 from protocol import codec
 from protocol.messages import JobRefusal, Proposal, QuotaGrant, decode_message, encode_message, job_id
-from protocol.quota_admission import GRANT_PERSIST_PREFIX, grant_error, grant_for, quota_home
+from protocol.quota_admission import (GRANT_PERSIST_PREFIX, grant_error, grant_for, home_ranking, quota_home,
+                                      quota_homes)
+from protocol.signing import short_id
 from tests.test_mesh_core import GENESIS, IDS, KEYS, OWNER, Net
 from tests.test_quota import POOLS, manifest
 
 POOLED = dataclasses.replace(GENESIS, pools=POOLS)   # OWNER: 1 GPU in pool 'training'
 HOME = quota_home(sorted(KEYS), OWNER.public_key, "training")
+HOMES = quota_homes(Net(genesis=POOLED).cores[KEYS[0]].view, OWNER.public_key, "training")
 IDENTITY_OF = {identity.public_key: identity for identity in IDS}
 
 
@@ -39,6 +42,18 @@ def test_the_home_is_one_member_every_member_computes_alike_and_moves_only_when_
     assert len({quota_home(members, bytes([i]) * 32, "training") for i in range(32)}) > 1
 
 
+def test_the_deputies_are_the_shortest_prefix_of_the_ranking_holding_over_a_third_of_the_stake():
+    from protocol.quorum import EpochView
+    members = sorted(KEYS)
+    ranking = home_ranking(members, OWNER.public_key, "training")
+    equal = EpochView(0, {key: 10 for key in members})
+    assert quota_homes(equal, OWNER.public_key, "training") == tuple(ranking[:2])   # 20 of 40 > 40 / 3
+    heavy = EpochView(0, {key: 100 if key == ranking[0] else 10 for key in members})
+    assert quota_homes(heavy, OWNER.public_key, "training") == (ranking[0],)        # 100 of 130 alone
+    light = EpochView(0, {key: 1 if key == ranking[0] else 10 for key in members})
+    assert quota_homes(light, OWNER.public_key, "training") == tuple(ranking[:2])   # 11 of 31 > 31 / 3
+
+
 def test_a_grant_is_checked_against_its_job_and_its_signer_from_its_bytes_alone():
     net = Net(genesis=POOLED)
     view = net.cores[KEYS[0]].view
@@ -48,9 +63,9 @@ def test_a_grant_is_checked_against_its_job_and_its_signer_from_its_bytes_alone(
         job_id(job), 0, OWNER.public_key, "training", 1000)
     good = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant)
     assert grant_error(good, job, view, POOLED.mesh_id) is None
-    not_home = next(key for key in KEYS if key != HOME)
+    not_home = next(key for key in KEYS if key not in HOMES)
     forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant)
-    assert "not the quota home" in grant_error(forged, job, view, POOLED.mesh_id)
+    assert "not a quota home" in grant_error(forged, job, view, POOLED.mesh_id)
     other_job = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant_for(manifest(2)))
     assert "not this job's" in grant_error(other_job, job, view, POOLED.mesh_id)
     smaller = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, dataclasses.replace(grant, gpu_milli=500))
@@ -60,8 +75,8 @@ def test_a_grant_is_checked_against_its_job_and_its_signer_from_its_bytes_alone(
 
 def test_a_member_refuses_a_grant_not_signed_by_the_home():
     net = Net(genesis=POOLED)
-    member = net.cores[next(key for key in KEYS if key != HOME)]
-    not_home = next(key for key in KEYS if key not in (HOME, member.me))
+    member = net.cores[next(key for key in KEYS if key not in HOMES)]
+    not_home = next(key for key in KEYS if key not in HOMES + (member.me,))
     forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant_for(manifest(1)))
     member.step(forged, 0, not_home)
     assert member.counters["rejected_quota_grant"] == 1
@@ -93,6 +108,34 @@ def test_concurrent_submissions_of_one_owner_through_different_members_stay_with
     assert [net.cores[KEYS[0]].job_view(jid)["state"] for jid in jids[1:]].count("placed") == 1
 
 
+def grant_signers(net, jid) -> set:
+    return {decode_message(core.bidding.scheduling.admission.grants[jid], POOLED.mesh_id)[0].signer
+            for core in net.cores.values() if jid in core.bidding.scheduling.admission.grants}
+
+
+def test_with_the_home_up_only_the_home_grants():
+    net = Net(genesis=POOLED)
+    jids = [submit(net, key, manifest(nonce, created_ms=nonce)) for nonce, key in enumerate(KEYS, start=1)]
+    net.run(3000)   # longer than any deputy's hand-over
+    assert grant_signers(net, jids[0]) == {HOME}
+    assert all(grant_signers(net, jid) == set() for jid in jids[1:])   # over the quota: no one grants them
+
+
+def test_a_deputy_grants_what_a_silent_home_leaves_waiting():
+    net = Net(genesis=POOLED)
+    net.down.add(HOME)
+    entry = next(key for key in KEYS if key not in HOMES)
+    jid = submit(net, entry, manifest(1))
+    net.run(500)
+    assert net.cores[entry].job_view(jid)["state"] == "pending"   # the deputy waits its hand-over first
+    report = net.cores[entry].pending_report(jid, net.now)["quota"]
+    assert report.startswith("waiting for a quota grant from quota home %s (deputies %s)" % (
+        short_id(HOME), short_id(HOMES[1])))
+    net.run(1500)
+    assert grant_signers(net, jid) == {HOMES[1]}
+    assert all(net.cores[key].job_view(jid)["state"] == "placed" for key in KEYS if key != HOME)
+
+
 def test_a_proposal_without_the_homes_grant_is_rejected_by_validators():
     net = Net(genesis=POOLED)
     proposals = []
@@ -115,9 +158,9 @@ def test_a_proposal_without_the_homes_grant_is_rejected_by_validators():
     assert kinds[-1] == "quota_grant" and kinds.count("quota_grant") == 1
     without = proposal.justification[:-1]
     assert "needs exactly one quota grant" in validate(proposal.value, without)
-    not_home = next(key for key in KEYS if key != HOME)
+    not_home = next(key for key in KEYS if key not in HOMES)
     forged = encode_message(IDENTITY_OF[not_home], POOLED.mesh_id, grant_for(manifest(1)))
-    assert "not the quota home" in validate(proposal.value, without + (forged,))
+    assert "not a quota home" in validate(proposal.value, without + (forged,))
     twice = proposal.justification + (proposal.justification[-1],)
     assert "exactly one" in validate(proposal.value, twice)
 
@@ -179,7 +222,9 @@ def test_spec_q2b_quota_home_vector_follows_the_formula():
                                   + bytes.fromhex(member)).hexdigest()
         assert digest == expected
     home = re.search(r"home: ([0-9a-f]{64})", block).group(1)
-    assert home == max(rows, key=lambda row: bytes.fromhex(row[1]))[0]
+    ranked = [member for member, digest in sorted(rows, key=lambda row: bytes.fromhex(row[1]), reverse=True)]
+    assert home == ranked[0]
+    assert re.search(r"homes, stake 1 each: ([0-9a-f ]+)", block).group(1).split() == ranked[:2]   # 2 of 4 > 4 / 3
     # The 4.4 quota_grant vector: the sample job's grant, by its home (the only member).
     from testnet.spec_tables import sample_body, vector_genesis, vector_key
     from protocol.messages import JobManifest

@@ -12,7 +12,7 @@ from keys.genesis import Pool, Quota
 from keys.keystore import load_identity
 from meshnode.cli import main
 from protocol.errors import MeshError
-from protocol.quota_admission import quota_home
+from protocol.quota_admission import quota_homes
 from protocol.signing import short_id
 from protocol.messages import Cancel, Constraints, JobManifest, Resources, Scheduling, encode_message
 from testnet import launcher
@@ -51,9 +51,10 @@ async def test_a_job_over_its_owners_quota_waits_and_why_says_which_quota(tmp_pa
         assert sorted(why["declines"]) == ["over_quota"] and len(why["declines"]["over_quota"]) == NODES
         queue = why["queue"]
         assert (queue["pool"], queue["position"], queue["queue_length"]) == ("training", 1, 1)
-        home = quota_home(nodes[0].core.view.members, owner.public_key, "training")
-        assert queue["quota"] == ("waiting for a quota grant from quota home %s: pool 'training' quota: gpu_milli "
-                                  "1000 held + 1000 asked > 1000 (over by 1000)" % short_id(home))
+        homes = quota_homes(nodes[0].core.view, owner.public_key, "training")
+        assert queue["quota"] == ("waiting for a quota grant from quota home %s (deputies %s): pool 'training' "
+                                  "quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)"
+                                  % (short_id(homes[0]), ", ".join(short_id(h) for h in homes[1:])))
         assert queue["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
         assert 55_000 < queue["estimate"]["in_ms"] <= 60_000
 

@@ -105,8 +105,8 @@ class PlacementFlow(ValueFlow):
         chosen = [key for key in members
                   if key != me and self.bidding.sampled(record.job_id, 0, len(members), key)]
         admission = self.bidding.scheduling.admission
-        home = admission.home_of(record.manifest) if admission.needs_grant(record.manifest) else None
-        for key in (inst.leader, home):   # the leader proposes; the quota home grants it (Q2b)
+        homes = admission.homes_of(record.manifest) if admission.needs_grant(record.manifest) else ()
+        for key in (inst.leader, *homes):   # the leader proposes; the quota homes grant it (Q2b)
             if key not in (None, me) and key not in chosen:
                 chosen.append(key)
         return chosen
