@@ -36,28 +36,29 @@ class PoolScheduling:
         """Q2 then Q5, for a job that passed the policy and capability checks (P3)."""
         if not self.enabled:
             return True, None, ""
-        problem = self._quota_problem(record)
+        problem = self._quota_problem(record, now_ms)
         if problem is not None:
             reason = "unknown_pool" if self.quotas.unknown_pool_error(record.manifest) else "over_quota"
             return False, reason, problem
         if self.reservations:
-            holder = reservation_holder(record, self.jobs, self.ctx.me, self._total(), quota_holds=self._quota_holds)
+            holder = reservation_holder(record, self.jobs, self.ctx.me, self._total(),
+                                        quota_holds=lambda held: self._quota_holds(held, now_ms))
             if holder is not None:
                 problem = backfill_error(record, holder, self._free(), self._running(), now_ms)
                 if problem is not None:
                     return False, "reserved", problem
         return True, None, ""
 
-    def _quota_problem(self, record) -> str | None:
+    def _quota_problem(self, record, now_ms: int) -> str | None:
         """Why the quota holds the job here now: no grant yet (Q2b), or, for a job that needs
         none (a gang), Q2's count; None when it does not."""
         if self.admission.needs_grant(record.manifest):
-            return self.admission.wait_report(record)   # granted: capacity alone decides the bid (Q2c)
+            return self.admission.wait_report(record, now_ms)   # granted: capacity alone decides the bid (Q2c)
         return self.quotas.over_quota(record.manifest, self.jobs, bid_for=self.jobs_bid_for())
 
-    def _quota_holds(self, record) -> bool:
+    def _quota_holds(self, record, now_ms: int) -> bool:
         """Q2 or Q2b at this member now, for a job that would hold capacity here (Q5)."""
-        return self.quotas.enabled and self._quota_problem(record) is not None
+        return self.quotas.enabled and self._quota_problem(record, now_ms) is not None
 
     def stamp(self):
         """What the bid rules read besides the ledger: which jobs are pending or live here.
@@ -91,7 +92,7 @@ class PoolScheduling:
         job = record.manifest
         position, length = queue_position(self.jobs, record)
         pool = job.scheduling.pool
-        quota_problem = self._quota_problem(record) if self.quotas.enabled else None
+        quota_problem = self._quota_problem(record, now_ms) if self.quotas.enabled else None
         estimate = start_estimate(record, self.jobs, self.quotas, free_by_node, now_ms)
         ahead_higher = sum(1 for r in self.jobs if r.state == "pending" and r.manifest.scheduling.pool == pool
                            and r.manifest.priority > job.priority)

@@ -27,6 +27,7 @@ from protocol.ready import Outbound, PersistRecord, Ready
 from protocol.signing import short_id
 
 QUOTA_HOME_TAG = b"meshnode quota home v1"
+UNKNOWN_JOB_GRANT_ROUNDS = 8   # as a restored reservation's lifetime (R1, BID_LIFETIME_ROUNDS)
 MAX_GRANTS_KEPT = 65536      # grants held for jobs; the oldest is dropped beyond (a job then waits for a re-send)
 GRANT_HANDOVER_ROUNDS = 5   # a deputy of rank r grants a job its home left waiting r x this many round timeouts
 GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (beside the job's outcome row)
@@ -91,11 +92,12 @@ class QuotaAdmission:
         self.jobs = jobs
         self.quotas = quotas
         self.grants: dict[bytes, bytes] = {}     # job id -> grant envelope (verified)
+        self.granted: dict[bytes, tuple] = {}    # job id -> (QuotaGrant, when it was kept here)
         self.resent_ms: dict[bytes, int] = {}    # job id -> when this node last re-sent the job or its grant
         self.signed_here: set[bytes] = set()     # job ids whose grant this node signed (it re-sends those)
         self.waiting_since: dict[bytes, int] = {}   # job id -> since when it waits here for a grant (deputies)
         self.checked_at_stamp = None
-        self.deputy_due_ms = 0
+        self.recheck_at_ms = 0
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
@@ -137,21 +139,27 @@ class QuotaAdmission:
             raise RemoteProtocolError("quota grant does not match its job")
         if grant.job_id in self.grants:
             return False
-        self._keep(grant.job_id, data, out)
+        self._keep(grant, data, now_ms, out)
         return True
 
-    def _keep(self, jid: bytes, data: bytes, out: Ready) -> None:
+    def _keep(self, grant: QuotaGrant, data: bytes, now_ms: int, out: Ready) -> None:
+        jid = grant.job_id
         if len(self.grants) >= MAX_GRANTS_KEPT:
-            self.grants.pop(next(iter(self.grants)))
+            oldest = next(iter(self.grants))
+            self.grants.pop(oldest)
+            self.granted.pop(oldest, None)
         self.grants[jid] = data
+        self.granted[jid] = (grant, now_ms)
         # Persisted (a restarted home must count the grants it gave; a member, bid with them).
         out.persist.append(PersistRecord("jobs", GRANT_PERSIST_PREFIX + jid.hex(),
                                          {"job_id": jid, "outcome": "quota_grant", "envelope": data}))
 
     # --- the home's count and its grants (Q2b) -------------------------------------------------------
-    def counted(self, owner: bytes, pool: str) -> Usage:
-        """What the home counts against the quota: the owner's live jobs in the pool and its
-        pending jobs there that hold a grant."""
+    def counted(self, owner: bytes, pool: str, now_ms: int) -> Usage:
+        """What a home counts against the quota: the owner's live jobs in the pool, its
+        pending jobs there that hold a grant, and the grants it holds of jobs its table does
+        not (a restart forgot the pending ones), each for UNKNOWN_JOB_GRANT_ROUNDS maximal
+        round timeouts after it was kept here (a job not seen by then is presumed gone)."""
         total = Usage()
         for record in self.jobs:
             job = record.manifest
@@ -159,14 +167,19 @@ class QuotaAdmission:
                 continue
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
                 total = total + demand(job.resources)
+        unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
+        for jid, (grant, kept_ms) in self.granted.items():
+            if (grant.owner == owner and grant.pool == pool and now_ms - kept_ms < unknown_for_ms
+                    and self.jobs.get(jid) is None):
+                total = total + Usage(grant.gpu_milli, grant.cpu_milli, grant.mem_mib)
         return total
 
-    def over_by(self, record) -> list:
+    def over_by(self, record, now_ms: int) -> list:
         """(dimension, counted, demand, limit) for each dimension the job would take its
         owner over the quota by this node's count (Q2b)."""
         job = record.manifest
         limit = self.quotas.limit(job.scheduling.pool, job.owner)
-        held, asked = self.counted(job.owner, job.scheduling.pool), demand(job.resources)
+        held, asked = self.counted(job.owner, job.scheduling.pool, now_ms), demand(job.resources)
         return [(name, getattr(held, name), getattr(asked, name), cap) for name, _total, cap in (held + asked).exceeds(limit)]
 
     def admit(self, now_ms: int, out: Ready) -> None:
@@ -179,9 +192,9 @@ class QuotaAdmission:
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
-        if stamp == self.checked_at_stamp and now_ms < self.deputy_due_ms:
+        if stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms:
             return
-        self.checked_at_stamp, self.deputy_due_ms = stamp, 1 << 62
+        self.checked_at_stamp, self.recheck_at_ms = stamp, 1 << 62
         handover_ms = GRANT_HANDOVER_ROUNDS * self.ctx.params.round_timeout_ms
         still_waiting = {}
         for record in sorted(waiting, key=queue_key):
@@ -191,18 +204,23 @@ class QuotaAdmission:
             rank = homes.index(self.ctx.me)
             since = still_waiting[record.job_id] = self.waiting_since.get(record.job_id, now_ms)
             if now_ms < since + rank * handover_ms:
-                self.deputy_due_ms = min(self.deputy_due_ms, since + rank * handover_ms)
+                self.recheck_at_ms = min(self.recheck_at_ms, since + rank * handover_ms)
                 continue
-            if self.over_by(record):
+            if self.over_by(record, now_ms):
                 continue
-            data = self.ctx.sign(grant_for(record.manifest))
-            self._keep(record.job_id, data, out)
+            grant = grant_for(record.manifest)
+            data = self.ctx.sign(grant)
+            self._keep(grant, data, now_ms, out)
             if len(self.signed_here) >= MAX_GRANTS_KEPT:
                 self.signed_here.clear()
             self.signed_here.add(record.job_id)
             out.messages.append(Outbound(None, data))
             out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex(), rank=rank))
         self.waiting_since = still_waiting
+        unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
+        for jid, (_grant, kept_ms) in self.granted.items():   # a forgotten job's grant stops counting then
+            if self.jobs.get(jid) is None and kept_ms + unknown_for_ms > now_ms:
+                self.recheck_at_ms = min(self.recheck_at_ms, kept_ms + unknown_for_ms)
 
     def _resend(self, waiting: list, now_ms: int, out: Ready) -> None:
         """Once every maximal round timeout: the entry node re-sends a job still waiting for
@@ -223,7 +241,7 @@ class QuotaAdmission:
         if len(self.resent_ms) > MAX_GRANTS_KEPT:
             self.resent_ms.clear()
 
-    def wait_report(self, record) -> str | None:
+    def wait_report(self, record, now_ms: int) -> str | None:
         """For "why pending": the job waits for its grant, from which home, and which
         dimension holds it by this node's count (None: it holds its grant, or needs none)."""
         if not self.waiting_for_grant(record):
@@ -232,7 +250,7 @@ class QuotaAdmission:
         homes = self.homes_of(job)
         where = ("its quota home (epoch %d not held here)" % job.epoch if not homes else "quota home %s%s" % (
             short_id(homes[0]), " (deputies %s)" % ", ".join(short_id(h) for h in homes[1:]) if len(homes) > 1 else ""))
-        over = self.over_by(record)
+        over = self.over_by(record, now_ms)
         if not over:
             return ("waiting for a quota grant from %s (pool %r): within the quota by this node's count, so the "
                     "grant is in flight or the home is unreachable" % (where, job.scheduling.pool))

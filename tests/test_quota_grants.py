@@ -177,7 +177,7 @@ def test_a_refused_job_keeps_its_grant_and_is_placed_again_without_a_new_one():
     for key in KEYS:
         net.emit(key, net.cores[key].step(refusal, net.now, primary))
     assert core.job_view(jid)["state"] == "pending"
-    assert core.bidding.scheduling.admission.counted(OWNER.public_key, "training").gpu_milli == 1000
+    assert core.bidding.scheduling.admission.counted(OWNER.public_key, "training", net.now).gpu_milli == 1000
     net.run(600)
     assert all(c.job_view(jid)["state"] == "placed" for c in net.cores.values())
     assert all(c.bidding.scheduling.admission.grants[jid] == grant for c in net.cores.values())
@@ -242,3 +242,28 @@ def test_only_a_quota_that_limits_something_needs_a_grant():
     assert not admission.needs_grant(manifest(1, pool=""))     # the default pool: Quota(), every dimension 2^40
     unpooled = Net().cores[KEYS[0]].bidding.scheduling.admission
     assert not unpooled.needs_grant(manifest(1))               # no pools declared: no quotas
+
+
+def test_a_restarted_home_counts_a_grant_of_a_job_it_forgot_for_a_bounded_time():
+    """A home that crashed after granting a job, before it held the job's placement, takes
+    the grant back from its store but not the job: it counts the grant (or it would grant
+    the quota again) for 8 maximal round timeouts, then presumes the job gone (Q2b)."""
+    import random
+    from protocol.mesh import MeshCore
+    from protocol.policy import LocalCapacity, NodePolicy
+    from protocol.quota_admission import UNKNOWN_JOB_GRANT_ROUNDS
+    grant = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant_for(manifest(1)))
+    restarted = MeshCore(identity=IDENTITY_OF[HOME], genesis=POOLED, policy=NodePolicy(),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(0), now_ms=1000,
+                         job_outcomes=[grant])
+    admission = restarted.bidding.scheduling.admission
+    assert admission.counted(OWNER.public_key, "training", 1000).gpu_milli == 1000
+    later = 1000 + UNKNOWN_JOB_GRANT_ROUNDS * POOLED.params.round_timeout_max_ms
+    assert admission.counted(OWNER.public_key, "training", later - 1).gpu_milli == 1000
+    assert admission.counted(OWNER.public_key, "training", later).gpu_milli == 0
+    # Meanwhile a second job of the owner waits: the quota (1 GPU) is taken by the forgotten one.
+    restarted.step(encode_message(OWNER, POOLED.mesh_id, manifest(2)), 1000, KEYS[0])
+    ready = restarted.tick(1001)
+    assert not [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
+    ready = restarted.tick(later)
+    assert [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
