@@ -103,6 +103,7 @@ class MeshCore:
         self.capability = capability = CapabilityBook(ctx, epochs, jobs, ledger, capability_seq_floor)
         self.bidding = bidding = Bidding(ctx, epochs, jobs, ledger, capability, instances)
         self.liveness = liveness = Liveness(ctx, epochs, jobs, instances, now_ms, min_silence_ms)
+        bidding.scheduling.admission.suspected = liveness.is_suspected   # a quota deputy steps in for those (Q2b)
         self.joins = joins = Joins(ctx, epochs)
         self.placement = placement = PlacementFlow(ctx, epochs, jobs, ledger, instances, bidding,
                                                    self._apply_certificate_bytes)
@@ -285,6 +286,8 @@ class MeshCore:
         if handler is None:
             self.counters["unexpected_kind"] += 1
             return out
+        if sender is not None:
+            self.bidding.scheduling.admission.heard_from(sender, now_ms)   # a quota deputy's evidence (Q2b)
         try:
             if type(message) is JobManifest:
                 handler(envelope, message, data, now_ms, out, entry=sender)

@@ -98,6 +98,20 @@ class QuotaAdmission:
         self.waiting_since: dict[bytes, int] = {}   # job id -> since when it waits here for a grant (deputies)
         self.checked_at_stamp = None
         self.recheck_at_ms = 0
+        self.suspected = lambda member: False   # the failure detector's view (F2), set by the core
+        self.heard_ms: dict[bytes, int] = {}    # member -> when a message from it last arrived here
+        self.started_ms: int | None = None
+
+    def heard_from(self, member: bytes, now_ms: int) -> None:
+        """A message delivered by ``member`` (the transport's authenticated sender)."""
+        self.heard_ms[member] = now_ms
+
+    def _silent(self, member: bytes, now_ms: int, window_ms: int) -> bool:
+        """Q2b: whether a deputy takes ``member`` (a home ranked above it) as silent: suspected
+        (F2), or nothing delivered by it here for ``window_ms`` (since this node started,
+        if never: a member silent from the start is never watched by the detector)."""
+        last = self.heard_ms.get(member, self.started_ms if self.started_ms is not None else now_ms)
+        return self.suspected(member) or now_ms - last >= window_ms
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
@@ -186,9 +200,12 @@ class QuotaAdmission:
         """At a home: grant each waiting job of an (owner, pool) it is a home of that fits the
         quota by its count, in queue order (Q3), and broadcast the grant; the home at once, a
         deputy of rank r only once the job has waited r x GRANT_HANDOVER here (its home did
-        not grant it). Also the re-sends of _resend."""
+        not grant it) and while every home ranked above it is silent here (_silent). Also the
+        re-sends of _resend."""
         if not self.quotas.enabled:
             return
+        if self.started_ms is None:
+            self.started_ms = now_ms
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
@@ -203,8 +220,11 @@ class QuotaAdmission:
                 continue
             rank = homes.index(self.ctx.me)
             since = still_waiting[record.job_id] = self.waiting_since.get(record.job_id, now_ms)
-            if now_ms < since + rank * handover_ms:
-                self.recheck_at_ms = min(self.recheck_at_ms, since + rank * handover_ms)
+            silent = [self._silent(home, now_ms, handover_ms) for home in homes[:rank]]
+            if rank and (now_ms < since + rank * handover_ms or not all(silent)):
+                # A deputy steps in only for homes that are silent here, or it would grant
+                # what a live home holds back for the quota; it looks again a hand-over later.
+                self.recheck_at_ms = min(self.recheck_at_ms, max(since + rank * handover_ms, now_ms + handover_ms))
                 continue
             if self.over_by(record, now_ms):
                 continue

@@ -1076,10 +1076,18 @@ class Simulation:
         return frozenset(held)
 
     def _over_quota(self, index: int, job) -> bool:
-        """Whether node ``index``'s job table puts ``job`` over its owner's quota (Q2), whatever
-        else the node would answer: capacity freed there would not place it."""
+        """Whether node ``index``'s job table puts ``job`` over its owner's quota (Q2; Q2b: it
+        holds no grant and the admitted demand leaves no room), whatever else the node would
+        answer: capacity freed there would not place it."""
         core = self.nodes[index].core
-        return core is not None and core.bidding.scheduling.quotas.over_quota(job, core.job_table) is not None
+        if core is None:
+            return False
+        admission = core.bidding.scheduling.admission
+        if admission.needs_grant(job):   # Q2b: no grant here, and its homes' count (as this node's) has no room
+            record = core.job_table.get(job_id(job))
+            return (record is not None and admission.waiting_for_grant(record)
+                    and bool(admission.over_by(record, self.now_ms)))
+        return core.bidding.scheduling.quotas.over_quota(job, core.job_table) is not None
 
     def _decline_reason(self, index: int, jid: bytes) -> str | None:
         core = self.nodes[index].core
