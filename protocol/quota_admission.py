@@ -110,6 +110,8 @@ class QuotaAdmission:
         """Q2b: whether a deputy takes ``member`` (a home ranked above it) as silent: suspected
         (F2), or nothing delivered by it here for ``window_ms`` (since this node started,
         if never: a member silent from the start is never watched by the detector)."""
+        if not self.ctx.heartbeats:
+            return False   # without heartbeats (scale runs) silence proves nothing: no deputy acts
         last = self.heard_ms.get(member, self.started_ms if self.started_ms is not None else now_ms)
         return self.suspected(member) or now_ms - last >= window_ms
 

@@ -144,6 +144,10 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         # applied one of its placements (Q2's bound: at most (honest members - 1) x quota).
         "quota_overshoot_peak_gpu_milli_max": max((r.counters.get("quota_overshoot_peak_gpu_milli", 0)
                                                   for r in results), default=0),
+        # The same by what honest nodes run (their drivers' runs, not the checker's model of
+        # placements: a job cancelled before its placement applied is placed but never run).
+        "quota_overshoot_running_peak_gpu_milli_max": max(
+            (r.counters.get("quota_overshoot_running_peak_gpu_milli", 0) for r in results), default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # --reflex (SPEC.md R4): replica actions (clone, reroute, decay, fill) decided, over all seeds.

@@ -239,6 +239,7 @@ class Simulation:
             self.world = world_transform(self.world)
         self.mesh_id = self.world.mesh_id
         self.owner_of_job = {spec.job_id: spec.job.owner for spec in self.world.jobs}
+        self.job_of_id = {spec.job_id: spec.job for spec in self.world.jobs}
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
@@ -625,6 +626,8 @@ class Simulation:
                     self.push(self.now_ms + 1, CHECKPOINT, node.index, (node.incarnation, run.job_id, run.fence, 0))
             if node.behaviour is None:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
+                if cfg.quota_gpus:
+                    self._note_quota_overshoot_running()
             if cfg.runs_reported:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
@@ -1128,6 +1131,22 @@ class Simulation:
         over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
         self.counters["quota_overshoot_peak_gpu_milli"] = max(self.counters.get("quota_overshoot_peak_gpu_milli", 0),
                                                               over)
+
+    def _note_quota_overshoot_running(self) -> None:
+        """As _note_quota_overshoot, by the runs honest nodes hold (what their drivers run)
+        after each "run" order: the checker's model counts a placement decided for a job
+        cancelled meanwhile, which its primary never runs (R1)."""
+        held: dict[bytes, int] = {}
+        for node in self.nodes:
+            if node.behaviour is not None or not node.up:
+                continue
+            for jid in node.running:
+                job = self.job_of_id.get(jid)
+                if job is not None:
+                    held[job.owner] = held.get(job.owner, 0) + demand(job.resources).gpu_milli
+        over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
+        key = "quota_overshoot_running_peak_gpu_milli"
+        self.counters[key] = max(self.counters.get(key, 0), over)
 
     def _declined(self, index: int, jid: bytes) -> bool:
         """Whether node ``index`` answered the job's current placement instance with a decline

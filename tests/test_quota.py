@@ -317,6 +317,8 @@ def test_sim_sweep_with_quotas_and_reservations_has_no_violations_and_holds_jobs
         held += result.counters["quota_held_jobs"]
         # Q2's bound, on the checker's truth of what honest nodes run, at every first decision
         assert 0 <= result.counters["quota_overshoot_peak_gpu_milli"] <= (len(sim.honest) - 1) * 1000
+        # Q2b: by what honest nodes run, one owner never exceeds its quota (its home grants)
+        assert result.counters.get("quota_overshoot_running_peak_gpu_milli", 0) == 0
         declined += sum(1 for node in sim.nodes if node.core is not None for record in node.core.job_table
                         if any(reason == "over_quota" for reason, _ in record.declines.values()))
     assert not failures, "\n".join(failures)
