@@ -11,6 +11,9 @@ signature and a hash rule, never a table.
 The home counts, by its own table, the owner's live jobs in the pool plus every job of
 the owner and pool it knows a grant for that is pending (granted, not placed yet, or
 back to pending after a refusal or preemption: a grant is a job's for its whole life).
+Deputies (the next members of the home ranking, together over a third of the stake)
+grant only what a home silent at them leaves waiting, so a silent home delays its
+owners' admissions by a hand-over instead of stalling them.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ def grant_for(job) -> QuotaGrant:
 
 
 def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | None:
-    """Q2c, the validator's check: ``data`` is a grant for exactly ``job`` signed by the
-    quota home of ``view`` (the job's epoch). None when it is."""
+    """Q2c, the validator's check: ``data`` is a grant for exactly ``job`` signed by a quota
+    home or deputy of ``view`` (the job's epoch). None when it is."""
     try:
         envelope, grant = decode_message(data, mesh_id, expect=QuotaGrant, caches=caches)
     except RemoteProtocolError as exc:
@@ -84,7 +87,8 @@ def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | No
 
 
 class QuotaAdmission:
-    """The grants this member holds, and, for the (owner, pool)s it is home of, granting."""
+    """The grants this member holds, and, for the (owner, pool)s it is a home or deputy of,
+    granting."""
 
     def __init__(self, ctx, epochs, jobs, quotas) -> None:
         self.ctx = ctx
