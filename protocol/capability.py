@@ -11,7 +11,7 @@ from __future__ import annotations
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, JobSignals, RunningJob
 from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
-from protocol.reflexes import VectorHistory
+from protocol.reflexes import Readings, VectorHistory, condition_holds, cooldown_bounds, holding_run
 
 # Unchanged, the vector is re-signed and broadcast this often: peers' copies are display
 # state (P1), and a refresh every second cost every node n - 1 signed messages out and in per
@@ -22,6 +22,12 @@ CAPABILITY_REFRESH_MS = 10_000
 # read -- a reflex's condition held for its duration (R3), the checkpoint age that picks a
 # preemption's victims (P8) -- and an idle mesh still pays the 10 s rate only.
 CAPABILITY_REFRESH_BUSY_MS = 1000
+# While a job with reflex rules runs here its GPUs are read this often (P1b): a rule's
+# condition is then seen within this long of its start, and the vector completing its
+# evidence within this long of the rule's duration, where a 1 s reading cadence added up to
+# 1 s to both. Only a reading that changes a broadcast fact, crosses a rule's threshold or
+# completes a duration is signed, so the faster reading sends no more vectors.
+REFLEX_READING_MS = 100
 RUNNING_REPORT_GAP_MS = 100      # a change of the jobs running here is broadcast at most this often
 # Peers keep a vector only if its seq is higher than the one they hold (P1), so a restarted
 # node must not count from 0 again: it persists a floor this far ahead of what it signs,
@@ -117,6 +123,46 @@ class CapabilityBook:
             self.history.add(me, self.envelope, cap)
         return self.envelope, cap, True
 
+    def _rules_here(self) -> list:
+        """(job record, rule index, rule) of the reflex rules of the jobs running here as primary."""
+        return [(r, i, rule) for r in self.jobs.mine() if r.state == "running"
+                for i, rule in enumerate(r.manifest.reflexes)]
+
+    def _conditions(self, readings: Readings) -> tuple:
+        """Which of the rules here ``readings`` show: a change is a threshold crossing (P1b)."""
+        return tuple(condition_holds(rule, readings, r.job_id) for r, _i, rule in self._rules_here())
+
+    def _evidence_completes(self, now_ms: int) -> bool:
+        """P1b: a vector signed now would complete a rule's evidence (its duration, or the span
+        and start a cooldown asks, R3/R4c) that our newest vector does not complete."""
+        history = self.history.of(self.ctx.me)
+        if not history or self.vector is None or history[-1][1].seq != self.vector.seq:
+            return False
+        newest_ms = history[-1][1].taken_ms
+        for record, _index, rule in self._rules_here():
+            run = holding_run(rule, history, record.job_id, record.fence)
+            if not run:
+                continue
+            # The flows ask the bounds of one last reflex or of several (R3, R4c): each alone,
+            # and all at once, so every due moment gets its vector.
+            lasts = [None] + [last for last in (record.reflex_at, *record.replica_reflex_at.values()) if last]
+            bounds = [cooldown_bounds(rule, last, self.ctx.me) for last in lasts]
+            bounds.append((max(b[0] for b in bounds), max(b[1] for b in bounds)))   # several at once (R4c)
+            for span_ms, not_before_ms in bounds:
+                start = next((taken for taken in run if taken >= not_before_ms), None)
+                if start is None and not_before_ms <= now_ms:
+                    return True   # the cooldown is over: a vector now starts the evidence
+                if start is not None and newest_ms < start + span_ms <= now_ms:
+                    return True
+        return False
+
+    def reading_period_ms(self, default_ms: int) -> int:
+        """How often the node should read its GPUs: REFLEX_READING_MS while a job with reflex
+        rules runs here as primary (P1b), else ``default_ms``."""
+        if self.jobs.may_have_mine() and self._rules_here():
+            return min(default_ms, REFLEX_READING_MS)
+        return default_ms
+
     def _job_signals_here(self, running: tuple) -> tuple:
         """The reports of the jobs the vector lists running (R3a: only those may carry one)."""
         listed = {job_id for job_id, _fence in running[:MAX_RUNNING_LISTED]}
@@ -159,18 +205,26 @@ class CapabilityBook:
         elif self.telemetry_fault and not fault:
             out.events.append(self.ctx.event("telemetry_recovered", now_ms))
         self.telemetry_fault = fault[:200]
+        signed_readings = (self.telemetry_gpus, self.telemetry_simulated, self.job_signals)
         if not fault:
             self.telemetry_gpus = tuple(gpus)
         self.telemetry_simulated = bool(simulated)
         self.job_signals = {s.job_id: s for s in job_signals}
         self.rtt_us = max(0, int(rtt_us))
         broadcast_facts = self._broadcast_facts()
-        envelope, _cap, changed = self.current(now_ms)
         # Compared with what was last broadcast, not last signed: a bid may have signed the change.
         material = broadcast_facts != self.broadcast_facts
         refresh_ms = CAPABILITY_REFRESH_BUSY_MS if broadcast_facts[2] else CAPABILITY_REFRESH_MS   # jobs run here
         stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= refresh_ms
-        if (material or stale) and self.epochs.is_member():
+        reflexes_here = broadcast_facts[-1] is not None
+        due = reflexes_here and self._evidence_completes(now_ms)
+        if reflexes_here and not (material or stale or due):
+            # P1b: a reading that crosses no threshold is not signed (a vector signed and not
+            # broadcast would break the evidence chain); the next one that matters carries it.
+            self.telemetry_gpus, self.telemetry_simulated, self.job_signals = signed_readings
+            return out
+        envelope, _cap, changed = self.current(now_ms)
+        if (material or stale or due) and self.epochs.is_member():
             if not (changed or material):
                 self.envelope = None  # a refresh: a fresh taken_ms and seq
                 envelope, _cap, _ = self.current(now_ms)
@@ -184,10 +238,14 @@ class CapabilityBook:
         changes at nearly every reading on real GPUs; their health counts."""
         gpus = self._gpu_states()
         ledger = self.ledger
-        # A job with reflex rules runs here: its rules read the readings, and its evidence is
-        # the chain of vectors that show them (R3), so their drift goes out at once too.
-        reflex_jobs = any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running")
-        readings = (gpus, self._job_signals_here(self._running_here())) if reflex_jobs else None
+        # A job with reflex rules runs here: its evidence is the chain of vectors that show its
+        # rules' conditions (R3), so a reading that crosses a rule's threshold goes out at once
+        # (P1b); the drift between crossings waits for the refresh.
+        readings = None
+        if self.jobs.may_have_mine() and self._rules_here():
+            record = self.epochs.member_info.get(self.ctx.me)
+            zone = record.zone if record is not None else self.ctx.policy.zone
+            readings = self._conditions(Readings(zone, gpus, self._job_signals_here(self._running_here())))
         return (self.epochs.epoch, self.telemetry_simulated, self._running_here(), ledger.gpu_milli_free(),
                 ledger.free_cpu_milli(), ledger.free_mem_mib(), len(gpus), self.health_stamp(), readings)
 

@@ -11,11 +11,20 @@ evidence from the vectors alone (``evidence_error``). Pure: no clock, no IO.
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (JOB_REFLEX_SIGNALS, MAX_EVIDENCE, CapabilityVector, JobSignals, Reflex,
                                decode_message)
 from protocol.placement import UNHEALTHY_THROTTLE_MASK
+
+
+class Readings(NamedTuple):
+    """What a rule's condition reads of a vector (condition_holds takes either): a node's
+    readings before it signs them, to tell whether they cross a threshold (P1b)."""
+    zone: str
+    gpus: tuple
+    job_signals: tuple
 
 
 def signal_value(signal: str, cap: CapabilityVector, job_id: bytes = b"") -> list[int]:
@@ -96,6 +105,20 @@ def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms:
         if len(chain) >= MAX_EVIDENCE:
             return None
     return None
+
+
+def holding_run(rule: Reflex, history, job_id: bytes, fence: int) -> list[int]:
+    """The ``taken_ms`` of the newest unbroken run of ``history``'s vectors (consecutive seqs)
+    that show ``rule``'s condition with the job running at ``fence``, oldest first: where
+    the evidence a new vector would complete may start."""
+    run = []
+    for _envelope, cap in reversed(history):
+        if run and cap.seq != run[-1][0] - 1:
+            break
+        if not (condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence)):
+            break
+        run.append((cap.seq, cap.taken_ms))
+    return [taken for _seq, taken in reversed(run)]
 
 
 def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes, fence: int, mesh_id: bytes,

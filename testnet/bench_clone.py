@@ -10,8 +10,9 @@ original 50 %; while they read below 20 % for ``DECAY_FOR_MS``, decay the newest
 system-wide clock, ``mono_ns``):
 
 - ``clone_ms``: from ``hot_ns + CLONE_FOR_MS`` (the condition has held for its duration)
-  until the clone answers ``GET /`` at the address its endpoint table row names; the vector
-  cadence (1 s) and the vote are inside it.
+  until the clone answers ``GET /`` at the address its endpoint table row names; the
+  primary's reading cadence (100 ms while the job runs there, SPEC.md P1b), the vote and
+  the replica's start are inside it.
 - ``rerouted_share``: once reroute and decay applied and the primary reads normal again,
   the load generator (testnet/loadgen.py) drives the job through its endpoint table for
   ``LOAD_S``; the share of its answered requests the clone answered (and, from the weights,
@@ -222,7 +223,7 @@ class CloneRounds:
                 table = await self._wait_serving(job_hex)
             primary = run.index_of[table["endpoints"][0]["node"]]
             record["primary"] = primary
-            await trio.sleep(run.rng.uniform(0, 1.0))   # any phase of the 1 s vector cadence
+            await trio.sleep(run.rng.uniform(0, 1.0))   # any phase of the readings and the 1 s refresh
             hot_ns = time.monotonic_ns()
             await self._set_util(primary, HOT_UTIL_MILLI)
             with trio.fail_after(STEP_TIMEOUT_S):

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import trio
 
 from meshnode.cli.output import add_json_flag, emit, examples
 from protocol.errors import MeshError
-from testnet.loadgen import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S, endpoints_of_job, parse_target,
-                             run_load)
+from testnet.loadgen import (DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S, endpoints_of_job, follow_endpoints,
+                             parse_target, run_load)
 
 JSON_KEYS = """
 --json prints one object: rps, duration_s, elapsed_s, sent, ok, errors, achieved_ok_rps,
 latency_ms {p50, p99, max, n} (from when each request was due: open loop), and "targets":
-one {target, weight, sent, ok, errors, error_kinds, latency_ms} per target.
+one {target, weight, sent, ok, errors, error_kinds, latency_ms} per target ever driven;
+endpoint_updates: how often --job's endpoint table was read again after a change.
 """
 
 
@@ -32,7 +34,9 @@ def register(subparsers) -> None:
                         help="a service to drive (repeatable); WEIGHT > 0 sets its share of requests (default 1)")
     parser.add_argument("--job", default=None, metavar="JOB",
                         help="drive the job's endpoints, as the endpoint table of the node (--node) lists them")
-    parser.add_argument("--node", default=None, metavar="DIR", help="with --job: the node asked for its endpoints")
+    parser.add_argument("--node", default=None, metavar="DIR",
+                        help="with --job: the node asked for its endpoints, again at each change of them "
+                             "(a clone gets requests once the node applied it)")
     parser.add_argument("--rps", type=float, required=True, metavar="N",
                         help="requests per second, all targets together")
     parser.add_argument("--duration-s", type=float, required=True, metavar="S", help="how long to send")
@@ -47,14 +51,17 @@ def register(subparsers) -> None:
 
 def cmd_load(args) -> int:
     targets = [parse_target(text) for text in args.target]
+    follow = None
     if args.job is not None:
         if args.node is None:
             raise MeshError("--job needs --node DIR: the node whose endpoint table lists the job's replicas")
         targets += endpoints_of_job(args.node, args.job)
+        if not args.target:   # the table alone decides the targets: follow its changes
+            follow = partial(follow_endpoints, args.node, args.job)
     elif args.node is not None:
         raise MeshError("--node is for --job: give the services with --target HOST:PORT")
     result = trio.run(lambda: run_load(targets, args.rps, args.duration_s, timeout_s=args.timeout_s,
-                                       max_in_flight=args.max_in_flight))
+                                       max_in_flight=args.max_in_flight, follow=follow))
     emit(args, result, lambda console: _render(console, result))
     return 0 if result["ok"] else 1
 

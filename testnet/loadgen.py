@@ -12,7 +12,10 @@ malformed answer -- is an error, counted by kind. Requests still due while
 generator's memory stays bounded when a service stops answering.
 
 ``--job JOB`` takes the targets from the node's endpoint table (control API
-``endpoints``: [{replica, address, port, weight}]), which nodes with replicas serve.
+``endpoints``: [{replica, address, port, weight}]), which nodes with replicas serve, and
+follows it: the generator subscribes to the node's events and reads the table again at
+each event that changes it (``TABLE_EVENTS``), so a clone gets its share of requests as
+soon as the node applied it, and a retired replica gets none; no polling.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_IN_FLIGHT = 1000
 MAX_RPS = 100_000
 MAX_DURATION_S = 86_400
+# The events after which a job's endpoint table may differ (SPEC.md R4e): replicas added,
+# re-weighted, retired or dropped, the primary moved or migrated.
+TABLE_EVENTS = ("replica_action", "replicas_dropped", "moved", "migrated")
 
 
 @dataclass
@@ -112,9 +118,18 @@ class WeightedPicker:
     credit and takes the target with the most, which then pays the total back."""
 
     def __init__(self, targets: list[Target]):
-        self.targets = targets
-        self.credit = [0.0] * len(targets)
-        self.total = sum(t.weight for t in targets)
+        self.targets: list[Target] = []
+        self.credit: list[float] = []
+        self.total = 0.0
+        self.set_targets(targets)
+
+    def set_targets(self, targets: list[Target]) -> None:
+        """Pick among ``targets`` from now on (the endpoint table changed); a target picked
+        before keeps its credit, so the round robin goes on where it was."""
+        credit = {t.name: c for t, c in zip(self.targets, self.credit)}
+        self.targets = list(targets)
+        self.credit = [credit.get(t.name, 0.0) for t in self.targets]
+        self.total = sum(t.weight for t in self.targets)
 
     def pick(self) -> Target:
         for i, target in enumerate(self.targets):
@@ -122,6 +137,30 @@ class WeightedPicker:
         best = max(range(len(self.targets)), key=lambda i: self.credit[i])
         self.credit[best] -= self.total
         return self.targets[best]
+
+
+async def follow_endpoints(node_dir, job: str, retarget) -> None:
+    """``retarget(targets)`` with the job's endpoint table now and after every event of the
+    node (at ``node_dir``) that may change it, until cancelled. A table with no weighted
+    endpoint is skipped; a node that goes away ends the following (the last targets stay)."""
+    from meshnode.control.client import AsyncControlClient, ControlError
+
+    async def refresh(client) -> None:
+        try:
+            retarget(targets_from_endpoints(await client.call("endpoints", job_id=job)))
+        except MeshError:
+            pass   # no weighted endpoint right now (e.g. the primary is moving): keep sending as before
+
+    prefix = job.lower()
+    try:
+        async with AsyncControlClient(node_dir) as client:
+            async with client.subscribe(kinds=list(TABLE_EVENTS)) as events:
+                await refresh(client)   # what changed between the first read and the subscription
+                async for event in events:
+                    if str(event.get("detail", {}).get("job_id", "")).startswith(prefix):
+                        await refresh(client)
+    except (ControlError, OSError):
+        return
 
 
 async def one_request(target: Target, timeout_s: float) -> str | None:
@@ -153,8 +192,10 @@ async def one_request(target: Target, timeout_s: float) -> str | None:
 
 
 async def run_load(targets: list[Target], rps: float, duration_s: float, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> dict:
-    """Drive ``targets`` open-loop at ``rps`` for ``duration_s``; the report (see module doc)."""
+                   max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, follow=None) -> dict:
+    """Drive ``targets`` open-loop at ``rps`` for ``duration_s``; the report (see module doc).
+    ``follow(retarget)``: an async function run meanwhile that calls ``retarget(targets)``
+    when the targets change (follow_endpoints); each target ever driven is reported."""
     if not targets:
         raise MeshError("no target: give --target HOST:PORT (or --job JOB)")
     if not 0 < rps <= MAX_RPS:
@@ -164,6 +205,20 @@ async def run_load(targets: list[Target], rps: float, duration_s: float, *, time
     if max_in_flight < 1 or not timeout_s > 0:
         raise MeshError("--max-in-flight must be at least 1 and --timeout-s above 0")
     picker = WeightedPicker(targets)
+    driven = {t.name: t for t in targets}   # every target ever picked from, for the report
+    updates = 0
+
+    def retarget(new_targets: list[Target]) -> None:
+        nonlocal updates
+        current = []
+        for target in new_targets:
+            kept = driven.setdefault(target.name, target)
+            kept.weight = target.weight
+            current.append(kept)
+        if current:
+            picker.set_targets(current)
+            updates += 1
+
     due_count = int(rps * duration_s)
     in_flight = 0
     started_wall = time.time()
@@ -181,22 +236,27 @@ async def run_load(targets: list[Target], rps: float, duration_s: float, *, time
             target.error(kind)
 
     start = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        for k in range(due_count):
-            due = start + k / rps
-            await trio.sleep_until(due)
-            target = picker.pick()
-            target.sent += 1
-            if in_flight >= max_in_flight:
-                target.error("shed")
-                continue
-            in_flight += 1
-            nursery.start_soon(send, target, due)
+    async with trio.open_nursery() as following:
+        if follow is not None:
+            following.start_soon(follow, retarget)
+        async with trio.open_nursery() as nursery:
+            for k in range(due_count):
+                due = start + k / rps
+                await trio.sleep_until(due)
+                target = picker.pick()
+                target.sent += 1
+                if in_flight >= max_in_flight:
+                    target.error("shed")
+                    continue
+                in_flight += 1
+                nursery.start_soon(send, target, due)
+        following.cancel_scope.cancel()
     elapsed_s = trio.current_time() - start
+    targets = list(driven.values())
     per_target = [t.report() for t in targets]
     all_latencies = [ms for t in targets for ms in t.latencies_ms]
     return {"rps": rps, "duration_s": duration_s, "elapsed_s": round(elapsed_s, 3), "started_unix_s": started_wall,
             "sent": sum(t.sent for t in targets), "ok": sum(t.ok for t in targets),
             "errors": sum(r["errors"] for r in per_target), "latency_ms": summary_ms(all_latencies),
             "achieved_ok_rps": round(sum(t.ok for t in targets) / elapsed_s, 3) if elapsed_s > 0 else None,
-            "targets": per_target}
+            "endpoint_updates": updates, "targets": per_target}

@@ -146,3 +146,80 @@ def test_job_targets_are_asked_by_job_id_as_the_control_api_names_it(monkeypatch
     targets = loadgen.endpoints_of_job("net/node-0", "ea9aec16873a")
     assert asked == [("endpoints", {"job_id": "ea9aec16873a"})]
     assert [(t.name, t.weight) for t in targets] == [("127.0.0.2:18080", 1000.0)]
+
+
+def test_weighted_picker_keeps_its_round_robin_across_a_change_of_targets():
+    a, b, c = Target("a", 1, 1.0), Target("b", 2, 1.0), Target("c", 3, 2.0)
+    picker = WeightedPicker([a, b])
+    assert [picker.pick().host for _ in range(3)] == ["a", "b", "a"]
+    picker.set_targets([b, c])   # a retired, c cloned with twice b's weight
+    picks = [picker.pick().host for _ in range(6)]
+    assert picks.count("c") == 4 and picks.count("b") == 2 and "a" not in picks
+
+
+async def test_load_follows_a_changed_target_list_and_reports_every_target_driven(servers):
+    first = Target("127.0.0.1", servers[0].server_address[1])
+    second = Target("127.0.0.1", servers[1].server_address[1])
+
+    async def follow(retarget):
+        retarget([Target(second.host, second.port, 2.0)])   # the table changed before the first request
+        await trio.sleep_forever()                          # cancelled when the sending ends
+
+    result = await run_load([first], rps=100, duration_s=0.1, timeout_s=10, follow=follow)
+    rows = {row["target"]: row for row in result["targets"]}
+    assert result["endpoint_updates"] == 1
+    assert (rows[first.name]["sent"], rows[second.name]["sent"], rows[second.name]["ok"]) == (0, 10, 10)
+    assert rows[second.name]["weight"] == 2.0
+
+
+async def test_following_the_endpoint_table_reads_it_again_at_each_event_of_the_job(monkeypatch):
+    """A subscription, not a poll: the table is read once subscribed and after each event
+    that names the job; another job's events read nothing."""
+    tables = iter([[{"replica": 0, "address": "127.0.0.2", "port": 18080, "weight": 1000}],
+                   [{"replica": 0, "address": "127.0.0.2", "port": 18080, "weight": 500},
+                    {"replica": 1, "address": "127.0.0.3", "port": 18080, "weight": 1500}]])
+    events = [{"kind": "replica_action", "detail": {"job_id": "ffff"}},
+              {"kind": "replica_action", "detail": {"job_id": "ea9aec16873a00"}}]
+    asked = []
+
+    class Node:
+        def __init__(self, path, timeout_s=None):
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+        async def call(self, op, **args):
+            asked.append((op, args))
+            return {"endpoints": next(tables)}
+
+        def subscribe(self, **args):
+            asked.append(("subscribe", args))
+            return Stream()
+
+    class Stream:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not events:
+                raise StopAsyncIteration
+            return events.pop(0)
+
+    import meshnode.control.client as client
+    monkeypatch.setattr(client, "AsyncControlClient", Node)
+    seen = []
+    await loadgen.follow_endpoints("net/node-0", "EA9AEC16873A", lambda targets: seen.append(
+        [(t.name, t.weight) for t in targets]))
+    assert asked[0] == ("subscribe", {"kinds": list(loadgen.TABLE_EVENTS)})
+    assert [op for op, _args in asked[1:]] == ["endpoints", "endpoints"]
+    assert seen == [[("127.0.0.2:18080", 1000.0)], [("127.0.0.2:18080", 500.0), ("127.0.0.3:18080", 1500.0)]]

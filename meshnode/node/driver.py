@@ -285,7 +285,8 @@ class Node:
                                                           simulated=self.telemetry.simulated, fault=fault,
                                                           job_signals=self._job_signals()))
             self._report_refusals()
-            await trio.sleep(TELEMETRY_MS / 1000)
+            # Every 100 ms while a job with reflex rules runs here (SPEC.md P1b), else every second.
+            await trio.sleep(self.core.capability.reading_period_ms(TELEMETRY_MS) / 1000)
 
     async def _sample_gpus(self) -> tuple:
         """Real GPUs are read in a worker thread: on an H100 under load an NVML read took

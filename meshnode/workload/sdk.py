@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from keys.errors import ConfigError
 from meshnode.workload.state_slot import MAX_COUNT, SlotWriter
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.messages import MAX_STATE_BYTES
+from protocol.state_size import MAX_STATE_BYTES
 
 SDK_FD_ENV = "MESHNODE_SDK_FD"
 SLOT_FD_ENV = "MESHNODE_SLOT_FD"

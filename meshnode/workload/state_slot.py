@@ -36,7 +36,7 @@ import zlib
 
 from keys.errors import ConfigError
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MAX_STATE_BYTES
+from protocol.state_size import MAX_STATE_BYTES
 
 MAGIC = b"MNS1"
 LAYOUT_VERSION = 1

@@ -318,6 +318,9 @@ class ReplicaFlow(ValueFlow):
             return
         self._apply_action(record, action, now_ms, out)
         self.apply_parked(now_ms, out)
+        # The job's next action may be proven by the vectors already held (the clone,
+        # reroute and decay hold on one condition): notice it now, not at the next vector (P1b).
+        self.notice(record.primary, now_ms, out)
 
     def _park(self, action: ReplicaAction) -> None:
         if sum(len(held) for held in self.parked.values()) >= MAX_PARKED:

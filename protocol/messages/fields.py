@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from protocol import codec
 from protocol.schema import Bytes, Int, check_schema_matches_fields
+from protocol.state_size import MAX_STATE_BYTES  # noqa: F401 (re-exported: one limit, one place)
 
 MAX_NODES = 4096          # members of one mesh epoch
 MAX_BIDS_PER_PROPOSAL = 32  # justification kept O(1) per voter (SPEC.md 6.3)
 MAX_SLOT_JOBS = 128         # placements one slot decides (SPEC.md P7)
 MAX_BIDS_PER_SLOT_JOB = 5   # a slot proposal carries the bids of each primary and its <= 4 backups
 MAX_JUSTIFICATION = MAX_SLOT_JOBS * MAX_BIDS_PER_SLOT_JOB
-MAX_STATE_BYTES = 900 * 1024  # checkpoint state; leaves room in the 1 MiB frame
 STRATEGIES = ("latency", "throughput", "sovereign", "pack")
 DECLINE_REASONS = ("owner_not_allowed", "entrypoint_not_allowed", "not_enough_gpus",
                    "not_enough_gpu_memory", "not_enough_cpu", "not_enough_memory",
