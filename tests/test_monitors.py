@@ -96,10 +96,15 @@ class Mesh:
                 self.wake[key] = self._next_wake(key)
         self.deliver()
 
-    def resume(self, key):
-        """SIGCONT: the overdue tick first, then the frames that waited are read."""
+    def resume(self, key, read_lag_ms: int = 0):
+        """SIGCONT: the overdue tick first, then the frames that waited are read, after
+        ``read_lag_ms`` (a loaded node's receive path lags its timer: Noise, yamux, trio)."""
         self.paused.discard(key)
         self.drains[key].drain(self.cores[key].tick(self.now))
+        if read_lag_ms:
+            self.paused.add(key)   # sends what its tick sent; reads nothing yet
+            self.run(read_lag_ms)
+            self.paused.discard(key)
         for src, data in self.held[key]:
             self.drains[key].drain(self.cores[key].step(data, self.now, src))
         self.held[key].clear()
@@ -233,6 +238,28 @@ def test_a_pause_shorter_than_the_bound_evicts_no_one(pause_ms, evicted, sparse_
     assert all(mesh.evictions(k) == ([sleeper] if evicted else []) for k in others)
     if not evicted:
         assert all(core.epoch == 0 for core in mesh.cores.values())
+
+
+@pytest.mark.parametrize("pause_ms", [270, 290])
+def test_a_stall_past_the_threshold_is_suspected_by_the_monitors_alone(pause_ms):
+    """Issue 18 (3,790 suspicions in a 5-minute idle soak at n = 16): a member stalled a little
+    past the suspicion threshold (shorter than the bound) is suspected by its k monitors, and
+    every member their suspicion reached gives it two periods to answer (F4). Its answer used
+    to wait until it had read the suspicion, behind everything sent to it during the stall:
+    60 ms later all 11 other members suspected it too, each suspicion a signed broadcast. It
+    now refutes on the tick that measured the stall (F1)."""
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    sleeper = mesh.keys[3]
+    mesh.paused.add(sleeper)
+    mesh.run(pause_ms)
+    mesh.resume(sleeper, read_lag_ms=60)
+    mesh.run(2000)
+    suspecters = {key for key in mesh.keys if any(e.kind == "suspect" and e.detail["suspect"] == sleeper.hex()
+                                                   for e in mesh.events[key])}
+    assert suspecters == set(monitor_assignment(mesh.keys)[sleeper])
+    assert len(mesh.suspect_events(sleeper)) == MONITORS_PER_MEMBER
+    assert not any(mesh.evictions(key) for key in mesh.keys)
 
 
 def test_one_members_suspicion_of_a_live_member_evicts_no_one():
