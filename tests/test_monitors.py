@@ -201,6 +201,25 @@ def test_an_idle_core_needs_a_tick_per_heartbeat_not_one_per_5_ms():
     assert sum(mesh.heartbeats_sent.values()) == pytest.approx(sum(dense.heartbeats_sent.values()), rel=0.05)
 
 
+def test_a_held_suspicion_needs_ticks_at_its_deadlines_not_one_per_5_ms():
+    """Issue 18 (SPEC F3a): while a suspicion is held (3 detection bounds after it arrived),
+    every member used to tick every 5 ms; on a starved host each suspicion so cost the whole
+    mesh 180 ticks per member. Now it ticks at its timers' deadlines (heartbeats, the
+    suspect's silence threshold, the suspicion's lapse), and a refuted lie evicts no one."""
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    liar, target = mesh.keys[0], mesh.keys[7]
+    lie = encode_message(mesh.ids[0], mesh.genesis.mesh_id, Suspicion(suspect=target, epoch=0, silent_ms=10_000))
+    mesh.queue.extend((liar, k, lie) for k in mesh.keys if k not in (liar, target))
+    mesh.deliver()
+    assert all(mesh.cores[k].liveness.suspicions for k in mesh.keys if k not in (liar, target))
+    mesh.ticks = {}
+    mesh.run(1000)
+    periods = 1000 // PERIOD
+    assert all(ticks <= 2 * periods for ticks in mesh.ticks.values()), mesh.ticks
+    assert not any(mesh.evictions(k) for k in mesh.keys)
+
+
 # --- crashes, pauses and lone suspicions (F4, F5) ---------------------------------------------
 
 @pytest.mark.parametrize("sparse_ticks", [False, True])
