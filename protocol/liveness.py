@@ -5,7 +5,8 @@ Every member heartbeats its k monitors (monitors.py) every heartbeat_ms, unsigne
 channel authenticates them); the failure detector (failure_detector.py) turns a subject's
 silence into suspicion. A member that receives a suspicion of a member it does not watch
 watches it from then on, counting it silent since the suspicion said (but for at least
-CONFIRM_PERIODS heartbeat periods of its own), and the suspect, if alive, answers every
+CONFIRM_PERIODS heartbeat periods of its own, and flagging it CONFIRM_GRACE_PERIODS later
+still), and the suspect, if alive, answers every
 suspicion of itself by heartbeating every member for REFUTE_PERIODS periods (a refutation,
 as in SWIM); a member that hears it stops timing its silence until another suspicion of
 it arrives (F4a: on a starved host, suspicions no longer feed on themselves). So a suspicion from more than a third of the stake, which starts the epoch's change
@@ -34,10 +35,16 @@ STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 CONFIRM_PERIODS = 2            # a member told of a suspicion watches the suspect itself this many periods first
+# ... and flags it this many periods later still (F4): after a stall a little shorter than the
+# bound, the suspect's refutation reaches it only once the suspect is scheduled again and its
+# frames are through Noise, yamux and trio at both ends; on a loaded host (load 25 on 2
+# cores) that took 60-150 ms, and every member suspected it (issue 18). The eviction wait
+# (F4: the bound and a period since last heard) is timed as before.
+CONFIRM_GRACE_PERIODS = 2
 # A suspected member heartbeats every member for this many periods after each suspicion of it
 # (F4a): enough to reach every member the suspicion reached, each of which then stops timing
 # its silence until another suspicion says otherwise.
-REFUTE_PERIODS = CONFIRM_PERIODS + 1
+REFUTE_PERIODS = CONFIRM_PERIODS + CONFIRM_GRACE_PERIODS + 1
 
 
 class Liveness:
@@ -468,15 +475,16 @@ class Liveness:
         suspect = suspicion.suspect
         confirm_ms = CONFIRM_PERIODS * self.ctx.params.heartbeat_ms
         silent_ms = min(suspicion.silent_ms, max(0, self.detector.suspect_by_ms - confirm_ms))
+        flag_after_ms = self.detector.suspect_by_ms + CONFIRM_GRACE_PERIODS * self.ctx.params.heartbeat_ms
         if suspect in self.refuted:
             # F4a: it refuted an earlier suspicion; this one is timed afresh, from its last
             # heartbeat but again with CONFIRM_PERIODS for it to answer.
             self.refuted.discard(suspect)
-            self.detector.heard_no_earlier_than(suspect, now_ms - silent_ms)
+            self.detector.heard_no_earlier_than(suspect, now_ms - silent_ms, threshold_ms=flag_after_ms)
             return
         if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
             return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
-        self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms)
+        self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms, threshold_ms=flag_after_ms)
         self.watched_on_suspicion.add(suspect)
 
     def _record_suspicion(self, signer: bytes, suspicion: Suspicion, data: bytes, now_ms: int, out: Ready) -> None:

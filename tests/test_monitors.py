@@ -50,6 +50,8 @@ class Mesh:
                                              rng=random.Random(index), now_ms=0)
                       for index, i in enumerate(self.ids)}
         self.queue = deque()
+        self.send_lag = {}   # node -> ms its frames take to leave (a loaded host's writers)
+        self.lagged = []     # (due_ms, src, target, data) not sent yet
         self.down, self.paused = set(), set()
         self.held = {k: [] for k in self.keys}
         self.decisions = {k: [] for k in self.keys}
@@ -65,9 +67,16 @@ class Mesh:
             targets = core.broadcast_targets() if message.to is None else [message.to]
             if b"heartbeat" in message.data:
                 self.heartbeats_sent[src] += len(targets)
-            self.queue.extend((src, target, message.data) for target in targets)
+            lag = self.send_lag.get(src, 0)
+            if lag:
+                self.lagged.extend((self.now + lag, src, target, message.data) for target in targets)
+            else:
+                self.queue.extend((src, target, message.data) for target in targets)
 
     def deliver(self):
+        due = [item for item in self.lagged if item[0] <= self.now]
+        self.lagged = [item for item in self.lagged if item[0] > self.now]
+        self.queue.extend(item[1:] for item in due)
         while self.queue:
             src, target, data = self.queue.popleft()
             if target in self.down or target not in self.cores:
@@ -259,20 +268,25 @@ def test_a_pause_shorter_than_the_bound_evicts_no_one(pause_ms, evicted, sparse_
         assert all(core.epoch == 0 for core in mesh.cores.values())
 
 
-@pytest.mark.parametrize("pause_ms", [270, 290])
-def test_a_stall_past_the_threshold_is_suspected_by_the_monitors_alone(pause_ms):
+@pytest.mark.parametrize("pause_ms, read_lag_ms, send_lag_ms", [(270, 60, 0), (290, 60, 0), (270, 0, 80)])
+def test_a_stall_past_the_threshold_is_suspected_by_the_monitors_alone(pause_ms, read_lag_ms, send_lag_ms):
     """Issue 18 (3,790 suspicions in a 5-minute idle soak at n = 16): a member stalled a little
     past the suspicion threshold (shorter than the bound) is suspected by its k monitors, and
-    every member their suspicion reached gives it two periods to answer (F4). Its answer used
-    to wait until it had read the suspicion, behind everything sent to it during the stall:
-    60 ms later all 11 other members suspected it too, each suspicion a signed broadcast. It
-    now refutes on the tick that measured the stall (F1)."""
+    every member their suspicion reached watches it itself (F4). Its answer used to wait until
+    it had read the suspicion, behind everything sent to it during the stall: 60 ms later all
+    11 other members suspected it too, each suspicion a signed broadcast; it now refutes on
+    the tick that measured the stall (F1b). And when its frames then took 80 ms to leave (a
+    loaded host's writers), the others flagged it two periods after the suspicion came, and
+    evicted it; they now wait two more (F4), while the eviction's own wait is as before."""
     mesh = Mesh(16, sparse_ticks=True)
     mesh.run(500)
     sleeper = mesh.keys[3]
     mesh.paused.add(sleeper)
     mesh.run(pause_ms)
-    mesh.resume(sleeper, read_lag_ms=60)
+    mesh.send_lag[sleeper] = send_lag_ms
+    mesh.resume(sleeper, read_lag_ms=read_lag_ms)
+    mesh.run(300)
+    mesh.send_lag[sleeper] = 0
     mesh.run(2000)
     suspecters = {key for key in mesh.keys if any(e.kind == "suspect" and e.detail["suspect"] == sleeper.hex()
                                                    for e in mesh.events[key])}
