@@ -132,6 +132,17 @@ async def test_checkpoint_stats_reports_write_and_replication_latency_apart(test
         node.close()
 
 
+def count_ticks(nodes) -> dict:
+    """id(node) -> how many times its driver ticked its core from now on."""
+    ticks = {id(node): 0 for node in nodes}
+    for node in nodes:
+        def counting_tick(now_ms, node=node, tick=node.core.tick):
+            ticks[id(node)] += 1
+            return tick(now_ms)
+        node.core.tick = counting_tick
+    return ticks
+
+
 async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(testnet_dir, mock_clock):
     """Issue 18 (SPEC.md F3a): the driver ticks the core when MeshCore.next_tick_ms says,
     not every 5 ms; an idle member ticks about once per heartbeat period, suspects nobody,
@@ -140,12 +151,7 @@ async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(te
     root, layout = testnet_dir
     async with memory_mesh(root) as nodes:
         await trio.sleep(1.0)
-        ticks = {id(node): 0 for node in nodes}
-        for node in nodes:
-            def counting_tick(now_ms, node=node, tick=node.core.tick):
-                ticks[id(node)] += 1
-                return tick(now_ms)
-            node.core.tick = counting_tick
+        ticks = count_ticks(nodes)
         await trio.sleep(2.0)
         periods = 2000 // DEFAULT_PARAMS.heartbeat_ms
         # One per period, plus the anti-entropy syncs and the moments a subject's
@@ -160,7 +166,7 @@ async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(te
 async def test_a_node_with_an_open_instance_ticks_at_its_deadlines_not_every_5_ms(testnet_dir, mock_clock):
     """Issue 18 (SPEC.md F3a): while a placement waits for room (every member declined it: its
     round is held, P3a), the node ticks for its heartbeats and the instance's timers, not every
-    5 ms (400 ticks in 2 s before), and the job is still placed once room frees."""
+    5 ms (400 ticks in 2 s before); the placement stays open and the job pending."""
     mock_clock.autojump_threshold = 0
     root, layout = testnet_dir
     async with memory_mesh(root) as nodes:
@@ -168,12 +174,7 @@ async def test_a_node_with_an_open_instance_ticks_at_its_deadlines_not_every_5_m
         await nodes[0].submit(owner_job(layout, cpu_milli=1 << 20))   # more CPU than any node has
         await trio.sleep(0.5)
         assert all(node.core.instances for node in nodes)
-        ticks = {id(node): 0 for node in nodes}
-        for node in nodes:
-            def counting_tick(now_ms, node=node, tick=node.core.tick):
-                ticks[id(node)] += 1
-                return tick(now_ms)
-            node.core.tick = counting_tick
+        ticks = count_ticks(nodes)
         await trio.sleep(2.0)
         periods = 2000 // DEFAULT_PARAMS.heartbeat_ms
         assert all(node.core.instances for node in nodes)
