@@ -71,19 +71,24 @@ class FailureDetector:
         self.min_silence_ms = min_silence_ms
         self._peers: dict[bytes, _PeerHistory] = {}
 
-    def track(self, peer: bytes, now_ms: int, last_heard_ms: int | None = None) -> None:
+    def track(self, peer: bytes, now_ms: int, last_heard_ms: int | None = None,
+              threshold_ms: int | None = None) -> None:
         """Start watching ``peer`` as if it had just been heard (it joined, or we started), or,
-        with ``last_heard_ms``, as if it had been heard then (a member another one suspects)."""
+        with ``last_heard_ms``, as if it had been heard then (a member another one suspects);
+        ``threshold_ms``: its silence threshold until its next heartbeat (default suspect_by)."""
         if peer not in self._peers:
             heard = now_ms if last_heard_ms is None else min(now_ms, last_heard_ms)
-            self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=self.suspect_by_ms)
+            self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=threshold_ms or self.suspect_by_ms)
 
-    def heard_no_earlier_than(self, peer: bytes, heard_ms: int) -> None:
+    def heard_no_earlier_than(self, peer: bytes, heard_ms: int, threshold_ms: int | None = None) -> None:
         """Count ``peer`` as last heard at ``heard_ms`` if that is later than when it was (a
-        suspicion re-arms a watch, F4a); its interval history is kept."""
+        suspicion re-arms a watch, F4a); its interval history is kept (``threshold_ms``: as
+        for ``track``, until its next heartbeat)."""
         history = self._peers.get(peer)
         if history is not None:
             history.last_ms = max(history.last_ms, heard_ms)
+            if threshold_ms is not None:
+                history.threshold_ms = threshold_ms
 
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)

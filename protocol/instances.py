@@ -137,6 +137,10 @@ class InstanceTable:
             else:  # "bid_window"
                 self.roles[iid].flow.on_bid_window_closed(inst, now_ms, out)
 
+    def next_timer_ms(self) -> int | None:
+        """The earliest timer (a stale one, of an instance gone, only costs an early tick)."""
+        return self.timers[0][0] if self.timers else None
+
     def prune_timers(self) -> None:
         if len(self.timers) > 4 * (len(self.instances) + 64):  # lazy heap: drop stale entries
             self.timers = [t for t in self.timers if t[3] in self.instances]

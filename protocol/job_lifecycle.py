@@ -116,6 +116,11 @@ class JobLifecycle:
                 self.ctx.counters["checkpoint_handed_off"] += 1
                 out.messages.append(Outbound(target, data))
 
+    def next_wait_ms(self) -> int | None:
+        """When ``end_handoff_waits`` next has one to end (None: none awaited)."""
+        dues = list(self.handoff_waits.values()) + [due for _fence, due in self.preempted_here.values()]
+        return min(dues, default=None)
+
     def end_handoff_waits(self, now_ms: int, out: Ready) -> None:
         """Tick: a hand-off that did not come in time is waited for no longer (the run
         starts from what this node holds, R1)."""

@@ -48,6 +48,10 @@ class Joins:
         join = Join(member=member, epoch=self.epochs.epoch, vouchers=tuple(policy.attestations[:16]))
         return self.ctx.sign(join)
 
+    def next_rejoin_ms(self, now_ms: int) -> int:
+        """When ``maybe_rejoin`` asks again (the tick schedule, SPEC F3a)."""
+        return now_ms if self.rejoin_sent_ms is None else self.rejoin_sent_ms + REJOIN_RETRY_MS
+
     def maybe_rejoin(self, now_ms: int, out: Ready) -> None:
         """SPEC F7 rejoin: an honest node evicted while it looked dead (a crash, a long pause
         or partition) asks one member at a time, every REJOIN_RETRY_MS, to readmit it through

@@ -261,9 +261,9 @@ class ResourceLedger:
         self._give_back(("allocated", job_key))
         return True
 
-    def has_expiring_claims(self) -> bool:
-        """Whether ``expire`` may release something (a claim restored after a restart)."""
-        return any(claim.expires_ms is not None for claim in self._reserved.values())
+    def next_expiry_ms(self) -> int | None:
+        """When ``expire`` next releases something (None: no claim expires)."""
+        return min((c.expires_ms for c in self._reserved.values() if c.expires_ms is not None), default=None)
 
     def expire(self, now_ms: int) -> list[bytes]:
         """Release every reservation whose deadline has passed; return their keys. Only a

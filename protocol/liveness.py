@@ -5,7 +5,8 @@ Every member heartbeats its k monitors (monitors.py) every heartbeat_ms, unsigne
 channel authenticates them); the failure detector (failure_detector.py) turns a subject's
 silence into suspicion. A member that receives a suspicion of a member it does not watch
 watches it from then on, counting it silent since the suspicion said (but for at least
-CONFIRM_PERIODS heartbeat periods of its own), and the suspect, if alive, answers every
+CONFIRM_PERIODS heartbeat periods of its own, and flagging it CONFIRM_GRACE_PERIODS later
+still), and the suspect, if alive, answers every
 suspicion of itself by heartbeating every member for REFUTE_PERIODS periods (a refutation,
 as in SWIM); a member that hears it stops timing its silence until another suspicion of
 it arrives (F4a: on a starved host, suspicions no longer feed on themselves). So a suspicion from more than a third of the stake, which starts the epoch's change
@@ -34,10 +35,16 @@ STARTUP_SYNC_PEERS = 3
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 CONFIRM_PERIODS = 2            # a member told of a suspicion watches the suspect itself this many periods first
+# ... and flags it this many periods later still (F4): after a stall a little shorter than the
+# bound, the suspect's refutation reaches it only once the suspect is scheduled again and its
+# frames are through Noise, yamux and trio at both ends; on a loaded host (load 25 on 2
+# cores) that took 60-150 ms, and every member suspected it (issue 18). The eviction wait
+# (F4: the bound and a period since last heard) is timed as before.
+CONFIRM_GRACE_PERIODS = 2
 # A suspected member heartbeats every member for this many periods after each suspicion of it
 # (F4a): enough to reach every member the suspicion reached, each of which then stops timing
 # its silence until another suspicion says otherwise.
-REFUTE_PERIODS = CONFIRM_PERIODS + 1
+REFUTE_PERIODS = CONFIRM_PERIODS + CONFIRM_GRACE_PERIODS + 1
 
 
 class Liveness:
@@ -90,6 +97,8 @@ class Liveness:
         self.refute_until_ms: int | None = None  # while suspected: heartbeat every member until then (F1)
         self.refuted_ms: int | None = None
         self._monitor_cache: tuple = (None, (), ())   # (view digest, my monitors, my subjects)
+        self.skipped_round = False   # the last tick skipped a round (F4): tick again at once
+        self.ticked_epoch = None     # the epoch of the last tick: a new one may leave rounds to skip (F4)
 
     # --- who watches whom (SPEC F1a) --------------------------------------------------------------
     def _monitoring(self) -> tuple:
@@ -161,6 +170,8 @@ class Liveness:
         ctx, epochs, params = self.ctx, self.epochs, self.ctx.params
         gap = now_ms - self.last_tick_ms
         self.last_tick_ms = now_ms
+        self.skipped_round = False
+        self.ticked_epoch = epochs.epoch
         if self.startup_sync_due:
             # Cleared here only: a sync sent before the first tick (a readmission replayed from
             # history asks for one) must not skip the restart's hold (F3; simulator seeds 55, 58).
@@ -196,6 +207,14 @@ class Liveness:
             # about once a second, and n answers per halt fed the starvation. Each answer
             # carries a heartbeat, and its subjects' heartbeats come anyway.
             self.sync(now_ms, out, STARTUP_SYNC_PEERS)
+        if paused and self.others_can_evict_me():
+            # F1: refute at once. Our monitors may have suspected us meanwhile, and every member
+            # their suspicion reached now gives us two heartbeat periods to answer it (F4). The
+            # suspicions wait in our sockets behind everything else sent to us during the pause;
+            # on a loaded host reading them took longer than those two periods, so every member
+            # suspected us too (issue 18: 11 of 15 at n = 16 after one 270 ms stall).
+            self.refute_until_ms = now_ms + REFUTE_PERIODS * params.heartbeat_ms
+            self.heartbeat_sent_ms = None
         if self.heartbeat_sent_ms is None or now_ms - self.heartbeat_sent_ms >= params.heartbeat_ms:
             self.heartbeat_sent_ms = now_ms
             self.heartbeat_seq += 1
@@ -231,23 +250,54 @@ class Liveness:
         self._skip_unresponsive_leaders(now_ms, out)
 
     def next_due_ms(self, now_ms: int) -> int:
-        """When ``tick`` must run next (MeshCore.next_tick_ms): the next heartbeat, the next
-        anti-entropy sync and the first moment a watched member's silence reaches its
-        threshold; ``now_ms`` while a restart sync, a halt, a sync answer, a rejoin or a
-        suspicion (ours, of us or of anyone) is under way."""
-        if (self.startup_sync_due or self.halted or self.sync_continuations or self.suspicions
-                or self.watched_on_suspicion or (self.joins.evicted_at_epoch is not None
-                                                 and not self.epochs.is_member())
-                or (self.refute_until_ms is not None and now_ms < self.refute_until_ms)):
+        """When ``tick`` must run next (MeshCore.next_tick_ms, SPEC F3a): the earliest of the
+        next heartbeat, anti-entropy sync, continued sync answer and rejoin request, the first
+        moment a watched member's silence reaches its threshold, a flagged member's next
+        suspicion, a fresh suspicion's lapse, the moment a suspect may be proposed for eviction
+        (F4: silent for the bound and a period) or a never-heard subject counts unresponsive;
+        ``now_ms`` while the restart sync is due, the last tick skipped a round (the next
+        round's leader may be unresponsive too) or an epoch was entered since with instances
+        open (their leader may have been evicted). Everything else a tick does here follows an
+        input (a heartbeat, a suspicion), after which the driver asks again."""
+        if self.startup_sync_due or self.skipped_round or (self.instances.instances
+                                                           and self.ticked_epoch != self.epochs.epoch):
             return now_ms
+        params = self.ctx.params
         due = self.sync_sent_ms + ANTI_ENTROPY_MS
-        if self.ctx.heartbeats and self.epochs.is_member():
-            if self.heartbeat_sent_ms is None:
-                return now_ms
-            due = min(due, self.heartbeat_sent_ms + self.ctx.params.heartbeat_ms)
-            suspected_at = self.detector.next_suspicion_ms()
-            if suspected_at is not None:
-                due = min(due, suspected_at)
+        for peer in self.sync_continuations:
+            due = min(due, self.sync_answered_ms.get(peer, now_ms) + SYNC_ANSWER_GAP_MS)
+        if self.joins.evicted_at_epoch is not None and not self.epochs.is_member():
+            due = min(due, self.joins.next_rejoin_ms(now_ms))
+        if not self.ctx.heartbeats or not self.epochs.is_member():
+            return max(now_ms, due)
+        if self.heartbeat_sent_ms is None:
+            return now_ms
+        due = min(due, self.heartbeat_sent_ms + params.heartbeat_ms)
+        if self.halted:
+            return max(now_ms, due)   # it suspects nobody and skips no round until a heartbeat ends the halt
+        detector = self.detector
+        for peer in detector.peers():
+            if peer in self.refuted:
+                continue   # F4a: its silence is not timed until another suspicion (an input)
+            flagged_at = detector.last_heard_ms(peer) + detector.threshold_ms(peer)
+            if flagged_at > now_ms:
+                due = min(due, flagged_at)
+            elif peer in self.suspicion_sent_ms:
+                # Flagged: its suspicion is sent again a bound after the last (withheld ones,
+                # F4a, are looked at again with the next heartbeat).
+                due = min(due, max(now_ms + 1, self.suspicion_sent_ms[peer] + params.detection_bound_ms))
+        fresh_for = SUSPICION_FRESH_BOUNDS * params.detection_bound_ms
+        view = self.epochs.view
+        for suspect, heard in self.suspicion_heard_ms.items():
+            due = min(due, min(heard.values()) + fresh_for + 1)
+            if suspect in view.stakes and suspect not in self.refuted and view.exceeds_one_third(heard):
+                last = detector.last_heard_ms(suspect)
+                if last is not None:   # F4: the leader offers the eviction once it is silent that long
+                    evictable_at = last + params.detection_bound_ms + params.heartbeat_ms
+                    if evictable_at > now_ms:
+                        due = min(due, evictable_at)
+        if self.instances.instances and now_ms < self.unheard_since_ms + detector.suspect_by_ms:
+            due = min(due, self.unheard_since_ms + detector.suspect_by_ms)   # F4: never-heard subjects
         return max(now_ms, due)
 
     def _send_heartbeat(self, now_ms: int, out: Ready, refuting: bool) -> None:
@@ -297,6 +347,7 @@ class Liveness:
         skip = [i for i in self.instances.instances.values()
                 if (i.leader in unresponsive or (i.view.epoch < epochs.epoch and i.leader not in epochs.view.stakes))
                 and not self.instances.roles[i.instance_id].flow.round_on_hold(i, now_ms)]
+        self.skipped_round = bool(skip)
         for inst in skip:
             self.instances.skip_round(inst, now_ms, out)
 
@@ -424,15 +475,16 @@ class Liveness:
         suspect = suspicion.suspect
         confirm_ms = CONFIRM_PERIODS * self.ctx.params.heartbeat_ms
         silent_ms = min(suspicion.silent_ms, max(0, self.detector.suspect_by_ms - confirm_ms))
+        flag_after_ms = self.detector.suspect_by_ms + CONFIRM_GRACE_PERIODS * self.ctx.params.heartbeat_ms
         if suspect in self.refuted:
             # F4a: it refuted an earlier suspicion; this one is timed afresh, from its last
             # heartbeat but again with CONFIRM_PERIODS for it to answer.
             self.refuted.discard(suspect)
-            self.detector.heard_no_earlier_than(suspect, now_ms - silent_ms)
+            self.detector.heard_no_earlier_than(suspect, now_ms - silent_ms, threshold_ms=flag_after_ms)
             return
         if suspect not in self.epochs.view.stakes or self.detector.is_watched(suspect) or suspect in self.subjects():
             return   # a subject we never heard stays unwatched (F2) and counts as never heard (F4)
-        self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms)
+        self.detector.track(suspect, now_ms, last_heard_ms=now_ms - silent_ms, threshold_ms=flag_after_ms)
         self.watched_on_suspicion.add(suspect)
 
     def _record_suspicion(self, signer: bytes, suspicion: Suspicion, data: bytes, now_ms: int, out: Ready) -> None:

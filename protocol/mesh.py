@@ -332,17 +332,24 @@ class MeshCore:
         return self._with_orders(out)
 
     def next_tick_ms(self, now_ms: int) -> int:
-        """When ``tick`` next has work, for a driver that ticks only then (issue 18: a 5 ms
-        loop was most of an idle node's CPU). ``now_ms`` means "at the driver's finest
-        resolution": while anything but liveness's periodic timers is pending (a consensus
-        instance open, a reservation that expires, a hand-off awaited, jobs to refuse after
-        the restart sync), every tick may matter. A later call (after any other input) may
-        answer earlier; the driver asks again after each input."""
-        lifecycle = self.lifecycle
-        if (self.instance_table.instances or self.ledger.has_expiring_claims() or lifecycle.handoff_waits
-                or lifecycle.preempted_here or self._refuse_after_sync):
+        """When ``tick`` next has work (SPEC F3a), for a driver that ticks only then (issue 18:
+        a 5 ms loop was most of an idle node's CPU, and 12.8% of a placing one's): the earliest
+        deadline of its timers (liveness's, the consensus instances' round timeouts and bid
+        windows, a restored reservation's expiry, a hand-off awaited, the preemption scan), or
+        ``now_ms`` when an input left work for the tick (capacity changed under a placement
+        this node declined, P3a; jobs to refuse once the restart sync answered). A later call,
+        after any other input, may answer earlier: the driver asks again after each input."""
+        liveness = self.liveness
+        if self._refuse_after_sync and not liveness.startup_sync_due and not liveness.halted:
             return now_ms
-        return self.liveness.next_due_ms(now_ms)
+        if self.placement.reconsider_due() or self.gangs.reconsider_due():
+            return now_ms
+        due = liveness.next_due_ms(now_ms)
+        for deadline in (self.instance_table.next_timer_ms(), self.ledger.next_expiry_ms(),
+                         self.lifecycle.next_wait_ms(), self.preemptions.next_scan_ms_if_needed()):
+            if deadline is not None:
+                due = min(due, deadline)
+        return max(now_ms, due)
 
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
         """A signed job from a local owner (SPEC P2)."""

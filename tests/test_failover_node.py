@@ -51,10 +51,10 @@ def testnet_dir(tmp_path):
     return tmp_path / "net", layout
 
 
-def owner_job(layout) -> bytes:
+def owner_job(layout, cpu_milli: int = 100) -> bytes:
     owner = load_identity(layout["owners"][0]["key_file"], None)
     job = JobManifest(owner=owner.public_key, name="late", nonce=7, entrypoint="counter", args=(),
-                      resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=100, mem_mib=64),
+                      resources=Resources(gpus=0, gpu_mem_mib=0, cpu_milli=cpu_milli, mem_mib=64),
                       strategy="throughput", constraints=Constraints(zones=(), labels=(), attested=()),
                       priority=0, backups=0, max_retries=0, created_ms=0, epoch=0)
     return encode_message(owner, bytes.fromhex(layout["mesh_id"]), job)
@@ -132,6 +132,17 @@ async def test_checkpoint_stats_reports_write_and_replication_latency_apart(test
         node.close()
 
 
+def count_ticks(nodes) -> dict:
+    """id(node) -> how many times its driver ticked its core from now on."""
+    ticks = {id(node): 0 for node in nodes}
+    for node in nodes:
+        def counting_tick(now_ms, node=node, tick=node.core.tick):
+            ticks[id(node)] += 1
+            return tick(now_ms)
+        node.core.tick = counting_tick
+    return ticks
+
+
 async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(testnet_dir, mock_clock):
     """Issue 18 (SPEC.md F3a): the driver ticks the core when MeshCore.next_tick_ms says,
     not every 5 ms; an idle member ticks about once per heartbeat period, suspects nobody,
@@ -140,12 +151,7 @@ async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(te
     root, layout = testnet_dir
     async with memory_mesh(root) as nodes:
         await trio.sleep(1.0)
-        ticks = {id(node): 0 for node in nodes}
-        for node in nodes:
-            def counting_tick(now_ms, node=node, tick=node.core.tick):
-                ticks[id(node)] += 1
-                return tick(now_ms)
-            node.core.tick = counting_tick
+        ticks = count_ticks(nodes)
         await trio.sleep(2.0)
         periods = 2000 // DEFAULT_PARAMS.heartbeat_ms
         # One per period, plus the anti-entropy syncs and the moments a subject's
@@ -155,6 +161,25 @@ async def test_an_idle_node_ticks_once_a_heartbeat_period_and_wakes_for_a_job(te
         await nodes[0].submit(owner_job(layout))
         await trio.sleep(0.5)   # (MockClock) rounds of 5 ms ticks while the instance is open
         assert all(len(node.core.jobs()) == 1 and node.core.jobs()[0]["state"] == "placed" for node in nodes)
+
+
+async def test_a_node_with_an_open_instance_ticks_at_its_deadlines_not_every_5_ms(testnet_dir, mock_clock):
+    """Issue 18 (SPEC.md F3a): while a placement waits for room (every member declined it: its
+    round is held, P3a), the node ticks for its heartbeats and the instance's timers, not every
+    5 ms (400 ticks in 2 s before); the placement stays open and the job pending."""
+    mock_clock.autojump_threshold = 0
+    root, layout = testnet_dir
+    async with memory_mesh(root) as nodes:
+        await trio.sleep(1.0)
+        await nodes[0].submit(owner_job(layout, cpu_milli=1 << 20))   # more CPU than any node has
+        await trio.sleep(0.5)
+        assert all(node.core.instances for node in nodes)
+        ticks = count_ticks(nodes)
+        await trio.sleep(2.0)
+        periods = 2000 // DEFAULT_PARAMS.heartbeat_ms
+        assert all(node.core.instances for node in nodes)
+        assert all(periods <= count <= 2 * periods for count in ticks.values()), ticks
+        assert all(node.core.jobs()[0]["state"] == "pending" for node in nodes)
 
 
 @asynccontextmanager

@@ -50,6 +50,8 @@ class Mesh:
                                              rng=random.Random(index), now_ms=0)
                       for index, i in enumerate(self.ids)}
         self.queue = deque()
+        self.send_lag = {}   # node -> ms its frames take to leave (a loaded host's writers)
+        self.lagged = []     # (due_ms, src, target, data) not sent yet
         self.down, self.paused = set(), set()
         self.held = {k: [] for k in self.keys}
         self.decisions = {k: [] for k in self.keys}
@@ -65,9 +67,16 @@ class Mesh:
             targets = core.broadcast_targets() if message.to is None else [message.to]
             if b"heartbeat" in message.data:
                 self.heartbeats_sent[src] += len(targets)
-            self.queue.extend((src, target, message.data) for target in targets)
+            lag = self.send_lag.get(src, 0)
+            if lag:
+                self.lagged.extend((self.now + lag, src, target, message.data) for target in targets)
+            else:
+                self.queue.extend((src, target, message.data) for target in targets)
 
     def deliver(self):
+        due = [item for item in self.lagged if item[0] <= self.now]
+        self.lagged = [item for item in self.lagged if item[0] > self.now]
+        self.queue.extend(item[1:] for item in due)
         while self.queue:
             src, target, data = self.queue.popleft()
             if target in self.down or target not in self.cores:
@@ -96,10 +105,15 @@ class Mesh:
                 self.wake[key] = self._next_wake(key)
         self.deliver()
 
-    def resume(self, key):
-        """SIGCONT: the overdue tick first, then the frames that waited are read."""
+    def resume(self, key, read_lag_ms: int = 0):
+        """SIGCONT: the overdue tick first, then the frames that waited are read, after
+        ``read_lag_ms`` (a loaded node's receive path lags its timer: Noise, yamux, trio)."""
         self.paused.discard(key)
         self.drains[key].drain(self.cores[key].tick(self.now))
+        if read_lag_ms:
+            self.paused.add(key)   # sends what its tick sent; reads nothing yet
+            self.run(read_lag_ms)
+            self.paused.discard(key)
         for src, data in self.held[key]:
             self.drains[key].drain(self.cores[key].step(data, self.now, src))
         self.held[key].clear()
@@ -196,6 +210,25 @@ def test_an_idle_core_needs_a_tick_per_heartbeat_not_one_per_5_ms():
     assert sum(mesh.heartbeats_sent.values()) == pytest.approx(sum(dense.heartbeats_sent.values()), rel=0.05)
 
 
+def test_a_held_suspicion_needs_ticks_at_its_deadlines_not_one_per_5_ms():
+    """Issue 18 (SPEC F3a): while a suspicion is held (3 detection bounds after it arrived),
+    every member used to tick every 5 ms; on a starved host each suspicion so cost the whole
+    mesh 180 ticks per member. Now it ticks at its timers' deadlines (heartbeats, the
+    suspect's silence threshold, the suspicion's lapse), and a refuted lie evicts no one."""
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    liar, target = mesh.keys[0], mesh.keys[7]
+    lie = encode_message(mesh.ids[0], mesh.genesis.mesh_id, Suspicion(suspect=target, epoch=0, silent_ms=10_000))
+    mesh.queue.extend((liar, k, lie) for k in mesh.keys if k not in (liar, target))
+    mesh.deliver()
+    assert all(mesh.cores[k].liveness.suspicions for k in mesh.keys if k not in (liar, target))
+    mesh.ticks = {}
+    mesh.run(1000)
+    periods = 1000 // PERIOD
+    assert all(ticks <= 2 * periods for ticks in mesh.ticks.values()), mesh.ticks
+    assert not any(mesh.evictions(k) for k in mesh.keys)
+
+
 # --- crashes, pauses and lone suspicions (F4, F5) ---------------------------------------------
 
 @pytest.mark.parametrize("sparse_ticks", [False, True])
@@ -233,6 +266,33 @@ def test_a_pause_shorter_than_the_bound_evicts_no_one(pause_ms, evicted, sparse_
     assert all(mesh.evictions(k) == ([sleeper] if evicted else []) for k in others)
     if not evicted:
         assert all(core.epoch == 0 for core in mesh.cores.values())
+
+
+@pytest.mark.parametrize("pause_ms, read_lag_ms, send_lag_ms", [(270, 60, 0), (290, 60, 0), (270, 0, 80)])
+def test_a_stall_past_the_threshold_is_suspected_by_the_monitors_alone(pause_ms, read_lag_ms, send_lag_ms):
+    """Issue 18 (3,790 suspicions in a 5-minute idle soak at n = 16): a member stalled a little
+    past the suspicion threshold (shorter than the bound) is suspected by its k monitors, and
+    every member their suspicion reached watches it itself (F4). Its answer used to wait until
+    it had read the suspicion, behind everything sent to it during the stall: 60 ms later all
+    11 other members suspected it too, each suspicion a signed broadcast; it now refutes on
+    the tick that measured the stall (F1b). And when its frames then took 80 ms to leave (a
+    loaded host's writers), the others flagged it two periods after the suspicion came, and
+    evicted it; they now wait two more (F4), while the eviction's own wait is as before."""
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    sleeper = mesh.keys[3]
+    mesh.paused.add(sleeper)
+    mesh.run(pause_ms)
+    mesh.send_lag[sleeper] = send_lag_ms
+    mesh.resume(sleeper, read_lag_ms=read_lag_ms)
+    mesh.run(300)
+    mesh.send_lag[sleeper] = 0
+    mesh.run(2000)
+    suspecters = {key for key in mesh.keys if any(e.kind == "suspect" and e.detail["suspect"] == sleeper.hex()
+                                                   for e in mesh.events[key])}
+    assert suspecters == set(monitor_assignment(mesh.keys)[sleeper])
+    assert len(mesh.suspect_events(sleeper)) == MONITORS_PER_MEMBER
+    assert not any(mesh.evictions(key) for key in mesh.keys)
 
 
 def test_one_members_suspicion_of_a_live_member_evicts_no_one():

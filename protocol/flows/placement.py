@@ -392,6 +392,15 @@ class PlacementFlow(ValueFlow):
         """What a held round's leader sends every member (P3a): every decline it holds."""
         return list(self.bidding.declined.get(inst.instance_id, {}).values())
 
+    def reconsider_due(self) -> bool:
+        """Whether ``reconsider_held`` has work: capacity, health or the scheduling state
+        changed since it last looked, and this node declined a placement still open (P3a:
+        the tick that follows an input re-decides it, no polling)."""
+        if not self.instances.instances or not any(kind == "decline" for kind, _ in self.bidding.mine.values()):
+            return False
+        stamp = (self.ledger.version, self.bidding.capability.health_stamp(), self.bidding.scheduling.stamp())
+        return stamp != self.reconsidered_at_stamp
+
     def reconsider_held(self, now_ms: int, out: Ready) -> None:
         """P3a: capacity or health changed here (an exit, a cancel, a migration, a reservation
         let go, a GPU healthy again, quota freed): each undecided placement this node declined

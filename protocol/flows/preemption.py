@@ -63,6 +63,10 @@ class PreemptionFlow(ValueFlow):
         return self._validator(iid), None
 
     # --- when a preemption starts --------------------------------------------------------------
+    def next_scan_ms_if_needed(self) -> int | None:
+        """When ``consider`` next looks (None: nothing for it to look at until an input)."""
+        return self.next_scan_ms if self.live or self.bidding.declined else None
+
     def consider(self, now_ms: int, out: Ready) -> None:
         """Tick, every SCAN_MS: start the preemption instance of each held placement (P3a) of a
         job with a priority above 0 for which the rule finds victims here (looked at again
