@@ -18,8 +18,9 @@ from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id
 from protocol.mesh import MeshCore
-from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, GangWorker, JobManifest, Proposal,
-                               decode_message, encode_message, gang_replace_instance_id, job_id)
+from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, GangResize, GangWorker, JobManifest,
+                               Proposal, decode_message, encode_message, gang_replace_instance_id,
+                               gang_resize_instance_id, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
 from testnet import cli_sim, spec_tables
@@ -300,8 +301,8 @@ def test_an_infeasible_gang_holds_its_round_and_is_placed_when_capacity_frees():
 
 def test_an_elastic_gang_shrinks_when_no_member_can_replace_a_rank():
     """GA8: an elastic gang of 2..4 holds every node; one dies and no member is left to
-    replace it: a decided gang_replace shrinks it to 3, the survivors renumbered in rank
-    order and told the world of 3; none of them is stopped or started again."""
+    replace it: a decided gang_resize (its number 0, GA9) shrinks it to 3, the survivors
+    renumbered in rank order and told the world of 3; none of them is stopped or started again."""
     net = GangNet(gpus=(1, 1, 1, 1))
     job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
     net.submit(KEYS[0], envelope)
@@ -314,8 +315,10 @@ def test_an_elastic_gang_shrinks_when_no_member_can_replace_a_rank():
     before = {n: len(net.decisions[n]) for n in alive}
     net.down.add(lost)
     net.run(1500)
-    decided = net.certified(alive[0], "gang_replace")
+    assert not net.certified(alive[0], "gang_replace")
+    decided = net.certified(alive[0], "gang_resize")
     assert len(decided) == 1 and decided[0].value.shrinks and decided[0].value.size == 3
+    assert decided[0].value.number == 0
     for rank, node in enumerate(alive):
         later = net.decisions[node][before[node]:]
         assert not [d for d in later if d.value_kind in ("stop", "run")]
@@ -398,22 +401,29 @@ def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
     free = next(k for k in KEYS if k not in nodes)
     for key in KEYS:
         net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.run(20)
+    keeper = nodes[0]
+    # The vectors as the validators held them when the rank was lost (the free node's shows room).
+    vectors = {k: net.cores[keeper].capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
     net.down.add(nodes[1])
     net.run(1500)
-    keeper = nodes[0]
     decided = net.certified(keeper, "gang_replace")
     assert len(decided) == 1 and decided[0].value.to_node == free
     core = net.cores[keeper]
     record = core.job_table.get(gang_worker_id(job_id(job), 1))
     lost_fence = record.fence - 1   # the replacement's fence is one above the one it was decided at
-    iid = gang_replace_instance_id(record.job_id, lost_fence)
     record.state, record.fence = "replacing", lost_fence   # as the validators held it then
-    vectors = {k: core.capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
-    shrink = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
-                             survivors=(vectors[nodes[0]], vectors[nodes[2]]), size=2, backups=())
-    validate = core.gang_ranks.validators(iid)[0]
+    survivors = (vectors[nodes[0]], vectors[nodes[2]])
+    shrink = GangResize(job=envelope, attempt=0, number=0, size=2, lost=record.job_id, nodes=(), capabilities=(),
+                        survivors=survivors)
+    validate = core.gang_resizes.validators(gang_resize_instance_id(job_id(job), 0, 0))[0]
     assert "a shrink while a candidate fits" in validate(codec.pack(shrink.to_body()), (vectors[free],))
     assert validate(codec.pack(shrink.to_body()), ()) is None   # with none, the shrink to 2 follows
+    # GA9: a shrink is never a rank's replacement value any more.
+    old_form = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
+                               survivors=survivors, size=2, backups=())
+    replace_validate = core.gang_ranks.validators(gang_replace_instance_id(record.job_id, lost_fence))[0]
+    assert "decided as a gang_resize" in replace_validate(codec.pack(old_form.to_body()), ())
 
 
 def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_the_lost_runs_checkpoint():

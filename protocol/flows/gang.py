@@ -32,6 +32,17 @@ from protocol.ready import Outbound, Ready
 MAX_PORTS_REMEMBERED = 4096
 
 
+@dataclass
+class GangAttempt:
+    """A gang's placed attempt here and where its resizes stand (SPEC.md GA9): the number of
+    the next resize, the epoch its instance runs in (the last composition decision's), and
+    the next unused rank index (a grown rank's worker id)."""
+    attempt: int
+    number: int
+    epoch: int
+    next_index: int
+
+
 @dataclass(frozen=True)
 class GangRank:
     """What a rank's workload is told of its gang (SPEC.md GA5): it rides on its run order."""
@@ -50,7 +61,9 @@ class GangFlow(PlacementFlow):
         self.worker_of: dict[bytes, tuple[bytes, int]] = {}   # worker record id -> (gang id, rank)
         self.ranks: dict[bytes, tuple[bytes, ...]] = {}        # gang id -> its placed attempt's worker ids
         self.ports: dict[tuple, int] = {}                       # (worker id, fence) -> gang_port
-        self.resizes: dict[bytes, int] = {}                     # gang id -> shrinks decided (GA8)
+        self.resizes: dict[bytes, int] = {}                     # gang id -> resizes decided (GA8, GA9)
+        self.attempts: dict[bytes, GangAttempt] = {}            # gang id -> its placed attempt's resize state
+        self.resizer = None                                     # flows/gang_resize.py (GA9), set by the core
         # The signed vectors the bids of a gang's placement carried, by signer: per instance
         # as validated, then per gang once applied, so a replacement (GA7) has the survivors'
         # vectors even where a survivor never sent one since.
@@ -255,6 +268,7 @@ class GangFlow(PlacementFlow):
             self.jobs.assign(w, worker.node, gang.backups, worker.gpus, fence=fence)
             workers.append(w)
         self.ranks[jid] = tuple(w.job_id for w in workers)
+        self.attempts[jid] = GangAttempt(attempt, 0, epoch, len(workers))
         if len(self.worker_vectors) >= MAX_PORTS_REMEMBERED:
             self.worker_vectors.clear()
         self.worker_vectors[jid] = self.bid_vectors.pop(iid, {})
@@ -270,9 +284,13 @@ class GangFlow(PlacementFlow):
                 if not self.lifecycle.admit(w, iid, now_ms, out):
                     break
         self.ledger.release(iid)
+        if self.resizer is not None:
+            self.resizer.opened(jid, now_ms, out)   # GA9: its resize number 0, and any decided early
 
     # --- the end of an attempt (GA4) -----------------------------------------------------------------
     def _stop_workers(self, gang_id: bytes, state: str, now_ms: int, out: Ready) -> None:
+        if self.resizer is not None:
+            self.resizer.close(gang_id)   # the attempt's resizes end with it (GA9)
         for w in self.worker_records(gang_id):
             if w is not None and w.state not in TERMINAL:
                 holder = w.primary
@@ -298,6 +316,30 @@ class GangFlow(PlacementFlow):
         self.resizes[gang_id] = self.resizes.get(gang_id, 0) + 1
         out.events.append(self.ctx.event("gang_resized", now_ms, job_id=gang_id.hex(), size=size,
                                          dropped=[wid.hex() for wid in dropped]))
+
+    def grow(self, gang_id: bytes, nodes: tuple, vectors: tuple, epoch: int, now_ms: int, out: Ready) -> list:
+        """GA9: new ranks on ``nodes`` after the gang's ranks, with fresh worker ids (the
+        attempt's next indices), at the attempt's first fence, the gang's backups; the ranks
+        already there are only told their new peers. Returns the new ranks' records."""
+        gang, state = self.jobs.get(gang_id), self.attempts[gang_id]
+        fence = state.attempt * FENCE_PER_ATTEMPT + 1
+        added = []
+        for node, vector in zip(nodes, vectors):
+            wid = gang_worker_id(gang_id, state.next_index)
+            self.worker_of[wid] = (gang_id, state.next_index)
+            state.next_index += 1
+            w = self.jobs.get_or_add(wid, gang.envelope, gang.manifest, now_ms)
+            w.attempt, w.instance, w.state, w.hint, w.exit_code = state.attempt, gang.instance, "placed", None, None
+            self.jobs.assign(w, node, tuple(b for b in gang.backups if b != node), (), fence=fence)
+            self.worker_vectors.setdefault(gang_id, {})[node] = vector
+            added.append(w)
+        self.ranks[gang_id] = self.ranks.get(gang_id, ()) + tuple(w.job_id for w in added)
+        self.resizes[gang_id] = self.resizes.get(gang_id, 0) + 1
+        out.events.append(self.ctx.event("gang_resized", now_ms, job_id=gang_id.hex(), size=len(self.ranks[gang_id]),
+                                         grown=[w.job_id.hex() for w in added]))
+        for w in added:   # P5: a new rank's node evicted since the decision's epoch waits for its replacement
+            self._replay_evictions_since(w, epoch, now_ms, out)
+        return added
 
     def end_attempt(self, lost, now_ms: int, out: Ready) -> None:
         """GA7: a rank neither replaced nor shrunk away: the attempt ends as a refusal ends it

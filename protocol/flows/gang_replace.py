@@ -1,5 +1,5 @@
-"""The gang replacement flow: a rank whose node was evicted goes on elsewhere, or an
-elastic gang shrinks, by a decision of its own (SPEC.md GA7, GA8).
+"""The gang replacement flow: a rank whose node was evicted goes on elsewhere by a decision
+of its own (SPEC.md GA7).
 
 An eviction (F5) does not move a gang's rank to its first backup as it moves a job: every
 member applying it takes the rank's record off its node (no primary, the fence one up,
@@ -10,10 +10,10 @@ proposes a ``gang_replace`` value from signed capability vectors: the surviving 
 rule over them, which every validator recomputes. Applying it puts the rank on the
 chosen node at the next fence; every node holding the rank's newest checkpoint hands it
 over there, and the survivors, never stopped, are told the new peer (GA5's
-``gang_peers``). When no candidate fits an elastic gang shrinks instead (GA8): the first
-surviving ranks at the largest size its rule allows go on, renumbered; the others stop.
-A gang that can neither be repaired nor shrunk has its attempt ended as a refusal ends
-it (GA4) when the instance gives up, and is placed afresh.
+``gang_peers``). When no candidate fits, an elastic gang shrinks instead by its numbered
+resize instance (flows/gang_resize.py, GA8, GA9). A gang that can neither be repaired nor
+shrunk has its attempt ended as a refusal ends it (GA4) when the instance gives up, and is
+placed afresh.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class GangReplaceFlow(ValueFlow):
         self.capability = capability
         self.gangs = gangs
         self.lifecycle = lifecycle
+        self.resizer = None   # flows/gang_resize.py (GA9), set by the core
         # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
         # certificate came before the eviction that starts it (catch-up delivers, and a
         # restart replays, in arrival order), applied when that eviction is (GA7).
@@ -183,14 +184,11 @@ class GangReplaceFlow(ValueFlow):
                                     backups=replacement_backups(record, chosen.node, inst.view.stakes,
                                                                 inst.instance_id))
         else:
-            size = shrink_size(job, world, [cap for _e, cap in survivors])
-            if size is None:
-                record.hint = "no member can replace it within topology %r, and the gang cannot shrink (GA7, GA8)" % (
-                    job.gang.topology)
-                return
-            value = GangReplacement(job=record.envelope, rank=self._worker_rank(record), fence=record.fence,
-                                    to_node=b"", capability=b"", survivors=tuple(e for e, _cap in survivors),
-                                    size=size, backups=())
+            # GA8, GA9: a shrink is a numbered resize, decided by the gang's resize instance.
+            shrinks = job.gang.workers == 0 and shrink_size(job, world, [cap for _e, cap in survivors]) is not None
+            record.hint = "no member can replace it within topology %r: %s (GA7, GA8)" % (
+                job.gang.topology, "the gang shrinks" if shrinks else "the gang cannot shrink")
+            return
         justification = tuple(e for e, _cap in candidates)
         self.instances.drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
 
@@ -215,6 +213,8 @@ class GangReplaceFlow(ValueFlow):
                 target = self._vector(value.capability, view) if value.capability else None
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid gang_replace proposal: %s" % exc
+            if value.shrinks:
+                return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
             return self.replacement_error(iid, value, survivors, target, candidates, view)
         return validate
 
@@ -250,11 +250,7 @@ class GangReplaceFlow(ValueFlow):
                                                                                   view.stakes, iid):
                 return "the replacement's size or backups do not follow GA7"
             return None
-        if choose_replacement(job, iid, survivors, candidates, record.backups) is not None:
-            return "a shrink while a candidate fits (GA8)"
-        if value.size != shrink_size(job, world, survivors):
-            return "a shrink to %d, not the largest size the gang's rule allows (GA8)" % value.size
-        return None
+        return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
 
     # --- applying it ----------------------------------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
@@ -285,7 +281,7 @@ class GangReplaceFlow(ValueFlow):
             return
         gang_id = self.gangs.worker_of[record.job_id][0]
         if value.shrinks:
-            self.gangs.shrink(gang_id, record, value.size, now_ms, out)
+            self.ctx.counters["gang_replace_shrink_refused"] += 1   # only a Byzantine quorum certifies one (GA9)
             return
         self.gangs.worker_vectors.setdefault(gang_id, {})[value.to_node] = value.capability
         self.jobs.assign(record, value.to_node, value.backups, (), fence=record.fence + 1)
@@ -317,9 +313,10 @@ class GangReplaceFlow(ValueFlow):
         return True
 
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
-        """No replacement and no shrink was decided: the gang's attempt ends (GA4)."""
+        """No replacement was decided: the gang's attempt ends (GA4), unless its resize
+        instance shrinks it instead (GA8, GA9)."""
         record = self.jobs.get(subject)
-        if record is not None and record.state == "replacing":
+        if record is not None and record.state == "replacing" and not self.resizer.replacement_gave_up(record):
             self.gangs.end_attempt(record, now_ms, out)
 
 
