@@ -477,3 +477,77 @@ def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_no
     record, truth = lagging.job_table.get(rank1), ahead.cores[first].job_table.get(rank1)
     assert (record.primary, record.fence, record.backups) == (truth.primary, truth.fence, truth.backups)
     assert lagging.counters["gang_replace_stale"] == 0
+
+
+def _grown_then_shrunk():
+    """An elastic gang of 2..4 placed at 3 (the fourth node is busy); the fourth node frees its
+    GPU and the gang grows back to 4 (resize 0, GA9); then a rank's node dies with no member
+    free to replace it, and the gang shrinks to 3 (resize 1, GA8)."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    busy = net.cores[KEYS[3]]
+    filler, _ = make_job(nonce=99, gpus=1)
+    busy.ledger.allocate_now(b"x" * 32, filler.resources)
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    return net, job, [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+
+
+def test_an_elastic_gang_grows_back_when_capacity_appears_and_survivors_are_never_restarted():
+    """GA9: the gang runs at 3 of its 4; the busy node frees its GPU and says so in its signed
+    vector: resize 0 grows the gang to 4 with a new rank there, at a fresh worker id; the
+    three ranks already running are not stopped or started again, only told the new world."""
+    net, job, nodes = _grown_then_shrunk()
+    assert len(nodes) == 3 and KEYS[3] not in nodes
+    before = {n: len(net.decisions[n]) for n in nodes}
+    net.cores[KEYS[3]].ledger.free(b"x" * 32)
+    net.emit(KEYS[3], net.cores[KEYS[3]].update_telemetry((), 0, net.now, simulated=True))
+    net.run(500)
+    decided = net.certified(KEYS[0], "gang_resize")
+    assert len(decided) == 1 and not decided[0].value.shrinks
+    assert (decided[0].value.number, decided[0].value.size, decided[0].value.nodes) == (0, 4, (KEYS[3],))
+    grown = gang_worker_id(job_id(job), 3)   # the attempt's next index: a fresh worker id
+    for rank, node in enumerate(nodes):
+        later = net.decisions[node][before[node]:]
+        assert not [d for d in later if d.value_kind in ("stop", "run")]
+        told = [item for d in later if d.value_kind == "gang_peers" for item in d.value][-1][1]
+        assert (told.rank, told.world_size, [p[0] for p in told.peers]) == (rank, 4, [*nodes, KEYS[3]])
+    runs = [r for d in net.decisions[KEYS[3]] if d.value_kind == "run" for r in d.value]
+    assert [(r.job_id, r.gang.rank, r.gang.world_size) for r in runs] == [(grown, 3, 4)]
+    for key in KEYS:
+        view = net.cores[key].job_view(job_id(job))
+        assert [w["primary"] for w in view["gang"]["workers"]] == [*nodes, KEYS[3]]
+        assert view["gang"]["resizes"] == 1
+
+
+def test_a_grow_and_a_shrink_apply_identically_at_every_member_in_any_arrival_order():
+    """GA9: resize 0 (a grow) and resize 1 (a shrink), and the eviction between them, reach a
+    member that missed them all in the reverse order: it holds the shrink until the grow is
+    applied, and ends with the same ranks, nodes, fences and states as the members that saw
+    them in order. Without the numbering a shrink applied before the grow dropped other
+    ranks than it did at the others."""
+    ahead, job, nodes = _grown_then_shrunk()
+    behind, _job, same = _grown_then_shrunk()
+    assert same == nodes
+    ahead.cores[KEYS[3]].ledger.free(b"x" * 32)
+    ahead.emit(KEYS[3], ahead.cores[KEYS[3]].update_telemetry((), 0, ahead.now, simulated=True))
+    ahead.run(500)
+    lost = nodes[1]
+    ahead.down.add(lost)
+    ahead.run(2000)
+    keeper = nodes[0]
+    resizes = ahead.certified(keeper, "gang_resize")
+    assert [(d.value.number, d.value.shrinks, d.value.size) for d in resizes] == [(0, False, 4), (1, True, 3)]
+    eviction = next(d for d in ahead.decisions[keeper] if d.value_kind == "eviction")
+    lagging = behind.cores[keeper]
+    out = Ready()
+    for certificate in (resizes[1].certificate, eviction.certificate, resizes[0].certificate):
+        lagging._apply_certificate_bytes(certificate, behind.now, out)
+    truth = ahead.cores[keeper]
+    gang = job_id(job)
+    assert lagging.gangs.ranks[gang] == truth.gangs.ranks[gang] and len(truth.gangs.ranks[gang]) == 3
+    for wid in set(truth.gangs.ranks[gang]) | {gang_worker_id(gang, r) for r in range(4)}:
+        mine, theirs = lagging.job_table.get(wid), truth.job_table.get(wid)
+        assert (mine.primary, mine.fence, mine.state) == (theirs.primary, theirs.fence, theirs.state)
+    assert lagging.counters["gang_resize_parked"] == 1
+    assert lagging.gangs.attempts[gang].number == truth.gangs.attempts[gang].number == 2
