@@ -551,3 +551,21 @@ def test_a_grow_and_a_shrink_apply_identically_at_every_member_in_any_arrival_or
         assert (mine.primary, mine.fence, mine.state) == (theirs.primary, theirs.fence, theirs.state)
     assert lagging.counters["gang_resize_parked"] == 1
     assert lagging.gangs.attempts[gang].number == truth.gangs.attempts[gang].number == 2
+
+
+def test_spec_gang_resize_vector_follows_the_stated_formula_and_record_rules():
+    """SPEC.md GA9's vector: the instance id recomputed with hashlib from the formula alone,
+    and the value decodes as a grow whose size is its survivors plus its new nodes."""
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "SPEC.md").read_text(encoding="utf-8")
+    lines = dict(line.split(": ", 1)
+                 for line in spec_tables.generated_block(spec, "gang resize vectors").strip("`\n").splitlines())
+    jid = bytes.fromhex(lines["job_id"])
+    attempt, number = int(lines["attempt"]), int(lines["number"])
+    assert lines["gang_resize_instance_id"] == hashlib.sha256(
+        b"gang-resize" + jid + attempt.to_bytes(4, "big") + number.to_bytes(4, "big")).hexdigest()
+    data = bytes.fromhex(lines["gang_resize_value"])
+    value = GangResize.from_body(codec.unpack(data))
+    assert (value.attempt, value.number, value.shrinks) == (attempt, number, False)
+    assert value.size == len(value.survivors) + len(value.nodes)
+    with pytest.raises(ValueError, match="a shrink adds no nodes"):
+        GangResize(**{**{f: getattr(value, f) for f in GangResize.SCHEMA}, "lost": b"w" * 32})
