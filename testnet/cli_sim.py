@@ -162,6 +162,7 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "gang_kills": sum(r.counters.get("gang_kills", 0) for r in results),
         "gang_replacements": sum(r.counters.get("gang_replacements", 0) for r in results),
         "gang_resizes": sum(r.counters.get("gang_resizes", 0) for r in results),
+        "gang_grows": sum(r.counters.get("gang_grows", 0) for r in results),
         "gang_ranks_restarted": sum(r.counters.get("gang_ranks_restarted", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},

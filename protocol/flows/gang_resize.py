@@ -165,7 +165,10 @@ class GangResizeFlow(ValueFlow):
         job = gang.manifest
         lost = next((w for w in ranks if w is not None and w.state == "replacing"), None)
         others = [w for w in ranks if w is not lost]
-        if any(w is None or w.primary is None or w.primary not in view.stakes or
+        # The instance runs in an older epoch (its number's): a node evicted since is no
+        # candidate (a rank put there would only wait for a replacement again, and again).
+        current = self.epochs.view.stakes
+        if any(w is None or w.primary is None or w.primary not in view.stakes or w.primary not in current or
                (lost is None and w.state not in RANK_STATES) for w in others):
             return None
         survivors = [rank_vector(self.ctx, self.capability, self.gangs, gang_id, w.primary, now_ms) for w in others]
@@ -173,7 +176,8 @@ class GangResizeFlow(ValueFlow):
             return None
         taken = {w.primary for w in others}
         candidates = [signed for signed in (self.capability.signed_vector(k, now_ms) for k in view.members
-                                            if k not in taken) if signed is not None][:MAX_BIDS_PER_PROPOSAL]
+                                            if k not in taken and k in current)
+                      if signed is not None][:MAX_BIDS_PER_PROPOSAL]
         caps = [cap for _e, cap in survivors]
         if lost is not None:
             # GA8: only once no member can replace the rank (GA7 decides that replacement),
@@ -285,6 +289,9 @@ class GangResizeFlow(ValueFlow):
             return "a grow while a rank has no node, or survivors that are not the ranks' nodes in order (GA9)"
         if [cap.node for cap in added] != list(value.nodes):
             return "the grow carries another node's capability vector"
+        gone = [node for node in value.nodes if node not in self.epochs.view.stakes]
+        if gone:
+            return "a grow onto %s, evicted since the instance's epoch" % gone[0].hex()[:12]
         for cap in added:
             if not capability_check(job, cap, {})[0]:
                 return "new rank's node %s has no room for a worker" % cap.node.hex()[:12]
