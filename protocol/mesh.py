@@ -131,6 +131,7 @@ class MeshCore:
         self.gang_resizes = gang_resizes = GangResizeFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
                                                           lifecycle)
         gangs.resizer = gang_ranks.resizer = gang_resizes
+        epochs.views_needed = gangs.epochs_needed
         self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas, gang_ranks,
                                    gang_resizes))
         self._handlers = {

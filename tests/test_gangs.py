@@ -569,3 +569,28 @@ def test_spec_gang_resize_vector_follows_the_stated_formula_and_record_rules():
     assert value.size == len(value.survivors) + len(value.nodes)
     with pytest.raises(ValueError, match="a shrink adds no nodes"):
         GangResize(**{**{f: getattr(value, f) for f in GangResize.SCHEMA}, "lost": b"w" * 32})
+
+
+def test_a_gang_lost_whole_is_placed_again_though_its_epoch_is_older_than_the_views_kept(monkeypatch):
+    """GA10: a gang's next attempt runs in its job's epoch (P2). A node kept only its newest
+    views (8), so once a gang had outlived 8 epoch changes (every kill of `bench gang` is an
+    eviction and a rejoin) a lost rank that could be neither replaced nor shrunk ended the
+    attempt, and the next one never started anywhere ("its owner must sign it again"): the
+    gang stayed pending until the bench gave up. Views of the epochs of gangs not ended are
+    kept now. Here the node keeps 1 view, so the one eviction is enough to show it."""
+    import protocol.epochs
+    monkeypatch.setattr(protocol.epochs, "VIEWS_KEPT", 1)
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=2, topology="zone"), backups=0, max_retries=1)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    others = [k for k in KEYS if k not in (first, second)]
+    net.down.add(second)
+    net.run(20_000, step_ms=20)
+    for key in (first, *others):
+        core = net.cores[key]
+        assert core.epoch >= 1 and core.epochs.view_for(0) is not None   # the gang's epoch, kept
+    placed = net.certified(first, "gang_placement")
+    assert len(placed) == 2 and {w.node for w in placed[-1].value.workers} == set(others)
+    assert net.cores[first].job_view(job_id(job))["state"] in ("placed", "running")

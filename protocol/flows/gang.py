@@ -70,6 +70,12 @@ class GangFlow(PlacementFlow):
         self.bid_vectors: dict[bytes, dict] = {}
         self.worker_vectors: dict[bytes, dict] = {}
 
+    def epochs_needed(self) -> set:
+        """GA10: the epochs of the gangs this node holds that are not ended: a gang's next
+        attempt runs in its job's epoch (P2), so that epoch's view must stay."""
+        return {record.manifest.epoch for record in self.jobs
+                if record.state not in TERMINAL and record.manifest.gang.is_gang and record.job_id not in self.worker_of}
+
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
         return [self.jobs.get(wid) for wid in self.ranks.get(gang_id, ())]
