@@ -72,9 +72,12 @@ class GangFlow(PlacementFlow):
 
     def epochs_needed(self) -> set:
         """GA10: the epochs of the gangs this node holds that are not ended: a gang's next
-        attempt runs in its job's epoch (P2), so that epoch's view must stay."""
-        return {record.manifest.epoch for record in self.jobs
-                if record.state not in TERMINAL and record.manifest.gang.is_gang and record.job_id not in self.worker_of}
+        attempt runs in its job's epoch (P2), its next resize in its number's (GA9), so
+        those epochs' views must stay."""
+        live = [record for record in self.jobs
+                if record.state not in TERMINAL and record.manifest.gang.is_gang and record.job_id not in self.worker_of]
+        return ({record.manifest.epoch for record in live} |
+                {self.attempts[r.job_id].epoch for r in live if r.job_id in self.attempts})
 
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
