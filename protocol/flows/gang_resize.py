@@ -113,8 +113,8 @@ class GangResizeFlow(ValueFlow):
                 break
             self._apply(gang_id, *parked, now_ms, out)
         gang = self.jobs.get(gang_id)
-        if gang is None or gang.state in TERMINAL or gang.manifest.gang.workers != 0:
-            return
+        if gang is None or gang.state != "placed" or gang.manifest.gang.workers != 0:
+            return   # not an elastic gang, or its attempt ended meanwhile (a refusal as a grow applied)
         view = self.epochs.view_for(state.epoch)
         if view is None:
             return
@@ -150,7 +150,7 @@ class GangResizeFlow(ValueFlow):
     def _facts(self, gang_id: bytes, iid: bytes):
         """(gang record, its attempt state, its ranks' records) while ``iid`` is its open number."""
         gang, state = self.jobs.get(gang_id), self.gangs.attempts.get(gang_id)
-        if gang is None or state is None or gang.state in TERMINAL:
+        if gang is None or state is None or gang.state != "placed":
             return None
         if gang_resize_instance_id(gang_id, state.attempt, state.number) != iid:
             return None
