@@ -364,8 +364,8 @@ def test_validators_refuse_a_replacement_that_breaks_the_topology():
 
 def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted():
     """Simulator (SPEC.md 11) with only gangs (fixed and elastic), every fault, 1/5 Byzantine
-    stake and two kills of rank nodes: lost ranks are replaced (GA7) and elastic gangs shrink
-    (GA8), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
+    stake and two kills of rank nodes: lost ranks are replaced (GA7), elastic gangs shrink
+    (GA8) and grow back once the killed nodes return (GA9), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
     and no surviving rank started again. Seed 170 also has a replacement decided onto a node
     evicted since (the rank waits again, P5), judged by its own epoch's members."""
     results = [run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS,
@@ -376,6 +376,7 @@ def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted()
         assert result.counters.get("gang_ranks_restarted", 0) == 0
     assert sum(r.counters["gang_replacements"] for r in results) > 0
     assert sum(r.counters["gang_resizes"] for r in results) > 0   # seed 5's world shrinks a gang
+    assert sum(r.counters["gang_grows"] for r in results) > 0     # seed 170's grows one back (GA9)
 
 
 @pytest.mark.parametrize("argv, message", [
