@@ -66,10 +66,9 @@ def shrink_size(job: JobManifest, world: int, survivors: list) -> int | None:
     return None
 
 
-class GangReplaceFlow(ValueFlow):
-    value_kind = "gang_replace"
-    value_kinds = ("gang_replace",)
-    max_rounds = REPLACE_MAX_ROUNDS
+class GangVectorFlow(ValueFlow):
+    """What GA7's and GA9's flows share: nobody bids, a value is checked from the signed
+    capability vectors it and its justification carry, and it binds to its instance."""
     max_justification = MAX_BIDS_PER_PROPOSAL   # the candidates' signed vectors
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, capability, gangs, lifecycle) -> None:
@@ -81,11 +80,6 @@ class GangReplaceFlow(ValueFlow):
         self.capability = capability
         self.gangs = gangs
         self.lifecycle = lifecycle
-        self.resizer = None   # flows/gang_resize.py (GA9), set by the core
-        # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
-        # certificate came before the eviction that starts it (catch-up delivers, and a
-        # restart replays, in arrival order), applied when that eviction is (GA7).
-        self.parked: dict[tuple[bytes, int], tuple] = {}
 
     def bid_job(self, subject) -> None:
         return None   # nobody bids: the value is checked from signed vectors
@@ -95,6 +89,52 @@ class GangReplaceFlow(ValueFlow):
 
     def validators(self, iid: bytes) -> tuple:
         return self._validator(iid), None
+
+    def _validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
+            inst = self.instances.live_or_decided(iid)
+            view = inst.view if inst is not None else self.epochs.view
+            try:
+                value = decode_value(self.value_kind, value_bytes, caches=self.ctx.caches)
+                problem = self.value_binding_error(iid, self.value_kind, value, view.epoch, self.ctx.mesh_id, 0,
+                                                   caches=self.ctx.caches)
+                if problem is not None:
+                    return problem
+                if len(justification) > MAX_BIDS_PER_PROPOSAL:
+                    return "more than %d candidate vectors" % MAX_BIDS_PER_PROPOSAL
+                candidates = [self._vector(data, view) for data in justification]
+                return self.value_error(iid, value, candidates, view)
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid %s proposal: %s" % (self.value_kind, exc)
+        return validate
+
+    def value_error(self, iid: bytes, value, candidates: list, view) -> str | None:
+        """Why a value of this flow is refused, its justification's vectors decoded (or None).
+        Raises RemoteProtocolError for a vector of the value that is not valid."""
+        raise NotImplementedError
+
+    def _vector(self, data: bytes, view) -> CapabilityVector:
+        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
+        if envelope.signer != cap.node or cap.node not in view.stakes:
+            raise RemoteProtocolError("a capability vector not signed by its node, or of a non-member")
+        return cap
+
+    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
+        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
+
+
+class GangReplaceFlow(GangVectorFlow):
+    value_kind = "gang_replace"
+    value_kinds = ("gang_replace",)
+    max_rounds = REPLACE_MAX_ROUNDS
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.resizer = None   # flows/gang_resize.py (GA9), set by the core
+        # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
+        # certificate came before the eviction that starts it (catch-up delivers, and a
+        # restart replays, in arrival order), applied when that eviction is (GA7).
+        self.parked: dict[tuple[bytes, int], tuple] = {}
 
     # --- a rank's node was evicted (GA7) ----------------------------------------------------------
     def takes(self, record) -> bool:
@@ -195,34 +235,13 @@ class GangReplaceFlow(ValueFlow):
     def _worker_rank(self, record) -> int:
         return self.gangs.worker_of[record.job_id][1]   # its rank at placement: its worker id's (GA4)
 
-    # --- validators (GA7, GA8) ----------------------------------------------------------------------
-    def _validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
-            inst = self.instances.live_or_decided(iid)
-            view = inst.view if inst is not None else self.epochs.view
-            try:
-                value = decode_value("gang_replace", value_bytes, caches=self.ctx.caches)
-                problem = self.value_binding_error(iid, "gang_replace", value, view.epoch, self.ctx.mesh_id, 0,
-                                                   caches=self.ctx.caches)
-                if problem is not None:
-                    return problem
-                if len(justification) > MAX_BIDS_PER_PROPOSAL:
-                    return "more than %d candidate vectors" % MAX_BIDS_PER_PROPOSAL
-                candidates = [self._vector(data, view) for data in justification]
-                survivors = [self._vector(data, view) for data in value.survivors]
-                target = self._vector(value.capability, view) if value.capability else None
-            except (RemoteProtocolError, ValueError) as exc:
-                return "invalid gang_replace proposal: %s" % exc
-            if value.shrinks:
-                return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
-            return self.replacement_error(iid, value, survivors, target, candidates, view)
-        return validate
-
-    def _vector(self, data: bytes, view) -> CapabilityVector:
-        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
-        if envelope.signer != cap.node or cap.node not in view.stakes:
-            raise RemoteProtocolError("a capability vector not signed by its node, or of a non-member")
-        return cap
+    # --- validators (GA7) ---------------------------------------------------------------------------
+    def value_error(self, iid: bytes, value: GangReplacement, candidates: list, view) -> str | None:
+        if value.shrinks:
+            return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
+        survivors = [self._vector(data, view) for data in value.survivors]
+        target = self._vector(value.capability, view) if value.capability else None
+        return self.replacement_error(iid, value, survivors, target, candidates, view)
 
     def replacement_error(self, iid: bytes, value: GangReplacement, survivors: list, target, candidates: list,
                           view) -> str | None:
@@ -253,9 +272,6 @@ class GangReplaceFlow(ValueFlow):
         return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
 
     # --- applying it ----------------------------------------------------------------------------------
-    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
-        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
-
     @staticmethod
     def value_binding_error(iid: bytes, value_kind: str, value, epoch: int, mesh_id: bytes, slot_ms: int,
                             caches=None) -> str | None:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.base import ValueFlow
-from protocol.flows.gang_replace import choose_replacement, rank_vector, shrink_size
+from protocol.flows.gang_replace import GangVectorFlow, choose_replacement, rank_vector, shrink_size
 from protocol.flows.move import move_rank
 from protocol.gang_placement import diameter, topology_error
 from protocol.job_table import TERMINAL
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_GANG_RANK_INDEX, CapabilityVector, GangResize, JobManifest,
-                               decode_message, decode_value, gang_replace_instance_id, gang_resize_instance_id, job_id)
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_GANG_RANK_INDEX, GangResize, JobManifest,
+                               decode_message, gang_replace_instance_id, gang_resize_instance_id, job_id)
 from protocol.placement import capability_check
 from protocol.ready import Ready
 
@@ -72,33 +71,16 @@ def choose_grow(job: JobManifest, instance: bytes, survivors: list, candidates, 
     return None
 
 
-class GangResizeFlow(ValueFlow):
+class GangResizeFlow(GangVectorFlow):
     value_kind = "gang_resize"
     value_kinds = ("gang_resize",)
     max_rounds = RESIZE_MAX_ROUNDS
-    max_justification = MAX_BIDS_PER_PROPOSAL   # the candidates' signed vectors
 
-    def __init__(self, ctx, epochs, jobs, ledger, instances, capability, gangs, lifecycle) -> None:
-        self.ctx = ctx
-        self.epochs = epochs
-        self.jobs = jobs
-        self.ledger = ledger
-        self.instances = instances
-        self.capability = capability
-        self.gangs = gangs
-        self.lifecycle = lifecycle
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.open: dict[bytes, bytes] = {}            # gang id -> the instance of its next resize number
         self.parked: dict[tuple, tuple] = {}          # (gang id, attempt, number) -> (value, epoch)
         self.unrepaired: set[bytes] = set()           # ranks whose replacement instance gave up here (GA7)
-
-    def bid_job(self, subject) -> None:
-        return None
-
-    def job_ids(self, iid: bytes, subject) -> tuple:
-        return (subject,)
-
-    def validators(self, iid: bytes) -> tuple:
-        return self._validator(iid), None
 
     # --- the instance of the next number ------------------------------------------------------------
     def opened(self, gang_id: bytes, now_ms: int, out: Ready) -> None:
@@ -236,31 +218,10 @@ class GangResizeFlow(ValueFlow):
         return True
 
     # --- validation (GA8, GA9) ----------------------------------------------------------------------
-    def _validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
-            inst = self.instances.live_or_decided(iid)
-            view = inst.view if inst is not None else self.epochs.view
-            try:
-                value = decode_value("gang_resize", value_bytes, caches=self.ctx.caches)
-                problem = self.value_binding_error(iid, "gang_resize", value, view.epoch, self.ctx.mesh_id, 0,
-                                                   caches=self.ctx.caches)
-                if problem is not None:
-                    return problem
-                if len(justification) > MAX_BIDS_PER_PROPOSAL:
-                    return "more than %d candidate vectors" % MAX_BIDS_PER_PROPOSAL
-                candidates = [self._vector(data, view) for data in justification]
-                survivors = [self._vector(data, view) for data in value.survivors]
-                added = [self._vector(data, view) for data in value.capabilities]
-            except (RemoteProtocolError, ValueError) as exc:
-                return "invalid gang_resize proposal: %s" % exc
-            return self.resize_error(iid, value, survivors, added, candidates)
-        return validate
-
-    def _vector(self, data: bytes, view) -> CapabilityVector:
-        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
-        if envelope.signer != cap.node or cap.node not in view.stakes:
-            raise RemoteProtocolError("a capability vector not signed by its node, or of a non-member")
-        return cap
+    def value_error(self, iid: bytes, value: GangResize, candidates: list, view) -> str | None:
+        survivors = [self._vector(data, view) for data in value.survivors]
+        added = [self._vector(data, view) for data in value.capabilities]
+        return self.resize_error(iid, value, survivors, added, candidates)
 
     def resize_error(self, iid: bytes, value: GangResize, survivors: list, added: list, candidates: list):
         gang_id = self._gang_id(value)
@@ -320,9 +281,6 @@ class GangResizeFlow(ValueFlow):
         if gang_resize_instance_id(job_id(job), value.attempt, value.number) != iid:
             return "the resize's gang, attempt and number are for another instance"
         return None
-
-    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
-        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
 
     def apply(self, iid: bytes, value_kind: str, value: GangResize, certificate: bytes, epoch: int, now_ms: int,
               out: Ready) -> None:
