@@ -595,3 +595,48 @@ def test_a_gang_lost_whole_is_placed_again_though_its_epoch_is_older_than_the_vi
     placed = net.certified(first, "gang_placement")
     assert len(placed) == 2 and {w.node for w in placed[-1].value.workers} == set(others)
     assert net.cores[first].job_view(job_id(job))["state"] in ("placed", "running")
+
+
+def test_a_replacement_and_a_shrink_of_one_rank_end_alike_in_either_order():
+    """GA9: a rank's replacement (GA7, its own instance) and a shrink dropping it (the gang's
+    resize) can both be decided when members' vectors differ. Two worlds that differ only in
+    whether a busy node freed its GPU before the kill decide one each; every member ends
+    with the same gang whichever of the two it applies first: the shrink drops the rank,
+    from its new node too, and a replacement after the shrink changes nothing."""
+    def world(free_before_kill):
+        net = GangNet(gpus=(1, 1, 1, 1))
+        busy = net.cores[KEYS[3]]
+        filler, _ = make_job(nonce=99, gpus=1)
+        busy.ledger.allocate_now(b"x" * 32, filler.resources)
+        job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=3, multiple_of=1), backups=0)
+        net.submit(KEYS[0], envelope)
+        net.run(300)
+        nodes = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+        if free_before_kill:
+            busy.ledger.free(b"x" * 32)
+        for key in KEYS:
+            net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+        net.run(20)
+        net.down.add(nodes[1])
+        net.run(2000)
+        return net, job, nodes
+
+    shrunk, job, nodes = world(False)
+    replaced, _job, same = world(True)
+    assert same == nodes and KEYS[3] not in nodes
+    keeper = nodes[0]
+    shrink = shrunk.certified(keeper, "gang_resize")
+    replacement = replaced.certified(keeper, "gang_replace")
+    assert len(shrink) == 1 and shrink[0].value.shrinks and shrink[0].value.size == 2
+    assert len(replacement) == 1 and replacement[0].value.to_node == KEYS[3]
+    shrink_first, replace_first = shrunk.cores[keeper], replaced.cores[keeper]
+    out = Ready()
+    shrink_first._apply_certificate_bytes(replacement[0].certificate, shrunk.now, out)
+    replace_first._apply_certificate_bytes(shrink[0].certificate, replaced.now, out)
+    gang = job_id(job)
+    assert shrink_first.gangs.ranks[gang] == replace_first.gangs.ranks[gang] and len(replace_first.gangs.ranks[gang]) == 2
+    for rank in range(3):
+        wid = gang_worker_id(gang, rank)
+        mine, theirs = shrink_first.job_table.get(wid), replace_first.job_table.get(wid)
+        assert (mine.primary, mine.state) == (theirs.primary, theirs.state)
+    assert replace_first.job_table.get(gang_worker_id(gang, 1)).state == "cancelled"   # dropped from its new node
