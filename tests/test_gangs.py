@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import pathlib
 import random
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -595,6 +596,12 @@ def test_a_gang_lost_whole_is_placed_again_though_its_epoch_is_older_than_the_vi
     placed = net.certified(first, "gang_placement")
     assert len(placed) == 2 and {w.node for w in placed[-1].value.workers} == set(others)
     assert net.cores[first].job_view(job_id(job))["state"] in ("placed", "running")
+    # A node evicted since the gang's epoch is no candidate there (P5 would take its rank off
+    # again at once): its bid is left out by the leader and by every validator alike.
+    gangs = net.cores[first].gangs
+    assert gangs.evicted_since(0) == {second} and gangs.evicted_since(1) == set()
+    bids = [SimpleNamespace(signer=key) for key in KEYS]
+    assert [b.signer for b in gangs._not_evicted_since(bids, 0)] == [k for k in KEYS if k != second]
 
 
 def test_a_replacement_and_a_shrink_of_one_rank_end_alike_in_either_order():
