@@ -647,3 +647,13 @@ def test_a_replacement_and_a_shrink_of_one_rank_end_alike_in_either_order():
         mine, theirs = shrink_first.job_table.get(wid), replace_first.job_table.get(wid)
         assert (mine.primary, mine.state) == (theirs.primary, theirs.state)
     assert replace_first.job_table.get(gang_worker_id(gang, 1)).state == "cancelled"   # dropped from its new node
+
+
+def test_a_restarted_node_never_signs_a_second_proposal_for_a_resize_number():
+    """GA9, found by the gang sweep (seed 86): a restart replays the certificates before it
+    restores the node's votes (6.9), and the resize instance the replay opened signed a
+    proposal afresh, another than the one it had signed before the crash. It now starts on
+    the node's first input after the restart, from its restored votes."""
+    result = run_simulation(SimConfig(nodes=7, jobs=6, seed=86, byzantine_milli=200, faults=FAULTS,
+                                      gang_per_mille=1000, gang_kills=2))
+    assert result.violation_count == 0, [v.line() for v in result.violations]

@@ -81,6 +81,7 @@ class GangResizeFlow(GangVectorFlow):
         self.open: dict[bytes, bytes] = {}            # gang id -> the instance of its next resize number
         self.parked: dict[tuple, tuple] = {}          # (gang id, attempt, number) -> (value, epoch)
         self.unrepaired: set[bytes] = set()           # ranks whose replacement instance gave up here (GA7)
+        self.deferred_open: set[bytes] = set()        # gangs whose next number waits for the restart to end
 
     # --- the instance of the next number ------------------------------------------------------------
     def opened(self, gang_id: bytes, now_ms: int, out: Ready) -> None:
@@ -97,6 +98,13 @@ class GangResizeFlow(GangVectorFlow):
         gang = self.jobs.get(gang_id)
         if gang is None or gang.state != "placed" or gang.manifest.gang.workers != 0:
             return   # not an elastic gang, or its attempt ended meanwhile (a refusal as a grow applied)
+        if self.lifecycle.deferred:
+            # A restart replays the history before it restores the votes this node signed
+            # (6.9): started now, the instance would sign afresh what it signed before the
+            # restart, maybe another value (`meshnode sim --seed 86 ... --gang-kills 2`: an
+            # honest node signed two proposals). It starts on this node's next input instead.
+            self.deferred_open.add(gang_id)
+            return
         view = self.epochs.view_for(state.epoch)
         if view is None:
             return
@@ -202,7 +210,12 @@ class GangResizeFlow(GangVectorFlow):
 
     def notice(self, now_ms: int, out: Ready) -> None:
         """A member's vector or a rank's state changed: the leader of an open number's round
-        that has not proposed yet proposes if it now has a resize to make."""
+        that has not proposed yet proposes if it now has a resize to make. After a restart,
+        the instances of the numbers the replay reached start here, their votes restored."""
+        if self.deferred_open and not self.lifecycle.deferred:
+            for gang_id in sorted(self.deferred_open):
+                self.opened(gang_id, now_ms, out)
+            self.deferred_open.clear()
         for gang_id, iid in list(self.open.items()):
             inst = self.instances.get(iid)
             if inst is not None and inst.awaiting_value:
