@@ -481,15 +481,15 @@ def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_no
     assert lagging.counters["gang_replace_stale"] == 0
 
 
-def _grown_then_shrunk():
-    """An elastic gang of 2..4 placed at 3 (the fourth node is busy); the fourth node frees its
-    GPU and the gang grows back to 4 (resize 0, GA9); then a rank's node dies with no member
-    free to replace it, and the gang shrinks to 3 (resize 1, GA8)."""
+def _elastic_gang_beside_a_busy_node(max_workers=4):
+    """An elastic gang of 2..``max_workers`` placed on the three free nodes (the fourth node is
+    busy); the tests then free the fourth node's GPU (a grow, resize 0, GA9) and kill a
+    rank's node (a replacement, or a shrink when no member is free, GA8)."""
     net = GangNet(gpus=(1, 1, 1, 1))
     busy = net.cores[KEYS[3]]
     filler, _ = make_job(nonce=99, gpus=1)
     busy.ledger.allocate_now(b"x" * 32, filler.resources)
-    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=max_workers, multiple_of=1), backups=0)
     net.submit(KEYS[0], envelope)
     net.run(300)
     return net, job, [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
@@ -499,7 +499,7 @@ def test_an_elastic_gang_grows_back_when_capacity_appears_and_survivors_are_neve
     """GA9: the gang runs at 3 of its 4; the busy node frees its GPU and says so in its signed
     vector: resize 0 grows the gang to 4 with a new rank there, at a fresh worker id; the
     three ranks already running are not stopped or started again, only told the new world."""
-    net, job, nodes = _grown_then_shrunk()
+    net, job, nodes = _elastic_gang_beside_a_busy_node()
     assert len(nodes) == 3 and KEYS[3] not in nodes
     before = {n: len(net.decisions[n]) for n in nodes}
     net.cores[KEYS[3]].ledger.free(b"x" * 32)
@@ -528,8 +528,8 @@ def test_a_grow_and_a_shrink_apply_identically_at_every_member_in_any_arrival_or
     applied, and ends with the same ranks, nodes, fences and states as the members that saw
     them in order. Without the numbering a shrink applied before the grow dropped other
     ranks than it did at the others."""
-    ahead, job, nodes = _grown_then_shrunk()
-    behind, _job, same = _grown_then_shrunk()
+    ahead, job, nodes = _elastic_gang_beside_a_busy_node()
+    behind, _job, same = _elastic_gang_beside_a_busy_node()
     assert same == nodes
     ahead.cores[KEYS[3]].ledger.free(b"x" * 32)
     ahead.emit(KEYS[3], ahead.cores[KEYS[3]].update_telemetry((), 0, ahead.now, simulated=True))
@@ -611,16 +611,9 @@ def test_a_replacement_and_a_shrink_of_one_rank_end_alike_in_either_order():
     with the same gang whichever of the two it applies first: the shrink drops the rank,
     from its new node too, and a replacement after the shrink changes nothing."""
     def world(free_before_kill):
-        net = GangNet(gpus=(1, 1, 1, 1))
-        busy = net.cores[KEYS[3]]
-        filler, _ = make_job(nonce=99, gpus=1)
-        busy.ledger.allocate_now(b"x" * 32, filler.resources)
-        job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=3, multiple_of=1), backups=0)
-        net.submit(KEYS[0], envelope)
-        net.run(300)
-        nodes = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+        net, job, nodes = _elastic_gang_beside_a_busy_node(max_workers=3)
         if free_before_kill:
-            busy.ledger.free(b"x" * 32)
+            net.cores[KEYS[3]].ledger.free(b"x" * 32)
         for key in KEYS:
             net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
         net.run(20)
