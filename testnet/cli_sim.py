@@ -84,7 +84,8 @@ def register(subparsers) -> None:
                         help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
     parser.add_argument("--gang-kills", type=int, default=0, metavar="K",
                         help="K times (every 1.5 s from 1.5 s on) crash an honest node running a gang's rank for "
-                             "1.2 s, so it is evicted and the rank replaced or the gang shrunk (SPEC.md GA7, GA8)")
+                             "1.2 s, so it is evicted and the rank replaced or the gang shrunk, and grown back once "
+                             "it returns (SPEC.md GA7-GA9)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
