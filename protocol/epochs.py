@@ -16,6 +16,7 @@ MAX_EPOCH_CERTIFICATES = 64    # epoch-change certificates kept to answer syncs
 MAX_FUTURE_CERTIFICATES = 16   # epochs not reached yet whose certificates are held for later
 MAX_HELD_PER_EPOCH = 4         # certificates held per such epoch (unverified until it is reached)
 VIEWS_KEPT = 8                 # epoch views a core holds (the newest): older epochs' votes are never read
+MAX_OLDER_VIEWS_KEPT = 16      # older views kept besides, for jobs that may be placed again in them (GA10)
 
 
 class Epochs:
@@ -27,6 +28,9 @@ class Epochs:
         self.member_info = {m.public_key: m for m in genesis.members}
         self.certificates: list[tuple[int, bytes]] = []      # (epoch it ended, certificate)
         self.future_certificates: dict[int, list[bytes]] = {}
+        # Epochs older than the newest VIEWS_KEPT whose views must stay: a gang that may be
+        # placed again names one (its attempts run in its job's epoch, P2; GA10). The core sets it.
+        self.views_needed = frozenset
 
     @property
     def epoch(self) -> int:
@@ -55,10 +59,15 @@ class Epochs:
         del self.certificates[:-MAX_EPOCH_CERTIFICATES]
         self.view = view
         self.views[view.epoch] = view
-        for epoch in sorted(self.views)[:-VIEWS_KEPT]:
-            del self.views[epoch]
+        older = sorted(self.views)[:-VIEWS_KEPT]
+        needed = set(sorted(set(older) & set(self.views_needed()))[-MAX_OLDER_VIEWS_KEPT:])
+        for epoch in older:
+            if epoch not in needed:
+                del self.views[epoch]
+        # The store keeps the votes of those epochs' undecided instances as well (SPEC 6.9).
         out.persist.append(PersistRecord("membership", str(view.epoch), {"epoch": view.epoch,
-                                                                         "certificate": certificate}))
+                                                                         "certificate": certificate,
+                                                                         "older_views": sorted(needed)}))
         out.events.append(Event("epoch", now_ms, {"epoch": view.epoch, "members": len(view.members)}))
         return old
 

@@ -47,6 +47,7 @@ from protocol.flows.move import MoveFlow
 from protocol.flows.replica import ReplicaFlow
 from protocol.flows.gang import GangFlow
 from protocol.flows.gang_replace import GangReplaceFlow
+from protocol.flows.gang_resize import GangResizeFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.slot import SlotFlow
@@ -128,7 +129,12 @@ class MeshCore:
         self.gang_ranks = gang_ranks = GangReplaceFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
                                                        lifecycle)
         epoch_changes.gang_ranks = gang_ranks
-        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas, gang_ranks))
+        self.gang_resizes = gang_resizes = GangResizeFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
+                                                          lifecycle)
+        gangs.resizer = gang_ranks.resizer = gang_resizes
+        epochs.views_needed = gangs.epochs_needed
+        self.flows = FlowRegistry((placement, slots, epoch_changes, moves, preemptions, gangs, replicas, gang_ranks,
+                                   gang_resizes))
         self._handlers = {
             Proposal: self._on_consensus, Prevote: self._on_consensus, Precommit: self._on_consensus,
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
@@ -379,6 +385,7 @@ class MeshCore:
                                                job_signals=job_signals)
         self.moves.notice_reflexes(self.me, now_ms, out)   # R3: the primary may notice its own
         self.replicas.notice(self.me, now_ms, out)         # R4
+        self.gang_resizes.notice(now_ms, out)              # GA9
         return self._with_orders(out)
 
     def _on_quota_grant(self, envelope, grant, data, now_ms: int, out: Ready) -> None:
@@ -409,6 +416,7 @@ class MeshCore:
         self.capability.on_capability(envelope, cap, data, now_ms, out)
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
         self.replicas.notice(envelope.signer, now_ms, out)         # R4
+        self.gang_resizes.notice(now_ms, out)                      # GA9
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))

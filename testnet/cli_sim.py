@@ -84,7 +84,8 @@ def register(subparsers) -> None:
                         help="the share of jobs that are gangs (2-3 workers or elastic 2..4, any topology)")
     parser.add_argument("--gang-kills", type=int, default=0, metavar="K",
                         help="K times (every 1.5 s from 1.5 s on) crash an honest node running a gang's rank for "
-                             "1.2 s, so it is evicted and the rank replaced or the gang shrunk (SPEC.md GA7, GA8)")
+                             "1.2 s, so it is evicted and the rank replaced or the gang shrunk, and grown back once "
+                             "it returns (SPEC.md GA7-GA9)")
     parser.add_argument("--workers", type=int, default=1, help="processes running seeds in parallel (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -166,6 +167,7 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "gang_kills": sum(r.counters.get("gang_kills", 0) for r in results),
         "gang_replacements": sum(r.counters.get("gang_replacements", 0) for r in results),
         "gang_resizes": sum(r.counters.get("gang_resizes", 0) for r in results),
+        "gang_grows": sum(r.counters.get("gang_grows", 0) for r in results),
         "gang_ranks_restarted": sum(r.counters.get("gang_ranks_restarted", 0) for r in results),
         "messages_per_placement": round(messages / placements, 1) if placements else None,
         "latency_ms": {"p50": percentile(latencies, 500), "p99": percentile(latencies, 990)},

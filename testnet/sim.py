@@ -947,6 +947,7 @@ class Simulation:
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
             counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
                           gang_replacements=checker.gang_replaced, gang_resizes=checker.gang_resized,
+                          gang_grows=checker.gang_grown,
                           unplaceable_jobs=len(unplaceable) - len(quota_held),
                           quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
                           liveness_unpromised_jobs=len(unpromised),

@@ -32,7 +32,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id, topology_error
 from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.job_table import FENCE_PER_ATTEMPT
-from protocol.messages import (MAX_GANG_WORKERS, Eviction, GangPlacement, GangReplacement, JobManifest, JobMove,
+from protocol.messages import (MAX_GANG_RANK_INDEX, Eviction, GangPlacement, GangReplacement, GangResize, JobManifest, JobMove,
                                MembershipChange,
                                Placement, PlacementSlot, decode_message, decode_value, job_id, placement_attempt,
                                value_hash)
@@ -114,7 +114,8 @@ class DecisionChecker:
         self.gang_attempt: dict[bytes, tuple] = {}            # gang job id -> (newest attempt placed, world size)
         self.gang_active: dict[bytes, list] = {}              # gang job id -> its ranks' worker ids now (GA8)
         self.gang_of_rank: dict[bytes, bytes] = {}            # worker id -> its gang's job id
-        self.gang_replaced = self.gang_resized = 0            # decided gang_replace values, by form (GA7, GA8)
+        self.gang_next_index: dict[bytes, int] = {}          # gang job id -> its attempt's next rank index (GA9)
+        self.gang_replaced = self.gang_resized = self.gang_grown = 0   # replacements (GA7), shrinks (GA8), grows (GA9)
         self.violations: list[Violation] = []
         self.violation_count = 0
         # The decision log, (ms, node, kind, instance hex, value hash hex) per decision, kept as
@@ -202,6 +203,8 @@ class DecisionChecker:
             self._apply_eviction(node, instance, value)
         elif isinstance(value, GangReplacement):
             self._check_gang_replace(node, instance, value)
+        elif isinstance(value, GangResize):
+            self._check_gang_resize(node, instance, value)
         elif isinstance(value, JobMove):
             self._apply_job_move(value)
         elif isinstance(value, MembershipChange) and value.change == "join":
@@ -314,6 +317,7 @@ class DecisionChecker:
             for wid in self.gang_active.get(jid, ()):
                 self._unload(wid)   # ranks renumbered by a shrink, too
         self.gang_attempt[jid] = (attempt, len(gang.workers))
+        self.gang_next_index[jid] = len(gang.workers)
         self.gang_active[jid] = [gang_worker_id(jid, rank) for rank in range(len(gang.workers))]
         self.gang_of_rank.update((wid, jid) for wid in self.gang_active[jid])
         self.first_placement_of.setdefault(jid, instance)
@@ -355,18 +359,8 @@ class DecisionChecker:
         homes = [self.job_home.get(w) for w in survivors]
         self._unload(wid)
         if value.shrinks:
-            self.gang_resized += 1
-            sizes = job.gang.sizes()
-            if value.size not in sizes or value.size >= len(active):
-                self.fail("gang", node, instance, "gang %s shrunk to %d workers from %d (sizes %s)"
-                          % (jid.hex()[:12], value.size, len(active), list(sizes)))
-            for dropped in survivors[value.size:]:
-                self._unload(dropped)
-            self.gang_active[jid] = survivors[:value.size]
-            kept = [h for h in homes[:value.size] if h is not None]
-            broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in kept])
-            if broken is not None and len(kept) == value.size:
-                self.fail("gang", node, instance, "gang %s shrunk against its topology: %s" % (jid.hex()[:12], broken))
+            self.fail("gang", node, instance, "gang %s shrunk by a gang_replace, not by its numbered resize (GA9)"
+                      % jid.hex()[:12])
             return
         self.gang_replaced += 1
         target = self.index_of.get(value.to_node)
@@ -382,12 +376,67 @@ class DecisionChecker:
         if target in self.members:   # else evicted since the value's epoch: the rank waits again (P5, GA7)
             self._commit(target, wid, job.resources, self._least_loaded_gpus(target, job.resources.gpus))
 
+    def _check_gang_resize(self, node: int, instance: bytes, value: GangResize) -> None:
+        """SPEC.md GA8, GA9, in number order (a number's instance starts only once the number
+        before it was applied, so first decisions come in that order): a shrink leaves a size
+        the job allows below the one before, the kept ranks keeping the rule; a grow adds
+        ranks on members running no rank of the gang, up to a size the job allows, the whole
+        gang keeping the rule by the nodes' true zone and rail group. A resize of an ended
+        attempt changes nothing."""
+        job = self._placed_job(node, instance, value.job)
+        if job is None:
+            return
+        jid = job_id(job)
+        if jid not in self.gang_attempt or value.attempt != self.gang_attempt[jid][0]:
+            return
+        active = self.gang_active.get(jid, [])
+        sizes = job.gang.sizes()
+        if value.shrinks:
+            if value.lost not in active:
+                return   # its rank was left out already: the number changes nothing (GA9)
+            self.gang_resized += 1
+            survivors = [w for w in active if w != value.lost]
+            homes = [self.job_home.get(w) for w in survivors]
+            if value.size not in sizes or value.size >= len(active):
+                self.fail("gang", node, instance, "gang %s shrunk to %d workers from %d (sizes %s)"
+                          % (jid.hex()[:12], value.size, len(active), list(sizes)))
+            for dropped in [value.lost, *survivors[value.size:]]:
+                self._unload(dropped)
+            self.gang_active[jid] = survivors[:value.size]
+            kept = [h for h in homes[:value.size] if h is not None]
+            broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in kept])
+            if broken is not None and len(kept) == value.size:
+                self.fail("gang", node, instance, "gang %s shrunk against its topology: %s" % (jid.hex()[:12], broken))
+            return
+        if value.size != len(active) + len(value.nodes):
+            return   # not the gang this number stands at: every node leaves it unapplied (GA9)
+        self.gang_grown += 1
+        homes = [self.job_home.get(w) for w in active]
+        targets = [self.index_of.get(n) for n in value.nodes]
+        if value.size not in sizes or None in targets or set(targets) & set(homes):
+            self.fail("gang", node, instance, "gang %s grown to %d workers (sizes %s) onto an unknown node or a node "
+                      "running another rank" % (jid.hex()[:12], value.size, list(sizes)))
+            return
+        placed = [h for h in homes if h is not None] + targets
+        broken = topology_error(job.gang.topology, [_TrueFacts(self.facts[h]) for h in placed])
+        if broken is not None and len(placed) == value.size:
+            self.fail("gang", node, instance, "gang %s grown against its topology: %s" % (jid.hex()[:12], broken))
+        for target in targets:
+            wid = gang_worker_id(jid, self.gang_next_index[jid])
+            self.gang_next_index[jid] += 1
+            active.append(wid)
+            self.gang_of_rank[wid] = jid
+            self.job_resources[wid] = job.resources
+            if target in self.members:
+                self._commit(target, wid, job.resources, self._least_loaded_gpus(target, job.resources.gpus))
+        self.gang_active[jid] = active
+
     def check_gangs_running(self, runs_by_node: dict) -> None:
         """At the end of a run (SPEC.md GA4): no rank of a gang's ended attempt still runs on
         an honest node, and no rank runs on two honest nodes at once."""
         where: dict[bytes, int] = {}
         newest = {wid: (jid, self.gang_attempt[jid][0]) for jid, wids in self.gang_active.items() for wid in wids}
-        stale = {gang_worker_id(jid, rank): jid for jid in self.gang_attempt for rank in range(MAX_GANG_WORKERS)}
+        stale = {gang_worker_id(jid, rank): jid for jid in self.gang_attempt for rank in range(MAX_GANG_RANK_INDEX)}
         for node, runs in sorted(runs_by_node.items()):
             for run in runs:
                 wid = run.job_id

@@ -31,11 +31,12 @@ from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, sea
 from protocol.flows.epoch_change import epoch_change_instance_id
 from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
-                               Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangWorker, GpuState, Join, JobMove, Member,
+                               Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangResize, GangWorker, GpuState, Join, JobMove, Member,
                                MembershipChange, Migration, MoveRequest, OutputFile, Placement, PlacementSlot,
                                Preemption, PreemptionVictim, Proposal, PrevoteCertificate, Reflex, ReflexTrigger,
                                QuotaGrant, ReplicaAction, Resources, RoundChange, RoundSync, RunningJob, Service,
-                               gang_replace_instance_id, job_id, move_instance_id, placement_instance_id,
+                               gang_replace_instance_id, gang_resize_instance_id, job_id, move_instance_id,
+                               placement_instance_id,
                                placement_slot_id, preemption_instance_id, replica_instance_id, replica_key,
                                value_hash)
 from protocol.quorum import EpochView
@@ -51,7 +52,7 @@ VECTOR_TIME_MS = 1_700_000_000_000
 NESTED_RECORDS = (GpuState, RunningJob, JobSignals, Resources, Constraints, Placement, PlacementSlot, Migration, Member,
                   MembershipChange, ProtocolParams, Genesis, Pool, OwnerQuota, Quota, OutputFile, JobMove,
                   Preemption, PreemptionVictim, Gang, GangWorker, GangPlacement, GangReplacement, Reflex, Service,
-                  ReplicaAction)
+                  ReplicaAction, GangResize)
 
 # Which signed envelopes each ENVELOPE field holds: its SCHEMA says only "bin". Per field:
 # the kind(s), then where SPEC.md says how the field's user checks them. Field tables and
@@ -71,7 +72,7 @@ NESTED_ENVELOPES = {
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
                                   "validator ignores any); `preemption`: every member's `decline` and the "
                                   "candidate nodes' `cap`s (at most 64, P8b); `gang_replace`: the candidate members' `cap`s (at most 32, "
-                                  "GA7). For the other kinds one that fails "
+                                  "GA7); `gang_resize`: the same (GA9). For the other kinds one that fails "
                                   "makes the proposal invalid"),
     (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
                                                        "else the proposal is invalid (6.3)"),
@@ -97,6 +98,11 @@ NESTED_ENVELOPES = {
     (GangReplacement, "job"): (("job",), "as GangPlacement `job` (GA7)"),
     (GangReplacement, "survivors"): (("cap",), "this mesh, one per surviving rank in rank order, signed by that "
                                                "rank's node, `node` = signer (GA7)"),
+    (GangResize, "job"): (("job",), "as GangPlacement `job`, and the gang is elastic (GA9)"),
+    (GangResize, "capabilities"): (("cap",), "this mesh, one per new node in `nodes` order, signed by that node, "
+                                             "`node` = signer (GA9)"),
+    (GangResize, "survivors"): (("cap",), "this mesh, one per rank that goes on in rank order, signed by that "
+                                          "rank's node, `node` = signer (GA9)"),
     (MembershipChange, "evidence"): (("attestation", "endorsement"), "the join's vouchers (F7)"),
     (JobMove, "request"): (("move_request", "reflex_trigger"),
                            "this mesh, for this instance: a `move_request` signed by the job's owner (R2), or a "
@@ -249,6 +255,10 @@ def _coherent(cls, body: dict) -> dict:
         body.update(job=_job_envelope(), backups=[])
     elif cls is GangReplacement:   # GA8's form: a shrink names no node and carries no vector
         body.update(job=_job_envelope(), to_node=b"", capability=b"", backups=[],
+                    survivors=[_seal("cap", sample_body(CapabilityVector))])
+    elif cls is GangResize:   # GA9's grow: one new rank on the vector key's node after one rank
+        body.update(job=_job_envelope(), attempt=0, number=1, size=2, lost=b"", nodes=[me],
+                    capabilities=[_seal("cap", sample_body(CapabilityVector))],
                     survivors=[_seal("cap", sample_body(CapabilityVector))])
     elif cls is Proposal:
         body = _proposal_body(VECTOR_ROUND)
@@ -518,13 +528,23 @@ def render_gang_vectors() -> str:
     return "\n".join(lines)
 
 
+def render_gang_resize_vectors() -> str:
+    """GA9: the instance of the sample job's resize 1 of attempt 0, and a grow value (the
+    sample's: one new rank after one, both vectors the vector key's, a sample only) with its hash."""
+    value = codec.pack(sample_body(GangResize))
+    return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "attempt: 0", "number: 1",
+                      "gang_resize_instance_id: %s" % gang_resize_instance_id(sample_job_id(), 0, 1).hex(),
+                      "gang_resize_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(), "```"])
+
+
 GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render_field_tables,
              "test vectors": render_vectors, "derived ids": render_derived_ids,
              "instance ids": render_instance_ids, "keystore vector": render_keystore_vector,
              "move vectors": render_move_vectors, "replica vectors": render_replica_vectors,
              "preemption vector": render_preemption_vector,
              "job signals vector": render_job_signals_vector,
-             "gang vectors": render_gang_vectors, "quota home vector": render_quota_home_vector}
+             "gang vectors": render_gang_vectors, "quota home vector": render_quota_home_vector,
+             "gang resize vectors": render_gang_resize_vectors}
 
 
 def generated_block(text: str, name: str) -> str:

@@ -73,6 +73,13 @@ def test_a_restored_gang_goes_on_from_the_smallest_step_any_rank_holds():
     assert codes == [0, 0, 0] and states == [[4, 5, 6]] * 3
 
 
+def test_a_rank_a_grow_added_joins_at_the_gangs_step_and_takes_no_one_back_to_step_0():
+    """GA9: a rank with no state (fresh) offers no step; the gang goes on from the smallest
+    step the others hold. Before, the fresh rank's 0 took every rank back to step 0."""
+    codes, states = run_gang(3, [5, 7, None], steps=8)
+    assert codes == [0, 0, 0] and states == [[6, 7, 8]] * 3
+
+
 def test_a_wrong_sum_ends_the_rank_and_breaks_the_ring_for_the_others():
     codes, _ = run_gang(2, [None, None], steps=3, corrupt_rank=1)
     assert codes == [EXIT_RING_BROKEN, EXIT_SUM_WRONG]

@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import pathlib
 import random
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -18,8 +19,9 @@ from protocol import codec
 from protocol.errors import RemoteProtocolError
 from protocol.gang_placement import gang_worker_id
 from protocol.mesh import MeshCore
-from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, GangWorker, JobManifest, Proposal,
-                               decode_message, encode_message, gang_replace_instance_id, job_id)
+from protocol.messages import (Cancel, Gang, GangPlacement, GangReplacement, GangResize, GangWorker, JobManifest,
+                               Proposal, decode_message, encode_message, gang_replace_instance_id,
+                               gang_resize_instance_id, job_id)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Ready
 from testnet import cli_sim, spec_tables
@@ -300,8 +302,8 @@ def test_an_infeasible_gang_holds_its_round_and_is_placed_when_capacity_frees():
 
 def test_an_elastic_gang_shrinks_when_no_member_can_replace_a_rank():
     """GA8: an elastic gang of 2..4 holds every node; one dies and no member is left to
-    replace it: a decided gang_replace shrinks it to 3, the survivors renumbered in rank
-    order and told the world of 3; none of them is stopped or started again."""
+    replace it: a decided gang_resize (its number 0, GA9) shrinks it to 3, the survivors
+    renumbered in rank order and told the world of 3; none of them is stopped or started again."""
     net = GangNet(gpus=(1, 1, 1, 1))
     job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=4, multiple_of=1), backups=0)
     net.submit(KEYS[0], envelope)
@@ -314,8 +316,10 @@ def test_an_elastic_gang_shrinks_when_no_member_can_replace_a_rank():
     before = {n: len(net.decisions[n]) for n in alive}
     net.down.add(lost)
     net.run(1500)
-    decided = net.certified(alive[0], "gang_replace")
+    assert not net.certified(alive[0], "gang_replace")
+    decided = net.certified(alive[0], "gang_resize")
     assert len(decided) == 1 and decided[0].value.shrinks and decided[0].value.size == 3
+    assert decided[0].value.number == 0
     for rank, node in enumerate(alive):
         later = net.decisions[node][before[node]:]
         assert not [d for d in later if d.value_kind in ("stop", "run")]
@@ -361,8 +365,8 @@ def test_validators_refuse_a_replacement_that_breaks_the_topology():
 
 def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted():
     """Simulator (SPEC.md 11) with only gangs (fixed and elastic), every fault, 1/5 Byzantine
-    stake and two kills of rank nodes: lost ranks are replaced (GA7) and elastic gangs shrink
-    (GA8), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
+    stake and two kills of rank nodes: lost ranks are replaced (GA7), elastic gangs shrink
+    (GA8) and grow back once the killed nodes return (GA9), with no partial gang, no overcommit, no rank on two nodes, sizes the job allows,
     and no surviving rank started again. Seed 170 also has a replacement decided onto a node
     evicted since (the rank waits again, P5), judged by its own epoch's members."""
     results = [run_simulation(SimConfig(nodes=7, jobs=6, seed=seed, byzantine_milli=200, faults=FAULTS,
@@ -373,6 +377,7 @@ def test_sim_kills_rank_nodes_and_gangs_are_repaired_or_shrunk_never_restarted()
         assert result.counters.get("gang_ranks_restarted", 0) == 0
     assert sum(r.counters["gang_replacements"] for r in results) > 0
     assert sum(r.counters["gang_resizes"] for r in results) > 0   # seed 5's world shrinks a gang
+    assert sum(r.counters["gang_grows"] for r in results) > 0     # seed 170's grows one back (GA9)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -398,22 +403,29 @@ def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
     free = next(k for k in KEYS if k not in nodes)
     for key in KEYS:
         net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+    net.run(20)
+    keeper = nodes[0]
+    # The vectors as the validators held them when the rank was lost (the free node's shows room).
+    vectors = {k: net.cores[keeper].capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
     net.down.add(nodes[1])
     net.run(1500)
-    keeper = nodes[0]
     decided = net.certified(keeper, "gang_replace")
     assert len(decided) == 1 and decided[0].value.to_node == free
     core = net.cores[keeper]
     record = core.job_table.get(gang_worker_id(job_id(job), 1))
     lost_fence = record.fence - 1   # the replacement's fence is one above the one it was decided at
-    iid = gang_replace_instance_id(record.job_id, lost_fence)
     record.state, record.fence = "replacing", lost_fence   # as the validators held it then
-    vectors = {k: core.capability.signed_vector(k, net.now)[0] for k in (nodes[0], nodes[2], free)}
-    shrink = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
-                             survivors=(vectors[nodes[0]], vectors[nodes[2]]), size=2, backups=())
-    validate = core.gang_ranks.validators(iid)[0]
+    survivors = (vectors[nodes[0]], vectors[nodes[2]])
+    shrink = GangResize(job=envelope, attempt=0, number=0, size=2, lost=record.job_id, nodes=(), capabilities=(),
+                        survivors=survivors)
+    validate = core.gang_resizes.validators(gang_resize_instance_id(job_id(job), 0, 0))[0]
     assert "a shrink while a candidate fits" in validate(codec.pack(shrink.to_body()), (vectors[free],))
     assert validate(codec.pack(shrink.to_body()), ()) is None   # with none, the shrink to 2 follows
+    # GA9: a shrink is never a rank's replacement value any more.
+    old_form = GangReplacement(job=envelope, rank=1, fence=lost_fence, to_node=b"", capability=b"",
+                               survivors=survivors, size=2, backups=())
+    replace_validate = core.gang_ranks.validators(gang_replace_instance_id(record.job_id, lost_fence))[0]
+    assert "decided as a gang_resize" in replace_validate(codec.pack(old_form.to_body()), ())
 
 
 def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_the_lost_runs_checkpoint():
@@ -467,3 +479,174 @@ def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_no
     record, truth = lagging.job_table.get(rank1), ahead.cores[first].job_table.get(rank1)
     assert (record.primary, record.fence, record.backups) == (truth.primary, truth.fence, truth.backups)
     assert lagging.counters["gang_replace_stale"] == 0
+
+
+def _elastic_gang_beside_a_busy_node(max_workers=4):
+    """An elastic gang of 2..``max_workers`` placed on the three free nodes (the fourth node is
+    busy); the tests then free the fourth node's GPU (a grow, resize 0, GA9) and kill a
+    rank's node (a replacement, or a shrink when no member is free, GA8)."""
+    net = GangNet(gpus=(1, 1, 1, 1))
+    busy = net.cores[KEYS[3]]
+    filler, _ = make_job(nonce=99, gpus=1)
+    busy.ledger.allocate_now(b"x" * 32, filler.resources)
+    job, envelope = make_gang(Gang(workers=0, min_workers=2, max_workers=max_workers, multiple_of=1), backups=0)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    return net, job, [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+
+
+def test_an_elastic_gang_grows_back_when_capacity_appears_and_survivors_are_never_restarted():
+    """GA9: the gang runs at 3 of its 4; the busy node frees its GPU and says so in its signed
+    vector: resize 0 grows the gang to 4 with a new rank there, at a fresh worker id; the
+    three ranks already running are not stopped or started again, only told the new world."""
+    net, job, nodes = _elastic_gang_beside_a_busy_node()
+    assert len(nodes) == 3 and KEYS[3] not in nodes
+    before = {n: len(net.decisions[n]) for n in nodes}
+    net.cores[KEYS[3]].ledger.free(b"x" * 32)
+    net.emit(KEYS[3], net.cores[KEYS[3]].update_telemetry((), 0, net.now, simulated=True))
+    net.run(500)
+    decided = net.certified(KEYS[0], "gang_resize")
+    assert len(decided) == 1 and not decided[0].value.shrinks
+    assert (decided[0].value.number, decided[0].value.size, decided[0].value.nodes) == (0, 4, (KEYS[3],))
+    grown = gang_worker_id(job_id(job), 3)   # the attempt's next index: a fresh worker id
+    for rank, node in enumerate(nodes):
+        later = net.decisions[node][before[node]:]
+        assert not [d for d in later if d.value_kind in ("stop", "run")]
+        told = [item for d in later if d.value_kind == "gang_peers" for item in d.value][-1][1]
+        assert (told.rank, told.world_size, [p[0] for p in told.peers]) == (rank, 4, [*nodes, KEYS[3]])
+    runs = [r for d in net.decisions[KEYS[3]] if d.value_kind == "run" for r in d.value]
+    assert [(r.job_id, r.gang.rank, r.gang.world_size) for r in runs] == [(grown, 3, 4)]
+    for key in KEYS:
+        view = net.cores[key].job_view(job_id(job))
+        assert [w["primary"] for w in view["gang"]["workers"]] == [*nodes, KEYS[3]]
+        assert view["gang"]["resizes"] == 1
+
+
+def test_a_grow_and_a_shrink_apply_identically_at_every_member_in_any_arrival_order():
+    """GA9: resize 0 (a grow) and resize 1 (a shrink), and the eviction between them, reach a
+    member that missed them all in the reverse order: it holds the shrink until the grow is
+    applied, and ends with the same ranks, nodes, fences and states as the members that saw
+    them in order. Without the numbering a shrink applied before the grow dropped other
+    ranks than it did at the others."""
+    ahead, job, nodes = _elastic_gang_beside_a_busy_node()
+    behind, _job, same = _elastic_gang_beside_a_busy_node()
+    assert same == nodes
+    ahead.cores[KEYS[3]].ledger.free(b"x" * 32)
+    ahead.emit(KEYS[3], ahead.cores[KEYS[3]].update_telemetry((), 0, ahead.now, simulated=True))
+    ahead.run(500)
+    lost = nodes[1]
+    ahead.down.add(lost)
+    ahead.run(2000)
+    keeper = nodes[0]
+    resizes = ahead.certified(keeper, "gang_resize")
+    assert [(d.value.number, d.value.shrinks, d.value.size) for d in resizes] == [(0, False, 4), (1, True, 3)]
+    eviction = next(d for d in ahead.decisions[keeper] if d.value_kind == "eviction")
+    lagging = behind.cores[keeper]
+    out = Ready()
+    for certificate in (resizes[1].certificate, eviction.certificate, resizes[0].certificate):
+        lagging._apply_certificate_bytes(certificate, behind.now, out)
+    truth = ahead.cores[keeper]
+    gang = job_id(job)
+    assert lagging.gangs.ranks[gang] == truth.gangs.ranks[gang] and len(truth.gangs.ranks[gang]) == 3
+    for wid in set(truth.gangs.ranks[gang]) | {gang_worker_id(gang, r) for r in range(4)}:
+        mine, theirs = lagging.job_table.get(wid), truth.job_table.get(wid)
+        assert (mine.primary, mine.fence, mine.state) == (theirs.primary, theirs.fence, theirs.state)
+    assert lagging.counters["gang_resize_parked"] == 1
+    assert lagging.gangs.attempts[gang].number == truth.gangs.attempts[gang].number == 2
+
+
+def test_spec_gang_resize_vector_follows_the_stated_formula_and_record_rules():
+    """SPEC.md GA9's vector: the instance id recomputed with hashlib from the formula alone,
+    and the value decodes as a grow whose size is its survivors plus its new nodes."""
+    spec = (pathlib.Path(__file__).resolve().parent.parent / "SPEC.md").read_text(encoding="utf-8")
+    lines = dict(line.split(": ", 1)
+                 for line in spec_tables.generated_block(spec, "gang resize vectors").strip("`\n").splitlines())
+    jid = bytes.fromhex(lines["job_id"])
+    attempt, number = int(lines["attempt"]), int(lines["number"])
+    assert lines["gang_resize_instance_id"] == hashlib.sha256(
+        b"gang-resize" + jid + attempt.to_bytes(4, "big") + number.to_bytes(4, "big")).hexdigest()
+    data = bytes.fromhex(lines["gang_resize_value"])
+    value = GangResize.from_body(codec.unpack(data))
+    assert (value.attempt, value.number, value.shrinks) == (attempt, number, False)
+    assert value.size == len(value.survivors) + len(value.nodes)
+    with pytest.raises(ValueError, match="a shrink adds no nodes"):
+        GangResize(**{**{f: getattr(value, f) for f in GangResize.SCHEMA}, "lost": b"w" * 32})
+
+
+def test_a_gang_lost_whole_is_placed_again_though_its_epoch_is_older_than_the_views_kept(monkeypatch):
+    """GA10: a gang's next attempt runs in its job's epoch (P2). A node kept only its newest
+    views (8), so once a gang had outlived 8 epoch changes (every kill of `bench gang` is an
+    eviction and a rejoin) a lost rank that could be neither replaced nor shrunk ended the
+    attempt, and the next one never started anywhere ("its owner must sign it again"): the
+    gang stayed pending until the bench gave up. Views of the epochs of gangs not ended are
+    kept now. Here the node keeps 1 view, so the one eviction is enough to show it."""
+    import protocol.epochs
+    monkeypatch.setattr(protocol.epochs, "VIEWS_KEPT", 1)
+    net = GangNet(gpus=(1, 1, 1, 1))
+    job, envelope = make_gang(Gang(workers=2, topology="zone"), backups=0, max_retries=1)
+    net.submit(KEYS[0], envelope)
+    net.run(300)
+    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    others = [k for k in KEYS if k not in (first, second)]
+    net.down.add(second)
+    net.run(20_000, step_ms=20)
+    for key in (first, *others):
+        core = net.cores[key]
+        assert core.epoch >= 1 and core.epochs.view_for(0) is not None   # the gang's epoch, kept
+    placed = net.certified(first, "gang_placement")
+    assert len(placed) == 2 and {w.node for w in placed[-1].value.workers} == set(others)
+    assert net.cores[first].job_view(job_id(job))["state"] in ("placed", "running")
+    # A node evicted since the gang's epoch is no candidate there (P5 would take its rank off
+    # again at once): its bid is left out by the leader and by every validator alike.
+    gangs = net.cores[first].gangs
+    assert gangs.evicted_since(0) == {second} and gangs.evicted_since(1) == set()
+    bids = [SimpleNamespace(signer=key) for key in KEYS]
+    assert [b.signer for b in gangs._not_evicted_since(bids, 0)] == [k for k in KEYS if k != second]
+
+
+def test_a_replacement_and_a_shrink_of_one_rank_end_alike_in_either_order():
+    """GA9: a rank's replacement (GA7, its own instance) and a shrink dropping it (the gang's
+    resize) can both be decided when members' vectors differ. Two worlds that differ only in
+    whether a busy node freed its GPU before the kill decide one each; every member ends
+    with the same gang whichever of the two it applies first: the shrink drops the rank,
+    from its new node too, and a replacement after the shrink changes nothing."""
+    def world(free_before_kill):
+        net, job, nodes = _elastic_gang_beside_a_busy_node(max_workers=3)
+        if free_before_kill:
+            net.cores[KEYS[3]].ledger.free(b"x" * 32)
+        for key in KEYS:
+            net.emit(key, net.cores[key].update_telemetry((), 0, net.now, simulated=True))
+        net.run(20)
+        net.down.add(nodes[1])
+        net.run(2000)
+        return net, job, nodes
+
+    shrunk, job, nodes = world(False)
+    replaced, _job, same = world(True)
+    assert same == nodes and KEYS[3] not in nodes
+    keeper = nodes[0]
+    shrink = shrunk.certified(keeper, "gang_resize")
+    replacement = replaced.certified(keeper, "gang_replace")
+    assert len(shrink) == 1 and shrink[0].value.shrinks and shrink[0].value.size == 2
+    assert len(replacement) == 1 and replacement[0].value.to_node == KEYS[3]
+    shrink_first, replace_first = shrunk.cores[keeper], replaced.cores[keeper]
+    out = Ready()
+    shrink_first._apply_certificate_bytes(replacement[0].certificate, shrunk.now, out)
+    replace_first._apply_certificate_bytes(shrink[0].certificate, replaced.now, out)
+    gang = job_id(job)
+    assert shrink_first.gangs.ranks[gang] == replace_first.gangs.ranks[gang] and len(replace_first.gangs.ranks[gang]) == 2
+    for rank in range(3):
+        wid = gang_worker_id(gang, rank)
+        mine, theirs = shrink_first.job_table.get(wid), replace_first.job_table.get(wid)
+        assert (mine.primary, mine.state) == (theirs.primary, theirs.state)
+    assert replace_first.job_table.get(gang_worker_id(gang, 1)).state == "cancelled"   # dropped from its new node
+
+
+def test_a_restarted_node_never_signs_a_second_proposal_for_a_resize_number():
+    """GA9, found by the gang sweep (seed 86): a restart replays the certificates before it
+    restores the node's votes (6.9), and the resize instance the replay opened signed a
+    proposal afresh, another than the one it had signed before the crash. It now starts on
+    the node's first input after the restart, from its restored votes."""
+    result = run_simulation(SimConfig(nodes=7, jobs=6, seed=86, byzantine_milli=200, faults=FAULTS,
+                                      gang_per_mille=1000, gang_kills=2))
+    assert result.violation_count == 0, [v.line() for v in result.violations]

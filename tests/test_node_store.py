@@ -194,6 +194,19 @@ def test_safety_records_of_decided_old_epoch_instances_are_pruned_on_an_epoch_ch
     assert len(store.certificates()) == 2  # certificates are history: never pruned
 
 
+def test_votes_of_an_older_epoch_whose_view_the_core_keeps_are_not_pruned(tmp_path):
+    """GA10: a core keeps the view of a gang's epoch past its newest 8 (its next attempt runs
+    there); the membership record says which, and the store keeps that epoch's undecided
+    votes, so a restarted node never votes twice in the gang's new attempt."""
+    store = NodeStore(tmp_path / "node.sqlite")
+    gang_attempt, other = b"\x04" * 32, b"\x05" * 32
+    store.apply([vote(gang_attempt, 0), lock(gang_attempt, 0), vote(other, 1)])
+    store.apply([PersistRecord("membership", "12", {"epoch": 12, "certificate": b"epoch-change",
+                                                    "older_views": [0]})])
+    kept = {(r.table, r.value["instance"], r.value["epoch"]) for r in store.safety_records()}
+    assert kept == {("votes", gang_attempt, 0), ("locks", gang_attempt, 0)}
+
+
 def test_safety_records_stay_bounded_over_many_epochs(tmp_path):
     store = NodeStore(tmp_path / "node.sqlite")
     for epoch in range(40):

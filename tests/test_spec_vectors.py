@@ -23,7 +23,7 @@ from protocol.envelope import (CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, SI
 from protocol.errors import RemoteProtocolError
 from protocol.flows.binding import certificate_binding_error
 from protocol.flows.epoch_change import epoch_change_instance_id
-from protocol.messages import (ENVELOPE, MESSAGE_TYPES, GangReplacement, JobManifest, decode_message, decode_value,
+from protocol.messages import (ENVELOPE, MESSAGE_TYPES, GangReplacement, GangResize, JobManifest, decode_message, decode_value,
                                job_id, value_hash)
 from protocol.placement import parse_bid
 from protocol.quorum import EpochView
@@ -207,6 +207,7 @@ def test_nested_samples_are_the_kind_their_field_holds():
     nested_kinds_seen(decode_value("replica_action", bytes.fromhex(replica_vectors()["replica_action_value"])),
                       seen)   # R4
     nested_kinds_seen(GangReplacement.from_body(spec_tables.sample_body(GangReplacement)), seen)   # GA7's value
+    nested_kinds_seen(GangResize.from_body(spec_tables.sample_body(GangResize)), seen)   # GA9's value
     for record, field, kind in seen:
         assert kind in table[(record, field)], (record, field, kind)
     # Every documented field is exercised by some vector, apart from MembershipChange's

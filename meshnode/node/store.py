@@ -109,25 +109,29 @@ class NodeStore:
             raise
 
     def _apply(self, records: list[PersistRecord]) -> None:
-        entered = [r.value.get("epoch") for r in records if r.table == "membership"]
+        entered = [(r.value.get("epoch"), r.value.get("older_views") or []) for r in records
+                   if r.table == "membership"]
         self._apply_records(records)
-        epochs = [e for e in entered if isinstance(e, int) and not isinstance(e, bool)]
+        epochs = [(e, kept) for e, kept in entered if isinstance(e, int) and not isinstance(e, bool)]
         if epochs:
-            self._prune_safety_records(max(epochs))
+            self._prune_safety_records(*max(epochs, key=lambda pair: pair[0]))
 
-    def _prune_safety_records(self, epoch: int) -> None:
+    def _prune_safety_records(self, epoch: int, older_views: list = ()) -> None:
         """SPEC.md 6.9: on entering ``epoch`` (the core persists a ``membership`` record), drop
         the votes and locks no restart can read again: those of instances decided (their
         certificate is stored: a replayed decision is never voted on) in an older epoch, and
         every one of an epoch older than the core's newest VIEWS_KEPT, whose view it no
-        longer holds. What stays: the current epoch's and the undecided recent ones."""
+        longer holds (``older_views``: the older ones it still holds, GA10). What stays: the
+        current epoch's and the undecided ones of the epochs it holds views of."""
         oldest_view = epoch - VIEWS_KEPT + 1
+        kept = [e for e in older_views if isinstance(e, int) and not isinstance(e, bool)][:64]
+        spared = " AND epoch NOT IN (%s)" % ", ".join("?" * len(kept)) if kept else ""
         for table in ("votes", "locks"):
             if not {"epoch", "instance"} <= self._table_columns(table):
                 continue
             self._conn.execute(
-                "DELETE FROM [%s] WHERE epoch < ? AND (epoch < ? OR lower(hex(instance)) IN "
-                "(SELECT instance FROM certificates))" % table, [epoch, oldest_view])
+                "DELETE FROM [%s] WHERE epoch < ? AND ((epoch < ?%s) OR lower(hex(instance)) IN "
+                "(SELECT instance FROM certificates))" % (table, spared), [epoch, oldest_view, *kept])
 
     def _table_columns(self, table: str) -> set[str]:
         known = self._columns.get(table)

@@ -22,7 +22,8 @@ smallest step any rank restored (a ring pass of the minimum, ``Ring.consistent_s
 all go on from one step; when the ring breaks the survivors pause (their processes stay)
 until the node publishes the replaced rank's address or the shrunk gang (GA7, GA8), and
 log ``rank R paused at step S`` and ``rank R of W resumed at step S (held H)``: H - S steps
-of a survivor's work were redone. ``Ring.barrier`` waits for every rank.
+of a survivor's work were redone. A rank that holds no state (one a grow added, GA9)
+joins at the step the others agree on. ``Ring.barrier`` waits for every rank.
 Progress lines as ``counter``'s, and ``step <step> sum <sum>`` every ``--log-every`` steps.
 
 ``serve``: a small HTTP/1.1 service on 127.0.0.1 that reports its request rate and p99
@@ -214,6 +215,9 @@ class PeersChanged(Exception):
         self.peers = peers
 
 
+NO_STEP = (1 << 63) - 1   # offered to the consistent step by a rank that holds no state (GA9)
+
+
 class Ring:
     """TCP to the next rank, from the previous one; integers as 8-byte big-endian words.
 
@@ -298,10 +302,13 @@ class Ring:
         through its predecessors, from every other."""
         self.agree_min(0)
 
-    def consistent_step(self, newest_checkpointed: int) -> int:
+    def consistent_step(self, newest_checkpointed: int | None) -> int:
         """The gang's consistent checkpoint: the highest step every rank has checkpointed,
-        given this rank's newest (the smallest of the ranks' newest), at every rank."""
-        return self.agree_min(newest_checkpointed)
+        given this rank's newest (the smallest of the ranks' newest), at every rank. A rank
+        that holds no state yet (None: a rank a grow added, GA9) takes the others' step,
+        rather than taking the whole gang back to step 0; if none holds one, 0."""
+        held = self.agree_min(NO_STEP if newest_checkpointed is None else newest_checkpointed)
+        return 0 if held == NO_STEP else held
 
     def allreduce(self, vector: list[int]) -> list[int]:
         """Ring all-reduce (sum): reduce-scatter, then all-gather, n - 1 steps each."""
@@ -340,6 +347,7 @@ class AllreduceRun:
         self.workload, self.gang, self.dim, self.unit_ms = workload, gang, dim, unit_ms
         self.log, self.log_every, self.timeout_s = log, log_every, timeout_s
         self.step = 0 if workload.restored_state is None else ALLREDUCE_STATE.unpack(workload.restored_state)[0]
+        self.holds_state = workload.restored_state is not None   # restored, or stepped since
         self.rebuilds = 0
 
     def run(self, steps: int | None, ring: Ring | None = None) -> int:
@@ -384,7 +392,7 @@ class AllreduceRun:
     def _steps(self, ring: Ring, steps: int | None) -> int:
         # Every rank's state is its step, checkpointed each step: the consistent gang
         # checkpoint is the smallest, and ranks that held more roll back to it (recompute).
-        restored, self.step = self.step, ring.consistent_step(self.step)
+        restored, self.step = self.step, ring.consistent_step(self.step if self.holds_state else None)
         if restored or self.step:
             print("rank %d of %d resumed at step %d (held %d)" % (self.gang.rank, self.gang.world_size, self.step,
                                                                  restored), flush=True)
@@ -394,6 +402,7 @@ class AllreduceRun:
                 print("rank %d step %d: wrong sum" % (self.gang.rank, self.step), flush=True)
                 return EXIT_SUM_WRONG
             self.step += 1
+            self.holds_state = True
             self.log.unit_done(self.step)
             self.workload.set_state(ALLREDUCE_STATE.pack(self.step), self.step)
             if self.log_every and self.step % self.log_every == 0:

@@ -9,7 +9,8 @@ a validator checks it and what applying it changes is the business of its flow:
 - move.py: a healthy running job moved to another node at its owner's request (R2).
 - preemption.py: stopping lower-priority jobs on one node to place a held job (P8).
 - gang.py: every rank of a gang placed by one decision, a gang's attempt ending whole (GA1-GA5).
-- gang_replace.py: a gang's rank whose node was evicted replaced, or an elastic gang shrunk (GA7, GA8).
+- gang_replace.py: a gang's rank whose node was evicted replaced (GA7).
+- gang_resize.py: an elastic gang shrunk or grown back, one numbered resize at a time (GA8, GA9).
 
 base.py defines the interface every flow implements and ``FlowRegistry``, the one place
 a value-kind string is mapped to its flow. A new kind of value (a gang placement, a

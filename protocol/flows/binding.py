@@ -15,6 +15,7 @@ from protocol.flows.epoch_change import EpochChangeFlow
 from protocol.flows.move import MoveFlow
 from protocol.flows.gang import GangFlow
 from protocol.flows.gang_replace import GangReplaceFlow
+from protocol.flows.gang_resize import GangResizeFlow
 from protocol.flows.placement import PlacementFlow
 from protocol.flows.preemption import PreemptionFlow
 from protocol.flows.replica import ReplicaFlow
@@ -22,7 +23,8 @@ from protocol.flows.slot import SlotFlow
 from protocol.messages import decode_value
 
 BINDINGS = {kind: flow.value_binding_error for flow in (PlacementFlow, SlotFlow, EpochChangeFlow, MoveFlow,
-                                                        PreemptionFlow, GangFlow, ReplicaFlow, GangReplaceFlow)
+                                                        PreemptionFlow, GangFlow, ReplicaFlow, GangReplaceFlow,
+                                                        GangResizeFlow)
             for kind in flow.value_kinds}
 
 

@@ -23,13 +23,25 @@ from protocol.flows.placement import PlacementFlow
 from protocol.gang_placement import (choose_gang, gang_port, gang_shortfall, gang_worker_id, shortfall,
                                      topology_error)
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, GangPlacement, JobManifest, decode_message, decode_value,
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CommitCertificate, GangPlacement, JobManifest, decode_message,
+                               decode_value,
                                job_id, next_attempt, placement_attempt, placement_binding_error)
 from protocol.placement import rank_bids, resource_check, wanted_backups
 from protocol.ready import Outbound, Ready
 
 
 MAX_PORTS_REMEMBERED = 4096
+
+
+@dataclass
+class GangAttempt:
+    """A gang's placed attempt here and where its resizes stand (SPEC.md GA9): the number of
+    the next resize, the epoch its instance runs in (the last composition decision's), and
+    the next unused rank index (a grown rank's worker id)."""
+    attempt: int
+    number: int
+    epoch: int
+    next_index: int
 
 
 @dataclass(frozen=True)
@@ -50,12 +62,45 @@ class GangFlow(PlacementFlow):
         self.worker_of: dict[bytes, tuple[bytes, int]] = {}   # worker record id -> (gang id, rank)
         self.ranks: dict[bytes, tuple[bytes, ...]] = {}        # gang id -> its placed attempt's worker ids
         self.ports: dict[tuple, int] = {}                       # (worker id, fence) -> gang_port
-        self.resizes: dict[bytes, int] = {}                     # gang id -> shrinks decided (GA8)
+        self.resizes: dict[bytes, int] = {}                     # gang id -> resizes decided (GA8, GA9)
+        self.attempts: dict[bytes, GangAttempt] = {}            # gang id -> its placed attempt's resize state
+        self.resizer = None                                     # flows/gang_resize.py (GA9), set by the core
         # The signed vectors the bids of a gang's placement carried, by signer: per instance
         # as validated, then per gang once applied, so a replacement (GA7) has the survivors'
         # vectors even where a survivor never sent one since.
         self.bid_vectors: dict[bytes, dict] = {}
         self.worker_vectors: dict[bytes, dict] = {}
+
+    def epochs_needed(self) -> set:
+        """GA10: the epochs of the gangs this node holds that are not ended: a gang's next
+        attempt runs in its job's epoch (P2), its next resize in its number's (GA9), so
+        those epochs' views must stay."""
+        live = [record for record in self.jobs
+                if record.state not in TERMINAL and record.manifest.gang.is_gang and record.job_id not in self.worker_of]
+        return ({record.manifest.epoch for record in live} |
+                {self.attempts[r.job_id].epoch for r in live if r.job_id in self.attempts})
+
+    def _not_evicted_since(self, bids: list, epoch: int) -> list:
+        """GA10: the bids of nodes this node has not seen evicted since ``epoch``. A gang's
+        later attempt runs in its job's (older) epoch, and P5 takes each rank off a node
+        evicted since (it waits for a replacement): placing ranks there only burnt the
+        attempts (`bench gang` seed 17: 150 attempts in 5 s, every node had been evicted
+        and had rejoined since the gang's epoch)."""
+        if epoch >= self.epochs.epoch:
+            return bids
+        evicted = self.evicted_since(epoch)
+        return [facts for facts in bids if facts.signer not in evicted]
+
+    def evicted_since(self, epoch: int) -> set:
+        """The nodes whose eviction ended an epoch from ``epoch`` on, as this node knows them."""
+        evicted = set()
+        for ended, certificate in self.epochs.certificates:
+            if ended >= epoch:
+                cert = decode_message(certificate, self.ctx.mesh_id, expect=CommitCertificate,
+                                      caches=self.ctx.caches)[1]
+                if cert.value_kind == "eviction":
+                    evicted.add(decode_value("eviction", cert.value, caches=self.ctx.caches).node)
+        return evicted
 
     # --- what a gang is made of --------------------------------------------------------------------
     def worker_records(self, gang_id: bytes) -> list:
@@ -123,6 +168,7 @@ class GangFlow(PlacementFlow):
             return
         iid = inst.instance_id
         record, held, live = gathered
+        live = self._not_evicted_since(live, inst.view.epoch)
         chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
         gang = choose_gang(record.envelope, record.manifest, iid, chosen)
         if gang is None:
@@ -153,6 +199,8 @@ class GangFlow(PlacementFlow):
     def _gang_from(self, record, iid: bytes, held: dict):
         """GA2 over the held bids of live members, as the leader proposes it (None: no gang fits)."""
         live = [facts for facts, _ in held.values() if facts.signer in self.epochs.view.stakes]
+        view = self.instances.live_or_decided(iid)
+        live = self._not_evicted_since(live, view.view.epoch if view is not None else record.manifest.epoch)
         chosen = rank_bids(record.manifest, iid, live)[:MAX_BIDS_PER_PROPOSAL]
         return choose_gang(record.envelope, record.manifest, iid, chosen)
 
@@ -178,7 +226,8 @@ class GangFlow(PlacementFlow):
                     return "more than %d bids" % MAX_BIDS_PER_PROPOSAL
                 _envelope, job = decode_message(gang.job, mesh_id, expect=JobManifest, allow_any_mesh=True,
                                                 caches=self.ctx.caches)
-                facts = [self.bidding.parse_member_bid(b, iid, view) for b in justification]
+                facts = self._not_evicted_since([self.bidding.parse_member_bid(b, iid, view)
+                                                 for b in justification], view.epoch)
                 by_signer = {f.signer: f for f in facts}
                 # The rule itself first, so a bad proposal is refused with the reason (GA2).
                 caps = [by_signer[w.node].capability for w in gang.workers if w.node in by_signer]
@@ -255,6 +304,7 @@ class GangFlow(PlacementFlow):
             self.jobs.assign(w, worker.node, gang.backups, worker.gpus, fence=fence)
             workers.append(w)
         self.ranks[jid] = tuple(w.job_id for w in workers)
+        self.attempts[jid] = GangAttempt(attempt, 0, epoch, len(workers))
         if len(self.worker_vectors) >= MAX_PORTS_REMEMBERED:
             self.worker_vectors.clear()
         self.worker_vectors[jid] = self.bid_vectors.pop(iid, {})
@@ -270,9 +320,13 @@ class GangFlow(PlacementFlow):
                 if not self.lifecycle.admit(w, iid, now_ms, out):
                     break
         self.ledger.release(iid)
+        if self.resizer is not None:
+            self.resizer.opened(jid, now_ms, out)   # GA9: its resize number 0, and any decided early
 
     # --- the end of an attempt (GA4) -----------------------------------------------------------------
     def _stop_workers(self, gang_id: bytes, state: str, now_ms: int, out: Ready) -> None:
+        if self.resizer is not None:
+            self.resizer.close(gang_id)   # the attempt's resizes end with it (GA9)
         for w in self.worker_records(gang_id):
             if w is not None and w.state not in TERMINAL:
                 holder = w.primary
@@ -298,6 +352,30 @@ class GangFlow(PlacementFlow):
         self.resizes[gang_id] = self.resizes.get(gang_id, 0) + 1
         out.events.append(self.ctx.event("gang_resized", now_ms, job_id=gang_id.hex(), size=size,
                                          dropped=[wid.hex() for wid in dropped]))
+
+    def grow(self, gang_id: bytes, nodes: tuple, vectors: tuple, epoch: int, now_ms: int, out: Ready) -> list:
+        """GA9: new ranks on ``nodes`` after the gang's ranks, with fresh worker ids (the
+        attempt's next indices), at the attempt's first fence, the gang's backups; the ranks
+        already there are only told their new peers. Returns the new ranks' records."""
+        gang, state = self.jobs.get(gang_id), self.attempts[gang_id]
+        fence = state.attempt * FENCE_PER_ATTEMPT + 1
+        added = []
+        for node, vector in zip(nodes, vectors):
+            wid = gang_worker_id(gang_id, state.next_index)
+            self.worker_of[wid] = (gang_id, state.next_index)
+            state.next_index += 1
+            w = self.jobs.get_or_add(wid, gang.envelope, gang.manifest, now_ms)
+            w.attempt, w.instance, w.state, w.hint, w.exit_code = state.attempt, gang.instance, "placed", None, None
+            self.jobs.assign(w, node, tuple(b for b in gang.backups if b != node), (), fence=fence)
+            self.worker_vectors.setdefault(gang_id, {})[node] = vector
+            added.append(w)
+        self.ranks[gang_id] = self.ranks.get(gang_id, ()) + tuple(w.job_id for w in added)
+        self.resizes[gang_id] = self.resizes.get(gang_id, 0) + 1
+        out.events.append(self.ctx.event("gang_resized", now_ms, job_id=gang_id.hex(), size=len(self.ranks[gang_id]),
+                                         grown=[w.job_id.hex() for w in added]))
+        for w in added:   # P5: a new rank's node evicted since the decision's epoch waits for its replacement
+            self._replay_evictions_since(w, epoch, now_ms, out)
+        return added
 
     def end_attempt(self, lost, now_ms: int, out: Ready) -> None:
         """GA7: a rank neither replaced nor shrunk away: the attempt ends as a refusal ends it

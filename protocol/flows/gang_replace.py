@@ -1,5 +1,5 @@
-"""The gang replacement flow: a rank whose node was evicted goes on elsewhere, or an
-elastic gang shrinks, by a decision of its own (SPEC.md GA7, GA8).
+"""The gang replacement flow: a rank whose node was evicted goes on elsewhere by a decision
+of its own (SPEC.md GA7).
 
 An eviction (F5) does not move a gang's rank to its first backup as it moves a job: every
 member applying it takes the rank's record off its node (no primary, the fence one up,
@@ -10,10 +10,10 @@ proposes a ``gang_replace`` value from signed capability vectors: the surviving 
 rule over them, which every validator recomputes. Applying it puts the rank on the
 chosen node at the next fence; every node holding the rank's newest checkpoint hands it
 over there, and the survivors, never stopped, are told the new peer (GA5's
-``gang_peers``). When no candidate fits an elastic gang shrinks instead (GA8): the first
-surviving ranks at the largest size its rule allows go on, renumbered; the others stop.
-A gang that can neither be repaired nor shrunk has its attempt ended as a refusal ends
-it (GA4) when the instance gives up, and is placed afresh.
+``gang_peers``). When no candidate fits, an elastic gang shrinks instead by its numbered
+resize instance (flows/gang_resize.py, GA8, GA9). A gang that can neither be repaired nor
+shrunk has its attempt ended as a refusal ends it (GA4) when the instance gives up, and is
+placed afresh.
 """
 
 from __future__ import annotations
@@ -66,10 +66,9 @@ def shrink_size(job: JobManifest, world: int, survivors: list) -> int | None:
     return None
 
 
-class GangReplaceFlow(ValueFlow):
-    value_kind = "gang_replace"
-    value_kinds = ("gang_replace",)
-    max_rounds = REPLACE_MAX_ROUNDS
+class GangVectorFlow(ValueFlow):
+    """What GA7's and GA9's flows share: nobody bids, a value is checked from the signed
+    capability vectors it and its justification carry, and it binds to its instance."""
     max_justification = MAX_BIDS_PER_PROPOSAL   # the candidates' signed vectors
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, capability, gangs, lifecycle) -> None:
@@ -81,10 +80,6 @@ class GangReplaceFlow(ValueFlow):
         self.capability = capability
         self.gangs = gangs
         self.lifecycle = lifecycle
-        # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
-        # certificate came before the eviction that starts it (catch-up delivers, and a
-        # restart replays, in arrival order), applied when that eviction is (GA7).
-        self.parked: dict[tuple[bytes, int], tuple] = {}
 
     def bid_job(self, subject) -> None:
         return None   # nobody bids: the value is checked from signed vectors
@@ -94,6 +89,52 @@ class GangReplaceFlow(ValueFlow):
 
     def validators(self, iid: bytes) -> tuple:
         return self._validator(iid), None
+
+    def _validator(self, iid: bytes):
+        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
+            inst = self.instances.live_or_decided(iid)
+            view = inst.view if inst is not None else self.epochs.view
+            try:
+                value = decode_value(self.value_kind, value_bytes, caches=self.ctx.caches)
+                problem = self.value_binding_error(iid, self.value_kind, value, view.epoch, self.ctx.mesh_id, 0,
+                                                   caches=self.ctx.caches)
+                if problem is not None:
+                    return problem
+                if len(justification) > MAX_BIDS_PER_PROPOSAL:
+                    return "more than %d candidate vectors" % MAX_BIDS_PER_PROPOSAL
+                candidates = [self._vector(data, view) for data in justification]
+                return self.value_error(iid, value, candidates, view)
+            except (RemoteProtocolError, ValueError) as exc:
+                return "invalid %s proposal: %s" % (self.value_kind, exc)
+        return validate
+
+    def value_error(self, iid: bytes, value, candidates: list, view) -> str | None:
+        """Why a value of this flow is refused, its justification's vectors decoded (or None).
+        Raises RemoteProtocolError for a vector of the value that is not valid."""
+        raise NotImplementedError
+
+    def _vector(self, data: bytes, view) -> CapabilityVector:
+        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
+        if envelope.signer != cap.node or cap.node not in view.stakes:
+            raise RemoteProtocolError("a capability vector not signed by its node, or of a non-member")
+        return cap
+
+    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
+        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
+
+
+class GangReplaceFlow(GangVectorFlow):
+    value_kind = "gang_replace"
+    value_kinds = ("gang_replace",)
+    max_rounds = REPLACE_MAX_ROUNDS
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.resizer = None   # flows/gang_resize.py (GA9), set by the core
+        # (worker id, fence) -> (iid, value, certificate, epoch): a replacement whose
+        # certificate came before the eviction that starts it (catch-up delivers, and a
+        # restart replays, in arrival order), applied when that eviction is (GA7).
+        self.parked: dict[tuple[bytes, int], tuple] = {}
 
     # --- a rank's node was evicted (GA7) ----------------------------------------------------------
     def takes(self, record) -> bool:
@@ -183,46 +224,24 @@ class GangReplaceFlow(ValueFlow):
                                     backups=replacement_backups(record, chosen.node, inst.view.stakes,
                                                                 inst.instance_id))
         else:
-            size = shrink_size(job, world, [cap for _e, cap in survivors])
-            if size is None:
-                record.hint = "no member can replace it within topology %r, and the gang cannot shrink (GA7, GA8)" % (
-                    job.gang.topology)
-                return
-            value = GangReplacement(job=record.envelope, rank=self._worker_rank(record), fence=record.fence,
-                                    to_node=b"", capability=b"", survivors=tuple(e for e, _cap in survivors),
-                                    size=size, backups=())
+            # GA8, GA9: a shrink is a numbered resize, decided by the gang's resize instance.
+            shrinks = job.gang.workers == 0 and shrink_size(job, world, [cap for _e, cap in survivors]) is not None
+            record.hint = "no member can replace it within topology %r: %s (GA7, GA8)" % (
+                job.gang.topology, "the gang shrinks" if shrinks else "the gang cannot shrink")
+            return
         justification = tuple(e for e, _cap in candidates)
         self.instances.drive(inst, inst.propose(codec.pack(value.to_body()), justification, now_ms), now_ms, out)
 
     def _worker_rank(self, record) -> int:
         return self.gangs.worker_of[record.job_id][1]   # its rank at placement: its worker id's (GA4)
 
-    # --- validators (GA7, GA8) ----------------------------------------------------------------------
-    def _validator(self, iid: bytes):
-        def validate(value_bytes: bytes, justification: tuple, proven: bool = False) -> str | None:
-            inst = self.instances.live_or_decided(iid)
-            view = inst.view if inst is not None else self.epochs.view
-            try:
-                value = decode_value("gang_replace", value_bytes, caches=self.ctx.caches)
-                problem = self.value_binding_error(iid, "gang_replace", value, view.epoch, self.ctx.mesh_id, 0,
-                                                   caches=self.ctx.caches)
-                if problem is not None:
-                    return problem
-                if len(justification) > MAX_BIDS_PER_PROPOSAL:
-                    return "more than %d candidate vectors" % MAX_BIDS_PER_PROPOSAL
-                candidates = [self._vector(data, view) for data in justification]
-                survivors = [self._vector(data, view) for data in value.survivors]
-                target = self._vector(value.capability, view) if value.capability else None
-            except (RemoteProtocolError, ValueError) as exc:
-                return "invalid gang_replace proposal: %s" % exc
-            return self.replacement_error(iid, value, survivors, target, candidates, view)
-        return validate
-
-    def _vector(self, data: bytes, view) -> CapabilityVector:
-        envelope, cap = decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)
-        if envelope.signer != cap.node or cap.node not in view.stakes:
-            raise RemoteProtocolError("a capability vector not signed by its node, or of a non-member")
-        return cap
+    # --- validators (GA7) ---------------------------------------------------------------------------
+    def value_error(self, iid: bytes, value: GangReplacement, candidates: list, view) -> str | None:
+        if value.shrinks:
+            return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
+        survivors = [self._vector(data, view) for data in value.survivors]
+        target = self._vector(value.capability, view) if value.capability else None
+        return self.replacement_error(iid, value, survivors, target, candidates, view)
 
     def replacement_error(self, iid: bytes, value: GangReplacement, survivors: list, target, candidates: list,
                           view) -> str | None:
@@ -250,16 +269,9 @@ class GangReplaceFlow(ValueFlow):
                                                                                   view.stakes, iid):
                 return "the replacement's size or backups do not follow GA7"
             return None
-        if choose_replacement(job, iid, survivors, candidates, record.backups) is not None:
-            return "a shrink while a candidate fits (GA8)"
-        if value.size != shrink_size(job, world, survivors):
-            return "a shrink to %d, not the largest size the gang's rule allows (GA8)" % value.size
-        return None
+        return "a shrink is decided as a gang_resize (GA9), not by a rank's replacement"
 
     # --- applying it ----------------------------------------------------------------------------------
-    def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
-        return self.value_binding_error(iid, value_kind, value, epoch, self.ctx.mesh_id, 0, caches=self.ctx.caches)
-
     @staticmethod
     def value_binding_error(iid: bytes, value_kind: str, value, epoch: int, mesh_id: bytes, slot_ms: int,
                             caches=None) -> str | None:
@@ -285,7 +297,7 @@ class GangReplaceFlow(ValueFlow):
             return
         gang_id = self.gangs.worker_of[record.job_id][0]
         if value.shrinks:
-            self.gangs.shrink(gang_id, record, value.size, now_ms, out)
+            self.ctx.counters["gang_replace_shrink_refused"] += 1   # only a Byzantine quorum certifies one (GA9)
             return
         self.gangs.worker_vectors.setdefault(gang_id, {})[value.to_node] = value.capability
         self.jobs.assign(record, value.to_node, value.backups, (), fence=record.fence + 1)
@@ -317,9 +329,10 @@ class GangReplaceFlow(ValueFlow):
         return True
 
     def on_gave_up(self, iid: bytes, subject, now_ms: int, out: Ready) -> None:
-        """No replacement and no shrink was decided: the gang's attempt ends (GA4)."""
+        """No replacement was decided: the gang's attempt ends (GA4), unless its resize
+        instance shrinks it instead (GA8, GA9)."""
         record = self.jobs.get(subject)
-        if record is not None and record.state == "replacing":
+        if record is not None and record.state == "replacing" and not self.resizer.replacement_gave_up(record):
             self.gangs.end_attempt(record, now_ms, out)
 
 

@@ -37,7 +37,8 @@ from protocol.messages.jobs import (GANG_TOPOLOGIES, MAX_GANG_WORKERS, Gang, Gan
                                     Resources, RunningJob, Scheduling, attempt_failures, job_id, next_attempt, placement_attempt,
                                     placement_attempts, placement_binding_error, placement_instance_id,
                                     placement_slot, placement_slot_id, JOB_REFLEX_SIGNALS, JobSignals)
-from protocol.messages.gangs import GangReplacement, gang_replace_instance_id
+from protocol.messages.gangs import (MAX_GANG_RANK_INDEX, GangReplacement, GangResize, gang_replace_instance_id,
+                                     gang_resize_instance_id)
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRequest, ReflexTrigger,
@@ -68,7 +69,7 @@ __all__ = [
     "attempt_failures", "job_id", "next_attempt", "placement_attempt", "placement_attempts", "JOB_REFLEX_SIGNALS", "JobSignals",
     "placement_binding_error", "placement_instance_id", "placement_slot", "placement_slot_id",
     # gangs
-    "GangReplacement", "gang_replace_instance_id",
+    "MAX_GANG_RANK_INDEX", "GangReplacement", "GangResize", "gang_replace_instance_id", "gang_resize_instance_id",
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # moves

@@ -24,7 +24,7 @@ DECLINE_REASONS = ("owner_not_allowed", "entrypoint_not_allowed", "not_enough_gp
                    "zone_not_allowed", "labels_missing", "attestation_missing",
                    "node_unhealthy", "fenced", "gpu_model_missing", "over_quota", "unknown_pool", "reserved")
 VALUE_KINDS = ("placement", "eviction", "membership", "placement_slot", "job_move", "preemption", "gang_placement",
-               "replica_action", "gang_replace")
+               "replica_action", "gang_replace", "gang_resize")
 ENVELOPE = Bytes(1, codec.MAX_FRAME_BYTES)  # a nested signed envelope, as its wire bytes
 MILLI_PERCENT = Int(0, 100_000)
 

@@ -14,7 +14,7 @@ from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Hear
 from protocol.messages.moves import JobMove, MoveRequest, ReflexTrigger
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
-from protocol.messages.gangs import GangReplacement
+from protocol.messages.gangs import GangReplacement, GangResize
 from protocol.messages.preemption import Preemption
 from protocol.messages.quota import QuotaGrant
 from protocol.messages.replicas import ReplicaAction
@@ -109,7 +109,7 @@ def _remember_decoded(caches: CoreCaches, key: tuple, decoded: tuple) -> None:
 _VALUE_TYPES = {"placement": Placement, "eviction": Eviction, "membership": MembershipChange,
                 "placement_slot": PlacementSlot, "job_move": JobMove, "preemption": Preemption,
                 "gang_placement": GangPlacement, "replica_action": ReplicaAction,
-                "gang_replace": GangReplacement}
+                "gang_replace": GangReplacement, "gang_resize": GangResize}
 
 
 def decode_value(value_kind: str, data: bytes, *, caches: CoreCaches | None = None):
