@@ -53,6 +53,7 @@ class CapabilityBook:
         self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
         self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
         self.history = VectorHistory()   # every member's newest vectors: a reflex's evidence (R3)
+        self.watches = lambda node: False   # set by the core: a replica's node, read by replica rules (R4g)
         self.peers_version = 0                         # bumps with every newer peer vector kept
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
@@ -113,7 +114,7 @@ class CapabilityBook:
                                job_signals=job_signals)
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
-        if running and self.jobs.reflex_jobs_of(me):
+        if (running and self.jobs.reflex_jobs_of(me)) or self.watches(me):
             self.history.add(me, self.envelope, cap)
         return self.envelope, cap, True
 
@@ -168,7 +169,8 @@ class CapabilityBook:
         envelope, _cap, changed = self.current(now_ms)
         # Compared with what was last broadcast, not last signed: a bid may have signed the change.
         material = broadcast_facts != self.broadcast_facts
-        refresh_ms = CAPABILITY_REFRESH_BUSY_MS if broadcast_facts[2] else CAPABILITY_REFRESH_MS   # jobs run here
+        busy = broadcast_facts[2] or self.watches(self.ctx.me)   # jobs, or a replica a rule reads (R4g), run here
+        refresh_ms = CAPABILITY_REFRESH_BUSY_MS if busy else CAPABILITY_REFRESH_MS
         stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= refresh_ms
         if (material or stale) and self.epochs.is_member():
             if not (changed or material):
@@ -186,7 +188,8 @@ class CapabilityBook:
         ledger = self.ledger
         # A job with reflex rules runs here: its rules read the readings, and its evidence is
         # the chain of vectors that show them (R3), so their drift goes out at once too.
-        reflex_jobs = any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running")
+        reflex_jobs = (any(r.manifest.reflexes for r in self.jobs.mine() if r.state == "running")
+                       or self.watches(self.ctx.me))   # a replica here: the job's rules read its readings (R4g)
         readings = (gpus, self._job_signals_here(self._running_here())) if reflex_jobs else None
         return (self.epochs.epoch, self.telemetry_simulated, self._running_here(), ledger.gpu_milli_free(),
                 ledger.free_cpu_milli(), ledger.free_mem_mib(), len(gpus), self.health_stamp(), readings)
@@ -236,7 +239,7 @@ class CapabilityBook:
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
             self.peer_envelopes[envelope.signer] = data
-            if cap.running and self.jobs.reflex_jobs_of(envelope.signer):
+            if (cap.running and self.jobs.reflex_jobs_of(envelope.signer)) or self.watches(envelope.signer):
                 self.history.add(envelope.signer, data, cap)
             self.peers_version += 1
             self._learn_running(envelope.signer, cap, now_ms)

@@ -124,6 +124,7 @@ class MeshCore:
                                                         placement, lifecycle)
         self.replicas = replicas = ReplicaFlow(ctx, epochs, jobs, ledger, instances, capability)
         self.orders.replicas = replicas
+        capability.watches = replicas.watches
         self.gang_ranks = gang_ranks = GangReplaceFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
                                                        lifecycle)
         epoch_changes.gang_ranks = gang_ranks

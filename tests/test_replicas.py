@@ -33,6 +33,15 @@ def readings(net, times):
         net.run(300)
 
 
+def hold_on(net, keys, util_milli, ms, every_ms=250):
+    """The GPUs of the nodes ``keys`` read ``util_milli`` for ``ms``, every other node's stay idle."""
+    for _ in range(ms // every_ms):
+        for other in net.cores:
+            if other not in net.down:
+                telemetry(net, other, util_milli if other in keys else 0)
+        net.run(every_ms)
+
+
 def actions(net, key):
     return [d.value for d in net.certified(key, "replica_action")]
 
@@ -92,9 +101,11 @@ def test_r4_reroute_and_decay_change_weights_and_a_below_rule_decays_the_clone_a
     net, jid, primary = running_replicated_job(
         rule("clone", 1, cooldown_ms=60_000), rule("reroute", 50, cooldown_ms=60_000),
         rule("decay", 50, cooldown_ms=60_000), rule("decay", 100, above=None, below=20, for_ms=1000, cooldown_ms=0))
-    hold(net, primary, HOT, 4000)
+    hold(net, primary, HOT, 1500)
     net.run(300)
     record = net.cores[KEYS[0]].job_table.get(jid)
+    hold_on(net, {primary, record.replicas[1].node}, HOT, 3000)   # the clone loaded too (R4g's mean)
+    net.run(300)
     kinds = [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"]
     assert kinds == ["clone", "reroute", "decay"], kinds   # each once: their cooldowns
     assert len(record.replicas) == 1
@@ -213,7 +224,8 @@ def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_membe
     from protocol.ready import Ready
     net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))
     readings(net, 2)                     # the fill: action 0
-    hold(net, primary, HOT, 1500)        # the clone: action 1
+    holding = {primary, *(r.node for r in net.cores[KEYS[0]].job_table.get(jid).replicas.values())}
+    hold_on(net, holding, HOT, 2000)     # the clone: action 1
     net.run(200)
     first, second = actions(net, KEYS[0])[:2]
     fresh = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))[0]
@@ -294,3 +306,35 @@ def test_r4f_a_loopback_hosts_testnet_gives_each_node_its_own_address_and_netns_
     assert [m.addrs[0].split("/")[2] for m in genesis.members] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     with pytest.raises(ConfigError, match="--loopback-hosts"):
         launcher.up(tmp_path / "other", 2, netns=True, loopback_hosts=True)
+
+
+def test_r4g_a_rule_reads_the_mean_over_every_replica_and_validators_refuse_evidence_without_a_replica():
+    net, jid, primary = running_replicated_job(rule("clone", 1), rule("decay", 100, above=None, below=20),
+                                               service=Service(port=8080, min_replicas=2, max_replicas=3))
+    readings(net, 3)   # the fill: replica 1
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    replica = record.replicas[1].node
+    # The primary hot, its replica idle: the mean (47.5 %) is under 80 %: no clone; and over
+    # 20 %: no decay either.
+    hold_on(net, {primary}, HOT, 2000)
+    net.run(300)
+    assert [a.trigger != b"" for a in actions(net, KEYS[0])] == [False]
+    # A primary-only trigger (R3's evidence) is refused: the replica's chain is missing.
+    core = net.cores[KEYS[2]]
+    history = core.capability.history.of(primary)[-5:]
+    from protocol.messages import ReflexTrigger, encode_message
+    from tests.test_mesh_core import IDS
+    trigger = encode_message(IDS[2], MESH, ReflexTrigger(job_id=jid, fence=record.fence, rule=0,
+                                                               evidence=tuple(e for e, _c in history)))
+    forged = ReplicaAction(job_id=jid, seq=1, anchor=history[-1][1].seq, trigger=trigger, nodes=(KEYS[3],),
+                           capabilities=(core.capability.peer_envelopes[KEYS[3]],), replicas=(), weights=())
+    error = core.replicas.action_value_error(replica_instance_id(jid, 1, forged.anchor), forged, core.view)
+    assert "one of each replica" in error
+    # Both loaded: the mean is over 80 %, the clone is decided, with both nodes' chains.
+    hold_on(net, {primary, replica}, HOT, 2000)
+    net.run(300)
+    clones = [a for a in actions(net, KEYS[0]) if a.trigger]
+    assert len(clones) == 1 and len(net.cores[KEYS[0]].job_table.get(jid).replicas) == 2
+    from protocol.messages import decode_message
+    signers = {decode_message(e, MESH)[0].signer for e in decode_message(clones[0].trigger, MESH)[1].evidence}
+    assert signers == {primary, replica}

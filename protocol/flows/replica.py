@@ -25,11 +25,12 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.base import ValueFlow
 from protocol.flows.move import move_rank
 from protocol.job_table import TERMINAL
-from protocol.messages import (REPLICA_ACTIONS, CapabilityVector, ReflexTrigger, ReplicaAction, decode_message,
+from protocol.messages import (MAX_EVIDENCE, REPLICA_ACTIONS, CapabilityVector, ReflexTrigger, ReplicaAction, decode_message,
                                replica_instance_id, replica_key)
 from protocol.placement import capability_check, gpu_healthy
 from protocol.ready import Ready
-from protocol.reflexes import condition_holds, cooldown_bounds, evidence_error, shortest_evidence
+from protocol.reflexes import (chain_level, condition_holds, cooldown_bounds, mean_holds, newest_chain, reads_replicas,
+                               runs_job, split_chains)
 from protocol.replicas import (action_error, add_replica, clones_wanted, holders, replica_count, set_weights,
                                weight_changes, weights)
 
@@ -47,15 +48,64 @@ def related_reflex_at(record, index: int) -> list:
             if i == index or (i < len(rules) and (rules[i].above is not None) != upward)]
 
 
+def chain_holders(record, rule) -> list:
+    """R4g: whose vectors the evidence of ``rule`` holds, one chain each, in this order: the
+    primary, then (for a GPU signal) each replica's node by index."""
+    replicas = [r.node for _i, r in sorted(record.replicas.items())] if reads_replicas(rule) else []
+    return [record.primary, *replicas]
+
+
 def replica_evidence_error(record, trigger: ReflexTrigger, mesh_id: bytes, caches=None) -> str | None:
-    """R3's evidence check, against the rule's own cooldown and its opposite rules' (R4c)."""
+    """R4g: the evidence holds one chain of consecutive vectors per node running the job (the
+    primary's as R3's, against the rule's own cooldown and its opposite rules', R4c; each
+    replica's taken since the node took it on, spanning ``for_ms``), and the mean of the
+    chains' levels is beyond the threshold."""
     rule = record.manifest.reflexes[trigger.rule]
+    caps = []
+    for data in trigger.evidence:
+        try:
+            envelope, cap = decode_message(data, mesh_id, expect=CapabilityVector, caches=caches)
+        except RemoteProtocolError as exc:
+            return "an evidence vector is not valid: %s" % exc
+        if envelope.signer != cap.node:
+            return "an evidence vector is signed by another node than it names"
+        caps.append(cap)
+    chains = split_chains(caps)
+    if [node for node, _chain in chains] != chain_holders(record, rule):
+        return "the evidence is not one chain of the primary then one of each replica's node, by index"
+    for node, chain in chains:
+        for before, after in zip(chain, chain[1:]):
+            if after.seq != before.seq + 1:
+                return "the evidence vectors are not consecutive (seq %d then %d)" % (before.seq, after.seq)
+    primary = chains[0][1]
+    for cap in primary:
+        if not runs_job(cap, record.job_id, record.fence):
+            return "vector seq %d does not show the job running at fence %d" % (cap.seq, record.fence)
+    held = primary[-1].taken_ms - primary[0].taken_ms
     for last in related_reflex_at(record, trigger.rule) or [None]:
-        error = evidence_error(rule, trigger.evidence, record.primary, record.job_id, record.fence, mesh_id,
-                               last, caches=caches)
-        if error is not None:
-            return error
+        span_ms, not_before_ms = cooldown_bounds(rule, last, record.primary)
+        if held < span_ms:
+            return "the condition is shown for %d ms, the rule asks %d ms" % (held, span_ms)
+        if primary[0].taken_ms < not_before_ms:
+            return "the job is in its reflex cooldown until %d ms" % not_before_ms
+    for (_node, chain), (_index, replica) in zip(chains[1:], sorted(record.replicas.items())):
+        if chain[0].seq <= replica.since_seq:
+            return "a replica's chain starts before its node took the replica on"
+        if chain[-1].taken_ms - chain[0].taken_ms < rule.for_ms:
+            return "a replica's chain spans %d ms, the rule asks %d ms" % (
+                chain[-1].taken_ms - chain[0].taken_ms, rule.for_ms)
+    levels = [chain_level(rule, chain, record.job_id) for _node, chain in chains]
+    if levels[0] is None:
+        return "the primary's vectors do not show the signal"
+    if not mean_holds(rule, [level for level in levels if level is not None]):
+        return "the mean over the replicas does not show the condition"
     return None
+
+
+def primary_chain(trigger: ReflexTrigger, mesh_id: bytes, caches=None) -> list:
+    """The leading chain of a trigger's evidence: the primary's vectors (R4g), as decoded."""
+    caps = [decode_message(data, mesh_id, expect=CapabilityVector, caches=caches)[1] for data in trigger.evidence]
+    return split_chains(caps)[0][1] if caps else []
 
 
 class ReplicaFlow(ValueFlow):
@@ -82,16 +132,16 @@ class ReplicaFlow(ValueFlow):
 
     # --- noticing (SPEC.md R4c) --------------------------------------------------------------------
     def notice(self, node: bytes, now_ms: int, out: Ready) -> None:
-        """``node`` signed a new vector: for each running job it is primary of that is below
-        its min_replicas or whose replica rule now holds, start the job's next action."""
-        history = None
-        for record in self.jobs.reflex_jobs_of(node):
+        """``node`` signed a new vector: for each running job it runs (as its primary, or a
+        replica of it, R4g) that is below its min_replicas or whose replica rule now holds,
+        start the job's next action, anchored at the primary's newest vector."""
+        for record in self._jobs_run_by(node):
             if record.job_id in self.noticing or len(self.pending) >= MAX_PENDING:
                 continue
-            history = history if history is not None else self.capability.history.of(node)
+            history = self.capability.history.of(record.primary)
             if not history:
-                return
-            trigger = self._trigger(record, node, history)
+                continue
+            trigger = self._trigger(record)
             if trigger is None:
                 continue
             anchor = history[-1][1].seq
@@ -105,21 +155,47 @@ class ReplicaFlow(ValueFlow):
             if inst is not None and inst.awaiting_value and iid in self.instances.instances:
                 self.on_awaiting_value(inst, now_ms, out)
 
-    def _trigger(self, record, node: bytes, history) -> bytes | None:
+    def _jobs_run_by(self, node: bytes) -> list:
+        """The running jobs with reflex rules or replicas whose primary is ``node``, then those
+        with a replica on ``node`` (whose rules read its vectors too, R4g)."""
+        jobs = self.jobs.reflex_jobs_of(node)
+        return jobs + [record for record in self._replicated_jobs() if record.primary != node
+                       and any(r.node == node for r in record.replicas.values())]
+
+    def _replicated_jobs(self) -> list:
+        return [record for jid in sorted(self.with_replicas) if (record := self.jobs.get(jid)) is not None
+                and record.state == "running" and record.replicas and record.manifest.reflexes]
+
+    def watches(self, node: bytes) -> bool:
+        """Whether ``node``'s vectors may be evidence of a replica rule: it holds a replica of a
+        running job with reflex rules (CapabilityBook keeps their history)."""
+        return any(r.node == node for record in self._replicated_jobs() for r in record.replicas.values())
+
+    def _trigger(self, record) -> bytes | None:
         """b"" for a fill, a signed ReflexTrigger for the first replica rule that holds, or None."""
         if clones_wanted(record, None):
             return b""
+        histories = self.capability.history
         for index, rule in enumerate(record.manifest.reflexes):
             if rule.action not in REPLICA_ACTIONS or action_error(record, rule) is not None:
                 continue
             # Every related cooldown at once (what replica_evidence_error checks one by one):
             # the longest span any asks, from the latest start any allows.
-            bounds = [cooldown_bounds(rule, last, node) for last in related_reflex_at(record, index) or [None]]
-            found = shortest_evidence(rule, history, record.job_id, record.fence, max(b[0] for b in bounds),
-                                      max(b[1] for b in bounds))
-            if found is not None:
-                return self.ctx.sign(ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
-                                                   evidence=tuple(envelope for envelope, _cap in found)))
+            bounds = [cooldown_bounds(rule, last, record.primary)
+                      for last in related_reflex_at(record, index) or [None]]
+            chains = [newest_chain(histories.of(record.primary), max(b[0] for b in bounds), max(b[1] for b in bounds),
+                                   lambda cap: runs_job(cap, record.job_id, record.fence))]
+            if reads_replicas(rule):
+                chains += [newest_chain(histories.of(r.node), rule.for_ms, 0,
+                                        lambda cap, since=r.since_seq: cap.seq > since)
+                           for _i, r in sorted(record.replicas.items())]
+            if None in chains or sum(len(chain) for chain in chains) > MAX_EVIDENCE:
+                continue
+            levels = [chain_level(rule, [cap for _e, cap in chain], record.job_id) for chain in chains]
+            if levels[0] is None or not mean_holds(rule, [level for level in levels if level is not None]):
+                continue
+            return self.ctx.sign(ReflexTrigger(job_id=record.job_id, fence=record.fence, rule=index,
+                                               evidence=tuple(envelope for chain in chains for envelope, _c in chain)))
         return None
 
     def instance_from_proposal(self, proposal, action: ReplicaAction, view, now_ms: int, out: Ready):
@@ -217,8 +293,7 @@ class ReplicaFlow(ValueFlow):
             try:
                 envelope, trigger = decode_message(action.trigger, self.ctx.mesh_id, expect=ReflexTrigger,
                                                    caches=self.ctx.caches)
-                last = decode_message(trigger.evidence[-1], self.ctx.mesh_id, expect=CapabilityVector,
-                                      caches=self.ctx.caches)[1] if trigger.evidence else None
+                chain = primary_chain(trigger, self.ctx.mesh_id, self.ctx.caches)
             except RemoteProtocolError as exc:
                 return "the action's trigger is not valid: %s" % exc
             if envelope.signer not in view.stakes:
@@ -230,8 +305,8 @@ class ReplicaFlow(ValueFlow):
             rule = record.manifest.reflexes[trigger.rule]
             if rule.action not in REPLICA_ACTIONS:
                 return "reflex rule %d is not a replica action" % trigger.rule
-            if last is None or last.seq != action.anchor:
-                return "the trigger's last vector is not the action's anchor"
+            if not chain or chain[-1].seq != action.anchor:
+                return "the trigger's last vector of the primary is not the action's anchor"
             error = replica_evidence_error(record, trigger, self.ctx.mesh_id, self.ctx.caches)
             if error is not None:
                 return error
@@ -354,14 +429,15 @@ class ReplicaFlow(ValueFlow):
                 self.ctx.counters["replica_action_unbound"] += 1   # only a Byzantine quorum certifies one
                 return
             rule = record.manifest.reflexes[trigger.rule]
-            first, last = (decode_message(trigger.evidence[i], self.ctx.mesh_id, expect=CapabilityVector,
-                                          caches=self.ctx.caches)[1] for i in (0, -1))
-            # The evidence's signer (the primary then), from the value: the same at every member.
+            chain = primary_chain(trigger, self.ctx.mesh_id, self.ctx.caches)
+            first, last = chain[0], chain[-1]
+            # The primary's chain (its signer the primary then), from the value: the same at every member.
             record.replica_reflex_at[trigger.rule] = (last.node, last.taken_ms)
             detail = {"action": rule.action, "amount": rule.amount, "reflex": trigger.rule, "signal": rule.signal,
                       "held_ms": last.taken_ms - first.taken_ms}
         record.replica_seq += 1
-        added = [add_replica(record, node, action.seq + 1) for node in action.nodes]
+        added = [add_replica(record, node, action.seq + 1, self._vector_seq(data))
+                 for node, data in zip(action.nodes, action.capabilities)]
         if added:
             self.with_replicas.add(record.job_id)
         for index in added:
@@ -373,6 +449,9 @@ class ReplicaFlow(ValueFlow):
                                          replicas=replica_count(record), added=added, retired=retired,
                                          to_nodes=[node.hex() for node in action.nodes],
                                          weights=[w for _i, w in sorted(weights(record).items())], **detail))
+
+    def _vector_seq(self, data: bytes) -> int:
+        return decode_message(data, self.ctx.mesh_id, expect=CapabilityVector, caches=self.ctx.caches)[1].seq
 
     def _take_on(self, record, index: int, now_ms: int, out: Ready) -> None:
         """R1 for a new replica on this node: its allocation, or it runs nothing here."""
