@@ -134,8 +134,8 @@ class MeshCore:
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
             RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: placement.on_job,
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
-            CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
-            JobRefusal: lifecycle.on_job_refusal, MoveRequest: moves.on_move_request,
+            CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: self._on_job_end, Cancel: lifecycle.on_cancel,
+            JobRefusal: self._on_job_end, MoveRequest: moves.on_move_request,
             CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
         safety_records = tuple(safety_records)
@@ -375,6 +375,13 @@ class MeshCore:
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
         self.replicas.notice(envelope.signer, now_ms, out)         # R4
 
+    def _on_job_end(self, envelope, message, data, now_ms: int, out: Ready) -> None:
+        """A job_exit or job_refusal: of a replica (its key, R4h), or of a job (P6, R1)."""
+        if self.replicas.on_replica_end(envelope, message, data, now_ms, out):
+            return
+        handler = self.lifecycle.on_job_exit if isinstance(message, JobExit) else self.lifecycle.on_job_refusal
+        handler(envelope, message, data, now_ms, out)
+
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))
 
@@ -386,7 +393,7 @@ class MeshCore:
         """The workload ran out here (or could not start: the driver reports 127)."""
         self.orders.exited(jid)
         out = Ready()
-        if self.replicas.exited(jid, now_ms, out):   # R4: a replica's run, not a job's
+        if self.replicas.exited(jid, exit_code, now_ms, out):   # R4: a replica's run, not a job's
             return self._with_orders(out)
         return self._with_orders(self.lifecycle.job_exited(jid, exit_code, now_ms))
 
