@@ -201,6 +201,11 @@ class CapabilityBook:
     def _running_here(self) -> tuple:
         return tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running")
 
+    def shows_running(self, node: bytes, jid: bytes, fence: int) -> bool:
+        """Whether ``node``'s newest vector held here lists job ``jid`` running at ``fence`` (R2a)."""
+        cap = self.vector if node == self.ctx.me else self.peers.get(node)
+        return cap is not None and any(r.job_id == jid and r.fence == fence for r in cap.running)
+
     def relearn_running(self) -> None:
         """After a decision moved or placed jobs: a primary's vector that arrived before it
         (it already runs a job this node only now knows it has) counts now, not at its next."""

@@ -60,7 +60,7 @@ from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join,
                                MoveRequest, Precommit, Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync,
-                               Resources, Suspicion, SyncRequest, decode_message, decode_value)
+                               Resources, RunStopped, Suspicion, SyncRequest, decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.replicas import endpoint_table
@@ -112,7 +112,10 @@ class MeshCore:
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
         self.moves = moves = MoveFlow(ctx, epochs, jobs, ledger, instances, capability)
-        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of)
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of,
+                                     lifecycle.stop_waits)
+        lifecycle.ordered = self.orders.ordered   # R2a: whether a moved job's run may still go on here
+        lifecycle.seen_running = capability.shows_running
         bidding.slots = placement.slots = gangs.slots = slots
         placement.epoch_changes = gangs.epoch_changes = epoch_changes
         placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = gangs.lifecycle = lifecycle
@@ -135,7 +138,7 @@ class MeshCore:
             RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: placement.on_job,
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: self._on_job_end, Cancel: lifecycle.on_cancel,
-            JobRefusal: self._on_job_end, MoveRequest: moves.on_move_request,
+            JobRefusal: self._on_job_end, MoveRequest: moves.on_move_request, RunStopped: lifecycle.on_run_stopped,
             CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join}
         safety_records = tuple(safety_records)
@@ -324,6 +327,8 @@ class MeshCore:
         if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
             self._refuse_unfit_after_restart(now_ms, out)
         self.lifecycle.end_handoff_waits(now_ms, out)
+        self.lifecycle.end_stop_waits(now_ms, out)
+        self.lifecycle.resend_handovers(now_ms, out)
         self.instance_table.prune_timers()
         return self._with_orders(out)
 
@@ -338,7 +343,9 @@ class MeshCore:
         if (self.instance_table.instances or self.ledger.has_expiring_claims() or lifecycle.handoff_waits
                 or lifecycle.preempted_here or self._refuse_after_sync):
             return now_ms
-        return self.liveness.next_due_ms(now_ms)
+        resend = lifecycle.next_resend_ms()   # R2a
+        due = self.liveness.next_due_ms(now_ms)
+        return due if resend is None else max(now_ms, min(due, resend))
 
     def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
         """A signed job from a local owner (SPEC P2)."""

@@ -611,7 +611,10 @@ class Simulation:
         run ends (SimConfig.job_ms)."""
         if decision.value_kind == "stop":
             for jid in decision.value:
-                node.running.pop(jid, None)
+                run = node.running.pop(jid, None)
+                # The run is gone at once: a move's new primary may start (R2a), as the node
+                # driver reports it once its process is gone.
+                self._call(node, node.core.hand_over_moved, jid, run.fence if run else None, None, self.now_ms)
         elif decision.value_kind == "run":
             cfg = self.config
             for run in decision.value:

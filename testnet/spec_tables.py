@@ -100,7 +100,8 @@ NESTED_ENVELOPES = {
                            "`reflex_trigger` signed by a member whose evidence proves the rule (R3)"),
     (ReflexTrigger, "evidence"): (("cap",), "this mesh, each signed by the job's primary, `node` = signer, "
                                             "consecutive seqs, each showing the rule's condition and the job "
-                                            "running at `fence` (R3)"),
+                                            "running at `fence` (R3); for a replica action, one such chain "
+                                            "per node running the job, the primary's first (R4g)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
     (ReplicaAction, "capabilities"): (("cap",), "this mesh, the i-th signed by the i-th of `nodes`, `node` = "
                                                 "signer, showing room and healthy GPUs (R4c)"),
