@@ -81,21 +81,9 @@ def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms:
                       not_before_ms: int) -> tuple | None:
     """The fewest newest (envelope, vector) pairs of ``history`` (oldest first, one node's)
     that prove ``rule`` held for the job at ``fence`` for ``span_ms``, from ``not_before_ms``
-    on; None while they do not."""
-    chain = []
-    for envelope, cap in reversed(history):
-        if chain and cap.seq != chain[-1][1].seq - 1:
-            return None   # a gap: a vector we never saw might have broken the condition
-        if not (condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence)):
-            return None
-        if cap.taken_ms < not_before_ms:
-            return None
-        chain.append((envelope, cap))
-        if chain[0][1].taken_ms - cap.taken_ms >= span_ms:
-            return tuple(reversed(chain))
-        if len(chain) >= MAX_EVIDENCE:
-            return None
-    return None
+    on; None while they do not (a gap in the seqs: a vector never seen might have broken it)."""
+    return newest_chain(history, span_ms, not_before_ms,
+                        lambda cap: condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence))
 
 
 def evidence_error(rule: Reflex, evidence: tuple, primary: bytes, job_id: bytes, fence: int, mesh_id: bytes,
