@@ -29,6 +29,7 @@ from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
+from protocol.flows.replica import REPLACEMENT_ANCHOR
 from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangWorker, GpuState, Join, JobMove, Member,
@@ -417,7 +418,13 @@ def render_replica_vectors() -> str:
     return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "seq: 0", "anchor: 1",
                       "replica_instance: %s" % replica_instance_id(sample_job_id(), 0, 1).hex(),
                       "replica_action_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(),
-                      "replica_key index=1: %s" % replica_key(sample_job_id(), 1).hex(), "```"])
+                      "replica_key index=1: %s" % replica_key(sample_job_id(), 1).hex(),
+                      # R4h: replica 1's end (killed: 137), as its node signs it, and the instance
+                      # of the replacement it triggers at seq 0.
+                      "replica_end: %s" % _seal("job_exit", {"job_id": replica_key(sample_job_id(), 1), "fence": 1,
+                                                             "exit_code": 137}).hex(),
+                      "replacement_instance seq=0 replica=1: %s" % replica_instance_id(
+                          sample_job_id(), 0, REPLACEMENT_ANCHOR + 1).hex(), "```"])
 
 
 def sample_preemption() -> Preemption:
