@@ -379,6 +379,17 @@ class JobLifecycle:
                     self.ctx.counters["move_handover_resent"] += 1
                     out.messages.extend(Outbound(record.primary, message) for message in data)
 
+    def on_vector(self, node: bytes, now_ms: int) -> None:
+        """R2a: a new vector of ``node``: a hand-over owed to it as a moved job's new primary,
+        sent at least a quarter period ago, is due now if the vector does not show the new
+        run (it restarted and waits again, or lost the hand-over), not a period later."""
+        for jid, owed in self.handovers.items():
+            record = self.jobs.get(jid)
+            if (owed[1] is not None and record is not None and record.primary == node
+                    and now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4
+                    and not self.seen_running(node, jid, record.fence)):
+                owed[2] = now_ms
+
     def next_resend_ms(self) -> int | None:
         return min((owed[2] for owed in self.handovers.values() if owed[1] is not None), default=None)
 

@@ -379,6 +379,7 @@ class MeshCore:
 
     def _on_capability(self, envelope, cap, data, now_ms: int, out: Ready) -> None:
         self.capability.on_capability(envelope, cap, data, now_ms, out)
+        self.lifecycle.on_vector(envelope.signer, now_ms)   # R2a: a new primary waiting again
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
         self.replicas.notice(envelope.signer, now_ms, out)         # R4
 
