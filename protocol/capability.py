@@ -59,6 +59,7 @@ class CapabilityBook:
         self.peer_envelopes: dict[bytes, bytes] = {}   # the same vectors as signed: proofs in move (R2) and preemption (P8) values
         self.unsent = False   # our newest vector was signed for a move value (R2) and not broadcast yet
         self.history = VectorHistory()   # every member's newest vectors: a reflex's evidence (R3)
+        self.watches = lambda node: False   # set by the core: a replica's node, read by replica rules (R4g)
         self.peers_version = 0                         # bumps with every newer peer vector kept
         self.own_attested = dict(attested_attributes(ctx.policy.attestations, ctx.me, ctx.mesh_id,
                                                      ctx.authorities, 0, caches=ctx.caches))
@@ -119,7 +120,7 @@ class CapabilityBook:
                                job_signals=job_signals)
         self.envelope = self.ctx.sign(cap)
         self.vector, self.facts = cap, facts
-        if running and self.jobs.reflex_jobs_of(me):
+        if (running and self.jobs.reflex_jobs_of(me)) or self.watches(me):
             self.history.add(me, self.envelope, cap)
         return self.envelope, cap, True
 
@@ -159,7 +160,7 @@ class CapabilityBook:
     def reading_period_ms(self, default_ms: int) -> int:
         """How often the node should read its GPUs: REFLEX_READING_MS while a job with reflex
         rules runs here as primary (P1b), else ``default_ms``."""
-        if self.jobs.may_have_mine() and self._rules_here():
+        if (self.jobs.may_have_mine() and self._rules_here()) or self.watches(self.ctx.me):
             return min(default_ms, REFLEX_READING_MS)
         return default_ms
 
@@ -214,7 +215,8 @@ class CapabilityBook:
         broadcast_facts = self._broadcast_facts()
         # Compared with what was last broadcast, not last signed: a bid may have signed the change.
         material = broadcast_facts != self.broadcast_facts
-        refresh_ms = CAPABILITY_REFRESH_BUSY_MS if broadcast_facts[2] else CAPABILITY_REFRESH_MS   # jobs run here
+        busy = broadcast_facts[2] or self.watches(self.ctx.me)   # jobs, or a replica a rule reads (R4g), run here
+        refresh_ms = CAPABILITY_REFRESH_BUSY_MS if busy else CAPABILITY_REFRESH_MS
         stale = self.broadcast_ms is None or now_ms - self.broadcast_ms >= refresh_ms
         reflexes_here = broadcast_facts[-1] is not None
         due = reflexes_here and self._evidence_completes(now_ms)
@@ -240,9 +242,13 @@ class CapabilityBook:
         ledger = self.ledger
         # A job with reflex rules runs here: its evidence is the chain of vectors that show its
         # rules' conditions (R3), so a reading that crosses a rule's threshold goes out at once
-        # (P1b); the drift between crossings waits for the refresh.
+        # (P1b); the drift between crossings waits for the refresh. A replica's node is read by
+        # the mean over the job's replicas (R4g), which no one node's crossing shows: its
+        # drift goes out at once.
         readings = None
-        if self.jobs.may_have_mine() and self._rules_here():
+        if self.watches(self.ctx.me):
+            readings = (gpus, self._job_signals_here(self._running_here()))
+        elif self.jobs.may_have_mine() and self._rules_here():
             record = self.epochs.member_info.get(self.ctx.me)
             zone = record.zone if record is not None else self.ctx.policy.zone
             readings = self._conditions(Readings(zone, gpus, self._job_signals_here(self._running_here())))
@@ -255,6 +261,11 @@ class CapabilityBook:
 
     def _running_here(self) -> tuple:
         return tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running")
+
+    def shows_running(self, node: bytes, jid: bytes, fence: int) -> bool:
+        """Whether ``node``'s newest vector held here lists job ``jid`` running at ``fence`` (R2a)."""
+        cap = self.vector if node == self.ctx.me else self.peers.get(node)
+        return cap is not None and any(r.job_id == jid and r.fence == fence for r in cap.running)
 
     def relearn_running(self) -> None:
         """After a decision moved or placed jobs: a primary's vector that arrived before it
@@ -294,7 +305,7 @@ class CapabilityBook:
         if known is None or cap.seq > known.seq:
             self.peers[envelope.signer] = cap
             self.peer_envelopes[envelope.signer] = data
-            if cap.running and self.jobs.reflex_jobs_of(envelope.signer):
+            if (cap.running and self.jobs.reflex_jobs_of(envelope.signer)) or self.watches(envelope.signer):
                 self.history.add(envelope.signer, data, cap)
             self.peers_version += 1
             self._learn_running(envelope.signer, cap, now_ms)

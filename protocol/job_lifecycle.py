@@ -19,8 +19,8 @@ import hashlib
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
-from protocol.messages import (Cancel, Checkpoint, CheckpointAck, JobExit, JobRefusal, attempt_failures,
-                               decode_message, next_attempt)
+from protocol.messages import (Cancel, Checkpoint, CheckpointAck, JobExit, JobRefusal, RunStopped,
+                               attempt_failures, decode_message, next_attempt)
 from protocol.ready import Outbound, PersistRecord, Ready, local_decision
 
 HANDOFF_WAIT_MS = 250   # how long a job's next primary after a refusal waits for a checkpoint (R1)
@@ -28,6 +28,9 @@ HANDOFF_WAIT_MS = 250   # how long a job's next primary after a refusal waits fo
 # (P8d): within the HANDOFF_WAIT_MS the victim's next primary waits, so that a node without
 # one (no driver reading it) still hands over its newest periodic checkpoint in time.
 FINAL_CHECKPOINT_WAIT_MS = 100
+# R2a: how often a moved job's old primary sends its hand-over again while the new primary's
+# vector does not show the new run (a lost message, or the new primary restarted).
+MOVE_HANDOVER_RESEND_MS = 1000
 
 
 def same_work(fence: int, attempt: int, job) -> bool:
@@ -64,6 +67,16 @@ class JobLifecycle:
         # under, until when it holds back their R1 hand-over for the final checkpoint its
         # driver reads as it stops the run).
         self.preempted_here: dict[bytes, tuple[int, int]] = {}
+        # R2a, the new primary of a moved job: job id -> (fence, node) whose run must be known
+        # stopped before this node starts its own (no deadline: the hand-over, or that node
+        # leaving the epoch). Not run while waiting (workload_orders.py).
+        self.stop_waits: dict[bytes, tuple] = {}   # job id -> (fence, node, the seq its run_stopped names or None)
+        # R2a, the old primary: job id -> [fence, the hand-over once its run stopped (None
+        # before), when it is sent again]. Set by the core: what the workload orders run here
+        # (job id -> fence), and whether a node's newest vector shows a job running at a fence.
+        self.handovers: dict[bytes, list] = {}
+        self.ordered: dict[bytes, int] = {}
+        self.seen_running = lambda node, jid, fence: False
 
     # --- taking a job on (SPEC.md R1) ------------------------------------------------------------
     def admit(self, record, key: bytes | None, now_ms: int, out: Ready) -> bool:
@@ -303,37 +316,132 @@ class JobLifecycle:
         elif self.handoff_waits.pop(checkpoint.job_id, None) is not None:
             out.events.append(self.ctx.event("checkpoint_handed_off", now_ms, job_id=checkpoint.job_id.hex(),
                                              fence=checkpoint.fence, seq=checkpoint.seq, held=True))
+        if self.stop_waits.get(checkpoint.job_id, ())[:2] == (checkpoint.fence, envelope.signer):
+            self._start_if_handed_over(record, now_ms, out)   # R2a: if its run_stopped came first
         return True
 
-    def hand_over_moved(self, jid: bytes, fence: int, final: tuple | None, now_ms: int) -> Ready:
-        """R2: this node's run of ``jid`` under ``fence`` stopped because a move took the job
-        away. Its final checkpoint (``final``: seq, progress, taken_ms, state, read as the run
-        stopped; None: nothing newer than the last one taken) goes to the new primary and its
-        backups. Nothing for any other stop."""
+    def moved_away(self, record, fence: int, now_ms: int, out: Ready) -> None:
+        """R2a: a move took the job off this node at ``fence``. A run ordered here stops by the
+        workload orders and the driver reports it (``hand_over_moved``); with none ordered
+        here (never started, frozen by a halt, gone with a restart) it is stopped now."""
+        self.handovers[record.job_id] = [fence, None, None]
+        if self.ordered.get(record.job_id) != fence:
+            out.extend(self.hand_over_moved(record.job_id, fence, None, now_ms))
+
+    def hand_over_moved(self, jid: bytes, fence: int | None, final: tuple | None, now_ms: int) -> Ready:
+        """R2: this node's run of ``jid`` under ``fence`` (None: the one a move took away)
+        stopped because a move took the job away. Its final checkpoint (``final``: seq,
+        progress, taken_ms, state, read as the run stopped; None: nothing newer than the last
+        one taken) goes to the new primary and its backups; with no checkpoint of that fence
+        here, a ``run_stopped`` (R2a). Once per move; nothing for any other stop."""
         out = Ready()
         record = self.jobs.get(jid)
-        if record is not None and self.preempted_here.get(jid, (None,))[0] == fence:
+        if record is not None and fence is not None and self.preempted_here.get(jid, (None,))[0] == fence:
             return self._hand_over_preempted(record, fence, final, now_ms)
+        owed = self.handovers.get(jid)
+        if owed is None or owed[1] is not None or fence not in (None, owed[0]):
+            return out
+        fence = owed[0]
         if record is None or record.moved_from != (fence, self.ctx.me) or record.primary == self.ctx.me:
             return out
+        handed = ()
         if final is not None:
             seq, progress, taken_ms, state = final
             checkpoint = Checkpoint(job_id=jid, fence=fence, seq=seq, progress=progress, taken_ms=taken_ms,
                                     state=state, state_hash=hashlib.sha256(state).digest())
-            data = self.ctx.sign(checkpoint)
+            handed = (self.ctx.sign(checkpoint),)
             out.persist.append(self._checkpoint_record(checkpoint, self.ctx.me))
-            record.checkpoint_envelope, record.checkpoint_fence = data, fence
+            record.checkpoint_envelope, record.checkpoint_fence = handed[0], fence
+            record.last_checkpoint_seq = seq
         elif record.checkpoint_fence == fence and record.checkpoint_envelope is not None:
-            data = record.checkpoint_envelope
-        else:
-            return out
+            handed = (record.checkpoint_envelope,)
+        seq = record.last_checkpoint_seq or 0 if handed else 0
+        # The checkpoint (state) first, then that the run stopped (R2a): the new primary starts
+        # once it holds both. Replayed after a restart, the Ready is dropped: the first tick sends them.
+        data = (*handed, self.ctx.sign(RunStopped(job_id=jid, fence=fence, seq=seq)))
+        owed[1], owed[2] = data, now_ms if self.deferred else now_ms + MOVE_HANDOVER_RESEND_MS
         self.ctx.counters["checkpoint_handed_over"] += 1
         out.events.append(self.ctx.event("checkpoint_handed_over", now_ms, job_id=jid.hex(), fence=fence,
-                                         final=final is not None))
+                                         final=final is not None, seq=seq))
         for target in (record.primary, *record.backups):
             if target != self.ctx.me:
-                out.messages.append(Outbound(target, data))
+                out.messages.extend(Outbound(target, message) for message in data)
         return out
+
+    def resend_handovers(self, now_ms: int, out: Ready) -> None:
+        """Tick (R2a): each hand-over due goes to the new primary again while its newest vector
+        does not show the new run; one whose job moved on (or ended) is forgotten."""
+        me = self.ctx.me
+        for jid, owed in list(self.handovers.items()):
+            fence, data, due = owed
+            record = self.jobs.get(jid)
+            if (record is None or record.state in TERMINAL or record.moved_from != (fence, me)
+                    or record.fence != fence + 1):
+                del self.handovers[jid]
+            elif data is not None and due <= now_ms:
+                owed[2] = now_ms + MOVE_HANDOVER_RESEND_MS
+                if not self.seen_running(record.primary, jid, record.fence) and record.primary != me:
+                    self.ctx.counters["move_handover_resent"] += 1
+                    out.messages.extend(Outbound(record.primary, message) for message in data)
+
+    def on_vector(self, node: bytes, now_ms: int) -> None:
+        """R2a: a new vector of ``node``: a hand-over owed to it as a moved job's new primary,
+        sent at least a quarter period ago, is due now if the vector does not show the new
+        run (it restarted and waits again, or lost the hand-over), not a period later."""
+        for jid, owed in self.handovers.items():
+            record = self.jobs.get(jid)
+            if (owed[1] is not None and record is not None and record.primary == node
+                    and now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4
+                    and not self.seen_running(node, jid, record.fence)):
+                owed[2] = now_ms
+
+    def next_resend_ms(self) -> int | None:
+        return min((owed[2] for owed in self.handovers.values() if owed[1] is not None), default=None)
+
+    def await_stop(self, record, fence: int, node: bytes) -> None:
+        """R2a, the new primary: the run of ``node`` at ``fence`` must be known stopped first
+        (unless ``node`` has left the epoch already: its eviction stopped it, F3)."""
+        if node in self.epochs.view.stakes:
+            self.stop_waits[record.job_id] = (fence, node, None)
+
+    def on_run_stopped(self, envelope, message: RunStopped, data, now_ms: int, out: Ready) -> None:
+        """R2a: the old primary's run stopped; the new run starts once this node holds the
+        checkpoint the old primary handed over with it (it may come later: it is sent again)."""
+        wait = self.stop_waits.get(message.job_id)
+        if wait is None or wait[:2] != (message.fence, envelope.signer):
+            self.ctx.counters["run_stopped_stale"] += 1   # early, late, or not ours to wait for
+            return
+        self.stop_waits[message.job_id] = (message.fence, envelope.signer, message.seq)
+        self._start_if_handed_over(self.jobs.get(message.job_id), now_ms, out)
+
+    def _start_if_handed_over(self, record, now_ms: int, out: Ready) -> None:
+        fence, node, seq = self.stop_waits[record.job_id]
+        held = (record.checkpoint_fence or 0, record.last_checkpoint_seq or 0)
+        if seq is None or (seq and held < (fence, seq)):
+            return   # the stop not heard yet, or the final checkpoint not here yet
+        del self.stop_waits[record.job_id]
+        out.events.append(self.ctx.event("move_old_run_stopped", now_ms, job_id=record.job_id.hex(), fence=fence,
+                                         node=node.hex(), seq=seq))
+
+    def stop_wait_ended(self) -> bool:
+        """Whether ``end_stop_waits`` has one to end now: its old primary left the epoch (F3a:
+        an input, the eviction's decision, left this work for the tick)."""
+        members = self.epochs.view.stakes
+        return any(seq is None and node not in members for _fence, node, seq in self.stop_waits.values())
+
+    def end_stop_waits(self, now_ms: int, out: Ready) -> None:
+        """Tick (R2a): a wait whose old primary left the epoch ends (its eviction is the stop,
+        F3, F5); one for a job this node no longer holds at that move is dropped."""
+        members = self.epochs.view.stakes
+        for jid, (fence, node, _seq) in list(self.stop_waits.items()):
+            record = self.jobs.get(jid)
+            if (record is None or record.state in TERMINAL or record.primary != self.ctx.me
+                    or record.fence != fence + 1):
+                del self.stop_waits[jid]
+            elif node not in members:
+                self.ctx.counters["move_old_primary_gone"] += 1
+                self.stop_waits[jid] = (fence, node, 0)   # its eviction stopped it: go on from what is held
+                self._start_if_handed_over(record, now_ms, out)
 
     def _hand_over_preempted(self, record, fence: int, final: tuple | None, now_ms: int) -> Ready:
         """P8d: this node stopped the run of a victim it preempted, under ``fence``. Its final

@@ -89,6 +89,7 @@ class JobRecord:
     next_replica: int = 1
     replica_reflex_at: dict = field(default_factory=dict)
     replicas_dropped: int = 0   # replicas dropped with their node or the job's end (R4b), not by an action
+    replica_restarts: int = 0   # replicas replaced after a failed exit (R4h), bounded per job
 
     def preempted_by_job(self) -> bytes | None:
         """The job this one was last preempted for, if its preempted attempt has ended."""

@@ -61,7 +61,8 @@ from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join,
                                MoveRequest, Precommit, Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync,
-                               QuotaGrant, Resources, Suspicion, SyncRequest, decode_message, decode_value)
+                               QuotaGrant, Resources, RunStopped, Suspicion, SyncRequest, decode_message,
+                               decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.replicas import endpoint_table
@@ -114,7 +115,10 @@ class MeshCore:
                                                              self._apply_certificate_bytes)
         self.lifecycle = lifecycle = JobLifecycle(ctx, epochs, jobs, ledger, placement)
         self.moves = moves = MoveFlow(ctx, epochs, jobs, ledger, instances, capability)
-        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of)
+        self.orders = WorkloadOrders(epochs, jobs, liveness, ledger, lifecycle.handoff_waits, gangs.rank_of,
+                                     lifecycle.stop_waits)
+        lifecycle.ordered = self.orders.ordered   # R2a: whether a moved job's run may still go on here
+        lifecycle.seen_running = capability.shows_running
         bidding.slots = placement.slots = gangs.slots = slots
         placement.epoch_changes = gangs.epoch_changes = epoch_changes
         placement.lifecycle = epoch_changes.lifecycle = moves.lifecycle = gangs.lifecycle = lifecycle
@@ -126,6 +130,7 @@ class MeshCore:
                                                         placement, lifecycle)
         self.replicas = replicas = ReplicaFlow(ctx, epochs, jobs, ledger, instances, capability)
         self.orders.replicas = replicas
+        capability.watches = replicas.watches
         self.gang_ranks = gang_ranks = GangReplaceFlow(ctx, epochs, jobs, ledger, instances, capability, gangs,
                                                        lifecycle)
         epoch_changes.gang_ranks = gang_ranks
@@ -140,8 +145,8 @@ class MeshCore:
             PrevoteCertificate: self._on_consensus, CommitCertificate: self._on_consensus,
             RoundChange: self._on_consensus, RoundSync: self._on_consensus, JobManifest: placement.on_job,
             Bid: bidding.on_bid, Decline: bidding.on_decline, Checkpoint: lifecycle.on_checkpoint,
-            CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: lifecycle.on_job_exit, Cancel: lifecycle.on_cancel,
-            JobRefusal: lifecycle.on_job_refusal, MoveRequest: moves.on_move_request,
+            CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: self._on_job_end, Cancel: lifecycle.on_cancel,
+            JobRefusal: self._on_job_end, MoveRequest: moves.on_move_request, RunStopped: lifecycle.on_run_stopped,
             CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
             Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join,
             QuotaGrant: self._on_quota_grant}
@@ -334,6 +339,8 @@ class MeshCore:
         if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
             self._refuse_unfit_after_restart(now_ms, out)
         self.lifecycle.end_handoff_waits(now_ms, out)
+        self.lifecycle.end_stop_waits(now_ms, out)
+        self.lifecycle.resend_handovers(now_ms, out)
         self.instance_table.prune_timers()
         return self._with_orders(out)
 
@@ -348,11 +355,13 @@ class MeshCore:
         liveness = self.liveness
         if self._refuse_after_sync and not liveness.startup_sync_due and not liveness.halted:
             return now_ms
-        if self.placement.reconsider_due() or self.gangs.reconsider_due():
+        if (self.placement.reconsider_due() or self.gangs.reconsider_due()
+                or self.lifecycle.stop_wait_ended()):
             return now_ms
         due = liveness.next_due_ms(now_ms)
         for deadline in (self.instance_table.next_timer_ms(), self.ledger.next_expiry_ms(),
-                         self.lifecycle.next_wait_ms(), self.preemptions.next_scan_ms_if_needed()):
+                         self.lifecycle.next_wait_ms(), self.lifecycle.next_resend_ms(),   # R2a
+                         self.preemptions.next_scan_ms_if_needed()):
             if deadline is not None:
                 due = min(due, deadline)
         return max(now_ms, due)
@@ -414,9 +423,17 @@ class MeshCore:
 
     def _on_capability(self, envelope, cap, data, now_ms: int, out: Ready) -> None:
         self.capability.on_capability(envelope, cap, data, now_ms, out)
+        self.lifecycle.on_vector(envelope.signer, now_ms)   # R2a: a new primary waiting again
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
         self.replicas.notice(envelope.signer, now_ms, out)         # R4
         self.gang_resizes.notice(now_ms, out)                      # GA9
+
+    def _on_job_end(self, envelope, message, data, now_ms: int, out: Ready) -> None:
+        """A job_exit or job_refusal: of a replica (its key, R4h), or of a job (P6, R1)."""
+        if self.replicas.on_replica_end(envelope, message, data, now_ms, out):
+            return
+        handler = self.lifecycle.on_job_exit if isinstance(message, JobExit) else self.lifecycle.on_job_refusal
+        handler(envelope, message, data, now_ms, out)
 
     def workload_started(self, jid: bytes, fence: int, from_seq: int, now_ms: int) -> Ready:
         return self._with_orders(self.lifecycle.workload_started(jid, fence, from_seq, now_ms))
@@ -429,7 +446,7 @@ class MeshCore:
         """The workload ran out here (or could not start: the driver reports 127)."""
         self.orders.exited(jid)
         out = Ready()
-        if self.replicas.exited(jid, now_ms, out):   # R4: a replica's run, not a job's
+        if self.replicas.exited(jid, exit_code, now_ms, out):   # R4: a replica's run, not a job's
             return self._with_orders(out)
         return self._with_orders(self.lifecycle.job_exited(jid, exit_code, now_ms))
 

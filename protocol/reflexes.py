@@ -90,21 +90,9 @@ def shortest_evidence(rule: Reflex, history, job_id: bytes, fence: int, span_ms:
                       not_before_ms: int) -> tuple | None:
     """The fewest newest (envelope, vector) pairs of ``history`` (oldest first, one node's)
     that prove ``rule`` held for the job at ``fence`` for ``span_ms``, from ``not_before_ms``
-    on; None while they do not."""
-    chain = []
-    for envelope, cap in reversed(history):
-        if chain and cap.seq != chain[-1][1].seq - 1:
-            return None   # a gap: a vector we never saw might have broken the condition
-        if not (condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence)):
-            return None
-        if cap.taken_ms < not_before_ms:
-            return None
-        chain.append((envelope, cap))
-        if chain[0][1].taken_ms - cap.taken_ms >= span_ms:
-            return tuple(reversed(chain))
-        if len(chain) >= MAX_EVIDENCE:
-            return None
-    return None
+    on; None while they do not (a gap in the seqs: a vector never seen might have broken it)."""
+    return newest_chain(history, span_ms, not_before_ms,
+                        lambda cap: condition_holds(rule, cap, job_id) and runs_job(cap, job_id, fence))
 
 
 def holding_run(rule: Reflex, history, job_id: bytes, fence: int) -> list[int]:
@@ -170,3 +158,69 @@ class VectorHistory:
     def forget_except(self, members) -> None:
         for node in [n for n in self.by_node if n not in members]:
             del self.by_node[node]
+
+
+# --- a replica rule over every replica's node (SPEC.md R4g) ---------------------------------------
+def reads_replicas(rule: Reflex) -> bool:
+    """A GPU signal is read on every replica's node; a job signal only in the primary's
+    vectors (R3a: a vector reports only the jobs it lists running, its primaries)."""
+    return rule.signal not in JOB_REFLEX_SIGNALS
+
+
+def vector_level(rule: Reflex, cap: CapabilityVector, job_id: bytes) -> int | None:
+    """One vector's reading for ``rule``, in milli-units: of an ``above`` rule its highest GPU
+    value, of a ``below`` rule its lowest (R3's "some GPU" compares exactly these); None when
+    the vector has none or is outside the rule's zone."""
+    if rule.zone and cap.zone != rule.zone:
+        return None
+    values = signal_value(rule.signal, cap, job_id)
+    if not values:
+        return None
+    return max(values) if rule.above is not None else min(values)
+
+
+def chain_level(rule: Reflex, caps, job_id: bytes) -> int | None:
+    """What a chain of one node's vectors shows held all along: the lowest reading of an
+    ``above`` rule (the highest of a ``below`` one); None if some vector has no reading."""
+    levels = [vector_level(rule, cap, job_id) for cap in caps]
+    if not levels or None in levels:
+        return None
+    return min(levels) if rule.above is not None else max(levels)
+
+
+def mean_holds(rule: Reflex, levels: list) -> bool:
+    """R4g: the mean of the chains' levels is beyond the threshold (exact, in integers)."""
+    if not levels:
+        return False
+    if rule.above is not None:
+        return sum(levels) > rule.above * 1000 * len(levels)
+    return sum(levels) < rule.below * 1000 * len(levels)
+
+
+def newest_chain(history, span_ms: int, not_before_ms: int, fits) -> tuple | None:
+    """The fewest newest (envelope, vector) pairs of ``history`` (one node's, oldest first),
+    consecutive by seq, each passing ``fits``, taken from ``not_before_ms`` on and spanning
+    at least ``span_ms``; None while there are none (the fewest show the highest level)."""
+    chain = []
+    for envelope, cap in reversed(history):
+        if chain and cap.seq != chain[-1][1].seq - 1:
+            return None
+        if not fits(cap) or cap.taken_ms < not_before_ms:
+            return None
+        chain.append((envelope, cap))
+        if chain[0][1].taken_ms - cap.taken_ms >= span_ms:
+            return tuple(reversed(chain))
+        if len(chain) >= MAX_EVIDENCE:
+            return None
+    return None
+
+
+def split_chains(caps) -> list:
+    """Evidence vectors grouped into chains: each run of one signer's vectors, in order."""
+    chains = []
+    for cap in caps:
+        if chains and chains[-1][0] == cap.node:
+            chains[-1][1].append(cap)
+        else:
+            chains.append((cap.node, [cap]))
+    return chains

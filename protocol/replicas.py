@@ -27,6 +27,9 @@ class Replica:
     node: bytes
     fence: int    # the number of the action that started it + 1: its run's identity (WorkloadRun.fence)
     weight: int
+    # The seq of the node's vector the action that put it there carried: a rule reads only the
+    # node's later vectors for it (R4g), taken while the node held the replica.
+    since_seq: int = 0
 
 
 def replica_count(record) -> int:
@@ -116,10 +119,10 @@ def set_weights(record, changes) -> list[int]:
     return retired
 
 
-def add_replica(record, node: bytes, fence: int) -> int:
+def add_replica(record, node: bytes, fence: int, since_seq: int) -> int:
     index = record.next_replica
     record.next_replica += 1
-    record.replicas[index] = Replica(node=node, fence=fence, weight=REPLICA_WEIGHT)
+    record.replicas[index] = Replica(node=node, fence=fence, weight=REPLICA_WEIGHT, since_seq=since_seq)
     return index
 
 

@@ -34,12 +34,14 @@ class WorkloadRun:
 
 
 class WorkloadOrders:
-    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict, gang_rank=lambda jid: None) -> None:
+    def __init__(self, epochs, jobs, liveness, ledger, handoff_waits: dict, gang_rank=lambda jid: None,
+                 stop_waits: dict | None = None) -> None:
         self.epochs = epochs
         self.jobs = jobs
         self.liveness = liveness
         self.ledger = ledger
         self.handoff_waits = handoff_waits   # jobs waiting for a checkpoint to resume from (R1): not yet
+        self.stop_waits = stop_waits if stop_waits is not None else {}   # moved jobs whose old run may run (R2a)
         self.gang_rank = gang_rank           # job id -> its GangRank, if it is a gang's worker
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
         self.gang_told: dict[bytes, object] = {}   # a gang rank's job id -> the GangRank its run was last told
@@ -61,7 +63,7 @@ class WorkloadOrders:
             allocated = self.ledger.allocated
             wanted = {r.job_id: r for r in self.jobs.mine()
                       if r.state in LIVE_JOB_STATES and allocated(r.job_id) is not None
-                      and r.job_id not in self.handoff_waits}
+                      and r.job_id not in self.handoff_waits and r.job_id not in self.stop_waits}
             # R4: a replica runs like a primary, from scratch (replicas keep no checkpoints).
             replica_runs = {key: WorkloadRun(key, replica.fence, tuple(claim.gpus), resume=False,
                                              manifest=record.manifest, replica=index)

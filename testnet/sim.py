@@ -612,14 +612,23 @@ class Simulation:
         run ends (SimConfig.job_ms)."""
         if decision.value_kind == "stop":
             for jid in decision.value:
-                node.running.pop(jid, None)
+                run = node.running.pop(jid, None)
+                # The run is gone at once: a move's new primary may start (R2a), as the node
+                # driver reports it once its process is gone.
+                self._call(node, node.core.hand_over_moved, jid, run.fence if run else None, None, self.now_ms)
         elif decision.value_kind == "run":
             cfg = self.config
             for run in decision.value:
                 if run.gang is not None and node.behaviour is None:
                     self._check_rank_not_restarted(node, run)
                 node.running[run.job_id] = run
-                if cfg.job_ms:
+                if cfg.job_ms and run.replica:
+                    # A service replica runs until stopped; with --fail it may crash, and a
+                    # replica that fails is replaced elsewhere by decision (SPEC.md R4h).
+                    if self.workload_rng.randrange(1000) < cfg.job_fail_per_mille:
+                        duration = self.workload_rng.randint(cfg.job_ms // 4, cfg.job_ms)
+                        self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence, 1))
+                elif cfg.job_ms:
                     duration = self.workload_rng.randint(cfg.job_ms // 2, 3 * cfg.job_ms // 2)
                     self.push(self.now_ms + duration, EXIT, node.index, (node.incarnation, run.job_id, run.fence))
                 if cfg.preempt:   # victims are chosen from running jobs' checkpoint ages (P8)
@@ -664,13 +673,13 @@ class Simulation:
         self.push(self.now_ms + CHECKPOINT_MS, CHECKPOINT, index, (incarnation, jid, fence, step + 1))
 
     def _exit(self, index: int, payload) -> None:
-        incarnation, jid, fence = payload
+        incarnation, jid, fence, *crash = payload
         node = self.nodes[index]
         run = node.running.get(jid)
         if not node.up or node.incarnation != incarnation or run is None or run.fence != fence:
             return  # stopped, moved away or crashed since: that run is gone
         del node.running[jid]
-        code = 1 if self.workload_rng.randrange(1000) < self.config.job_fail_per_mille else 0
+        code = crash[0] if crash else 1 if self.workload_rng.randrange(1000) < self.config.job_fail_per_mille else 0
         self.counters["exits"] = self.counters.get("exits", 0) + 1
         self._call(node, node.core.job_exited, jid, code, self.now_ms)
 

@@ -29,6 +29,7 @@ from keys.keystore import KDF_PROFILES, encode_keystore
 from protocol import codec
 from protocol.envelope import CHANNEL_AUTHENTICATED_KINDS, PROTOCOL_VERSION, seal, seal_unsigned, signing_input
 from protocol.flows.epoch_change import epoch_change_instance_id
+from protocol.flows.replica import REPLACEMENT_ANCHOR
 from protocol.gang_placement import diameter, gang_port, gang_worker_id, pick_backups, pick_gang, topology_error
 from protocol.messages import (ENVELOPE, MESSAGE_TYPES, Bid, CapabilityVector, Checkpoint, CommitCertificate,
                                Constraints, Evidence, Gang, GangPlacement, GangReplacement, GangResize, GangWorker, GpuState, Join, JobMove, Member,
@@ -109,7 +110,8 @@ NESTED_ENVELOPES = {
                            "`reflex_trigger` signed by a member whose evidence proves the rule (R3)"),
     (ReflexTrigger, "evidence"): (("cap",), "this mesh, each signed by the job's primary, `node` = signer, "
                                             "consecutive seqs, each showing the rule's condition and the job "
-                                            "running at `fence` (R3)"),
+                                            "running at `fence` (R3); for a replica action, one such chain "
+                                            "per node running the job, the primary's first (R4g)"),
     (JobMove, "capability"): (("cap",), "this mesh, signed by `to_node`, `node` = `to_node`, showing room (R2)"),
     (ReplicaAction, "capabilities"): (("cap",), "this mesh, the i-th signed by the i-th of `nodes`, `node` = "
                                                 "signer, showing room and healthy GPUs (R4c)"),
@@ -431,7 +433,13 @@ def render_replica_vectors() -> str:
     return "\n".join(["```", "job_id: %s" % sample_job_id().hex(), "seq: 0", "anchor: 1",
                       "replica_instance: %s" % replica_instance_id(sample_job_id(), 0, 1).hex(),
                       "replica_action_value: %s" % value.hex(), "value_hash: %s" % value_hash(value).hex(),
-                      "replica_key index=1: %s" % replica_key(sample_job_id(), 1).hex(), "```"])
+                      "replica_key index=1: %s" % replica_key(sample_job_id(), 1).hex(),
+                      # R4h: replica 1's end (killed: 137), as its node signs it, and the instance
+                      # of the replacement it triggers at seq 0.
+                      "replica_end: %s" % _seal("job_exit", {"job_id": replica_key(sample_job_id(), 1), "fence": 1,
+                                                             "exit_code": 137}).hex(),
+                      "replacement_instance seq=0 replica=1: %s" % replica_instance_id(
+                          sample_job_id(), 0, REPLACEMENT_ANCHOR + 1).hex(), "```"])
 
 
 def sample_preemption() -> Preemption:

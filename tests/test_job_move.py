@@ -80,16 +80,68 @@ def test_r2_a_move_is_decided_everywhere_and_the_new_primary_resumes_from_the_fi
     assert not ready.persist and net.cores[target].counters["checkpoint_stale_fence"] == before + 1
 
 
-def test_r2_a_named_target_is_used_and_an_unheard_final_checkpoint_is_waited_for_no_longer():
+def test_r2a_the_new_run_waits_for_the_old_run_to_stop_however_long_and_a_lost_hand_over_is_sent_again():
     net, jid, primary = running_job()
     target = next(k for k in KEYS if k not in (primary, net.cores[primary].job_view(jid)["backups"][0]))
     ask(net, KEYS[3], move_request(jid, 1, to_node=target))
     net.run(30)
     assert all(c.job_view(jid)["primary"] == target for c in net.cores.values())
+    net.run(5000)   # the old primary's driver has not reported its run stopped: no timer starts the new one
     assert not orders(net, target, "run")
-    net.run(1000)   # the old primary never hands over (it crashed): the run starts anyway
+    # The run stopped (nothing offered since checkpoint 1); the hand-over is lost on the way.
+    lost = net.cores[primary].hand_over_moved(jid, 1, None, net.now)
+    assert [decode_message(m.data, MESH)[1].KIND for m in lost.messages if m.to == target] == [
+        "checkpoint", "run_stopped"]
+    lost.messages.clear()
+    net.emit(primary, lost)
+    net.run(500)
+    assert not orders(net, target, "run")
+    net.run(1000)   # sent again while the new primary's vector does not show the new run
     run, = orders(net, target, "run")[-1]
-    assert run.fence == 2 and net.cores[target].counters["checkpoint_handoff_timeout"] == 1
+    assert (run.fence, run.resume) == (2, True) and net.cores[target].job_view(jid)["last_checkpoint_seq"] == 1
+    assert net.cores[primary].counters["move_handover_resent"] >= 1
+    net.emit(target, net.cores[target].workload_started(jid, 2, 1, net.now))
+    net.emit(target, net.cores[target].update_telemetry((), 0, net.now))
+    net.run(50)
+    sent = net.cores[primary].counters["move_handover_resent"]
+    net.run(3000)   # the new run shows in its vector: nothing more is sent
+    assert net.cores[primary].counters["move_handover_resent"] == sent
+
+
+def test_r2a_the_new_run_starts_once_the_dead_old_primary_is_evicted_and_not_before():
+    net, jid, primary = running_job()
+    target = next(k for k in KEYS if k not in (primary, net.cores[primary].job_view(jid)["backups"][0]))
+    ask(net, KEYS[3], move_request(jid, 1, to_node=target))
+    net.run(30)
+    net.down.add(primary)   # it dies before its run's stop is reported: no hand-over ever comes
+    net.run(200)
+    assert not orders(net, target, "run")
+    net.run(4000)   # evicted (F5): its self-fencing stopped the run (F3)
+    assert primary not in net.cores[target].view.stakes
+    run, = orders(net, target, "run")[-1]
+    assert run.fence >= 2 and net.cores[target].counters["move_old_primary_gone"] == 1
+
+
+def test_r2a_a_run_stopped_names_the_checkpoint_to_wait_for_and_a_forged_one_is_ignored():
+    net, jid, primary = running_job()
+    target = next(k for k in KEYS if k not in (primary, net.cores[primary].job_view(jid)["backups"][0]))
+    ask(net, KEYS[3], move_request(jid, 1, to_node=target))
+    net.run(30)
+    from protocol.messages import RunStopped
+    core = net.cores[target]
+    other = next(k for k in KEYS if k not in (primary, target))
+    forged = encode_message(IDS[KEYS.index(other)], MESH, RunStopped(job_id=jid, fence=1, seq=0))
+    net.emit(target, core.step(forged, net.now))
+    ahead = encode_message(IDS[KEYS.index(primary)], MESH, RunStopped(job_id=jid, fence=1, seq=2))
+    net.emit(target, core.step(ahead, net.now))   # its checkpoint 2 has not come: still waiting
+    net.run(10)
+    assert not orders(net, target, "run") and core.counters["run_stopped_stale"] == 1
+    final = Checkpoint(job_id=jid, fence=1, seq=2, progress=20, taken_ms=net.now, state=b"final",
+                       state_hash=hashlib.sha256(b"final").digest())
+    net.emit(target, core.step(encode_message(IDS[KEYS.index(primary)], MESH, final), net.now))
+    net.run(10)
+    run, = orders(net, target, "run")[-1]
+    assert run.fence == 2 and core.job_view(jid)["last_checkpoint_seq"] == 2
 
 
 @pytest.mark.parametrize("case, match", [
@@ -202,6 +254,7 @@ def test_r2_a_hand_over_the_new_primary_already_holds_ends_its_wait():
     run, = orders(net, backup, "run")[-1]
     assert (run.fence, run.resume) == (2, True) and net.cores[backup].job_view(jid)["last_checkpoint_seq"] == 1
     assert net.cores[backup].counters["checkpoint_handoff_timeout"] == 0
+    assert not net.cores[backup].lifecycle.stop_waits
 
 
 def test_r2_a_move_learnt_after_an_eviction_ends_where_it_ends_when_learnt_before():

@@ -20,10 +20,10 @@ def rule(for_ms=2000, cooldown_ms=60_000, signal="gpu_util", above=80, zone=""):
                   cooldown_ms=cooldown_ms)
 
 
-def running_reflex_job(*rules, **manifest_changes):
+def running_reflex_job(*rules, net_gpus=(4, 2, 2, 2), **manifest_changes):
     """(net, job id, primary): a 1-GPU job with ``rules`` (and ``manifest_changes``), running
     on KEYS[0] (most GPUs), every node's vector known to all."""
-    net = Net(gpus=(4, 2, 2, 2))
+    net = Net(gpus=net_gpus)
     job, _ = make_job(backups=1)
     job = dataclasses.replace(job, reflexes=tuple(rules), **manifest_changes)
     net.submit(KEYS[1], encode_message(OWNER, MESH, job))

@@ -18,10 +18,10 @@ def rule(action, amount, above=80, below=None, for_ms=1000, cooldown_ms=0):
                   cooldown_ms=cooldown_ms, amount=amount)
 
 
-def running_replicated_job(*rules, service=Service(port=8080, min_replicas=1, max_replicas=3)):
+def running_replicated_job(*rules, service=Service(port=8080, min_replicas=1, max_replicas=3), **net):
     """(net, job id, primary): a 1-GPU job with ``rules`` and ``service``, running, every
     node's vector known to all."""
-    return running_reflex_job(*rules, service=service)
+    return running_reflex_job(*rules, service=service, **net)
 
 
 def readings(net, times):
@@ -31,6 +31,15 @@ def readings(net, times):
             if key not in net.down:
                 telemetry(net, key, 1000 + 100 * i)
         net.run(300)
+
+
+def hold_on(net, keys, util_milli, ms, every_ms=250):
+    """The GPUs of the nodes ``keys`` read ``util_milli`` for ``ms``, every other node's stay idle."""
+    for _ in range(ms // every_ms):
+        for other in net.cores:
+            if other not in net.down:
+                telemetry(net, other, util_milli if other in keys else 0)
+        net.run(every_ms)
 
 
 def actions(net, key):
@@ -92,9 +101,11 @@ def test_r4_reroute_and_decay_change_weights_and_a_below_rule_decays_the_clone_a
     net, jid, primary = running_replicated_job(
         rule("clone", 1, cooldown_ms=60_000), rule("reroute", 50, cooldown_ms=60_000),
         rule("decay", 50, cooldown_ms=60_000), rule("decay", 100, above=None, below=20, for_ms=1000, cooldown_ms=0))
-    hold(net, primary, HOT, 4000)
+    hold(net, primary, HOT, 1500)
     net.run(300)
     record = net.cores[KEYS[0]].job_table.get(jid)
+    hold_on(net, {primary, record.replicas[1].node}, HOT, 3000)   # the clone loaded too (R4g's mean)
+    net.run(300)
     kinds = [e.detail["action"] for e in net.events[KEYS[0]] if e.kind == "replica_action"]
     assert kinds == ["clone", "reroute", "decay"], kinds   # each once: their cooldowns
     assert len(record.replicas) == 1
@@ -213,7 +224,8 @@ def test_r4_an_action_learnt_before_its_predecessor_waits_for_it_and_every_membe
     from protocol.ready import Ready
     net, jid, primary = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))
     readings(net, 2)                     # the fill: action 0
-    hold(net, primary, HOT, 1500)        # the clone: action 1
+    holding = {primary, *(r.node for r in net.cores[KEYS[0]].job_table.get(jid).replicas.values())}
+    hold_on(net, holding, HOT, 2000)     # the clone: action 1
     net.run(200)
     first, second = actions(net, KEYS[0])[:2]
     fresh = running_replicated_job(rule("clone", 1), service=Service(min_replicas=2, max_replicas=3))[0]
@@ -294,3 +306,109 @@ def test_r4f_a_loopback_hosts_testnet_gives_each_node_its_own_address_and_netns_
     assert [m.addrs[0].split("/")[2] for m in genesis.members] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     with pytest.raises(ConfigError, match="--loopback-hosts"):
         launcher.up(tmp_path / "other", 2, netns=True, loopback_hosts=True)
+
+
+def test_r4g_a_rule_reads_the_mean_over_every_replica_and_validators_refuse_evidence_without_a_replica():
+    net, jid, primary = running_replicated_job(rule("clone", 1), rule("decay", 100, above=None, below=20),
+                                               service=Service(port=8080, min_replicas=2, max_replicas=3))
+    readings(net, 3)   # the fill: replica 1
+    record = net.cores[KEYS[0]].job_table.get(jid)
+    replica = record.replicas[1].node
+    # The primary hot, its replica idle: the mean (47.5 %) is under 80 %: no clone; and over
+    # 20 %: no decay either.
+    hold_on(net, {primary}, HOT, 2000)
+    net.run(300)
+    assert [a.trigger != b"" for a in actions(net, KEYS[0])] == [False]
+    # A primary-only trigger (R3's evidence) is refused: the replica's chain is missing.
+    core = net.cores[KEYS[2]]
+    history = core.capability.history.of(primary)[-5:]
+    from protocol.messages import ReflexTrigger, encode_message
+    from tests.test_mesh_core import IDS
+    trigger = encode_message(IDS[2], MESH, ReflexTrigger(job_id=jid, fence=record.fence, rule=0,
+                                                               evidence=tuple(e for e, _c in history)))
+    forged = ReplicaAction(job_id=jid, seq=1, anchor=history[-1][1].seq, trigger=trigger, nodes=(KEYS[3],),
+                           capabilities=(core.capability.peer_envelopes[KEYS[3]],), replicas=(), weights=())
+    error = core.replicas.action_value_error(replica_instance_id(jid, 1, forged.anchor), forged, core.view)
+    assert "one of each replica" in error
+    # Both loaded: the mean is over 80 %, the clone is decided, with both nodes' chains.
+    hold_on(net, {primary, replica}, HOT, 2000)
+    net.run(300)
+    clones = [a for a in actions(net, KEYS[0]) if a.trigger]
+    assert len(clones) == 1 and len(net.cores[KEYS[0]].job_table.get(jid).replicas) == 2
+    from protocol.messages import decode_message
+    signers = {decode_message(e, MESH)[0].signer for e in decode_message(clones[0].trigger, MESH)[1].evidence}
+    assert signers == {primary, replica}
+
+
+def replica_events(net, key, action):
+    return [e for e in net.events[key] if e.kind == "replica_action" and e.detail["action"] == action]
+
+
+def test_r4h_a_replica_that_fails_is_replaced_on_another_node_once_and_one_that_completes_is_not():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=3, max_replicas=3))
+    readings(net, 3)   # the fill: replicas 1 and 2
+    record = net.cores[primary].job_table.get(jid)
+    assert sorted(record.replicas) == [1, 2]
+    crashed = record.replicas[1].node
+    net.emit(crashed, net.cores[crashed].job_exited(replica_key(jid, 1), 137, net.now))   # killed
+    net.run(300)
+    readings(net, 2)
+    for key in KEYS:   # decided once, the same at every member: replica 1 retired, 3 in its place
+        table = net.cores[key].job_table.get(jid)
+        assert sorted(table.replicas) == [2, 3] and len(replica_events(net, key, "replace")) == 1, key
+        assert table.replicas[3].node not in (crashed, primary, table.replicas[2].node)
+    assert net.cores[crashed].ledger.allocated(replica_key(jid, 1)) is None   # its claim freed
+    replacement = net.cores[primary].job_table.get(jid).replicas[3].node
+    runs = [run for d in net.decisions[replacement] if d.value_kind == "run" for run in d.value]
+    assert (replica_key(jid, 3), 3) in [(run.job_id, run.replica) for run in runs]
+    # A replica that completes (exit 0) is not replaced: it stays down until a decay retires it.
+    done = net.cores[primary].job_table.get(jid).replicas[2].node
+    net.emit(done, net.cores[done].job_exited(replica_key(jid, 2), 0, net.now))
+    readings(net, 3)
+    assert len(replica_events(net, KEYS[0], "replace")) == 1
+    assert sorted(net.cores[KEYS[0]].job_table.get(jid).replicas) == [2, 3]
+
+
+def test_r4h_a_forged_or_wrong_replica_end_is_refused_by_validators():
+    net, jid, primary = running_replicated_job(service=Service(port=9000, min_replicas=2, max_replicas=2))
+    readings(net, 3)
+    core = net.cores[KEYS[2]]
+    record = core.job_table.get(jid)
+    holder = record.replicas[1].node
+    from protocol.flows.replica import REPLACEMENT_ANCHOR
+    from protocol.messages import JobExit, encode_message
+    from tests.test_mesh_core import IDS
+    spare = next(k for k in KEYS if k not in (primary, holder))
+    def value(signer_index, code=1, fence=None):
+        end = encode_message(IDS[signer_index], MESH, JobExit(job_id=replica_key(jid, 1),
+                                                               fence=record.replicas[1].fence if fence is None else fence,
+                                                               exit_code=code))
+        return ReplicaAction(job_id=jid, seq=record.replica_seq, anchor=REPLACEMENT_ANCHOR + 1, trigger=end,
+                             nodes=(spare,), capabilities=(core.capability.peer_envelopes[spare],),
+                             replicas=(1,), weights=(0,))
+    iid = replica_instance_id(jid, record.replica_seq, REPLACEMENT_ANCHOR + 1)
+    good = value(KEYS.index(holder))
+    assert core.replicas.action_value_error(iid, good, core.view) is None
+    assert "signed by its node" in core.replicas.action_value_error(iid, value(KEYS.index(spare)), core.view)
+    assert "signed by its node" in core.replicas.action_value_error(iid, value(KEYS.index(holder), fence=9), core.view)
+    assert "completed" in core.replicas.action_value_error(iid, value(KEYS.index(holder), code=0), core.view)
+
+
+def test_r4h_a_replica_with_no_room_on_its_node_is_placed_on_another_node_with_room():
+    from protocol.messages import Resources
+    # KEYS[1] has the most free GPUs (3): the clone goes there. Its ledger fills meanwhile,
+    # unannounced (its vector still shows room), so it refuses the replica when it applies.
+    net, jid, primary = running_replicated_job(rule("clone", 1), net_gpus=(4, 3, 2, 2))
+    net.cores[KEYS[1]].ledger.allocate_now(b"\x01" * 32, Resources(gpus=3, gpu_mem_mib=1, cpu_milli=1, mem_mib=1))
+    for _ in range(8):   # only the primary reads its GPUs: the others' vectors stay as they were
+        telemetry(net, primary, HOT)
+        net.run(250)
+    net.run(300)
+    refused = [e for e in net.events[KEYS[1]] if e.kind == "replica_ended"]
+    assert [e.detail["why"] for e in refused] == ["no_room"]
+    for key in KEYS:
+        table = net.cores[key].job_table.get(jid)
+        assert list(table.replicas) == [2] and table.replicas[2].node not in (KEYS[1], primary), key
+        assert [e.detail["why"] for e in replica_events(net, key, "replace")] == ["no_room"]
+    holder = net.cores[primary].job_table.get(jid).replicas[2].node
+    assert net.cores[holder].ledger.allocated(replica_key(jid, 2)) is not None   # it runs there, once

@@ -172,3 +172,31 @@ def test_r2_seeds_with_moves_among_the_faults_pass_every_check(seed):
     assert result.ok, [v.line() for v in result.violations]
     assert result.counters["moves"] >= 1
     assert len(result.completed_ms) == result.config.jobs
+
+
+def test_r2a_a_moved_job_starts_on_its_new_node_only_once_the_old_run_stopped_however_long_that_takes(monkeypatch):
+    """At load a kill can take longer than any wait (issue 16 item 4: one overlapping process
+    at load 20, the new run started 1 s after the move on a timer). Here the old node's
+    runner takes 1.5 s of virtual time to stop its run, which works on meanwhile (a
+    detection bound of 5 s: the stalled node is not evicted for it): the new run starts
+    only after it stopped, from its final state (R2a)."""
+    import dataclasses
+    import trio
+    from testnet import sim_nodes
+    from testnet.sim_nodes import SimRunner
+    monkeypatch.setattr(sim_nodes, "DEFAULT_PARAMS", dataclasses.replace(DEFAULT_PARAMS, detection_bound_ms=5000))
+    stop_for_handover = SimRunner.stop_for_handover
+
+    async def slow_stop_for_handover(self, job_id):
+        await trio.sleep(1.5)
+        return await stop_for_handover(self, job_id)
+
+    monkeypatch.setattr(SimRunner, "stop_for_handover", slow_stop_for_handover)
+    result = run_node_simulation(seed=3, script=((900, "move", None, 0),), faults=(),
+                                 **{**ONE_JOB, "units": (400, 400), "heal_ms": 5000})
+    assert result.ok, [v.line() for v in result.violations]
+    moved, resumed = job_runs(result)
+    assert moved.end == "stopped" and resumed.node != moved.node and resumed.fence == moved.fence + 1
+    assert moved.end_ms - moved.start_ms > 1500 - 900   # it did run on while stopping
+    assert resumed.start_ms >= moved.end_ms   # never two runs at once
+    assert resumed.start_progress == moved.end_progress   # from its final state: no work lost

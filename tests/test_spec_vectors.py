@@ -349,6 +349,11 @@ def test_replica_vectors_of_r4_follow_the_formulas_and_hang_together():
     assert (action.job_id, action.seq, action.anchor, action.trigger) == (jid, seq, anchor, b"")
     assert len(action.nodes) == len(action.capabilities) == 1 and (action.replicas, action.weights) == ((), ())
     assert decode_message(action.capabilities[0], MESH_ID)[1].node == action.nodes[0]
+    # R4h: a replica's end names its ledger key; its replacement's anchor is 2^48 + the index.
+    envelope, end = decode_message(bytes.fromhex(vectors["replica_end"]), MESH_ID)
+    assert (envelope.kind, end.job_id.hex(), end.fence, end.exit_code) == ("job_exit", key, 1, 137)
+    replacement = hashlib.sha256(b"replica-action" + jid + (0).to_bytes(8, "big") + (2 ** 48 + 1).to_bytes(8, "big"))
+    assert vectors["replacement_instance seq=0 replica=1"] == replacement.hexdigest()
 
 
 def test_instance_id_vectors_follow_the_formulas_of_p2_and_p7():

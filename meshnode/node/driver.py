@@ -441,7 +441,7 @@ class Node:
             else:
                 await self.runner.stop(job_id)
             log.info("stopped job %s: %s", job_id.hex()[:12], why)
-        if hand_over and fence is not None:
+        if hand_over:   # R2a: the new primary starts once this says the run stopped (fence None: none ran here)
             await self._handle(self.core.hand_over_moved(job_id, fence, final, now_ms()))
 
     async def _stop_all(self, why: str) -> None:

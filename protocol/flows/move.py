@@ -35,7 +35,6 @@ from protocol.placement import capability_check, gpu_healthy, gpu_strain, health
 from protocol.ready import Outbound, Ready
 from protocol.reflexes import condition_holds, cooldown_bounds, evidence_error, shortest_evidence
 
-MOVE_HANDOFF_WAIT_MS = 1000   # how long the new primary waits for the old one's final checkpoint
 MAX_MOVE_REQUESTS = 1024      # requests held for instances not yet decided here
 MOVABLE_STATES = ("placed", "running")   # the primary holds the job (a validator may not have seen it run yet)
 
@@ -347,12 +346,14 @@ class MoveFlow(ValueFlow):
         self._move_record(record, move, request, now_ms, out)
         if move.from_node == me:
             self.ledger.free(jid)   # the workload orders stop the run; its final checkpoint goes to the new primary
+            self.lifecycle.moved_away(record, request.fence, now_ms, out)
         if move.to_node == me:
             record.gpus = ()   # the old primary's indices mean nothing here: the ledger picks
-            # Replayed after a restart (deferred), the hand-over came before the crash or never
-            # will: the run resumes from what the store holds, as after an eviction.
-            if self.lifecycle.admit(record, None, now_ms, out) and not self.lifecycle.deferred:
-                self.lifecycle.handoff_waits[jid] = now_ms + MOVE_HANDOFF_WAIT_MS
+            # R2a: started only once the old run is known stopped (its hand-over, or its node
+            # leaving the epoch), never on a timer; after a restart too (the old primary sends
+            # it again while this node's vector does not show the new run).
+            if self.lifecycle.admit(record, None, now_ms, out):
+                self.lifecycle.await_stop(record, request.fence, move.from_node)
 
     def _move_record(self, record, move: JobMove, request, now_ms: int, out: Ready) -> None:
         self.jobs.assign(record, move.to_node, move.backups, fence=request.fence + 1)

@@ -42,7 +42,7 @@ from protocol.messages.gangs import (MAX_GANG_RANK_INDEX, GangReplacement, GangR
 from protocol.messages.liveness import (Checkpoint, CheckpointAck, Eviction, Heartbeat, Migration, Suspicion,
                                         SyncRequest)
 from protocol.messages.moves import (MAX_EVIDENCE, MAX_REFLEXES, JobMove, MoveRequest, ReflexTrigger,
-                                     move_instance_id)
+                                     RunStopped, move_instance_id)
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, Member, MembershipChange
 from protocol.messages.output import (MAX_OUTPUT_CHUNK_BYTES, MAX_OUTPUT_FILES, MAX_OUTPUT_PATH_BYTES,
                                       OUTPUT_TARGETS, OutputData, OutputFile, OutputRead)
@@ -73,7 +73,7 @@ __all__ = [
     # liveness
     "Checkpoint", "CheckpointAck", "Eviction", "Heartbeat", "Migration", "Suspicion", "SyncRequest",
     # moves
-    "MAX_EVIDENCE", "MAX_REFLEXES", "JobMove", "MoveRequest", "ReflexTrigger", "move_instance_id",
+    "MAX_EVIDENCE", "MAX_REFLEXES", "JobMove", "MoveRequest", "ReflexTrigger", "RunStopped", "move_instance_id",
     # replicas
     "MAX_REPLICAS", "REPLICA_WEIGHT", "ReplicaAction", "Service", "replica_instance_id", "replica_key",
     # membership

@@ -34,6 +34,18 @@ class MoveRequest(Record):
 
 
 @record
+class RunStopped(Record):
+    """R2a: a move took the job off the signer, its primary at ``fence``, and that run has
+    stopped: the new primary may start once it holds the run's checkpoint ``seq`` (the last
+    one the signer handed over; 0: none) or a newer one."""
+    KIND: ClassVar = "run_stopped"
+    job_id: bytes
+    fence: int
+    seq: int
+    SCHEMA: ClassVar = {"job_id": Key(), "fence": Int(), "seq": Int()}
+
+
+@record
 class ReflexTrigger(Record):
     """R3: rule ``rule`` of the job's manifest held on its primary at ``fence``; ``evidence``
     is the primary's own signed capability vectors, consecutive by seq, that show it. It

@@ -11,7 +11,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.messages.jobs import (Bid, CapabilityVector, Cancel, Decline, GangPlacement, JobExit, JobManifest,
                                     JobRefusal, Placement, PlacementSlot)
 from protocol.messages.liveness import Checkpoint, CheckpointAck, Eviction, Heartbeat, Suspicion, SyncRequest
-from protocol.messages.moves import JobMove, MoveRequest, ReflexTrigger
+from protocol.messages.moves import JobMove, MoveRequest, ReflexTrigger, RunStopped
 from protocol.messages.membership import Attestation, Endorsement, Join, Leave, MembershipChange
 from protocol.messages.output import OutputData, OutputRead
 from protocol.messages.gangs import GangReplacement, GangResize
@@ -27,7 +27,7 @@ MESSAGE_TYPES = {cls.KIND: cls for cls in (
     CapabilityVector, JobManifest, Bid, Decline, Proposal, Prevote, Precommit, PrevoteCertificate,
     CommitCertificate, RoundChange, RoundSync, Evidence, Heartbeat, Suspicion, Eviction, Checkpoint, CheckpointAck,
     Attestation, Endorsement, Join, Leave, Cancel, JobExit, SyncRequest, OutputRead, OutputData, JobRefusal,
-    MoveRequest, ReflexTrigger, QuotaGrant,
+    MoveRequest, ReflexTrigger, QuotaGrant, RunStopped,
 )}
 
 
