@@ -154,6 +154,8 @@ class CapabilityBook:
                     return True   # the cooldown is over: a vector now starts the evidence
                 if start is not None and newest_ms < start + span_ms <= now_ms:
                     return True
+            if now_ms - newest_ms >= rule.for_ms:
+                return True   # still holding: a member that missed a vector has new evidence a duration on
         return False
 
     def reading_period_ms(self, default_ms: int) -> int:
