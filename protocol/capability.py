@@ -26,7 +26,7 @@ CAPABILITY_REFRESH_BUSY_MS = 1000
 # condition is then seen within this long of its start, and the vector completing its
 # evidence within this long of the rule's duration, where a 1 s reading cadence added up to
 # 1 s to both. Only a reading that changes a broadcast fact, crosses a rule's threshold or
-# completes a duration is signed, so the faster reading sends no more vectors.
+# completes a duration is signed: drift between crossings sends nothing.
 REFLEX_READING_MS = 100
 RUNNING_REPORT_GAP_MS = 100      # a change of the jobs running here is broadcast at most this often
 # Peers keep a vector only if its seq is higher than the one they hold (P1), so a restarted
@@ -155,6 +155,8 @@ class CapabilityBook:
                     return True   # the cooldown is over: a vector now starts the evidence
                 if start is not None and newest_ms < start + span_ms <= now_ms:
                     return True
+            if now_ms - newest_ms >= rule.for_ms:
+                return True   # still holding: a member that missed a vector has new evidence a duration on
         return False
 
     def reading_period_ms(self, default_ms: int) -> int:

@@ -85,3 +85,21 @@ def test_p1b_a_condition_broken_between_vectors_is_signed_so_the_evidence_restar
         read(net, primary, HOT_UTIL)
     net.run(60)
     assert not reflex_moves(net, KEYS[1])   # 300 ms since the first crossing, but not unbroken
+
+
+def test_p1b_while_a_condition_holds_a_vector_goes_out_every_duration():
+    """A member that missed a vector of the chain gets a new one a duration later (not at
+    the 1 s refresh): while the rule holds, the primary signs a vector each for_ms."""
+    net, jid, primary = running_reflex_job(rule(for_ms=300, cooldown_ms=60_000))
+    for core in net.cores.values():
+        core.moves.notice_reflexes = lambda *args: None   # nobody acts: the job stays hot here
+    net.run(CAPABILITY_REFRESH_BUSY_MS)
+    read(net, primary, 10_000)
+    read(net, primary, HOT_UTIL)
+    signed = [(net.now, own_seq(net, primary))]
+    for _ in range(900 // READING_MS):
+        net.run(READING_MS)
+        read(net, primary, HOT_UTIL)
+        if own_seq(net, primary) != signed[-1][1]:
+            signed.append((net.now, own_seq(net, primary)))
+    assert [at - signed[0][0] for at, _seq in signed] == [0, 300, 600, 900]
