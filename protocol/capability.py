@@ -162,7 +162,7 @@ class CapabilityBook:
     def reading_period_ms(self, default_ms: int) -> int:
         """How often the node should read its GPUs: REFLEX_READING_MS while a job with reflex
         rules runs here as primary (P1b), else ``default_ms``."""
-        if (self.jobs.may_have_mine() and self._rules_here()) or self.watches(self.ctx.me):
+        if self.jobs.may_have_mine() and self._rules_here():
             return min(default_ms, REFLEX_READING_MS)
         return default_ms
 
