@@ -105,7 +105,6 @@ class MeshCore:
         self.capability = capability = CapabilityBook(ctx, epochs, jobs, ledger, capability_seq_floor)
         self.bidding = bidding = Bidding(ctx, epochs, jobs, ledger, capability, instances)
         self.liveness = liveness = Liveness(ctx, epochs, jobs, instances, now_ms, min_silence_ms)
-        bidding.scheduling.admission.suspected = liveness.is_suspected   # a quota deputy steps in for those (Q2b)
         self.joins = joins = Joins(ctx, epochs)
         self.placement = placement = PlacementFlow(ctx, epochs, jobs, ledger, instances, bidding,
                                                    self._apply_certificate_bytes)
@@ -160,6 +159,8 @@ class MeshCore:
         # (an honest leader proposed twice in one round: `meshnode sim --seed 1068 ... --fail 0.2`).
         instances.restore_safety_records()
         lifecycle.replay_outcomes(self._restore_quota_grants(job_outcomes, now_ms), now_ms)
+        if self.instance_table.applied:
+            self.bidding.scheduling.admission.restarted(now_ms)   # Q2b: hears the grants in flight first
         lifecycle.deferred = False
         self._refuse_after_sync: list[bytes] = []
         self._rebuild_ledger([r for r in safety_records if r.table == "reservations"], now_ms)
@@ -297,8 +298,6 @@ class MeshCore:
         if handler is None:
             self.counters["unexpected_kind"] += 1
             return out
-        if sender is not None:
-            self.bidding.scheduling.admission.heard_from(sender, now_ms)   # a quota deputy's evidence (Q2b)
         try:
             if type(message) is JobManifest:
                 handler(envelope, message, data, now_ms, out, entry=sender)

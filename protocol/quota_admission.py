@@ -12,8 +12,9 @@ The home counts, by its own table, the owner's live jobs in the pool plus every 
 the owner and pool it knows a grant for that is pending (granted, not placed yet, or
 back to pending after a refusal or preemption: a grant is a job's for its whole life).
 Deputies (the next members of the home ranking, together over a third of the stake)
-grant only what a home silent at them leaves waiting, so a silent home delays its
-owners' admissions by a hand-over instead of stalling them.
+grant only what their own count has had room for through a hand-over while no home
+above them granted it, so a silent or withholding home delays its owners' admissions
+by a hand-over instead of stalling them.
 """
 
 from __future__ import annotations
@@ -99,25 +100,17 @@ class QuotaAdmission:
         self.granted: dict[bytes, tuple] = {}    # job id -> (QuotaGrant, when it was kept here)
         self.resent_ms: dict[bytes, int] = {}    # job id -> when this node last re-sent the job or its grant
         self.signed_here: set[bytes] = set()     # job ids whose grant this node signed (it re-sends those)
-        self.waiting_since: dict[bytes, int] = {}   # job id -> since when it waits here for a grant (deputies)
+        self.room_since: dict[bytes, int] = {}   # job id -> since when a deputy's count has had room for it
         self.checked_at_stamp = None
         self.recheck_at_ms = 0
-        self.suspected = lambda member: False   # the failure detector's view (F2), set by the core
-        self.heard_ms: dict[bytes, int] = {}    # member -> when a message from it last arrived here
-        self.started_ms: int | None = None
+        # A restarted member grants nothing until then: grants of the others sent while it was
+        # down come again (re-sends, proposals) or are placed meanwhile, and it counts them first.
+        self.quiet_until_ms = 0
 
-    def heard_from(self, member: bytes, now_ms: int) -> None:
-        """A message delivered by ``member`` (the transport's authenticated sender)."""
-        self.heard_ms[member] = now_ms
-
-    def _silent(self, member: bytes, now_ms: int, window_ms: int) -> bool:
-        """Q2b: whether a deputy takes ``member`` (a home ranked above it) as silent: suspected
-        (F2), or nothing delivered by it here for ``window_ms`` (since this node started,
-        if never: a member silent from the start is never watched by the detector)."""
-        if not self.ctx.heartbeats:
-            return False   # without heartbeats (scale runs) silence proves nothing: no deputy acts
-        last = self.heard_ms.get(member, self.started_ms if self.started_ms is not None else now_ms)
-        return self.suspected(member) or now_ms - last >= window_ms
+    def restarted(self, now_ms: int) -> None:
+        """This member restarted (it had a history): one maximal round timeout without granting,
+        the period at which a home re-sends the grants of jobs still pending."""
+        self.quiet_until_ms = now_ms + self.ctx.params.round_timeout_max_ms
 
     # --- who needs a grant, and who gives it -------------------------------------------------------
     def needs_grant(self, job) -> bool:
@@ -205,35 +198,32 @@ class QuotaAdmission:
     def admit(self, now_ms: int, out: Ready) -> None:
         """At a home: grant each waiting job of an (owner, pool) it is a home of that fits the
         quota by its count, in queue order (Q3), and broadcast the grant; the home at once, a
-        deputy of rank r only once the job has waited r x GRANT_HANDOVER here (its home did
-        not grant it) and while every home ranked above it is silent here (_silent). Also the
-        re-sends of _resend."""
+        deputy of rank r only once its count has had room for the job for r x the hand-over
+        (its home did not grant it meanwhile). Also the re-sends of _resend."""
         if not self.quotas.enabled:
             return
-        if self.started_ms is None:
-            self.started_ms = now_ms
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
-        if stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms:
+        if (stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms) or now_ms < self.quiet_until_ms:
             return
         self.checked_at_stamp, self.recheck_at_ms = stamp, 1 << 62
         handover_ms = GRANT_HANDOVER_ROUNDS * self.ctx.params.round_timeout_ms
-        still_waiting = {}
+        still_room = {}
         for record in sorted(waiting, key=queue_key):
             homes = self.homes_of(record.manifest)
-            if record.job_id in self.grants or self.ctx.me not in homes:
+            if record.job_id in self.grants or self.ctx.me not in homes or self.over_by(record, now_ms):
                 continue
             rank = homes.index(self.ctx.me)
-            since = still_waiting[record.job_id] = self.waiting_since.get(record.job_id, now_ms)
-            silent = [self._silent(home, now_ms, handover_ms) for home in homes[:rank]]
-            if rank and (now_ms < since + rank * handover_ms or not all(silent)):
-                # A deputy steps in only for homes that are silent here, or it would grant
-                # what a live home holds back for the quota; it looks again a hand-over later.
-                self.recheck_at_ms = min(self.recheck_at_ms, max(since + rank * handover_ms, now_ms + handover_ms))
-                continue
-            if self.over_by(record, now_ms):
-                continue
+            if rank:
+                # A deputy grants only what its own count has had room for through its whole
+                # hand-over, no home above it granting meanwhile: a live home's grant comes
+                # within a message delay, and a table lagging behind the home's is not
+                # behind for that long (any change that leaves no room restarts the wait).
+                since = still_room[record.job_id] = self.room_since.get(record.job_id, now_ms)
+                if now_ms < since + rank * handover_ms:
+                    self.recheck_at_ms = min(self.recheck_at_ms, since + rank * handover_ms)
+                    continue
             grant = grant_for(record.manifest)
             data = self.ctx.sign(grant)
             self._keep(grant, data, now_ms, out)
@@ -242,7 +232,7 @@ class QuotaAdmission:
             self.signed_here.add(record.job_id)
             out.messages.append(Outbound(None, data))
             out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex(), rank=rank))
-        self.waiting_since = still_waiting
+        self.room_since = still_room
         unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
         for jid, (_grant, kept_ms) in self.granted.items():   # a forgotten job's grant stops counting then
             if self.jobs.get(jid) is None and kept_ms + unknown_for_ms > now_ms:

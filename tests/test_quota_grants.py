@@ -267,18 +267,3 @@ def test_a_restarted_home_counts_a_grant_of_a_job_it_forgot_for_a_bounded_time()
     assert not [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
     ready = restarted.tick(later)
     assert [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
-
-
-def test_a_deputy_does_not_step_in_for_a_home_it_hears():
-    net = Net(genesis=POOLED)
-    original_send = net.send
-
-    def send(src, messages):   # the home's grant broadcasts are lost, its other messages arrive
-        original_send(src, [m for m in messages if not (src == HOME and codec.unpack(m.data)[2] == "quota_grant")])
-    net.send = send
-    entry = next(key for key in KEYS if key not in HOMES)
-    jid = submit(net, entry, manifest(1))
-    net.run(3000)   # past every deputy's hand-over: the home is heard, so no deputy grants
-    assert all(HOMES[1] not in grant_signers(net, j) for j in [jid])
-    # The job is placed all the same: the home bids and its grant travels in the proposal (Q2c).
-    assert net.cores[entry].job_view(jid)["state"] == "placed"

@@ -48,7 +48,11 @@ async def test_a_job_over_its_owners_quota_waits_and_why_says_which_quota(tmp_pa
         argv = ["why", second.hex()[:10], "--node", str(nodes[0].paths.root), "--json"]
         assert await trio.to_thread.run_sync(main, argv) == 0
         why = json.loads(capsys.readouterr().out)
-        assert sorted(why["declines"]) == ["over_quota"] and len(why["declines"]["over_quota"]) == NODES
+        # Every node declines it; one whose GPU the first job took may answer for capacity
+        # first (P3 checks capacity before the quota, and a grant wait can outlast its vector).
+        declines = why["declines"]
+        assert "over_quota" in declines and set(declines) <= {"over_quota", "not_enough_gpus"}
+        assert sum(len(nodes) for nodes in declines.values()) == NODES
         queue = why["queue"]
         assert (queue["pool"], queue["position"], queue["queue_length"]) == ("training", 1, 1)
         homes = quota_homes(nodes[0].core.view, owner.public_key, "training")
