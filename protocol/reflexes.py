@@ -162,9 +162,15 @@ class VectorHistory:
 
 # --- a replica rule over every replica's node (SPEC.md R4g) ---------------------------------------
 def reads_replicas(rule: Reflex) -> bool:
-    """A GPU signal is read on every replica's node; a job signal only in the primary's
-    vectors (R3a: a vector reports only the jobs it lists running, its primaries)."""
-    return rule.signal not in JOB_REFLEX_SIGNALS
+    """R4g: whether the rule reads the mean over every replica's node. A rule that sizes the
+    service does: a `clone`, and any `below` rule (the decay-away of excess replicas). An
+    `above` rule's `reroute` or `decay` sheds load off the original, so it reads the
+    original, the primary, as R3: were it to read the mean, the clone it follows (idle until
+    requests are rerouted to it) would keep it from ever holding. A job signal is read only
+    in the primary's vectors (R3a: a vector reports only the jobs it lists running)."""
+    if rule.signal in JOB_REFLEX_SIGNALS:
+        return False
+    return rule.action == "clone" or rule.below is not None
 
 
 def vector_level(rule: Reflex, cap: CapabilityVector, job_id: bytes) -> int | None:
