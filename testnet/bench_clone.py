@@ -17,9 +17,10 @@ system-wide clock, ``mono_ns``):
   the load generator (testnet/loadgen.py) drives the job through its endpoint table for
   ``LOAD_S``; the share of its answered requests the clone answered (and, from the weights,
   the share the table asks for: ``rerouted_share_expected``).
-- ``decay_ms``: the primary drops to ``LOW_UTIL`` at ``drop_ns``; until the first node
-  applied the below rule's decay that retires the clone (its ``replica_action`` event). It
-  holds the rule's ``DECAY_FOR_MS``.
+- ``decay_ms``: the primary and the clone's node drop to ``LOW_UTIL`` at ``drop_ns`` (the
+  service's load drops on every replica: the below rule reads their mean, SPEC.md R4g);
+  until the first node applied the below rule's decay that retires the clone (its
+  ``replica_action`` event). It holds the rule's ``DECAY_FOR_MS``.
 
 The round's job is cancelled at its end. Nodes listen on distinct loopback addresses
 (launcher ``loopback_hosts``), so the replicas of one job serve one port (SPEC.md R4f).
@@ -247,7 +248,8 @@ class CloneRounds:
             record["rerouted_share"] = answered_share(load, {clone_target})
             record["load"] = {"sent": load["sent"], "ok": load["ok"], "errors": load["errors"]}
             drop_ns = time.monotonic_ns()
-            await self._set_util(primary, LOW_UTIL_MILLI)
+            for index in {primary, record.get("clone_node", primary)} - {None}:
+                await self._set_util(index, LOW_UTIL_MILLI)   # R4g: the below rule reads the mean
             with trio.fail_after(STEP_TIMEOUT_S):
                 decayed = await self._event(
                     replica_action_after(lambda d: clone_index in d.get("retired", ()), job_hex, drop_ns),
