@@ -162,13 +162,18 @@ async def test_load_follows_a_changed_target_list_and_reports_every_target_drive
     second = Target("127.0.0.1", servers[1].server_address[1])
 
     async def follow(retarget):
-        retarget([Target(second.host, second.port, 2.0)])   # the table changed before the first request
+        retarget([Target(second.host, second.port, 2.0)])   # the table changed at once
         await trio.sleep_forever()                          # cancelled when the sending ends
 
     result = await run_load([first], rps=100, duration_s=0.1, timeout_s=10, follow=follow)
     rows = {row["target"]: row for row in result["targets"]}
     assert result["endpoint_updates"] == 1
-    assert (rows[first.name]["sent"], rows[second.name]["sent"], rows[second.name]["ok"]) == (0, 10, 10)
+    # Trio may run the follower or the sender's first request first (its scheduling order is
+    # randomised on purpose); from the second request, 10 ms later, every one goes to the new
+    # target, and both targets are reported.
+    sent_first, sent_second = rows[first.name]["sent"], rows[second.name]["sent"]
+    assert sent_first in (0, 1) and sent_first + sent_second == 10
+    assert rows[second.name]["ok"] == sent_second
     assert rows[second.name]["weight"] == 2.0
 
 
