@@ -451,6 +451,46 @@ def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_t
     assert not holds_lost_primarys_checkpoint(SimpleNamespace(checkpoint_envelope=None, checkpoint_fence=5), 6)
 
 
+def test_a_replacement_waits_for_the_replaced_runs_checkpoint_not_an_older_runs():
+    """GA11, found by `bench gang` seed 17 (BENCHMARKS.md): rank 3 ran at fence 1 on node 1,
+    then at fence 5 on node 4 (from fence 1's checkpoint), for 40 s. Node 4 was killed; its
+    replacement, node 5, held no fence-5 checkpoint and waited for the hand-off, but a node
+    holding only fence 1's newest checkpoint handed it over first: the wait ended, the rank
+    resumed from it (step 3,609, the gang was at 6,910) and the ring took every rank back.
+    Here the replacement's record also knows an older run of the rank (fence 0, as the
+    second replacement's record knows fence 1's run)."""
+    from protocol.messages import Checkpoint
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    first, lost = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    net.down.add(lost)
+    replaced_at = None
+    while replaced_at is None and net.now < 3000:
+        net.run(5)
+        replaced_at = next((d for d in net.certified(first, "gang_replace")), None)
+    target = replaced_at.value.to_node
+    core = net.cores[target]
+    wid = gang_worker_id(job_id(job), 1)
+    record = core.job_table.get(wid)
+    assert record.primary == target and record.fence == 3 and wid in core.lifecycle.handoff_waits
+    older = next(i for i in IDS if i.public_key not in (lost, target))
+    record.primaries[0] = older.public_key   # a run of the rank before the lost one
+
+    def handed(signer, fence, seq):
+        state = b"step %d" % seq
+        checkpoint = Checkpoint(job_id=wid, fence=fence, seq=seq, progress=seq, taken_ms=net.now, state=state,
+                                state_hash=hashlib.sha256(state).digest())
+        net.emit(target, core.step(encode_message(signer, MESH, checkpoint), net.now))
+
+    handed(older, 0, 469)
+    assert record.checkpoint_fence == 0 and wid in core.lifecycle.handoff_waits   # held, still waiting
+    handed(IDS[KEYS.index(lost)], 1, 1100)
+    assert record.checkpoint_fence == 1 and record.last_checkpoint_seq == 1100
+    assert wid not in core.lifecycle.handoff_waits   # the replaced run's newest: the rank resumes from it
+
+
 def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_not_dropped():
     """GA7, found by `bench gang` (BENCHMARKS.md, session 11): a node that got a rank's
     replacement before the eviction that starts it dropped it as stale, so its record of the
