@@ -51,7 +51,7 @@ def resumes_from_checkpoint(record) -> bool:
 
 
 def replaced_run_fence(record) -> int:
-    """GA7: the fence of the run a gang rank's replacement replaces. The eviction took the
+    """GA7, GA11: the fence of the run a gang rank's replacement replaces. The eviction took the
     rank one fence up (``replacing``), the replacement one more (``migrating``)."""
     return record.fence - 2
 
