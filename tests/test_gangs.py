@@ -428,17 +428,23 @@ def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
     assert "decided as a gang_resize" in replace_validate(codec.pack(old_form.to_body()), ())
 
 
+def _two_rank_gang_placed():
+    """A gang of 2 ranks with 1 backup each, placed: (net, job, rank 0's node, rank 1's)."""
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    return net, job, first, second
+
+
 def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_the_lost_runs_checkpoint():
     """GA7, found by `bench gang` (BENCHMARKS.md): without the refill each replacement used a
     backup up, and a rank replaced twice had none, so its next node restarted it from step 0;
     and a node that had run the rank before resumed at once from that older run's checkpoint."""
     from types import SimpleNamespace
     from protocol.flows.gang_replace import holds_lost_primarys_checkpoint
-    net = GangNet()
-    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
-    net.submit(KEYS[0], envelope)
-    net.run(200)
-    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    net, job, first, second = _two_rank_gang_placed()
     net.down.add(second)
     net.run(1500)
     value = net.certified(first, "gang_replace")[0].value
@@ -460,11 +466,7 @@ def test_a_replacement_waits_for_the_replaced_runs_checkpoint_not_an_older_runs(
     Here the replacement's record also knows an older run of the rank (fence 0, as the
     second replacement's record knows fence 1's run)."""
     from protocol.messages import Checkpoint
-    net = GangNet()
-    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
-    net.submit(KEYS[0], envelope)
-    net.run(200)
-    first, lost = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    net, job, first, lost = _two_rank_gang_placed()
     net.down.add(lost)
     replaced_at = None
     while replaced_at is None and net.now < 3000:
