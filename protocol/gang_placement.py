@@ -17,7 +17,11 @@ from protocol.messages import GangPlacement, GangWorker, JobManifest
 from protocol.placement import BidFacts, rank_bids, wanted_backups
 
 SAME_NODE, SAME_RAIL_GROUP, SAME_ZONE, OTHER_ZONE = 0, 1, 2, 3   # network distance between two nodes (GA2)
-GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 40000                     # where a rank listens for its peers (GA5)
+# Where a rank listens for its peers (GA5): below Linux's ephemeral ports (32768-60999 by
+# default). With a span up to 60000 a rank's port was often some outgoing connection's
+# source port on the host, the bind failed (EADDRINUSE) until that connection closed, and
+# the ring did not form again within 30 s: the gang was lost (`bench gang` seed 17, kill 10).
+GANG_PORT_BASE, GANG_PORT_SPAN = 20000, 12000
 
 
 def gang_worker_id(gang_id: bytes, rank: int) -> bytes:

@@ -50,6 +50,12 @@ def resumes_from_checkpoint(record) -> bool:
     return record.checkpoint_fence is not None and same_work(record.checkpoint_fence, record.attempt, record.manifest)
 
 
+def replaced_run_fence(record) -> int:
+    """GA7, GA11: the fence of the run a gang rank's replacement replaces. The eviction took the
+    rank one fence up (``replacing``), the replacement one more (``migrating``)."""
+    return record.fence - 2
+
+
 class JobLifecycle:
     def __init__(self, ctx, epochs, jobs, ledger, placement) -> None:
         self.ctx = ctx
@@ -244,7 +250,11 @@ class JobLifecycle:
                                                                               now_ms, out):
             return
         if envelope.signer != record.primary and self._handed_to_replacement(envelope.signer, checkpoint, record):
-            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out)
+            # GA11: only the replaced run's checkpoint ends the wait. One of an older run (a
+            # node that held the rank before that run) came first under load and the rank
+            # resumed from it, taking the whole ring back 40 s (`bench gang`, BENCHMARKS.md).
+            self._take_handed_off(envelope, checkpoint, data, record, now_ms, out,
+                                  ends_wait=checkpoint.fence >= replaced_run_fence(record))
             return
         if envelope.signer != record.primary or checkpoint.fence < record.fence:
             counters["checkpoint_stale_fence"] += 1  # SPEC P6: a fenced primary is ignored
@@ -469,10 +479,12 @@ class JobLifecycle:
             self.hand_off_checkpoint(record, out)
         return out
 
-    def _take_handed_off(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int, out: Ready) -> None:
-        """The first one ends the primary's wait; the run resumes from it (no ack: the
-        signer is no primary of this attempt)."""
-        self.handoff_waits.pop(checkpoint.job_id, None)
+    def _take_handed_off(self, envelope, checkpoint: Checkpoint, data, record, now_ms: int, out: Ready,
+                         ends_wait: bool = True) -> None:
+        """The first one (``ends_wait``) ends the primary's wait; the run resumes from the
+        newest held (no ack: the signer is no primary of this attempt)."""
+        if ends_wait:
+            self.handoff_waits.pop(checkpoint.job_id, None)
         record.last_checkpoint_seq, record.last_checkpoint_taken_ms = checkpoint.seq, checkpoint.taken_ms
         record.known_checkpoint = (checkpoint.seq, now_ms)
         record.checkpoint_envelope, record.checkpoint_fence = data, checkpoint.fence

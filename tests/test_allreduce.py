@@ -4,8 +4,8 @@ all-reduce over real TCP each step, and a restored gang agreeing on one step."""
 import socket
 import threading
 
-from meshnode.workload.builtin import (ALLREDUCE_STATE, EXIT_RING_BROKEN, EXIT_SUM_WRONG, AllreduceRun, ProgressLog, Ring,
-                                      run_allreduce)
+from meshnode.workload.builtin import (ALLREDUCE_STATE, EXIT_RING_BROKEN, EXIT_SUM_WRONG, MAX_ROLLBACK_STEPS,
+                                      AllreduceRun, ProgressLog, Ring, run_allreduce)
 from meshnode.workload.sdk import GangInfo, gang_environment, multiaddr_host
 from protocol.flows.gang import GangRank
 
@@ -78,6 +78,17 @@ def test_a_rank_a_grow_added_joins_at_the_gangs_step_and_takes_no_one_back_to_st
     step the others hold. Before, the fresh rank's 0 took every rank back to step 0."""
     codes, states = run_gang(3, [5, 7, None], steps=8)
     assert codes == [0, 0, 0] and states == [[6, 7, 8]] * 3
+
+
+def test_the_ring_refuses_to_go_back_further_than_the_rollback_bound(capsys):
+    """GA11: a rank restored from a checkpoint far behind the others (`bench gang` seed 17:
+    an older run's, 3,300 steps back, and the ring took every rank back 41.5 s) takes the
+    gang's step; one at most MAX_ROLLBACK_STEPS behind still takes the gang back to it."""
+    codes, states = run_gang(3, [5000, 5001, 5000 - MAX_ROLLBACK_STEPS - 1], steps=5002)
+    assert codes == [0, 0, 0] and states == [[5001, 5002]] * 3
+    assert "rank 2: its step 4743 is 258 steps behind the gang's newest 5001" in capsys.readouterr().out
+    codes, states = run_gang(3, [300, 300 - MAX_ROLLBACK_STEPS, 300], steps=46)
+    assert codes == [0, 0, 0] and states == [[45, 46]] * 3
 
 
 def test_a_wrong_sum_ends_the_rank_and_breaks_the_ring_for_the_others():

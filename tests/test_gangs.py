@@ -149,8 +149,9 @@ def test_spec_gang_ids_follow_the_stated_formulas():
         worker = hashlib.sha256(b"gang-worker" + jid + rank.to_bytes(2, "big")).digest()
         assert lines["gang_worker_id rank=%d" % rank] == worker.hex()
         port = 20000 + int.from_bytes(hashlib.sha256(b"gang-port" + worker + (1).to_bytes(8, "big")).digest()[:4],
-                                      "big") % 40000
+                                      "big") % 12000
         assert int(lines["gang_port rank=%d fence=1" % rank]) == port
+        assert port < 32768   # below Linux's ephemeral ports: no outgoing connection holds it
     assert lines["zone sizes=[3]"].startswith("ranks n1 n4 n5 diameter 1")   # the smaller diameter beats rank
     rank1 = hashlib.sha256(b"gang-worker" + jid + (1).to_bytes(2, "big")).digest()   # GA7's instance
     assert lines["gang_replace_instance_id rank=1 fence=2"] == hashlib.sha256(
@@ -428,17 +429,23 @@ def test_validators_refuse_a_shrink_while_a_member_could_replace_the_rank():
     assert "decided as a gang_resize" in replace_validate(codec.pack(old_form.to_body()), ())
 
 
+def _two_rank_gang_placed():
+    """A gang of 2 ranks with 1 backup each, placed: (net, job, rank 0's node, rank 1's)."""
+    net = GangNet()
+    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
+    net.submit(KEYS[0], envelope)
+    net.run(200)
+    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    return net, job, first, second
+
+
 def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_the_lost_runs_checkpoint():
     """GA7, found by `bench gang` (BENCHMARKS.md): without the refill each replacement used a
     backup up, and a rank replaced twice had none, so its next node restarted it from step 0;
     and a node that had run the rank before resumed at once from that older run's checkpoint."""
     from types import SimpleNamespace
     from protocol.flows.gang_replace import holds_lost_primarys_checkpoint
-    net = GangNet()
-    job, envelope = make_gang(Gang(workers=2, topology="none"), backups=1)
-    net.submit(KEYS[0], envelope)
-    net.run(200)
-    first, second = [w.node for w in net.certified(KEYS[0], "gang_placement")[0].value.workers]
+    net, job, first, second = _two_rank_gang_placed()
     net.down.add(second)
     net.run(1500)
     value = net.certified(first, "gang_replace")[0].value
@@ -449,6 +456,42 @@ def test_a_replacement_refills_the_ranks_backups_and_resumes_at_once_only_from_t
     assert holds_lost_primarys_checkpoint(older_run, replacing_fence=4)
     assert not holds_lost_primarys_checkpoint(older_run, replacing_fence=6)
     assert not holds_lost_primarys_checkpoint(SimpleNamespace(checkpoint_envelope=None, checkpoint_fence=5), 6)
+
+
+def test_a_replacement_waits_for_the_replaced_runs_checkpoint_not_an_older_runs():
+    """GA11, found by `bench gang` seed 17 (BENCHMARKS.md): rank 3 ran at fence 1 on node 1,
+    then at fence 5 on node 4 (from fence 1's checkpoint), for 40 s. Node 4 was killed; its
+    replacement, node 5, held no fence-5 checkpoint and waited for the hand-off, but a node
+    holding only fence 1's newest checkpoint handed it over first: the wait ended, the rank
+    resumed from it (step 3,609, the gang was at 6,910) and the ring took every rank back.
+    Here the replacement's record also knows an older run of the rank (fence 0, as the
+    second replacement's record knows fence 1's run)."""
+    from protocol.messages import Checkpoint
+    net, job, first, lost = _two_rank_gang_placed()
+    net.down.add(lost)
+    replaced_at = None
+    while replaced_at is None and net.now < 3000:
+        net.run(5)
+        replaced_at = next((d for d in net.certified(first, "gang_replace")), None)
+    target = replaced_at.value.to_node
+    core = net.cores[target]
+    wid = gang_worker_id(job_id(job), 1)
+    record = core.job_table.get(wid)
+    assert record.primary == target and record.fence == 3 and wid in core.lifecycle.handoff_waits
+    older = next(i for i in IDS if i.public_key not in (lost, target))
+    record.primaries[0] = older.public_key   # a run of the rank before the lost one
+
+    def handed(signer, fence, seq):
+        state = b"step %d" % seq
+        checkpoint = Checkpoint(job_id=wid, fence=fence, seq=seq, progress=seq, taken_ms=net.now, state=state,
+                                state_hash=hashlib.sha256(state).digest())
+        net.emit(target, core.step(encode_message(signer, MESH, checkpoint), net.now))
+
+    handed(older, 0, 469)
+    assert record.checkpoint_fence == 0 and wid in core.lifecycle.handoff_waits   # held, still waiting
+    handed(IDS[KEYS.index(lost)], 1, 1100)
+    assert record.checkpoint_fence == 1 and record.last_checkpoint_seq == 1100
+    assert wid not in core.lifecycle.handoff_waits   # the replaced run's newest: the rank resumes from it
 
 
 def test_a_replacement_certified_before_its_eviction_here_waits_for_it_and_is_not_dropped():

@@ -23,7 +23,9 @@ all go on from one step; when the ring breaks the survivors pause (their process
 until the node publishes the replaced rank's address or the shrunk gang (GA7, GA8), and
 log ``rank R paused at step S`` and ``rank R of W resumed at step S (held H)``: H - S steps
 of a survivor's work were redone. A rank that holds no state (one a grow added, GA9)
-joins at the step the others agree on. ``Ring.barrier`` waits for every rank.
+joins at the step the others agree on, and so does one restored more than
+``MAX_ROLLBACK_STEPS`` behind the newest step a rank holds (GA11: the others refuse to go
+back that far; it logs why). ``Ring.barrier`` waits for every rank.
 Progress lines as ``counter``'s, and ``step <step> sum <sum>`` every ``--log-every`` steps.
 
 ``serve``: a small HTTP/1.1 service on 127.0.0.1 that reports its request rate and p99
@@ -216,6 +218,10 @@ class PeersChanged(Exception):
 
 
 NO_STEP = (1 << 63) - 1   # offered to the consistent step by a rank that holds no state (GA9)
+# SPEC.md GA11: a restored step further behind the newest step a rank holds is no consistent
+# gang checkpoint (a lost run's replicated one is a checkpoint period or so behind, ~12 steps
+# at the bench's 5 ms): the ring refuses to go back to it, and that rank takes the gang's step.
+MAX_ROLLBACK_STEPS = 256
 
 
 class Ring:
@@ -302,13 +308,17 @@ class Ring:
         through its predecessors, from every other."""
         self.agree_min(0)
 
-    def consistent_step(self, newest_checkpointed: int | None) -> int:
-        """The gang's consistent checkpoint: the highest step every rank has checkpointed,
-        given this rank's newest (the smallest of the ranks' newest), at every rank. A rank
-        that holds no state yet (None: a rank a grow added, GA9) takes the others' step,
-        rather than taking the whole gang back to step 0; if none holds one, 0."""
-        held = self.agree_min(NO_STEP if newest_checkpointed is None else newest_checkpointed)
-        return 0 if held == NO_STEP else held
+    def consistent_step(self, newest_checkpointed: int | None) -> tuple[int, int]:
+        """(the gang's consistent checkpoint, the newest step any rank holds), at every rank.
+        The consistent checkpoint is the highest step every rank has checkpointed, given this
+        rank's newest (the smallest of the ranks' newest). A rank that holds no state yet
+        (None: a rank a grow added, GA9) takes the others' step, rather than taking the whole
+        gang back to step 0; if none holds one, 0. So does a rank whose step is more than
+        MAX_ROLLBACK_STEPS behind the newest (GA11): the others refuse to go back to it."""
+        newest = -self.agree_min(-1 if newest_checkpointed is None else -newest_checkpointed)
+        too_old = newest_checkpointed is None or newest_checkpointed < newest - MAX_ROLLBACK_STEPS
+        held = self.agree_min(NO_STEP if too_old else newest_checkpointed)
+        return (0 if held == NO_STEP else held), newest
 
     def allreduce(self, vector: list[int]) -> list[int]:
         """Ring all-reduce (sum): reduce-scatter, then all-gather, n - 1 steps each."""
@@ -392,7 +402,12 @@ class AllreduceRun:
     def _steps(self, ring: Ring, steps: int | None) -> int:
         # Every rank's state is its step, checkpointed each step: the consistent gang
         # checkpoint is the smallest, and ranks that held more roll back to it (recompute).
-        restored, self.step = self.step, ring.consistent_step(self.step if self.holds_state else None)
+        restored = self.step
+        self.step, newest = ring.consistent_step(restored if self.holds_state else None)
+        if self.holds_state and restored < newest - MAX_ROLLBACK_STEPS:
+            print("rank %d: its step %d is %d steps behind the gang's newest %d (more than %d): the gang does not"
+                  " go back to it" % (self.gang.rank, restored, newest - restored, newest, MAX_ROLLBACK_STEPS),
+                  flush=True)
         if restored or self.step:
             print("rank %d of %d resumed at step %d (held %d)" % (self.gang.rank, self.gang.world_size, self.step,
                                                                  restored), flush=True)
