@@ -35,6 +35,11 @@ UNKNOWN_JOB_GRANT_ROUNDS = 8   # as a restored reservation's lifetime (R1, BID_L
 MAX_GRANTS_KEPT = 65536      # grants held for jobs; the oldest is dropped beyond (a job then waits for a re-send)
 GRANT_HANDOVER_ROUNDS = 5   # a deputy of rank r grants a job its home left waiting r x this many round timeouts
 GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (beside the job's outcome row)
+# A job a home counted that is then cancelled keeps counting for this many maximal round
+# timeouts after the home applied the cancel: its primary runs it until the cancel reaches it
+# (a partition or a loss delays that; the cancel is re-sent in sync answers, F6), and it
+# signs nothing when it stops (Q2d).
+CANCEL_STOP_GRACE_ROUNDS = 1
 
 
 def home_ranking(members, owner: bytes, pool: str) -> list:
@@ -101,6 +106,8 @@ class QuotaAdmission:
         self.resent_ms: dict[bytes, int] = {}    # job id -> when this node last re-sent the job or its grant
         self.signed_here: set[bytes] = set()     # job ids whose grant this node signed (it re-sends those)
         self.room_since: dict[bytes, int] = {}   # job id -> since when a deputy's count has had room for it
+        self.counted_jobs: set[bytes] = set()   # job ids counted at the last admit (live, or pending with a grant)
+        self.stopping: dict[bytes, tuple] = {}  # cancelled job id -> (owner, pool, demand, when the cancel applied here)
         self.checked_at_stamp = None
         self.recheck_at_ms = 0
         # A restarted member grants nothing until then: grants of the others sent while it was
@@ -163,6 +170,7 @@ class QuotaAdmission:
             self.granted.pop(oldest, None)
         self.grants[jid] = data
         self.granted[jid] = (grant, now_ms)
+        self.counted_jobs.add(jid)   # from now: a cancel of it before the next check keeps it counted too
         # Persisted (a restarted home must count the grants it gave; a member, bid with them).
         out.persist.append(PersistRecord("jobs", GRANT_PERSIST_PREFIX + jid.hex(),
                                          {"job_id": jid, "outcome": "quota_grant", "envelope": data}))
@@ -180,6 +188,10 @@ class QuotaAdmission:
                 continue
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
                 total = total + demand(job.resources)
+        grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
+        for jid, (job_owner, job_pool, need, cancelled_ms) in self.stopping.items():
+            if job_owner == owner and job_pool == pool and now_ms - cancelled_ms < grace_ms:
+                total = total + need
         unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
         for jid, (grant, kept_ms) in self.granted.items():
             if (grant.owner == owner and grant.pool == pool and now_ms - kept_ms < unknown_for_ms
@@ -204,6 +216,7 @@ class QuotaAdmission:
             return
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
+        self._note_cancels(now_ms)
         stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants)
         if (stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms) or now_ms < self.quiet_until_ms:
             return
@@ -237,6 +250,24 @@ class QuotaAdmission:
         for jid, (_grant, kept_ms) in self.granted.items():   # a forgotten job's grant stops counting then
             if self.jobs.get(jid) is None and kept_ms + unknown_for_ms > now_ms:
                 self.recheck_at_ms = min(self.recheck_at_ms, kept_ms + unknown_for_ms)
+        grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
+        for _owner, _pool, _need, cancelled_ms in self.stopping.values():   # a cancelled job's room returns then
+            self.recheck_at_ms = min(self.recheck_at_ms, cancelled_ms + grace_ms)
+
+    def _note_cancels(self, now_ms: int) -> None:
+        """Q2b: a job counted at the last check (admit runs at every tick, the only place
+        grants are made) that is cancelled now keeps counting for the cancel's grace, from
+        now; those whose grace ended are dropped."""
+        grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
+        self.stopping = {jid: entry for jid, entry in self.stopping.items() if now_ms - entry[3] < grace_ms}
+        counted = set()
+        for record in self.jobs:
+            if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
+                counted.add(record.job_id)
+            elif record.state == "cancelled" and record.job_id in self.counted_jobs:
+                job = record.manifest
+                self.stopping[record.job_id] = (job.owner, job.scheduling.pool, demand(job.resources), now_ms)
+        self.counted_jobs = counted
 
     def _resend(self, waiting: list, now_ms: int, out: Ready) -> None:
         """Once every maximal round timeout: the entry node re-sends a job still waiting for
