@@ -204,12 +204,12 @@ class QuotaAdmission:
                 total = total + Usage(grant.gpu_milli, grant.cpu_milli, grant.mem_mib)
         return total
 
-    def over_by(self, record, now_ms: int, ahead: Usage = Usage()) -> list:
+    def over_by(self, record, now_ms: int) -> list:
         """(dimension, counted, demand, limit) for each dimension the job would take its
-        owner over the quota by this node's count (Q2b), plus ``ahead`` (a deputy's)."""
+        owner over the quota by this node's count (Q2b)."""
         job = record.manifest
         limit = self.quotas.limit(job.scheduling.pool, job.owner)
-        held, asked = self.counted(job.owner, job.scheduling.pool, now_ms) + ahead, demand(job.resources)
+        held, asked = self.counted(job.owner, job.scheduling.pool, now_ms), demand(job.resources)
         return [(name, getattr(held, name), getattr(asked, name), cap) for name, _total, cap in (held + asked).exceeds(limit)]
 
     def admit(self, now_ms: int, out: Ready) -> None:
@@ -227,20 +227,12 @@ class QuotaAdmission:
             return
         self.checked_at_stamp, self.recheck_at_ms = stamp, 1 << 62
         handover_ms = GRANT_HANDOVER_ROUNDS * self.ctx.params.round_timeout_ms
-        still_room, ahead = {}, {}
+        still_room = {}
         for record in sorted(waiting, key=queue_key):
             homes = self.homes_of(record.manifest)
-            if record.job_id in self.grants or self.ctx.me not in homes:
+            if record.job_id in self.grants or self.ctx.me not in homes or self.over_by(record, now_ms):
                 continue
             rank = homes.index(self.ctx.me)
-            # A deputy counts the ungranted jobs ahead in the queue as granted: the home grants
-            # in queue order, so any of them may hold the home's grant that this deputy has
-            # not heard (a lost broadcast; simulator seed 163). The home needs no such margin.
-            key = (record.manifest.owner, record.manifest.scheduling.pool)
-            before = ahead.get(key, Usage()) if rank else Usage()
-            ahead[key] = before + demand(record.manifest.resources)
-            if self.over_by(record, now_ms, before):
-                continue
             if rank:
                 # A deputy grants only what its own count has had room for through its whole
                 # hand-over, no home above it granting meanwhile: a live home's grant comes
@@ -250,7 +242,6 @@ class QuotaAdmission:
                 if now_ms < since + rank * handover_ms:
                     self.recheck_at_ms = min(self.recheck_at_ms, since + rank * handover_ms)
                     continue
-            ahead[key] = before   # granted now: counted from here on
             grant = grant_for(record.manifest)
             data = self.ctx.sign(grant)
             self._keep(grant, data, now_ms, out)

@@ -317,30 +317,3 @@ def test_a_home_frees_a_cancelled_jobs_quota_once_the_primarys_vector_shows_the_
     assert 500 < CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms
     assert grant_signers(net, jids[1]) == {HOME}
     assert live_gpu_milli(net, jids) == 1000
-
-
-def test_a_deputy_that_missed_the_homes_grant_counts_the_jobs_ahead_in_the_queue():
-    """Simulator seed 163: a deputy that missed both an exit and the home's grant of the job
-    at the head of the queue counted the exited job, found no room for the head job, and
-    granted the smaller job behind it, which ran beside the head job. The home grants in
-    queue order, so the deputy now counts the ungranted jobs ahead as granted (Q2b)."""
-    deputy_key = HOMES[1]
-    net = Net(genesis=POOLED, gpus=tuple(0 if key == deputy_key else 2 for key in KEYS))   # it runs nothing
-    entry = next(key for key in KEYS if key not in HOMES)
-    first = submit(net, entry, manifest(1, gpu_milli=500, created_ms=0))
-    net.run(1000)
-    primary = net.cores[entry].job_view(first)["primary"]
-    assert net.cores[deputy_key].job_view(first)["state"] == "placed"
-    net.down.add(deputy_key)   # from here the deputy hears nothing of the others
-    net.emit(primary, net.cores[primary].job_exited(first, 0, net.now))
-    head, behind = manifest(2, created_ms=1), manifest(3, gpu_milli=500, created_ms=2)
-    jids = [submit(net, entry, head), submit(net, entry, behind)]
-    net.run(1000)
-    assert grant_signers(net, jids[0]) == {HOME} and grant_signers(net, jids[1]) == set()   # 1 GPU: the head
-    deputy = net.cores[deputy_key]
-    for job in (head, behind):   # the jobs reach the deputy late, their grant not at all
-        deputy.step(encode_message(OWNER, POOLED.mesh_id, job), net.now, entry)
-    for now in range(net.now, net.now + 3000, 50):   # longer than its hand-over
-        deputy.tick(now)
-    assert jids[1] not in deputy.bidding.scheduling.admission.signed_here   # it would run beside the head
-    assert deputy.job_view(first)["state"] == "placed"   # (the exit it missed still counts here)
