@@ -39,7 +39,7 @@ class Bidding:
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.windows_closed: dict[bytes, int] = {}              # instance -> round whose last bid window closed
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
-        self.scheduling = PoolScheduling(ctx, epochs, jobs, ledger, self.jobs_bid_for)   # quotas and reservations (Q2, Q5)
+        self.scheduling = PoolScheduling(ctx, epochs, jobs, ledger, self.jobs_bid_for, capability)   # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
         """Everything held for a placement key that will not be proposed here any more:

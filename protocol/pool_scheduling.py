@@ -19,14 +19,14 @@ from protocol.quota_admission import QuotaAdmission
 
 
 class PoolScheduling:
-    def __init__(self, ctx, epochs, jobs, ledger, jobs_bid_for=lambda: ()) -> None:
+    def __init__(self, ctx, epochs, jobs, ledger, jobs_bid_for=lambda: (), capability=None) -> None:
         self.ctx = ctx
         self.jobs = jobs
         self.ledger = ledger
         self.jobs_bid_for = jobs_bid_for   # the pending jobs this member holds a bid for (Q2)
         self.quotas = Quotas(getattr(ctx.genesis, "pools", ()))
         self.reservations = bool(getattr(ctx.genesis, "reservations", False))
-        self.admission = QuotaAdmission(ctx, epochs, jobs, self.quotas)   # quota homes and grants (Q2b)
+        self.admission = QuotaAdmission(ctx, epochs, jobs, self.quotas, capability)   # quota homes and grants (Q2b)
 
     @property
     def enabled(self) -> bool:

@@ -219,6 +219,12 @@ def test_a_cancel_frees_the_quota_too():
     second = submit(net, KEYS[0], manifest(2, created_ms=1))
     net.run(200)
     assert net.cores[KEYS[0]].job_view(second)["state"] == "pending"
+    # It runs, as its primary reports (Q2b: the home frees a cancelled job's quota once the
+    # primary's vector shows the run gone, not at the cancel alone).
+    primary = net.cores[KEYS[0]].job_view(first)["primary"]
+    fence = net.cores[primary].job_table.get(first).fence
+    net.emit(primary, net.cores[primary].workload_started(first, fence, 0, net.now))
+    net.run(200)
     cancel = encode_message(OWNER, POOLED.mesh_id, Cancel(job_id=first, requested_ms=net.now))
     _, ready = net.cores[KEYS[0]].cancel(cancel, net.now)
     net.emit(KEYS[0], ready)

@@ -267,3 +267,53 @@ def test_a_restarted_home_counts_a_grant_of_a_job_it_forgot_for_a_bounded_time()
     assert not [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
     ready = restarted.tick(later)
     assert [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
+
+
+def test_a_home_counts_a_cancelled_job_until_its_primary_has_had_time_to_stop_it():
+    """Simulator seed 140: the home applied a job's cancel 1.2 s before the job's primary
+    did, freed its quota at once and granted the next job, which ran beside the cancelled
+    one. The home now counts the cancelled job for the cancel's grace (Q2b) first."""
+    from protocol.messages import Cancel
+    from protocol.quota_admission import CANCEL_STOP_GRACE_ROUNDS
+    net = Net(genesis=POOLED, gpus=tuple(0 if key == HOME else 2 for key in KEYS))   # the home runs nothing
+    first, second = manifest(1, created_ms=1), manifest(2, created_ms=2)
+    jids = [submit(net, KEYS[0], first), submit(net, KEYS[0], second)]
+    net.run(1000)
+    view = net.cores[KEYS[0]].job_view
+    assert [view(jid)["state"] for jid in jids] == ["placed", "pending"]
+    primary = view(jids[0])["primary"]
+    assert primary != HOME   # else the home's own cancel stops the run, and there is no race
+    # Only the home hears the cancel; the primary is cut off (it runs the job meanwhile).
+    net.down.add(primary)
+    home = net.cores[HOME]
+    cancel = encode_message(OWNER, POOLED.mesh_id, Cancel(job_id=jids[0], requested_ms=net.now))
+    home.cancel(cancel, net.now)   # its Ready (the cancel's broadcast) is dropped: nobody else hears it
+    assert home.job_view(jids[0])["state"] == "cancelled"
+    grace_ms = CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms
+    net.run(grace_ms - 200)
+    assert grant_signers(net, jids[1]) == set()          # the primary may still run the first job
+    assert net.cores[primary].ledger.allocated(jids[0]) is not None
+    net.run(1000)
+    assert grant_signers(net, jids[1]) == {HOME}         # the grace is over: the quota is the second's
+
+
+def test_a_home_frees_a_cancelled_jobs_quota_once_the_primarys_vector_shows_the_run_gone():
+    """The grace is an upper bound: a primary that hears the cancel stops the run and its
+    next vector no longer lists it, so the home grants the next job at once (Q2b)."""
+    from protocol.messages import Cancel
+    from protocol.quota_admission import CANCEL_STOP_GRACE_ROUNDS
+    net = Net(genesis=POOLED, gpus=tuple(0 if key == HOME else 2 for key in KEYS))   # the home runs nothing
+    jids = [submit(net, KEYS[0], manifest(1, created_ms=1)), submit(net, KEYS[0], manifest(2, created_ms=2))]
+    net.run(1000)
+    primary = net.cores[KEYS[0]].job_view(jids[0])["primary"]
+    net.emit(primary, net.cores[primary].workload_started(jids[0], net.cores[primary].job_table.get(jids[0]).fence,
+                                                          0, net.now))
+    net.run(300)
+    assert net.cores[HOME].job_view(jids[0])["state"] == "running"
+    cancel = encode_message(OWNER, POOLED.mesh_id, Cancel(job_id=jids[0], requested_ms=net.now))
+    _, ready = net.cores[KEYS[0]].cancel(cancel, net.now)
+    net.emit(KEYS[0], ready)
+    net.run(500)
+    assert 500 < CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms
+    assert grant_signers(net, jids[1]) == {HOME}
+    assert live_gpu_milli(net, jids) == 1000
