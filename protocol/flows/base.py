@@ -67,6 +67,20 @@ class ValueFlow:
         return ()
 
 
+class SharedStateFlow(ValueFlow):
+    """A flow that reads the core's shared state: the node's context, the epochs, the job
+    table, the ledger, the instance table and the capability book (its subclasses add their
+    own collaborators after calling this)."""
+
+    def __init__(self, ctx, epochs, jobs, ledger, instances, capability) -> None:
+        self.ctx = ctx
+        self.epochs = epochs
+        self.jobs = jobs
+        self.ledger = ledger
+        self.instances = instances
+        self.capability = capability
+
+
 class FlowRegistry:
     """Value kind -> flow. The only place a kind string selects behaviour."""
 

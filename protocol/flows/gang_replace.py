@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.base import ValueFlow
+from protocol.flows.base import SharedStateFlow
 from protocol.flows.move import move_rank
 from protocol.gang_placement import diameter, gang_worker_id, topology_error
 from protocol.job_lifecycle import HANDOFF_WAIT_MS
@@ -66,18 +66,13 @@ def shrink_size(job: JobManifest, world: int, survivors: list) -> int | None:
     return None
 
 
-class GangVectorFlow(ValueFlow):
+class GangVectorFlow(SharedStateFlow):
     """What GA7's and GA9's flows share: nobody bids, a value is checked from the signed
     capability vectors it and its justification carry, and it binds to its instance."""
     max_justification = MAX_BIDS_PER_PROPOSAL   # the candidates' signed vectors
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, capability, gangs, lifecycle) -> None:
-        self.ctx = ctx
-        self.epochs = epochs
-        self.jobs = jobs
-        self.ledger = ledger
-        self.instances = instances
-        self.capability = capability
+        super().__init__(ctx, epochs, jobs, ledger, instances, capability)
         self.gangs = gangs
         self.lifecycle = lifecycle
 

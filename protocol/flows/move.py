@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.base import ValueFlow
+from protocol.flows.base import SharedStateFlow
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
 from protocol.messages import CapabilityVector, JobMove, MoveRequest, ReflexTrigger, decode_message, move_instance_id
 from protocol.placement import capability_check, gpu_healthy, gpu_strain, healthy_fitting_gpus, tie_break
@@ -67,18 +67,13 @@ def move_rank(job, iid: bytes, node: bytes, capability: CapabilityVector) -> tup
     return (strain, -len(healthy_free), -free_mem, -capability.cpu_milli_free, tie_break(iid, node))
 
 
-class MoveFlow(ValueFlow):
+class MoveFlow(SharedStateFlow):
     value_kind = "job_move"
     value_kinds = ("job_move",)
     max_justification = 0   # the value carries its own proof: the request and the target's vector
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, capability) -> None:
-        self.ctx = ctx
-        self.epochs = epochs
-        self.jobs = jobs
-        self.ledger = ledger
-        self.instances = instances
-        self.capability = capability
+        super().__init__(ctx, epochs, jobs, ledger, instances, capability)
         self.lifecycle = None   # the JobLifecycle, set by the core: the new primary admits the job (R1)
         self.placement = None   # the PlacementFlow, set by the core: its P5 replay of evictions
         self.requests: dict[bytes, bytes] = {}   # instance -> the owner's request or a reflex trigger

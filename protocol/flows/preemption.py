@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.base import ValueFlow
+from protocol.flows.base import SharedStateFlow
 from protocol.job_lifecycle import FINAL_CHECKPOINT_WAIT_MS
 from protocol.job_table import FENCE_PER_ATTEMPT, LIVE_JOB_STATES
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, Decline, JobManifest, decode_message,
@@ -33,20 +33,15 @@ from protocol.ready import Outbound, Ready
 SCAN_MS = 50   # how often a member looks for held placements it could preempt for (P8b)
 
 
-class PreemptionFlow(ValueFlow):
+class PreemptionFlow(SharedStateFlow):
     value_kind = "preemption"
     value_kinds = ("preemption",)
     # Every member's decline, and the candidate nodes' vectors (P8: meshes of at most 32).
     max_justification = 2 * MAX_BIDS_PER_PROPOSAL
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, capability, placement, lifecycle) -> None:
-        self.ctx = ctx
-        self.epochs = epochs
-        self.jobs = jobs
-        self.ledger = ledger
-        self.instances = instances
+        super().__init__(ctx, epochs, jobs, ledger, instances, capability)
         self.bidding = bidding
-        self.capability = capability
         self.placement = placement
         self.lifecycle = lifecycle
         self.next_scan_ms = 0

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from protocol import codec
 from protocol.errors import RemoteProtocolError
-from protocol.flows.base import ValueFlow
+from protocol.flows.base import SharedStateFlow
 from protocol.flows.move import move_rank
 from protocol.job_table import TERMINAL
 from protocol.messages import (MAX_EVIDENCE, REPLICA_ACTIONS, CapabilityVector, JobExit, JobRefusal, ReflexTrigger, ReplicaAction, decode_message,
@@ -51,18 +51,13 @@ REPLACEMENT_ANCHOR = 1 << 48
 MAX_REPLICA_RESTARTS = 16               # replacements after failed exits, per job (a crash loop ends)
 
 
-class ReplicaFlow(ValueFlow):
+class ReplicaFlow(SharedStateFlow):
     value_kind = "replica_action"
     value_kinds = ("replica_action",)
     max_justification = 0   # the value carries its own proof: the trigger and the vectors
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, capability) -> None:
-        self.ctx = ctx
-        self.epochs = epochs
-        self.jobs = jobs
-        self.ledger = ledger
-        self.instances = instances
-        self.capability = capability
+        super().__init__(ctx, epochs, jobs, ledger, instances, capability)
         self.pending: dict[bytes, tuple] = {}   # instance -> (job id, seq, anchor, trigger bytes)
         self.noticing: dict[bytes, bytes] = {}  # job id -> the instance this node started for it
         self.allocated: dict[bytes, tuple] = {}  # replica key -> (job id, index): replicas this node holds
