@@ -26,6 +26,7 @@ from protocol.job_queue import queue_key
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.messages import QuotaGrant, decode_message, job_id
 from protocol.messages.quota import QUOTA_LIMIT
+from protocol.preemption import fits_after
 from protocol.quota import Usage, demand
 from protocol.ready import Outbound, PersistRecord, Ready
 from protocol.signing import short_id
@@ -69,22 +70,37 @@ def quota_homes(view, owner: bytes, pool: str) -> tuple:
     return tuple(homes)
 
 
-def grant_for(job) -> QuotaGrant:
-    """The grant a home signs for ``job``: its id, epoch, owner, pool and demand (Q1)."""
+def grant_for(job, borrowed: bool = False) -> QuotaGrant:
+    """The grant a home signs for ``job``: its id, epoch, owner, pool and demand (Q1), and
+    whether it runs on borrowed quota (Q6)."""
     need = demand(job.resources)
     return QuotaGrant(job_id=job_id(job), epoch=job.epoch, owner=job.owner, pool=job.scheduling.pool,
-                      gpu_milli=need.gpu_milli, cpu_milli=need.cpu_milli, mem_mib=need.mem_mib)
+                      gpu_milli=need.gpu_milli, cpu_milli=need.cpu_milli, mem_mib=need.mem_mib, borrowed=borrowed)
 
 
-def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None) -> str | None:
+def mismatch(grant: QuotaGrant, job) -> str | None:
+    """Why ``grant`` is not one of ``job``'s (Q2b, Q6: only a preemptible job borrows)."""
+    if grant != grant_for(job, grant.borrowed):
+        return "not this job's (id, epoch, owner, pool and demand must match)"
+    if grant.borrowed and not job.scheduling.preemptible:
+        return "borrowed for a job that is not preemptible (Q6)"
+    return None
+
+
+def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None, borrowed: bool | None = None) -> str | None:
     """Q2c, the validator's check: ``data`` is a grant for exactly ``job`` signed by a quota
-    home or deputy of ``view`` (the job's epoch). None when it is."""
+    home or deputy of ``view`` (the job's epoch), borrowed only for a preemptible job (Q6),
+    and, when ``borrowed`` is given, borrowed or in-quota as it says (Q6's reclaim). None
+    when it is."""
     try:
         envelope, grant = decode_message(data, mesh_id, expect=QuotaGrant, caches=caches)
     except RemoteProtocolError as exc:
         return "quota grant: %s" % exc
-    if grant != grant_for(job):
-        return "quota grant: not this job's (id, epoch, owner, pool and demand must match)"
+    problem = mismatch(grant, job)
+    if problem is not None:
+        return "quota grant: %s" % problem
+    if borrowed is not None and grant.borrowed != borrowed:
+        return "quota grant: %s, expected %s" % (*(("borrowed", "in-quota") if grant.borrowed else ("in-quota", "borrowed")),)
     homes = quota_homes(view, job.owner, job.scheduling.pool)
     if envelope.signer not in homes:
         return "quota grant: signed by %s, not a quota home (%s)" % (short_id(envelope.signer), ", ".join(
@@ -142,6 +158,17 @@ class QuotaAdmission:
     def grant_of(self, record) -> bytes | None:
         return self.grants.get(record.job_id)
 
+    def borrowed(self, jid: bytes) -> bool:
+        """Q6: the grant held here of the job is a borrowed one (it counts nothing against
+        the quota, and in-quota jobs of its pool may reclaim its capacity)."""
+        kept = self.granted.get(jid)
+        return kept is not None and kept[0].borrowed
+
+    def in_quota_grant(self, jid: bytes) -> bytes | None:
+        """The grant held here of the job when it is an in-quota one (Q6: it may reclaim)."""
+        kept = self.granted.get(jid)
+        return self.grants.get(jid) if kept is not None and not kept[0].borrowed else None
+
     def waiting_for_grant(self, record) -> bool:
         return self.needs_grant(record.manifest) and record.job_id not in self.grants
 
@@ -160,8 +187,8 @@ class QuotaAdmission:
         if envelope.signer not in quota_homes(view, grant.owner, grant.pool):
             raise RemoteProtocolError("quota grant not signed by a quota home of its owner and pool")
         record = self.jobs.get(grant.job_id)
-        if record is not None and grant != grant_for(record.manifest):
-            raise RemoteProtocolError("quota grant does not match its job")
+        if record is not None and mismatch(grant, record.manifest) is not None:
+            raise RemoteProtocolError("quota grant does not match its job: %s" % mismatch(grant, record.manifest))
         if grant.job_id in self.grants:
             return False
         self._keep(grant, data, now_ms, out)
@@ -175,7 +202,8 @@ class QuotaAdmission:
             self.granted.pop(oldest, None)
         self.grants[jid] = data
         self.granted[jid] = (grant, now_ms)
-        self.counted_jobs.add(jid)   # from now: a cancel of it before the next check keeps it counted too
+        if not grant.borrowed:
+            self.counted_jobs.add(jid)   # from now: a cancel of it before the next check keeps it counted too
         # Persisted (a restarted home must count the grants it gave; a member, bid with them).
         out.persist.append(PersistRecord("jobs", GRANT_PERSIST_PREFIX + jid.hex(),
                                          {"job_id": jid, "outcome": "quota_grant", "envelope": data}))
@@ -191,6 +219,8 @@ class QuotaAdmission:
             job = record.manifest
             if job.owner != owner or job.scheduling.pool != pool:
                 continue
+            if self.borrowed(record.job_id):
+                continue   # Q6: borrowed, not held against the quota
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
                 total = total + demand(job.resources)
         grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
@@ -200,7 +230,7 @@ class QuotaAdmission:
         unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
         for jid, (grant, kept_ms) in self.granted.items():
             if (grant.owner == owner and grant.pool == pool and now_ms - kept_ms < unknown_for_ms
-                    and self.jobs.get(jid) is None):
+                    and not grant.borrowed and self.jobs.get(jid) is None):
                 total = total + Usage(grant.gpu_milli, grant.cpu_milli, grant.mem_mib)
         return total
 
@@ -222,7 +252,8 @@ class QuotaAdmission:
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         self._note_cancels(now_ms)
-        stamp = sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants) + len(self.stopping)
+        stamp = (sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants) + len(self.stopping),
+                 self._vectors_version())
         if (stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms) or now_ms < self.quiet_until_ms:
             return
         self.checked_at_stamp, self.recheck_at_ms = stamp, 1 << 62
@@ -230,7 +261,10 @@ class QuotaAdmission:
         still_room = {}
         for record in sorted(waiting, key=queue_key):
             homes = self.homes_of(record.manifest)
-            if record.job_id in self.grants or self.ctx.me not in homes or self.over_by(record, now_ms):
+            if record.job_id in self.grants or self.ctx.me not in homes:
+                continue
+            borrowed = bool(self.over_by(record, now_ms))
+            if borrowed and not self.may_borrow(record.manifest, now_ms):
                 continue
             rank = homes.index(self.ctx.me)
             if rank:
@@ -242,14 +276,15 @@ class QuotaAdmission:
                 if now_ms < since + rank * handover_ms:
                     self.recheck_at_ms = min(self.recheck_at_ms, since + rank * handover_ms)
                     continue
-            grant = grant_for(record.manifest)
+            grant = grant_for(record.manifest, borrowed)
             data = self.ctx.sign(grant)
             self._keep(grant, data, now_ms, out)
             if len(self.signed_here) >= MAX_GRANTS_KEPT:
                 self.signed_here.clear()
             self.signed_here.add(record.job_id)
             out.messages.append(Outbound(None, data))
-            out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex(), rank=rank))
+            out.events.append(self.ctx.event("quota_granted", now_ms, job_id=record.job_id.hex(), rank=rank,
+                                             borrowed=borrowed))
         self.room_since = still_room
         unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
         for jid, (_grant, kept_ms) in self.granted.items():   # a forgotten job's grant stops counting then
@@ -258,6 +293,21 @@ class QuotaAdmission:
         grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
         for _owner, _pool, _need, cancelled_ms, *_primary in self.stopping.values():   # a cancelled job's room returns then
             self.recheck_at_ms = min(self.recheck_at_ms, cancelled_ms + grace_ms)
+
+    def _vectors_version(self):
+        """Changes with every newer vector held here: room to borrow may have come (Q6)."""
+        return None if self.capability is None else (self.capability.peers_version, self.capability.seq)
+
+    def may_borrow(self, job, now_ms: int) -> bool:
+        """Q6: a job over its owner's quota is granted as borrowed only if it is preemptible
+        and some member's newest vector held here has room for it now (capacity permitting:
+        a borrowed grant is the job's for its life, so one given while the mesh is full would
+        keep a job borrowed that the quota might admit once it frees)."""
+        if not job.scheduling.preemptible or self.capability is None:
+            return False
+        own = self.capability.vector
+        vectors = list(self.capability.peers.values()) + ([own] if own is not None else [])
+        return any(fits_after(job, cap, ()) for cap in vectors)
 
     def _note_cancels(self, now_ms: int) -> None:
         """Q2b: a job counted at the last check (admit runs at every tick, the only place
@@ -269,6 +319,8 @@ class QuotaAdmission:
         counted, shown = set(), {}
         for record in self.jobs:
             jid = record.job_id
+            if self.borrowed(jid):
+                continue
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and jid in self.grants):
                 counted.add(jid)
                 run = (record.primary, record.fence)

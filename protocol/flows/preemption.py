@@ -15,6 +15,10 @@ each victim (R1: a signed ``job_refusal`` at its fence). Every node places a ref
 afresh, and its next primary resumes it from the checkpoint handed over by the nodes
 that hold it. A victim that ended or moved meanwhile is skipped; a job placed meanwhile
 preempts nothing.
+
+Reclaim (SPEC.md Q6): a job holding an in-quota grant may preempt, whatever its priority,
+jobs of its pool running on borrowed quota. The proposal then carries the job's grant and
+the victims' borrowed grants, so validators read who is borrowed from signed grants.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.base import SharedStateFlow
 from protocol.job_lifecycle import FINAL_CHECKPOINT_WAIT_MS
 from protocol.job_table import FENCE_PER_ATTEMPT, LIVE_JOB_STATES
-from protocol.messages import (MAX_BIDS_PER_PROPOSAL, CapabilityVector, Decline, JobManifest, decode_message,
-                               decode_value, job_id, placement_instance_id, preemption_binding_error,
-                               preemption_instance_id)
-from protocol.preemption import CAPACITY_DECLINES, choose_preemption
+from protocol.messages import (MAX_BIDS_PER_PROPOSAL, MAX_VICTIMS, CapabilityVector, Decline, JobManifest,
+                               QuotaGrant, decode_message, decode_value, job_id, placement_instance_id,
+                               preemption_binding_error, preemption_instance_id)
+from protocol.preemption import CAPACITY_DECLINES, Quota, choose_preemption
+from protocol.quota_admission import grant_error
 from protocol.ready import Outbound, Ready
 
 SCAN_MS = 50   # how often a member looks for held placements it could preempt for (P8b)
@@ -36,8 +41,9 @@ SCAN_MS = 50   # how often a member looks for held placements it could preempt f
 class PreemptionFlow(SharedStateFlow):
     value_kind = "preemption"
     value_kinds = ("preemption",)
-    # Every member's decline, and the candidate nodes' vectors (P8: meshes of at most 32).
-    max_justification = 2 * MAX_BIDS_PER_PROPOSAL
+    # Every member's decline, the candidate nodes' vectors (P8: meshes of at most 32), and
+    # the job's in-quota grant and its victims' borrowed grants (Q6).
+    max_justification = 2 * MAX_BIDS_PER_PROPOSAL + 1 + MAX_VICTIMS
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, capability, placement, lifecycle) -> None:
         super().__init__(ctx, epochs, jobs, ledger, instances, capability)
@@ -85,8 +91,9 @@ class PreemptionFlow(SharedStateFlow):
                 continue
             role = self.instances.role(piid)
             record = self.jobs.get(role.subject) if role is not None and role.flow is self.placement else None
-            if record is None or record.manifest.priority == 0 or not self.placement.round_on_hold(inst, now_ms):
-                continue
+            if (record is None or (record.manifest.priority == 0 and self.admission.in_quota_grant(record.job_id) is None)
+                    or not self.placement.round_on_hold(inst, now_ms)):
+                continue   # priority 0 preempts nothing, unless in quota it reclaims borrowed capacity (Q6)
             stamp = self.looked_at[piid] = (inst.round, stamp_of_vectors)
             iid = preemption_instance_id(piid)
             if looked_at.get(piid) == stamp or self.instances.is_done(iid):
@@ -120,12 +127,22 @@ class PreemptionFlow(SharedStateFlow):
             if cap.epoch == view.epoch:
                 vectors[node] = cap
                 chosen_envelopes.append(envelopes[node])
+        admission = self.admission
+        own_grant = admission.in_quota_grant(record.job_id)   # Q6: in quota, it may reclaim
+        borrowed = frozenset(r.job_id for cap in vectors.values() for r in cap.running if admission.borrowed(r.job_id))
         value = choose_preemption(record.envelope, record.manifest, record.attempt, vectors, decliners,
-                                  self._manifest_of)
+                                  self._manifest_of, Quota(own_grant is not None, borrowed))
         if value is None:
             return None
-        justification = tuple(declines[m] for m in sorted(view.members)) + tuple(chosen_envelopes)
+        grants = ((own_grant,) if own_grant is not None else ()) + tuple(
+            admission.grants[v.job_id] for v in value.victims if v.job_id in borrowed)
+        justification = tuple(declines[m] for m in sorted(view.members)) + tuple(chosen_envelopes) + grants
         return value, justification
+
+    @property
+    def admission(self):
+        """The quota grants this member holds (Q2b, Q6)."""
+        return self.bidding.scheduling.admission
 
     def _manifest_of(self, jid: bytes):
         record = self.jobs.get(jid)
@@ -171,12 +188,16 @@ class PreemptionFlow(SharedStateFlow):
                 record = self.jobs.get(jid)
                 if record is None or record.state != "pending" or record.instance != piid:
                     return "the job's attempt %d is not waiting to be placed here" % value.attempt
-                declines, vectors = self._parse_justification(justification, piid, view)
+                declines, vectors, grants = self._parse_justification(justification, piid, view)
                 missing = [m for m in view.members if m not in declines]
                 if missing:
                     return "no decline from %d of the %d members" % (len(missing), len(view.members))
+                quota = self._quota_from_grants(grants, job, jid, value)
+                if isinstance(quota, str):
+                    return quota
                 decliners = {m for m, d in declines.items() if d.reason in CAPACITY_DECLINES}
-                expected = choose_preemption(value.job, job, value.attempt, vectors, decliners, self._manifest_of)
+                expected = choose_preemption(value.job, job, value.attempt, vectors, decliners, self._manifest_of,
+                                             quota)
             except (RemoteProtocolError, ValueError) as exc:
                 return "invalid preemption proposal: %s" % exc
             if expected != value:
@@ -184,13 +205,35 @@ class PreemptionFlow(SharedStateFlow):
             return None
         return validate
 
-    def _parse_justification(self, justification: tuple, piid: bytes, view) -> tuple[dict, dict]:
+    def _quota_from_grants(self, grants: dict, job, jid: bytes, value) -> Quota | str:
+        """Q6: the justification's grants are the job's own, in quota (it reclaims), and
+        borrowed grants of named victims (those are borrowed), each checked as Q2c checks a
+        placement's (a victim's manifest from this node's table, as P8b reads it)."""
+        victims = {v.job_id for v in value.victims}
+        for grant_job, data in grants.items():
+            manifest = job if grant_job == jid else self._manifest_of(grant_job) if grant_job in victims else None
+            if manifest is None:
+                return "a quota grant of a job that is neither the preempting job nor a known victim"
+            view = self.epochs.view_for(manifest.epoch)
+            problem = "its epoch's view is not held here" if view is None else grant_error(
+                data, manifest, view, self.ctx.mesh_id, self.ctx.caches, borrowed=grant_job != jid)
+            if problem is not None:
+                return problem
+        return Quota(jid in grants, frozenset(grants) - {jid})
+
+    def _parse_justification(self, justification: tuple, piid: bytes, view) -> tuple[dict, dict, dict]:
         """P8: declines of the job's placement instance and capability vectors, each of a
-        member, for the instance's epoch, at most one of each kind per member."""
-        declines, vectors = {}, {}
+        member, for the instance's epoch, at most one of each kind per member; Q6: quota
+        grants, at most one per job (checked by _quota_from_grants)."""
+        declines, vectors, grants = {}, {}, {}
         for data in justification:
             envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
             signer = envelope.signer
+            if isinstance(message, QuotaGrant):   # signed by a quota home: checked against its job
+                if message.job_id in grants:
+                    raise RemoteProtocolError("a second quota grant of one job")
+                grants[message.job_id] = data
+                continue
             if signer not in view.stakes:
                 raise RemoteProtocolError("a justification signed by a non-member")
             if isinstance(message, Decline):
@@ -203,7 +246,7 @@ class PreemptionFlow(SharedStateFlow):
                 vectors[signer] = message
             else:
                 raise RemoteProtocolError("a %s in a preemption's justification" % envelope.kind)
-        return declines, vectors
+        return declines, vectors, grants
 
     # --- a preemption is decided (SPEC P8) -------------------------------------------------------
     def binding_error(self, iid: bytes, value_kind: str, value, epoch: int) -> str | None:
