@@ -255,6 +255,11 @@ class MeshCore:
                 if key in self.view.stakes}
         return self.bidding.scheduling.pending_report(record, free, now_ms)
 
+    def borrowing_report(self, jid: bytes, now_ms: int) -> str | None:
+        """SPEC.md Q6: for "why", that the job runs (or waits) on borrowed quota, and whose."""
+        record = self.job_table.get(jid)
+        return None if record is None else self.bidding.scheduling.admission.borrowing_report(record, now_ms)
+
     def members(self) -> list[dict]:
         out = []
         suspicions = self.liveness.suspicions

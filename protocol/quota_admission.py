@@ -385,6 +385,25 @@ class QuotaAdmission:
         if not over:
             return ("waiting for a quota grant from %s (pool %r): within the quota by this node's count, so the "
                     "grant is in flight or the home is unreachable" % (where, job.scheduling.pool))
-        return "waiting for a quota grant from %s: pool %r quota: %s" % (where, job.scheduling.pool, ", ".join(
+        borrow = ("preemptible, so it is granted on borrowed quota once a node has room (Q6)"
+                  if job.scheduling.preemptible else "not preemptible, so it cannot borrow (Q6)")
+        return "waiting for a quota grant from %s: pool %r quota: %s; %s" % (where, job.scheduling.pool, ", ".join(
             "%s %d held + %d asked > %d (over by %d)" % (name, held, asked, cap, held + asked - cap)
-            for name, held, asked, cap in over))
+            for name, held, asked, cap in over), borrow)
+
+    def borrowing_report(self, record, now_ms: int) -> str | None:
+        """For "why": a job that holds a borrowed grant (Q6) runs, or waits for capacity, on
+        borrowed quota; the owner's quota and its in-quota use by this node's count."""
+        if not self.borrowed(record.job_id):
+            return None
+        job = record.manifest
+        owner, pool = job.owner, job.scheduling.pool
+        limit, used = self.quotas.limit(pool, owner), self.counted(owner, pool, now_ms)
+        names = [name for name in ("gpu_milli", "cpu_milli", "mem_mib") if getattr(limit, name) < QUOTA_LIMIT]
+        where = "pool %r: owner %s's quota %s, in use %s" % (
+            pool, short_id(owner), " ".join("%s %d" % (n, getattr(limit, n)) for n in names),
+            " ".join("%s %d" % (n, getattr(used, n)) for n in names))
+        if record.state in LIVE_JOB_STATES:
+            return "running on borrowed quota (%s): may be preempted by in-quota work" % where
+        return ("waiting for capacity on borrowed quota (%s): once running, it may be preempted by in-quota work"
+                % where)

@@ -18,6 +18,7 @@ vector verifies (`meshnode cert verify`) against the sample genesis.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 from functools import lru_cache
@@ -72,7 +73,8 @@ NESTED_ENVELOPES = {
                                   "(exactly one, Q2c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "
                                   "`suspicion`s of the evicted node (at most 32, F5); `membership`: none (a "
                                   "validator ignores any); `preemption`: every member's `decline` and the "
-                                  "candidate nodes' `cap`s (at most 64, P8b); `gang_replace`: the candidate members' `cap`s (at most 32, "
+                                  "candidate nodes' `cap`s (at most 64, P8b), then the job's in-quota `quota_grant` and the "
+                                  "victims' borrowed ones (at most 5, Q6); `gang_replace`: the candidate members' `cap`s (at most 32, "
                                   "GA7); `gang_resize`: the same (GA9). For the other kinds one that fails "
                                   "makes the proposal invalid"),
     (Proposal, "pol_certificate"): (("prevote_cert",), "this instance, round `pol_round`, the value's hash; "
@@ -480,6 +482,21 @@ def render_quota_home_vector() -> str:
     return "\n".join(lines)
 
 
+def borrowing_sample_job():
+    """Q6: the sample job of 4.4 made preemptible (only a preemptible job borrows)."""
+    job = MESSAGE_TYPES["job"].from_body(sample_body(MESSAGE_TYPES["job"]))
+    return dataclasses.replace(job, scheduling=dataclasses.replace(job.scheduling, preemptible=True))
+
+
+def render_borrowed_grant_vector() -> str:
+    """Q6: the borrowed grant of the preemptible sample job, signed by the vector key."""
+    job = borrowing_sample_job()
+    body = grant_for(job, borrowed=True).to_body()
+    envelope = seal(vector_identity(), vector_mesh_id(), "quota_grant", body)
+    return "\n".join(["```", "job_body: %s" % codec.pack(job.to_body()).hex(), "job_id: %s" % job_id(job).hex(),
+                      "grant_body: %s" % codec.pack(body).hex(), "envelope: %s" % envelope.encode().hex(), "```"])
+
+
 VECTOR_PASSPHRASE = b"meshnode test vector"
 VECTOR_SALT = bytes(range(16))
 VECTOR_NONCE = bytes(range(24))
@@ -552,7 +569,7 @@ GENERATED = {"nested envelopes": render_nested_envelopes, "field tables": render
              "preemption vector": render_preemption_vector,
              "job signals vector": render_job_signals_vector,
              "gang vectors": render_gang_vectors, "quota home vector": render_quota_home_vector,
-             "gang resize vectors": render_gang_resize_vectors}
+             "gang resize vectors": render_gang_resize_vectors, "borrowed grant vector": render_borrowed_grant_vector}
 
 
 def generated_block(text: str, name: str) -> str:

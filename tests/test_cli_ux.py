@@ -61,7 +61,8 @@ def scripted_node_api() -> ControlApi:
     queue = {"pool": "training", "position": 2, "queue_length": 3, "ahead_with_higher_priority": 1,
              "quota": "pool 'training' quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)",
              "estimate": {"start_ms": 70_000, "in_ms": 12_500, "reason": "quota frees when job abababab ends"}}
-    return ControlApi(SimpleNamespace(core=SimpleNamespace(jobs=lambda: jobs, pending_report=lambda jid, now: queue)))
+    return ControlApi(SimpleNamespace(core=SimpleNamespace(jobs=lambda: jobs, pending_report=lambda jid, now: queue,
+                                                   borrowing_report=lambda jid, now: None)))
 
 
 async def _status(args):

@@ -201,7 +201,8 @@ def test_a_job_over_its_owners_quota_waits_until_the_first_ends():
     assert report["pool"] == "training" and (report["position"], report["queue_length"]) == (1, 1)
     home, deputy = quota_homes(entry.view, OWNER.public_key, "training")   # 20 of the 40 stake: over a third
     assert report["quota"] == ("waiting for a quota grant from quota home %s (deputies %s): pool 'training' quota: "
-                               "gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)" % (short_id(home), short_id(deputy)))
+                               "gpu_milli 1000 held + 1000 asked > 1000 (over by 1000); not preemptible, so it cannot "
+                               "borrow (Q6)" % (short_id(home), short_id(deputy)))
     assert report["estimate"]["start_ms"] == 60_000 + entry.job_table.get(first).placed_ms
     assert report["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
     primary = entry.job_view(first)["primary"]

@@ -57,8 +57,8 @@ async def test_a_job_over_its_owners_quota_waits_and_why_says_which_quota(tmp_pa
         assert (queue["pool"], queue["position"], queue["queue_length"]) == ("training", 1, 1)
         homes = quota_homes(nodes[0].core.view, owner.public_key, "training")
         assert queue["quota"] == ("waiting for a quota grant from quota home %s (deputies %s): pool 'training' "
-                                  "quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000)"
-                                  % (short_id(homes[0]), ", ".join(short_id(h) for h in homes[1:])))
+                                  "quota: gpu_milli 1000 held + 1000 asked > 1000 (over by 1000); not preemptible, so it "
+                                  "cannot borrow (Q6)" % (short_id(homes[0]), ", ".join(short_id(h) for h in homes[1:])))
         assert queue["estimate"]["reason"] == "quota frees when job %s ends" % first.hex()[:8]
         assert 55_000 < queue["estimate"]["in_ms"] <= 60_000
 

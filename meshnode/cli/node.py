@@ -267,15 +267,19 @@ def render_why(console, result: dict) -> None:
     gang then its rule, ranks, groups and recovery history."""
     job = short_job_id(result["job_id"])
     preempted_by = result.get("preempted_by")
+    borrowing = result.get("borrowing")   # SPEC Q6: on borrowed quota, reclaimable by in-quota work
     if result.get("state") != "pending":
         console.print("job %s is %s, not pending: no decline holds it back%s" % (
             job, result.get("state", "?"), "" if not preempted_by else
             " (it was preempted by job %s, and resumed)" % short_job_id(preempted_by)))
+        if borrowing:
+            console.print(borrowing, markup=False, highlight=False)
         _print_gang(console, result)
         return
     groups = group_declines(result.get("declines", {}))
     preempted = [("preempted by", "job %s, to place it (SPEC P8); resumes from its checkpoint when capacity "
                   "returns" % short_job_id(preempted_by))] if preempted_by else []
+    preempted += [("quota", borrowing)] if borrowing else []
     console.print(key_value_table("why job %s is pending" % job, preempted + [
         (group.text, " ".join(group.nodes)) for group in groups] + [("node says", result.get("hint") or "-")]
         + queue_rows(result.get("queue"))))

@@ -244,7 +244,8 @@ class ControlApi:
                   "declines": {reason: [short_id(k) for k in nodes]
                                for reason, nodes in job.get("declines", {}).items()},
                   "hint": job.get("hint"), "queue": queue,
-                  "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None}
+                  "preempted_by": job["preempted_by"].hex() if job.get("preempted_by") else None,
+                  "borrowing": self.node.core.borrowing_report(job["job_id"], now_ms())}
         if "gang" in job:
             result["gang"] = dict(_gang_fields(job)["gang"], groups=self._topology_groups(job),
                                   history=self._gang_history(job))

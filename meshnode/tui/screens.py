@@ -88,6 +88,9 @@ class WhyScreen(ModalScreen):
         if preempted_by:   # SPEC P8: stopped to place a higher-priority job; resumes from its checkpoint
             lines.append("preempted by job %s: resumes from its checkpoint when capacity returns"
                          % short_job_id(preempted_by))
+        borrowing = (self.why or {}).get("borrowing")
+        if borrowing:   # SPEC Q6: over its owner's quota, preemptible: in-quota work may reclaim it
+            lines.append(escape(borrowing))
         lines.append(format_declines(declines))
         for group in group_declines(declines):
             if group.nodes:
