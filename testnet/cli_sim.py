@@ -162,6 +162,11 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         "messages_per_decision": round(messages / decisions, 1) if decisions else None,
         "placements": placements,
         "preemptions": sum(r.counters.get("preemptions", 0) for r in results),
+        # SPEC.md Q6 (with --quota-gpus): placements on borrowed grants, preemptions that
+        # reclaimed (a victim of equal or higher priority), and victims that were borrowed.
+        "borrowed_placements": sum(r.counters.get("borrowed_placements", 0) for r in results),
+        "reclaims": sum(r.counters.get("reclaims", 0) for r in results),
+        "borrowed_victims": sum(r.counters.get("borrowed_victims", 0) for r in results),
         "gangs": sum(r.counters.get("gangs", 0) for r in results),
         "gangs_placed": sum(r.counters.get("gangs_placed", 0) for r in results),
         "gang_kills": sum(r.counters.get("gang_kills", 0) for r in results),

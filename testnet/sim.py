@@ -37,6 +37,7 @@ from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, d
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
+from testnet.sim_borrowing import BorrowingAudit
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
@@ -240,6 +241,7 @@ class Simulation:
         self.mesh_id = self.world.mesh_id
         self.owner_of_job = {spec.job_id: spec.job.owner for spec in self.world.jobs}
         self.job_of_id = {spec.job_id: spec.job for spec in self.world.jobs}
+        self.borrowing = None   # set with the checker: the borrowing audit (SPEC.md Q6)
         self.core_caches = CoreCaches() if config.shared_caches else None   # None: each core its own
         self.network = self._network(faulty)
         honest = [i for i in range(config.nodes) if i not in self.world.byzantine]
@@ -809,6 +811,7 @@ class Simulation:
                 self.liveness.placed([self.checker.job_of(p) for p in placements])
             self.liveness.note_capacity()
             if self.config.quota_gpus:
+                self._audit_borrowing(node, decision)
                 self._note_quota_overshoot()
         if node.behaviour is None and decision.value_kind in ("placement", "placement_slot"):
             self.liveness.decided(decision.instance)
@@ -954,7 +957,7 @@ class Simulation:
             liveness_missing=missing, decision_log_digest=log_digest,
             network={"sent": stats.sent, "lost": stats.dropped_loss, "partitioned": stats.dropped_partition,
                      "duplicated": stats.duplicated, "reordered": stats.reordered},
-            counters=dict(self.counters, gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
+            counters=dict(self.counters, **(self.borrowing.counters if self.borrowing is not None else {}), gangs=len(gangs), gangs_placed=len(gangs) - len(unplaced_gangs),
                           gang_replacements=checker.gang_replaced, gang_resizes=checker.gang_resized,
                           gang_grows=checker.gang_grown,
                           unplaceable_jobs=len(unplaceable) - len(quota_held),
@@ -1126,17 +1129,32 @@ class Simulation:
                     worst = max(worst, quotas.usage(table, owner, "").gpu_milli - limit.gpu_milli)
         return worst
 
+    def _audit_borrowing(self, node: SimNode, decision) -> None:
+        """SPEC.md Q6, at an instance's first decision: borrowed placements are of preemptible
+        jobs; a preemption of equal or higher priority victims is a reclaim of borrowed ones."""
+        if self.borrowing is None:
+            self.borrowing = BorrowingAudit(self.checker, self.job_of_id,
+                                            lambda: [n.core for n in self.nodes if n.core is not None])
+        if decision.value_kind in ("placement", "placement_slot"):
+            placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
+            for placement in placements:
+                self.borrowing.placed(node.index, decision.instance, self.checker.job_of(placement))
+        elif decision.value_kind == "preemption":
+            self.borrowing.preempted(node.index, decision.instance, self.checker.job_of(decision.value),
+                                     decision.value.victims)
+
     def _note_quota_overshoot(self) -> None:
         """The most an owner's jobs on honest nodes exceed its GPU quota (SPEC.md Q2's bound),
         by the checker's truth of what each honest node holds (not a member's table, which
         a missed exit inflates), after each first decision: ``_quota_overshoot`` sees only
         the end of the run. Jobs a Byzantine member hosts run on its capacity (Q2 (c))."""
         owner_of = self.owner_of_job
+        borrowed = self.borrowing.borrowed if self.borrowing is not None else ()
         held: dict[bytes, int] = {}
         for load in self.checker.loads:
             for jid, (resources, _gpus) in load.jobs.items():
                 owner = owner_of.get(jid)
-                if owner is not None:
+                if owner is not None and jid not in borrowed:   # Q6: borrowed demand is not the quota's
                     held[owner] = held.get(owner, 0) + demand(resources).gpu_milli
         over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
         self.counters["quota_overshoot_peak_gpu_milli"] = max(self.counters.get("quota_overshoot_peak_gpu_milli", 0),
@@ -1152,7 +1170,7 @@ class Simulation:
                 continue
             for jid in node.running:
                 job = self.job_of_id.get(jid)
-                if job is not None:
+                if job is not None and (self.borrowing is None or jid not in self.borrowing.borrowed):
                     held[job.owner] = held.get(job.owner, 0) + demand(job.resources).gpu_milli
         over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
         key = "quota_overshoot_running_peak_gpu_milli"
