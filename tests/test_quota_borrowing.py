@@ -200,3 +200,36 @@ def test_validators_reject_a_reclaim_without_the_grants_that_prove_it():
     assert validate(encode_value(value), swapped) is None   # order of grants does not matter
     forged = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant_for(mine[0], True))   # an in-quota job
     assert "neither" in validate(encode_value(value), justification + (forged,))
+
+
+# --- the simulator ------------------------------------------------------------------------------------
+def test_the_sims_borrowing_audit_flags_a_reclaim_of_an_in_quota_job_and_a_borrowed_pinned_job():
+    from types import SimpleNamespace
+
+    from protocol.messages import PreemptionVictim
+    from testnet.sim_borrowing import BorrowingAudit
+    failures = []
+    checker = SimpleNamespace(fail=lambda check, node, instance, detail: failures.append(check))
+    low_borrowed, low_in_quota, high = preemptible(1, priority=900), preemptible(2, priority=900), manifest(3)
+    pinned = manifest(4)
+    granted = {job_id(low_borrowed): (grant_for(low_borrowed, True), 0),
+               job_id(low_in_quota): (grant_for(low_in_quota), 0), job_id(high): (grant_for(high), 0),
+               job_id(pinned): (dataclasses.replace(grant_for(pinned), borrowed=True), 0)}
+    core = SimpleNamespace(bidding=SimpleNamespace(scheduling=SimpleNamespace(admission=SimpleNamespace(
+        granted=granted))))
+    audit = BorrowingAudit(checker, {job_id(j): j for j in (low_borrowed, low_in_quota, high, pinned)}, lambda: [core])
+    audit.preempted(0, b"i", job_id(high), (PreemptionVictim(job_id=job_id(low_borrowed), fence=1),))
+    assert failures == [] and audit.counters["reclaims"] == 1
+    audit.preempted(0, b"i", job_id(high), (PreemptionVictim(job_id=job_id(low_in_quota), fence=1),))
+    assert failures == ["reclaim_of_in_quota_job"]
+    audit.placed(0, b"i", job_id(pinned))
+    assert failures[-1] == "borrowed_not_preemptible" and audit.counters["borrowed_placements"] == 1
+
+
+def test_sim_quota_sweep_borrows_and_every_check_holds():
+    from testnet.sim import SimConfig, run_simulation
+    results = [run_simulation(SimConfig(nodes=4, jobs=10, seed=seed, faults=(), job_ms=1500, preempt=True,
+                                        quota_gpus=1)) for seed in (0, 2)]
+    assert all(r.violations == [] for r in results), [r.violations for r in results]
+    assert sum(r.counters.get("borrowed_placements", 0) for r in results) > 0
+    assert max(r.counters.get("quota_overshoot_peak_gpu_milli", 0) for r in results) == 0
