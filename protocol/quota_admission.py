@@ -252,8 +252,9 @@ class QuotaAdmission:
         waiting = [r for r in self.jobs if r.state == "pending" and self.needs_grant(r.manifest)]
         self._resend(waiting, now_ms, out)
         self._note_cancels(now_ms)
+        borrowers = any(r.manifest.scheduling.preemptible for r in waiting)   # only they read the vectors (Q6)
         stamp = (sum(hash((r.job_id, r.state)) for r in self.jobs) + len(self.grants) + len(self.stopping),
-                 self._vectors_version())
+                 self._vectors_version() if borrowers else None)
         if (stamp == self.checked_at_stamp and now_ms < self.recheck_at_ms) or now_ms < self.quiet_until_ms:
             return
         self.checked_at_stamp, self.recheck_at_ms = stamp, 1 << 62
