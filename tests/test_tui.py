@@ -35,6 +35,8 @@ from meshnode.workload.manifest import parse_manifest, verify_signed_job
 from protocol.messages import Cancel, decode_message, job_id
 
 MESH_ID = bytes(range(32))
+BORROWING = ("waiting for capacity on borrowed quota (pool 'batch': owner ab12cd34's quota gpu_milli 1000, in use "
+             "gpu_milli 1000): once running, it may be preempted by in-quota work")
 WAIT_S = 10.0  # upper bound on any one UI condition; a pass normally takes milliseconds
 
 
@@ -126,6 +128,7 @@ class FakeNode:
             return {"job_id": cancel.job_id.hex()}
         if op == "why":
             return {"declines": {"not_enough_gpu_memory": ["bbbb0002"]}, "hint": "lower gpu memory",
+                    "borrowing": BORROWING,
                     **({"gang": self.why_gang} if self.why_gang else {}),
                     "queue": {"pool": "", "position": 1, "queue_length": 2, "ahead_with_higher_priority": 0,
                               "quota": None, "estimate": {"start_ms": None, "in_ms": None,
@@ -417,6 +420,7 @@ def test_why_screen_shows_groups_and_hint():
             assert "node says: lower gpu memory" in text
             assert "queue: 1 of 2 in pool default" in text and "estimated start: unknown" in text   # SPEC Q3, Q4
             assert "resources.gpu_mem_mib: lower to <= 24576 MiB (asked 60000)" in text
+            assert BORROWING in text   # SPEC Q6: on borrowed quota, reclaimable by in-quota work
             await pilot.press("escape")
             # A gang: its rule, ranks, topology groups and recovery history, as `meshnode why` shows them.
             node.why_gang = {"topology": "rail_group", "sizes": [4, 2], "workers": [
