@@ -66,7 +66,9 @@ def register(subparsers) -> None:
                              "most with strategy pack (default 0)")
     parser.add_argument("--quota-gpus", type=int, default=0, metavar="N",
                         help="the genesis limits each owner to N GPUs in the default pool (SPEC.md 5.5, Q2; "
-                             "default 0: no quotas); jobs held by it at the end are counted, not stalls")
+                             "default 0: no quotas); jobs held by it at the end are counted, not stalls; with "
+                             "--preempt, preemptible jobs over it borrow and in-quota jobs reclaim (Q6), counted "
+                             "as borrowed_placements, reclaims and borrowed_victims")
     parser.add_argument("--reservations", action="store_true",
                         help="genesis reservations on: waiting jobs hold capacity, others backfill (SPEC.md Q5)")
     parser.add_argument("--move", type=float, default=0.0, metavar="F",
