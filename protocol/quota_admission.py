@@ -100,7 +100,8 @@ def grant_error(data: bytes, job, view, mesh_id: bytes, caches=None, borrowed: b
     if problem is not None:
         return "quota grant: %s" % problem
     if borrowed is not None and grant.borrowed != borrowed:
-        return "quota grant: %s, expected %s" % (*(("borrowed", "in-quota") if grant.borrowed else ("in-quota", "borrowed")),)
+        kinds = {True: "borrowed", False: "in-quota"}
+        return "quota grant: %s, expected %s" % (kinds[grant.borrowed], kinds[borrowed])
     homes = quota_homes(view, job.owner, job.scheduling.pool)
     if envelope.signer not in homes:
         return "quota grant: signed by %s, not a quota home (%s)" % (short_id(envelope.signer), ", ".join(
