@@ -193,6 +193,8 @@ class QuotaAdmission:
         if grant.job_id in self.grants:
             return False
         self._keep(grant, data, now_ms, out)
+        if envelope.signer == self.ctx.me:   # its own, from its store after a restart: it re-sends it (_resend)
+            self.signed_here.add(grant.job_id)
         return True
 
     def _keep(self, grant: QuotaGrant, data: bytes, now_ms: int, out: Ready) -> None:

@@ -151,6 +151,14 @@ def summarize(results: list[SimResult], wall_s: float) -> dict:
         # placements: a job cancelled before its placement applied is placed but never run).
         "quota_overshoot_running_peak_gpu_milli_max": max(
             (r.counters.get("quota_overshoot_running_peak_gpu_milli", 0) for r in results), default=0),
+        # SPEC.md Q2f: the most one honest home's (or deputy's) running grants exceeded the
+        # quota (a violation when above 0, but for Q2e's late cancels); the most all honest
+        # homes' running grants of one owner exceeded it together, and how many homes granted.
+        "quota_signer_over_peak_gpu_milli_max": max(
+            (r.counters.get("quota_signer_over_peak_gpu_milli", 0) for r in results), default=0),
+        "quota_honest_granted_over_peak_gpu_milli_max": max(
+            (r.counters.get("quota_honest_granted_over_peak_gpu_milli", 0) for r in results), default=0),
+        "quota_honest_signers_max": max((r.counters.get("quota_honest_signers_max", 0) for r in results), default=0),
         # --reflex (SPEC.md R3): reflex moves decided, over all seeds.
         "reflex_moves": sum(r.counters.get("reflex_moves", 0) for r in results),
         # --reflex (SPEC.md R4): replica actions (clone, reroute, decay, fill) decided, over all seeds.

@@ -32,13 +32,15 @@ from protocol.gpu_shares import MILLI_PER_GPU
 from protocol.instances import SAFETY_TABLES
 from protocol.job_table import LIVE_JOB_STATES, TERMINAL
 from protocol.mesh import MeshCore
-from protocol.quota import demand
+from protocol.quota import Quotas, demand
+from protocol.quota_admission import CANCEL_STOP_GRACE_ROUNDS
 from protocol.messages import Cancel, CommitCertificate, Decline, MoveRequest, decode_message, encode_message, job_id
 from protocol.ready import Ready
 from testnet.byzantine import BEHAVIOURS, SLOT_BEHAVIOURS, ByzantineBehaviour
 from testnet.sim_checks import DecisionChecker, NodeFacts
 from testnet.sim_borrowing import BorrowingAudit
 from testnet.sim_liveness import CAPACITY_WAIT, LivenessTracker
+from testnet.sim_quota import QuotaBoundCheck
 from testnet.sim_network import DelayModel, SimNetwork, random_partition
 from testnet.sim_reflex import REFLEX_SETTLE_MS, TELEMETRY_MS, ReflexAudit, add_reflexes, hot_spells, reading
 from testnet.sim_job_signals import JobSignalMoves, job_signals, use_latency_rules
@@ -276,6 +278,11 @@ class Simulation:
         self.excuse_reasons: dict[bytes, dict[str, int]] = {}   # job id -> reason -> ms excused
         self.deadline_ms = 0                       # the base liveness deadline, set when the run starts
         self.liveness = LivenessTracker(self)      # capacity waits and rounds apart (SPEC 11)
+        # SPEC.md Q2f: what honest homes granted that runs stays within the quota (Q2d's bound).
+        quotas = Quotas(getattr(self.world.genesis, "pools", ()))
+        self.quota_bound = QuotaBoundCheck(lambda owner, pool: quotas.limit(pool, owner), CANCEL_STOP_GRACE_ROUNDS
+                                           * self.world.genesis.params.round_timeout_max_ms, self.checker.fail,
+                                           key_of=lambda index: self.nodes[index].public_key)
         self.witness_sides: dict[tuple, int] = {}
         self.witnessed: dict[int, set[int]] = {}
         self._cert_cache: dict[int, tuple] = {}
@@ -462,6 +469,8 @@ class Simulation:
         if not node.up or node.incarnation != incarnation:
             return  # a tick of a crashed incarnation: its timer died with it
         self._call(node, node.core.tick, self.now_ms)
+        if self.config.quota_gpus:
+            self.quota_bound.ticked(index, self.now_ms)
         self.push(self.now_ms + self.config.tick_ms, TICK, index, incarnation)
 
     def _deliver(self, dst: int, payload) -> None:
@@ -639,6 +648,7 @@ class Simulation:
                 self.checker.check_running(node.index, tuple(node.running.values()), decision.value)
                 if cfg.quota_gpus:
                     self._note_quota_overshoot_running()
+                    self._check_quota_bound()
             if cfg.runs_reported:
                 for run in decision.value:   # it started, as the node driver reports (R2 moves running jobs)
                     self._call(node, node.core.workload_started, run.job_id, run.fence, 0, self.now_ms)
@@ -739,6 +749,8 @@ class Simulation:
         decisions; events are only read for the liveness excuses."""
         if node.behaviour is None and ready.events and self.now_ms >= self.heal_ms:
             self._excuse_byzantine_rounds(node, ready.events)
+        if ready.events and self.config.quota_gpus:
+            self._quota_events(node, ready.events)
         if node.behaviour is None and not (ready.persist or ready.messages or ready.decisions):
             if ready.events:
                 self._job_events(node, ready.events)
@@ -963,6 +975,9 @@ class Simulation:
                           unplaceable_jobs=len(unplaceable) - len(quota_held),
                           quota_held_jobs=len(quota_held), quota_overshoot_gpu_milli=self._quota_overshoot(deciders),
                           liveness_unpromised_jobs=len(unpromised),
+                          quota_signer_over_peak_gpu_milli=self.quota_bound.peak_signer_over_gpu_milli,
+                          quota_honest_granted_over_peak_gpu_milli=self.quota_bound.peak_honest_over_gpu_milli,
+                          quota_honest_signers_max=self.quota_bound.peak_honest_signers,
                           byzantine_led_rounds_excused=len(self.excused_rounds)),
             late_reasons=late_reasons, stalled_reasons=stalled_reasons)
 
@@ -1175,6 +1190,26 @@ class Simulation:
         over = max((gpu - self.config.quota_gpus * MILLI_PER_GPU for gpu in held.values()), default=0)
         key = "quota_overshoot_running_peak_gpu_milli"
         self.counters[key] = max(self.counters.get(key, 0), over)
+
+    def _quota_events(self, node: SimNode, events) -> None:
+        """Who granted each job (any node: a Byzantine home's grants are placed too) and when
+        an honest node's table showed a job cancelled (Q2e's grace), for the Q2f check."""
+        granted = False
+        for event in events:
+            if event.kind == "quota_granted":
+                self.quota_bound.granted(node.index, bytes.fromhex(event.detail["job_id"]), self.now_ms)
+                granted = True
+            elif event.kind == "job_cancelled" and node.behaviour is None:
+                self.quota_bound.cancelled(node.index, bytes.fromhex(event.detail["job_id"]), self.now_ms)
+        if granted:   # a job may be granted again (a deputy, then a late home) while it runs
+            self._check_quota_bound()
+
+    def _check_quota_bound(self) -> None:
+        """SPEC.md Q2f, after every run order of an honest node and every grant: the only
+        moments the honest homes' running jobs grow."""
+        running = {jid: self.job_of_id[jid] for node in self.nodes if node.behaviour is None and node.up
+                   for jid in node.running if jid in self.job_of_id}
+        self.quota_bound.check(self.now_ms, running, frozenset(self.honest))
 
     def _declined(self, index: int, jid: bytes) -> bool:
         """Whether node ``index`` answered the job's current placement instance with a decline

@@ -45,7 +45,7 @@ MAX_VIOLATIONS_KEPT = 200  # a broken run can produce millions; keep the first o
 
 @dataclass(frozen=True)
 class Violation:
-    check: str          # agreement | certificate | validity | overcommit | ledger | liveness | evidence | own_votes
+    check: str          # agreement | certificate | validity | overcommit | ledger | liveness | evidence | own_votes | quota (SPEC Q2f)
     node: int | None    # simulator index of the node whose output broke the rule
     instance: str       # hex instance id ("" when not about one instance)
     detail: str

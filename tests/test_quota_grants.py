@@ -269,6 +269,28 @@ def test_a_restarted_home_counts_a_grant_of_a_job_it_forgot_for_a_bounded_time()
     assert [m for m in ready.messages if codec.unpack(m.data)[2] == "quota_grant"]
 
 
+def test_a_restarted_home_re_sends_the_grants_it_persisted_of_jobs_still_pending():
+    """Simulator seed 42: the home granted a job whose grant no member got (a partition),
+    crashed, and took the grant back from its store, but no longer re-sent it (it kept
+    only in memory which grants it signed): the job waited 8.8 s, until a deputy's count
+    had room for it through a whole hand-over. A home re-sends each grant it signed of a
+    job still pending, also after a restart (Q2b)."""
+    import random
+    from protocol.mesh import MeshCore
+    from protocol.policy import LocalCapacity, NodePolicy
+    job = manifest(1)
+    grant = encode_message(IDENTITY_OF[HOME], POOLED.mesh_id, grant_for(job))
+    restarted = MeshCore(identity=IDENTITY_OF[HOME], genesis=POOLED, policy=NodePolicy(),
+                         capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(0), now_ms=1000,
+                         job_outcomes=[grant])
+    entry = next(key for key in KEYS if key != HOME)
+    restarted.step(encode_message(OWNER, POOLED.mesh_id, job), 1000, entry)   # the entry node re-sends the job
+    every_ms = POOLED.params.round_timeout_max_ms
+    broadcasts = [now for now in range(1001, 1002 + 2 * every_ms, 50) for m in restarted.tick(now).messages
+                  if m.data == grant and m.to is None]
+    assert len(broadcasts) == 2 and broadcasts[1] - broadcasts[0] >= every_ms   # once per maximal round timeout
+
+
 def test_a_home_counts_a_cancelled_job_until_its_primary_has_had_time_to_stop_it():
     """Simulator seed 140: the home applied a job's cancel 1.2 s before the job's primary
     did, freed its quota at once and granted the next job, which ran beside the cancelled
