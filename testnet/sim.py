@@ -1197,6 +1197,8 @@ class Simulation:
         granted = False
         for event in events:
             if event.kind == "quota_granted":
+                if event.detail.get("borrowed"):
+                    continue   # Q6: a borrowed grant counts nothing against the quota
                 self.quota_bound.granted(node.index, bytes.fromhex(event.detail["job_id"]), self.now_ms)
                 granted = True
             elif event.kind == "job_cancelled" and node.behaviour is None:
