@@ -8,6 +8,7 @@ every member show a job running, not only the backups that hold its checkpoints.
 
 from __future__ import annotations
 
+from protocol import job_table
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, JobSignals, RunningJob
 from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -40,6 +41,7 @@ class CapabilityBook:
         self.ctx = ctx
         self.epochs = epochs
         self.jobs = jobs
+        self._running: tuple[int | None, tuple] = (None, ())   # (job_table.changes[0], _running_here())
         self.ledger = ledger
         self.envelope: bytes | None = None          # our newest signed vector
         self.vector: CapabilityVector | None = None
@@ -262,7 +264,12 @@ class CapabilityBook:
         self.broadcast_facts = broadcast_facts if broadcast_facts is not None else self._broadcast_facts()
 
     def _running_here(self) -> tuple:
-        return tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running")
+        """(job id, fence) of the jobs running here as primary; recounted only after a watched
+        job field changed (job_table.changes): it is asked after every input."""
+        if self._running[0] != job_table.changes[0]:
+            self._running = (job_table.changes[0],
+                             tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running"))
+        return self._running[1]
 
     def shows_running(self, node: bytes, jid: bytes, fence: int) -> bool:
         """Whether ``node``'s newest vector held here lists job ``jid`` running at ``fence`` (R2a)."""

@@ -20,6 +20,14 @@ FENCE_PER_ATTEMPT = 1 << 16      # attempt a's placement sets fence a * 2^16 + 1
 MAX_FENCES_REMEMBERED = 32       # per job: which node was primary at each of its newest fences (P6)
 MAX_RECENT_OUTCOMES = 64         # exits, refusals and cancels re-sent by sync answers (F6)
 
+# The fields that say whether and how this node runs a job (JobTable.mine, workload_orders.py).
+# Assigning one, or adding or dropping a record, bumps ``changes`` below: what reads only these
+# may keep its last answer while ``changes[0]`` stands still (issue 18: the workload orders
+# scanned every job a node is primary of after every input; 27% of a 4-node slot bench's
+# busiest node). One counter for every table in the process: a bump only costs a recount.
+WATCHED_FIELDS = frozenset(("state", "primary", "fence", "gpus", "attempt", "checkpoint_fence"))
+changes = [0]
+
 
 @dataclass
 class JobRecord:
@@ -91,6 +99,11 @@ class JobRecord:
     replicas_dropped: int = 0   # replicas dropped with their node or the job's end (R4b), not by an action
     replica_restarts: int = 0   # replicas replaced after a failed exit (R4h), bounded per job
 
+    def __setattr__(self, name: str, value) -> None:
+        if name in WATCHED_FIELDS:
+            changes[0] += 1
+        object.__setattr__(self, name, value)
+
     def preempted_by_job(self) -> bytes | None:
         """The job this one was last preempted for, if its preempted attempt has ended."""
         if self.preempted_by is None or self.attempt <= self.preempted_by[1] // FENCE_PER_ATTEMPT:
@@ -123,6 +136,8 @@ class JobTable:
         # one was broadcast learns it.
         self.recent_outcomes: deque = deque(maxlen=MAX_RECENT_OUTCOMES)
         self._reflex_jobs: set[bytes] = set()   # jobs whose manifests hold reflex rules (R3)
+        self._mine: list[JobRecord] = []         # mine()'s answer while changes[0] is _mine_at
+        self._mine_at: int | None = None
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,
                fence: int | None = None) -> None:
@@ -137,6 +152,7 @@ class JobTable:
                 self.remember_primary(record, fence, primary)
         if primary == self.me:
             self._ever_mine.add(record.job_id)
+            changes[0] += 1
 
     @staticmethod
     def remember_primary(record: JobRecord, fence: int, primary: bytes) -> None:
@@ -153,10 +169,13 @@ class JobTable:
         return bool(self._ever_mine)
 
     def mine(self) -> list[JobRecord]:
-        """Records of the jobs this node is primary of now, in any state."""
-        gone = [jid for jid in self._ever_mine if jid not in self.records or self.records[jid].primary != self.me]
-        self._ever_mine.difference_update(gone)
-        return [self.records[jid] for jid in sorted(self._ever_mine)]
+        """Records of the jobs this node is primary of now, in any state (a fresh list)."""
+        if self._mine_at != changes[0]:
+            gone = [jid for jid in self._ever_mine if jid not in self.records or self.records[jid].primary != self.me]
+            self._ever_mine.difference_update(gone)
+            self._mine = [self.records[jid] for jid in sorted(self._ever_mine)]
+            self._mine_at = changes[0]
+        return list(self._mine)
 
     def get(self, jid: bytes) -> JobRecord | None:
         return self.records.get(jid)
@@ -171,9 +190,11 @@ class JobTable:
         if len(self.records) >= MAX_JOBS:
             for old in [k for k, r in self.records.items() if r.state in TERMINAL][:1024]:
                 del self.records[old]
+                changes[0] += 1
                 self._reflex_jobs.discard(old)
         record = JobRecord(jid, data, job, now_ms)
         self.records[jid] = record
+        changes[0] += 1
         if job.reflexes or job.service.min_replicas > 1:   # R3, R4: watched as their primary's vectors come
             self._reflex_jobs.add(jid)
         return record

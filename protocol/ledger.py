@@ -83,6 +83,7 @@ class ResourceLedger:
         self._allocated: dict[bytes, Claim] = {}
         self._shares = self._fresh_shares()
         self.version = 0  # bumps on every change: tells the core its capability vector is stale
+        self.allocations_version = 0   # bumps when a job's allocation comes or goes (workload_orders.py)
         # Reservation changes not persisted yet, (key, claim or None when it went), oldest
         # first: the core persists them with the Ready batch that sends the bids (R1).
         self.journal: list[tuple[bytes, Claim | None]] = []
@@ -232,6 +233,7 @@ class ResourceLedger:
         self._shares.allocate(("allocated", job_key), claim_demand(claim), claim.gpus)
         allocated = claim.unexpiring()
         self._allocated[job_key] = allocated
+        self.allocations_version += 1
         return allocated
 
     def allocate_now(self, job_key: bytes, resources: Resources, free_mem_mib: dict[int, int] | None = None,
@@ -243,6 +245,7 @@ class ResourceLedger:
         claim = self._take(("allocated", job_key), resources, None, free_mem_mib, prefer)
         if claim is not None:
             self._allocated[job_key] = claim
+            self.allocations_version += 1
         return claim
 
     def take_on(self, key: bytes | None, job_key: bytes, resources: Resources,
@@ -258,6 +261,7 @@ class ResourceLedger:
         claim = self._allocated.pop(job_key, None)
         if claim is None:
             return False
+        self.allocations_version += 1
         self._give_back(("allocated", job_key))
         return True
 
@@ -278,6 +282,7 @@ class ResourceLedger:
         """Forget every claim (a restart rebuilds the ledger from its final job table)."""
         self._reserved.clear()
         self._allocated.clear()
+        self.allocations_version += 1
         self._shares = self._fresh_shares()
         self.journal.clear()
         self.version += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol import job_table
 from protocol.job_lifecycle import resumes_from_checkpoint
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.ready import Decision, NO_INSTANCE, Ready
@@ -46,16 +47,35 @@ class WorkloadOrders:
         self.ordered: dict[bytes, int] = {}   # job id -> fence it was ordered to run under
         self.gang_told: dict[bytes, object] = {}   # a gang rank's job id -> the GangRank its run was last told
         self.replicas = None   # the ReplicaFlow (set by the core): the replicas this node holds (R4)
+        # The inputs of the last reconcile that ordered nothing (None: it ordered something, or
+        # a gang rank runs here, whose peers change without any of them). The same inputs
+        # order nothing again, so it is not recounted: most inputs change no job of this node.
+        self._quiet_inputs: tuple | None = None
 
     def exited(self, jid: bytes) -> None:
         """The driver reports the workload gone: nothing to stop any more."""
         self.ordered.pop(jid, None)
         self.gang_told.pop(jid, None)
+        self._quiet_inputs = None
+
+    def _inputs(self, replicas) -> tuple:
+        """Everything ``reconcile`` reads but the ordered runs themselves (which only it and
+        ``exited`` change): the watched job fields (job_table.changes), the allocations, the
+        waits, membership and halts, and the replicas' runs by value."""
+        return (job_table.changes[0], self.ledger.allocations_version, tuple(self.handoff_waits),
+                tuple(self.stop_waits), self.epochs.is_member(), self.liveness.halted,
+                self.liveness.startup_sync_due,
+                tuple((key, replica.fence, None if claim is None else tuple(claim.gpus), index)
+                      for key, _record, index, replica, claim in replicas))
 
     def reconcile(self, out: Ready) -> None:
         replicas = self.replicas.runnable() if self.replicas is not None else ()
         if not self.ordered and not self.jobs.may_have_mine() and not replicas:
             return   # nothing ordered, nothing to order: most inputs of most nodes
+        inputs = self._inputs(replicas)
+        if inputs == self._quiet_inputs:
+            return
+        self._quiet_inputs = None
         wanted: dict[bytes, object] = {}
         replica_runs: dict[bytes, WorkloadRun] = {}
         # Nothing before the first tick's restart check (F6) has had its say on our history.
@@ -82,6 +102,8 @@ class WorkloadOrders:
             self.gang_told.update(moved)
             out.decisions.append(Decision("gang_peers", NO_INSTANCE, moved, b""))
         if not stops and not runs:
+            if not moved and not self.gang_told and not any(self.gang_rank(jid) is not None for jid in wanted):
+                self._quiet_inputs = inputs
             return
         for jid in stops:
             del self.ordered[jid]

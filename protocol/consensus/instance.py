@@ -351,10 +351,12 @@ class ConsensusInstance:
             self._broadcast(cert_envelope, cert, cert_data, now_ms, ready)
             return
         # SPEC.md 6.11: every member counted these votes itself, so it acts on the certificate
-        # at once, as if the leader had sent it. The leader still broadcasts its own, for members
-        # that missed votes, but after what it signs on it: its precommit is on the critical path.
+        # at once, as if the leader had sent it. The leader still broadcasts its commit and nil
+        # prevote certificates, for members that missed votes, but after what it signs on them:
+        # its precommit is on the critical path. Not a non-nil prevote certificate (6.13): every
+        # member that could use it decides from the precommits or from the commit certificate.
         self._handlers[type(cert)](cert_envelope, cert, cert_data, now_ms, ready)
-        if leads_round:
+        if leads_round and not (kind == Prevote.KIND and cert.value_hash is not None):
             self._send(None, cert_data, ready)
 
     def _send_vote(self, vote_type: type, hash_: bytes | None, now_ms: int, ready: Ready) -> None:
