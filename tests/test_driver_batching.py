@@ -11,7 +11,7 @@ work half done.
 
 import trio
 
-from meshnode.node.driver import RECEIVE_BATCH_FRAMES, Node
+from meshnode.node.driver import RECEIVE_BATCH_FRAMES, RECEIVE_BATCH_MS, Node
 from protocol.ready import Outbound, Ready
 from testnet import launcher
 
@@ -112,5 +112,49 @@ async def test_the_frames_already_received_are_all_stepped_before_the_receive_lo
         assert core.stepped == frames
         # One batch of RECEIVE_BATCH_FRAMES, then the rest: the watcher never sees a batch cut short.
         assert set(seen) <= {0, RECEIVE_BATCH_FRAMES}, "the loop yielded after %s frames" % sorted(set(seen))
+    finally:
+        node.close()
+
+
+class SlowCore(RecordingCore):
+    """Each frame takes ``step_ms`` of the (mock) clock to step, as a slot frame did on a
+    starved host."""
+
+    def __init__(self, clock, step_ms: int):
+        super().__init__()
+        self.clock, self.step_ms = clock, step_ms
+
+    def step(self, data: bytes, now_ms: int, sender: bytes) -> Ready:
+        self.clock.jump(self.step_ms / 1000)
+        return super().step(data, now_ms, sender)
+
+
+async def test_a_batch_of_received_frames_ends_once_stepping_it_took_receive_batch_ms(tmp_path, mock_clock):
+    # Issue 18: the tick (heartbeats, suspicions) waits for a batch; 32 frames of a few ms
+    # each, times the starvation of 16 nodes on 2 cores, held it past the suspicion threshold.
+    node = driver_without_network(tmp_path)
+    step_ms = 4
+    node.core = core = SlowCore(mock_clock, step_ms)
+    transport = node.transport
+    frames = [b"frame %d" % i for i in range(RECEIVE_BATCH_FRAMES)]
+    seen: list[int] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node._receive_loop)
+            await passes(3)
+            for frame in frames:
+                transport._incoming_send.send_nowait((PEERS[0], frame))
+            nursery.start_soon(watch, seen, lambda: len(core.stepped), lambda: len(core.stepped) == len(frames))
+            for _ in range(PASSES_MAX):
+                if len(core.stepped) == len(frames):
+                    break
+                await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+        assert core.stepped == frames
+        per_batch = -(-RECEIVE_BATCH_MS // step_ms)   # 3 frames of 4 ms reach 10 ms
+        assert per_batch < RECEIVE_BATCH_FRAMES
+        # Other tasks ran after every batch of per_batch frames, never later.
+        assert set(seen) >= {per_batch, 2 * per_batch}, sorted(set(seen))
+        assert all(count % per_batch == 0 or count == len(frames) for count in seen), sorted(set(seen))
     finally:
         node.close()

@@ -54,6 +54,10 @@ TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minut
 SIGNALS_FRESH_MS = 5000     # a workload's load report older than this is no longer its load (SPEC.md R3a)
 CONNECT_RETRY_MS = 500
 RECEIVE_BATCH_FRAMES = 32       # queued frames stepped before the receive loop yields
+# ... or fewer, once stepping them took this long: the tick (heartbeats, suspicions, round
+# timeouts) waits for the batch, and on a starved host 32 slot frames held it past the
+# suspicion threshold (issue 18, n = 16 with jobs in flight).
+RECEIVE_BATCH_MS = 10
 RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
 BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
@@ -207,12 +211,15 @@ class Node:
     async def _receive_loop(self) -> None:
         incoming = self.transport.incoming
         async for sender, data in incoming:
-            await self._handle(self.core.step(data, now_ms(), sender))
+            batch_started_ms = now_ms()
+            await self._handle(self.core.step(data, batch_started_ms, sender))
             # The frames already queued are stepped before this task yields: the writers run
             # once after the whole batch, so answers to one peer leave in one write and the
-            # scheduler passes once, not once per frame (issue 18). Bounded, so the tick loop
-            # still runs between batches on a flooded node.
+            # scheduler passes once, not once per frame (issue 18). Bounded in frames and in
+            # time, so the tick loop still runs between batches on a flooded node.
             for _ in range(RECEIVE_BATCH_FRAMES - 1):
+                if now_ms() - batch_started_ms >= RECEIVE_BATCH_MS:
+                    break
                 try:
                     sender, data = incoming.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
