@@ -75,6 +75,24 @@ async def passes(count: int) -> None:
         await trio.lowlevel.checkpoint()
 
 
+async def receive_all(node, frames: list, seen: list | None = None) -> None:
+    """Run the node's receive loop over ``frames`` queued at once, until all are stepped;
+    ``seen``: how many were stepped at each scheduler pass of another task."""
+    core, transport = node.core, node.transport
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(node._receive_loop)
+        await passes(3)   # the loop waits on an empty queue
+        for frame in frames:
+            transport._incoming_send.send_nowait((PEERS[0], frame))
+        if seen is not None:
+            nursery.start_soon(watch, seen, lambda: len(core.stepped), lambda: len(core.stepped) == len(frames))
+        for _ in range(PASSES_MAX):
+            if len(core.stepped) == len(frames):
+                break
+            await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_readys_messages_are_all_queued_before_another_task_runs(tmp_path):
     node = driver_without_network(tmp_path)
     transport = node.transport
@@ -95,21 +113,11 @@ async def test_a_readys_messages_are_all_queued_before_another_task_runs(tmp_pat
 
 async def test_the_frames_already_received_are_all_stepped_before_the_receive_loop_yields(tmp_path):
     node = driver_without_network(tmp_path)
-    core, transport = node.core, node.transport
+    core = node.core
     frames = [b"frame %d" % i for i in range(RECEIVE_BATCH_FRAMES + 3)]
     seen: list[int] = []
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(node._receive_loop)
-            await passes(3)   # the loop waits on an empty queue
-            for frame in frames:
-                transport._incoming_send.send_nowait((PEERS[0], frame))
-            nursery.start_soon(watch, seen, lambda: len(core.stepped), lambda: len(core.stepped) == len(frames))
-            for _ in range(PASSES_MAX):
-                if len(core.stepped) == len(frames):
-                    break
-                await trio.lowlevel.checkpoint()
-            nursery.cancel_scope.cancel()
+        await receive_all(node, frames, seen)
         assert core.stepped == frames
         # One batch of RECEIVE_BATCH_FRAMES, then the rest: the watcher never sees a batch cut short.
         assert set(seen) <= {0, RECEIVE_BATCH_FRAMES}, "the loop yielded after %s frames" % sorted(set(seen))
@@ -136,21 +144,10 @@ async def test_a_batch_of_received_frames_ends_once_stepping_it_took_receive_bat
     node = driver_without_network(tmp_path)
     step_ms = 4
     node.core = core = SlowCore(mock_clock, step_ms)
-    transport = node.transport
     frames = [b"frame %d" % i for i in range(RECEIVE_BATCH_FRAMES)]
     seen: list[int] = []
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(node._receive_loop)
-            await passes(3)
-            for frame in frames:
-                transport._incoming_send.send_nowait((PEERS[0], frame))
-            nursery.start_soon(watch, seen, lambda: len(core.stepped), lambda: len(core.stepped) == len(frames))
-            for _ in range(PASSES_MAX):
-                if len(core.stepped) == len(frames):
-                    break
-                await trio.lowlevel.checkpoint()
-            nursery.cancel_scope.cancel()
+        await receive_all(node, frames, seen)
         assert core.stepped == frames
         per_batch = -(-RECEIVE_BATCH_MS // step_ms)   # 3 frames of 4 ms reach 10 ms
         assert per_batch < RECEIVE_BATCH_FRAMES
@@ -170,21 +167,11 @@ async def test_heartbeats_queued_behind_other_frames_are_stepped_first(tmp_path)
     # among them, so their senders looked silent: suspicions, refutations, a storm. The
     # core still decodes and checks a heartbeat as any frame; only the order changes.
     node = driver_without_network(tmp_path)
-    core, transport = node.core, node.transport
+    core = node.core
     bulk = [b"frame %d" % i for i in range(3 * RECEIVE_BATCH_FRAMES)]
     beats = [heartbeat_frame(i) for i in range(3)]
-    queued = bulk[:40] + [beats[0]] + bulk[40:80] + beats[1:] + bulk[80:]
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(node._receive_loop)
-            await passes(3)
-            for frame in queued:
-                transport._incoming_send.send_nowait((PEERS[0], frame))
-            for _ in range(PASSES_MAX):
-                if len(core.stepped) == len(queued):
-                    break
-                await trio.lowlevel.checkpoint()
-            nursery.cancel_scope.cancel()
+        await receive_all(node, bulk[:40] + [beats[0]] + bulk[40:80] + beats[1:] + bulk[80:])
         # Every heartbeat queued behind the bulk frames was stepped before any of them.
         assert core.stepped[:3] == beats
         assert [f for f in core.stepped if f not in beats] == bulk   # the others keep their order
