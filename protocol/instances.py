@@ -35,9 +35,12 @@ MAX_APPLIED_KEPT = 1 << 16       # instance ids whose decision we applied
 MAX_CATCH_UP_REPLIES = 4096      # (peer, instance, round) answered with an applied certificate, then forgotten
 MAX_EVIDENCE_KEPT = 256
 SAFETY_TABLES = ("votes", "locks", "evidence")   # what ConsensusInstance.restore reads back
-# SPEC.md 6.12, the adapted round timeout: 4 times the 90th percentile of the last 32 round-0
-# decisions, never under the genesis round_timeout_ms nor over twice it (4 times lengthened the
-# recovery of a placement whose round-0 leader failed: BENCHMARKS.md, "Fewer hops").
+# SPEC.md 6.12, the adapted round timeout: 4 times the 90th percentile of the last 32
+# decisions (each timed from the start of the round that decided), never under the genesis
+# round_timeout_ms nor over the flow's cap: twice it for a placement (4 times lengthened the
+# recovery of a placement whose round-0 leader failed: BENCHMARKS.md, "Fewer hops"), 8 times
+# for a slot (6.12a: a loaded n = 16 mesh took over a second per slot, and slots that timed
+# out at 220 ms re-ran every round of every slot, issue 18).
 DECISION_TIME_SAMPLES = 32
 DECISION_TIME_FACTOR = 4
 ADAPTED_TIMEOUT_MAX_FACTOR = 2
@@ -54,13 +57,13 @@ class DecisionTimes:
     def add(self, elapsed_ms: int) -> None:
         self.samples.append(max(0, elapsed_ms))
 
-    def round_timeout_ms(self, genesis_timeout_ms: int) -> int:
+    def round_timeout_ms(self, genesis_timeout_ms: int, max_factor: int = ADAPTED_TIMEOUT_MAX_FACTOR) -> int:
         if not self.samples:
             return genesis_timeout_ms
         ordered = sorted(self.samples)
         p90 = ordered[-(-9 * len(ordered) // 10) - 1]   # nearest rank: ceil(0.9 n)
         adapted = max(genesis_timeout_ms, DECISION_TIME_FACTOR * p90)
-        return min(adapted, ADAPTED_TIMEOUT_MAX_FACTOR * genesis_timeout_ms)
+        return min(adapted, max_factor * genesis_timeout_ms)
 
 
 class InstanceRole(NamedTuple):
@@ -80,8 +83,8 @@ class InstanceTable:
         self.applied: OrderedDict[bytes, None] = OrderedDict()   # instances whose decision we applied
         self.recent_certificates: OrderedDict[bytes, bytes] = OrderedDict()  # applied instance -> certificate
         self.roles: dict[bytes, InstanceRole] = {}
-        self.created_ms: dict[bytes, int] = {}   # live instance -> when this node created it
-        self.decision_times = DecisionTimes()
+        self.round_entered_ms: dict[bytes, int] = {}  # live instance -> when it entered its round here
+        self.decision_times: dict[str, DecisionTimes] = {}   # per adapting flow's value kind (6.12)
         self.rounds: dict[bytes, int] = {}       # the round each live instance was last seen in
         self.pending: OrderedDict[bytes, list] = OrderedDict()   # early messages for unknown instances
         self.timers: list[tuple[int, int, str, bytes]] = []      # (due_ms, seq, what, instance)
@@ -165,7 +168,8 @@ class InstanceTable:
         validate, other_kinds = flow.validators(iid)
         round_timeout_ms = params.round_timeout_ms
         if flow.adapts_round_timeout:
-            round_timeout_ms = self.decision_times.round_timeout_ms(round_timeout_ms)
+            round_timeout_ms = self.decision_times_of(flow).round_timeout_ms(round_timeout_ms,
+                                                                             flow.adapted_timeout_max_factor)
         inst = ConsensusInstance(instance_id=iid, value_kind=flow.value_kind, view=view, identity=self.ctx.identity,
                                  mesh_id=self.ctx.mesh_id,
                                  round_timeout_ms=round_timeout_ms + flow.round_timeout_extra_ms,
@@ -181,13 +185,16 @@ class InstanceTable:
                 self.ctx.counters["bad_safety_record"] += 1
         self.instances[iid] = inst
         self.roles[iid] = InstanceRole(flow, subject)
-        self.created_ms[iid] = now_ms
+        self.round_entered_ms[iid] = now_ms
         self.rounds[iid] = inst.round
         self.drive(inst, inst.start(now_ms), now_ms, out)
         for envelope, message, data in self.pending.pop(iid, ()):
             if isinstance(message, Bid) or iid in self.instances:  # as if it arrived now
                 self.deliver_held(envelope, message, data, now_ms, out)
         return self.instances.get(iid, inst)
+
+    def decision_times_of(self, flow) -> DecisionTimes:
+        return self.decision_times.setdefault(flow.value_kind, DecisionTimes())
 
     def drive(self, inst: ConsensusInstance, ready: Ready, now_ms: int, out: Ready) -> None:
         """Fold an instance's output into ``out``: apply decisions, let the flow follow round
@@ -211,6 +218,7 @@ class InstanceTable:
         flow = self.roles[iid].flow
         if inst.round != self.rounds.get(iid):
             self.rounds[iid] = inst.round
+            self.round_entered_ms[iid] = now_ms
             flow.on_round_changed(inst, now_ms, out)
         if inst.awaiting_value:
             flow.on_awaiting_value(inst, now_ms, out)
@@ -241,7 +249,7 @@ class InstanceTable:
             self._keep_safety_records(iid, records)
         self.roles.pop(iid, None)
         self.rounds.pop(iid, None)
-        self.created_ms.pop(iid, None)
+        self.round_entered_ms.pop(iid, None)
 
     def _keep_safety_records(self, iid: bytes, records: list) -> None:
         """Add to what a re-created instance restores, upserted by (table, key) as on disk: a
@@ -257,9 +265,11 @@ class InstanceTable:
             return
         self.rounds.pop(iid, None)
         role = self.roles.pop(iid)
-        created_ms = self.created_ms.pop(iid, now_ms)
-        if role.flow.adapts_round_timeout and inst.decision is not None and inst.decision.round == 0:
-            self.decision_times.add(now_ms - created_ms)
+        entered_ms = self.round_entered_ms.pop(iid, now_ms)
+        if role.flow.adapts_round_timeout and inst.decision is not None and inst.decision.round == inst.round:
+            # Timed from the start of the round that decided (round 0: the creation): under
+            # load most slots decided in a later round, so round-0 samples alone never came.
+            self.decision_times_of(role.flow).add(now_ms - entered_ms)
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).

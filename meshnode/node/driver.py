@@ -38,7 +38,7 @@ from meshnode.net.limits import RefusalReport
 from meshnode.workload.sdk import GANG_PEERS_FILE, GANG_PEERS_FILE_ENV, format_peers, gang_environment, multiaddr_host
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
-from protocol.messages import JobManifest, JobSignals, decode_message, job_id as compute_job_id
+from protocol.messages import JobManifest, JobSignals, decode_message, is_heartbeat_frame, job_id as compute_job_id
 from protocol.drain import ReadyDrain
 from protocol.ready import Decision, Event, Ready
 from protocol.workload_orders import WorkloadRun
@@ -54,7 +54,14 @@ TELEMETRY_ERROR_LOG_MS = 60_000   # a failing GPU is logged at most once a minut
 SIGNALS_FRESH_MS = 5000     # a workload's load report older than this is no longer its load (SPEC.md R3a)
 CONNECT_RETRY_MS = 500
 RECEIVE_BATCH_FRAMES = 32       # queued frames stepped before the receive loop yields
+# ... or fewer, once stepping them took this long: the tick (heartbeats, suspicions, round
+# timeouts) waits for the batch, and on a starved host 32 slot frames held it past the
+# suspicion threshold (issue 18, n = 16 with jobs in flight).
+RECEIVE_BATCH_MS = 10
 RECEIVE_BACKLOG_BATCHES = 256   # Ready batches queued behind the drain before frames wait unread
+# Frames taken from the transport's queue ahead of stepping, so heartbeats among them are
+# stepped first (SPEC.md F1c); the transport's own queue holds as many again.
+RECEIVE_UNREAD_MAX = 1024
 BACKLOG_WAIT_MS = 1
 REFUSAL_REPORT_MS = 10_000  # at most one "peer_traffic_refused" summary per 10 s (SPEC.md 8)
 
@@ -206,17 +213,23 @@ class Node:
 
     async def _receive_loop(self) -> None:
         incoming = self.transport.incoming
-        async for sender, data in incoming:
-            await self._handle(self.core.step(data, now_ms(), sender))
+        unread: deque = deque()   # frames taken from the transport, heartbeats already stepped
+        while True:
+            if not unread:
+                try:
+                    await self._take(*await incoming.receive(), unread)
+                except trio.EndOfChannel:
+                    return
+            await self._take_queued(incoming, unread)
             # The frames already queued are stepped before this task yields: the writers run
             # once after the whole batch, so answers to one peer leave in one write and the
-            # scheduler passes once, not once per frame (issue 18). Bounded, so the tick loop
-            # still runs between batches on a flooded node.
-            for _ in range(RECEIVE_BATCH_FRAMES - 1):
-                try:
-                    sender, data = incoming.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
+            # scheduler passes once, not once per frame (issue 18). Bounded in frames and in
+            # time, so the tick loop still runs between batches on a flooded node.
+            batch_started_ms = now_ms()
+            for _ in range(RECEIVE_BATCH_FRAMES):
+                if not unread or now_ms() - batch_started_ms >= RECEIVE_BATCH_MS:
                     break
+                sender, data = unread.popleft()
                 await self._handle(self.core.step(data, now_ms(), sender))
             # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
             # so a starved node would read frames faster than it sends their answers, until
@@ -224,6 +237,25 @@ class Node:
             # unread wait in the transport's bounded queue, which drops and counts (SPEC 8).
             while self.drain.backlog() > RECEIVE_BACKLOG_BATCHES:
                 await trio.sleep(BACKLOG_WAIT_MS / 1000)
+            await trio.lowlevel.checkpoint()
+
+    async def _take_queued(self, incoming, unread: deque) -> None:
+        """Move the frames the transport holds into ``unread``, stepping heartbeats at once
+        (SPEC.md F1c): a heartbeat read behind seconds of queued consensus frames made its
+        sender look silent (issue 18, n = 16 with jobs in flight: frames 17-19 s old, and a
+        suspicion storm the starved nodes then paid for too)."""
+        while len(unread) < RECEIVE_UNREAD_MAX:
+            try:
+                sender, data = incoming.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            await self._take(sender, data, unread)
+
+    async def _take(self, sender: bytes, data: bytes, unread: deque) -> None:
+        if is_heartbeat_frame(data):
+            await self._handle(self.core.step(data, now_ms(), sender))
+        else:
+            unread.append((sender, data))
 
     async def _tick_loop(self) -> None:
         """Tick when the core has work (MeshCore.next_tick_ms), at most every TICK_MS and at

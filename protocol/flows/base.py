@@ -17,8 +17,10 @@ class ValueFlow:
     value_kinds: tuple[str, ...] = ()    # every kind its instances may decide
     max_rounds: int | None = None        # None: the genesis' max_rounds
     places_jobs: bool = False            # whether its values place jobs (job_ids says which)
-    # SPEC.md 6.12: its round timeout follows the node's measured round-0 decision time.
+    # SPEC.md 6.12: its round timeout follows the node's measured decision time, up to this
+    # many genesis round timeouts.
     adapts_round_timeout: bool = False
+    adapted_timeout_max_factor: int = 2
     # Proposal justifications beyond this are refused before any decoding (None: no limit).
     max_justification: int | None = MAX_BIDS_PER_PROPOSAL + 1
 

@@ -50,6 +50,11 @@ class SlotFlow(ValueFlow):
     places_jobs = True
     value_kinds = (SLOT,)
     max_justification = None     # a slot proposal carries the bids of up to MAX_SLOT_JOBS jobs (P7b)
+    # SPEC.md 6.12a: a slot's rounds follow its measured decision time too, up to 8 genesis
+    # timeouts: under load a slot took longer than 2 of them, and each round it timed out
+    # re-sent every bid and job of the slot to the next leader.
+    adapts_round_timeout = True
+    adapted_timeout_max_factor = 8
 
     def __init__(self, ctx, epochs, jobs, ledger, instances, bidding, placement) -> None:
         self.ctx = ctx

@@ -55,7 +55,7 @@ from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
 from protocol.messages.wire import (MESSAGE_TYPES, decode_message, decode_value, encode_message, encode_unsigned,
-                                   sign_message)
+                                   is_heartbeat_frame, sign_message)
 
 __all__ = [
     # fields
@@ -92,5 +92,5 @@ __all__ = [
     "RoundSync", "value_hash",
     # wire
     "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message", "encode_unsigned",
-    "sign_message",
+    "is_heartbeat_frame", "sign_message",
 ]

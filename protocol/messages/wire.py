@@ -59,6 +59,22 @@ def encode_unsigned(public_key: bytes, mesh_id: bytes, message: Record) -> bytes
     return seal_unsigned(public_key, mesh_id, type(message).KIND, message.to_body()).encode()
 
 
+HEARTBEAT_FRAME_MAX_BYTES = 256   # an unsigned heartbeat envelope is about 110 bytes
+
+
+def is_heartbeat_frame(data: bytes) -> bool:
+    """Whether ``data`` looks like a heartbeat envelope, checked without verifying anything
+    (a driver steps such frames ahead of bulk ones, SPEC.md F1c; the core still decodes and
+    checks them as any frame). False for anything else, garbage included."""
+    if len(data) > HEARTBEAT_FRAME_MAX_BYTES:
+        return False
+    try:
+        value = codec.unpack(data, HEARTBEAT_FRAME_MAX_BYTES)
+    except RemoteProtocolError:
+        return False
+    return isinstance(value, list) and len(value) > 2 and value[2] == Heartbeat.KIND
+
+
 def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
                    allow_any_mesh: bool = False, *, caches: CoreCaches | None = None,
                    channel_sender: bytes | None = None) -> tuple[Envelope, Record]:
