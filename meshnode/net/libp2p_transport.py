@@ -462,7 +462,7 @@ class Libp2pTransport:
             return
         self._enqueue(link, FRAME_KIND_DATA, data)
 
-    async def connect(self, peer_key: bytes, address: str) -> None:
+    async def connect(self, peer_key: bytes, address: str, defer_to_peer_ms: int = 0) -> None:
         try:
             target = multiaddr.Multiaddr(address)
         except (multiaddr.exceptions.Error, ValueError) as error:
@@ -478,9 +478,15 @@ class Libp2pTransport:
         if first_time and len(self._dial_addrs) >= self._peers_max:
             raise LocalProtocolError("more than %d peers to keep connected" % self._peers_max)
         self._dial_addrs[peer_key] = target
-        connected = await self._dial(peer_key, peer_id)
+        if defer_to_peer_ms:
+            # The peer dials us (SPEC.md 8 "Dial order"): our first dial waits in
+            # _keep_connected, where failed_attempts == 0 means "defer".
+            connected = peer_key in self._links
+        else:
+            connected = await self._dial(peer_key, peer_id)
         if first_time:
-            self._nursery.start_soon(self._keep_connected, peer_key, peer_id, connected)
+            self._nursery.start_soon(self._keep_connected, peer_key, peer_id, connected or bool(defer_to_peer_ms),
+                                     defer_to_peer_ms)
 
     # -- connection lifecycle -------------------------------------------------------
 
@@ -536,8 +542,9 @@ class Libp2pTransport:
             return False
         return peer_key in self._links
 
-    async def _keep_connected(self, peer_key: bytes, peer_id: ID, connected: bool) -> None:
-        """Redial ``peer_key`` whenever its connection is gone (SPEC.md "Transport / Redial")."""
+    async def _keep_connected(self, peer_key: bytes, peer_id: ID, connected: bool, defer_to_peer_ms: int) -> None:
+        """Redial ``peer_key`` whenever its connection is gone (SPEC.md "Transport / Redial"
+        and "Dial order")."""
         failed_attempts = 0 if connected else 1
         while True:
             link = self._links.get(peer_key)
@@ -545,7 +552,9 @@ class Libp2pTransport:
                 failed_attempts = 0
                 await link.lost.wait()
                 continue
-            await trio.sleep(redial_delay_ms(failed_attempts, self._rng) / 1000)
+            await trio.sleep(redial_delay_ms(failed_attempts, self._rng, defer_to_peer_ms) / 1000)
+            if peer_key in self._links:  # the peer's own dial came meanwhile
+                continue
             if await self._dial(peer_key, peer_id):
                 failed_attempts = 0
             else:
