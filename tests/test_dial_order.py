@@ -82,6 +82,34 @@ async def test_two_libp2p_nodes_dialling_each_other_make_one_connection():
                     assert [conn.muxed_conn.is_initiator for conn in connections] == [initiator]
 
 
+async def test_a_pair_that_dialled_each_other_keeps_the_same_one_connection_on_both_sides():
+    """Both dial at once (a redial after a loss, or a peer started without the deferral):
+    each side keeps the connection the lower key dialled and closes the other."""
+    from meshnode.net.libp2p_transport import open_libp2p_transport
+
+    seeds = sorted((bytes([1]) * 32, bytes([2]) * 32), key=lambda seed: SigningIdentity(seed).public_key)
+    low_key, high_key = (SigningIdentity(seed).public_key for seed in seeds)
+    with trio.fail_after(LIBP2P_TEST_TIMEOUT_S):
+        async with open_libp2p_transport(seeds[0], ["/ip4/127.0.0.1/tcp/0"]) as low:
+            async with open_libp2p_transport(seeds[1], ["/ip4/127.0.0.1/tcp/0"]) as high:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(low.connect, high_key, high.listen_addrs[0])
+                    nursery.start_soon(high.connect, low_key, low.listen_addrs[0])
+
+                def directions(transport, peer_key):
+                    if peer_key not in transport._links:
+                        return None
+                    peer_id = transport._links[peer_key].peer_id
+                    return [conn.muxed_conn.is_initiator
+                            for conn in transport._host.get_network().get_connections(peer_id) if not conn.is_closed]
+
+                while not (directions(low, high_key) == [True] and directions(high, low_key) == [False]):
+                    await trio.sleep(0.01)
+                await low.send(high_key, b"still linked")
+                assert await high.incoming.receive() == (low_key, b"still linked")
+                assert low.peers() == {high_key} and high.peers() == {low_key}
+
+
 class _FakeClock:
     def __init__(self):
         self.now = 0.0

@@ -86,6 +86,7 @@ from meshnode.net.transport import (
     FrameTooLarge,
     RttEstimator,
     encode_frame,
+    dials_first,
     redial_delay_ms,
 )
 from keys.errors import ConfigError
@@ -350,6 +351,37 @@ def _use_muxer(host: IHost, muxer_class: type[_BoundedYamux]) -> None:
         return muxers._annotate_connection(muxer_class(conn, peer_id, is_initiator=conn.is_initiator), conn, protocol)
 
     muxers.new_conn = new_conn
+
+
+def _keep_one_connection_per_pair(network: INetwork, local_key: bytes, nursery: trio.Nursery) -> None:
+    """Make ``network`` (our swarm instance only) resolve a pair's duplicate connections
+    the same way on both sides: keep the newest connection that the lower key dialled,
+    close the others (SPEC.md 8 "Dial order").
+
+    py-libp2p 0.8.1's ``Swarm._trim_connections`` (called when a peer has more than
+    max_connections_per_peer) closes the connection with the fewest streams, then the
+    oldest, once it is past a 20 s grace period; each side judged its own list, so a
+    pair that dialled each other could close both connections, lose the link and redial
+    (measured on a 32-node testnet on 2 cores: 178 such closes in a minute, and the
+    mesh never stayed fully connected). Both sides agree on who dialled a connection,
+    so this rule keeps the same one on each.
+    """
+    def trim(peer_id: ID) -> None:
+        connections = [conn for conn in network.connections.get(peer_id, []) if not conn.is_closed]
+        peer_key = _ed25519_key(peer_id)
+        if len(connections) <= 1 or peer_key is None:
+            network.connections[peer_id] = connections
+            return
+        we_dial = dials_first(local_key, peer_key)
+        preferred = [conn for conn in connections if conn.muxed_conn.is_initiator == we_dial]
+        keep = (preferred or connections)[-1]   # the list is in the order they were added
+        for conn in connections:
+            if conn is not keep:
+                network.cleanup_connection_health(peer_id, conn)
+                nursery.start_soon(_close_quietly, conn)
+        network.connections[peer_id] = [keep]
+
+    network._trim_connections = trim
 
 
 class _PeerLink:
@@ -994,6 +1026,7 @@ async def open_libp2p_transport(
                 limits,
             )
             muxer_class.transport = transport
+            _keep_one_connection_per_pair(host.get_network(), local_key, nursery)
             transport_box.append(transport)
             host.get_network().register_notifee(_ConnectionEvents(transport))
             host.set_stream_handler(TProtocol(PROTOCOL_ID), transport._serve_inbound_stream)
