@@ -147,13 +147,30 @@ def test_wait_ready_times_out_naming_every_node(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(launcher, "load_layout", lambda root: layout)
     monkeypatch.setattr(launcher, "process_state", lambda pid: "running")
-    monkeypatch.setattr(launcher, "node_status", lambda entry: {"index": entry["index"], "connected": 1})
+    monkeypatch.setattr(launcher, "node_status", lambda entry: {"index": entry["index"], "connected": 0})
     try:
         launcher.wait_ready("net", 5, clock=clock.monotonic, sleep=clock.sleep)
     except launcher.MeshError as error:
         assert "not ready after 5 s" in str(error) and "'index': 2" in str(error)
     else:
         raise AssertionError("wait_ready returned for a mesh that never connected")
+
+
+def test_wait_ready_accepts_a_quorum_of_peers_at_the_timeout(monkeypatch):
+    """7 nodes never all connected: at the timeout, 4 peers each (5 of 7 > 2/3) is enough,
+    3 peers (4 of 7) is not."""
+    layout = {"nodes": [{"index": i, "dir": "node-%d" % i, "pid": 1000 + i} for i in range(7)]}
+    monkeypatch.setattr(launcher, "load_layout", lambda root: layout)
+    monkeypatch.setattr(launcher, "process_state", lambda pid: "running")
+    for peers, ready in ((4, True), (3, False)):
+        clock = _FakeClock()
+        monkeypatch.setattr(launcher, "node_status", lambda entry, peers=peers: {"index": entry["index"], "connected": peers})
+        try:
+            rows = launcher.wait_ready("net", 5, clock=clock.monotonic, sleep=clock.sleep)
+        except launcher.MeshError:
+            assert not ready
+        else:
+            assert ready and len(rows) == 7 and clock.now >= 5
 
 
 def test_larger_meshes_get_a_longer_ready_timeout():
