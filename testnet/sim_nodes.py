@@ -447,8 +447,8 @@ def memory_transport_factory(network: MemoryNetwork, delay_ms: int = 0):
     async def factory(seed: bytes, _listen):
         transport = network.transport(SigningIdentity(seed).public_key)
 
-        async def connect(peer_key: bytes, _addr: str) -> None:
-            await MemoryTransport.connect(transport, peer_key, MEMORY_ADDR_PREFIX + peer_key.hex())
+        async def connect(peer_key: bytes, _addr: str, defer_to_peer_ms: int = 0) -> None:
+            await MemoryTransport.connect(transport, peer_key, MEMORY_ADDR_PREFIX + peer_key.hex(), defer_to_peer_ms)
         transport.connect = connect
         async with transport:
             if not delay_ms:

@@ -123,3 +123,18 @@ def test_refusal_report_summarises_at_most_once_per_interval():
     assert report.poll(counters, 5_000) is None                 # then no more than one per interval
     assert report.poll(counters, 11_000) == {"bad_frame": 7, "refused_peer_rate": 2}
     assert report.poll(counters, 30_000) is None                # quiet again
+
+
+def test_handshake_timeout_grows_with_the_handshakes_sharing_the_cpu():
+    """SPEC.md 8.1: 3000 ms for each 4 handshakes in progress (itself included), at most
+    10000 ms; a fixed 3000 ms failed members' handshakes in a 32-node start on 2 cores."""
+    gate = InboundGate(PeerLimits(handshakes_per_address_max=64, handshake_burst_per_address=64))
+    timeouts = []
+    for i in range(13):
+        assert gate.begin_handshake("10.0.0.1", 0.0) is None
+        timeouts.append(gate.handshake_timeout_s())
+    assert timeouts[:4] == [3.0] * 4 and timeouts[4:8] == [6.0] * 4 and timeouts[8:12] == [9.0] * 4
+    assert timeouts[12] == 10.0
+    for _ in range(13):
+        gate.end_handshake("10.0.0.1")
+    assert gate.handshake_timeout_s() == 3.0

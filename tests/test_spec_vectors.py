@@ -386,3 +386,14 @@ def test_subscribe_vector_of_10_6_is_the_clients_frame():
     assert encode_frame(request) == vector
     assert codec.unpack(vector[4:]) == request and int.from_bytes(vector[:4], "big") == len(vector) - 4
     assert subscribed_kinds(request["args"]) == {"decided", "placed"}
+
+
+def test_dial_order_vector_of_8_1_names_the_lower_key():
+    from meshnode.net.transport import dials_first
+    section = SPEC[SPEC.index("#### 8.1 Dial order"):]
+    first, second = re.search(r"are `([0-9a-f]{64})`\s+and `([0-9a-f]{64})`", section).groups()
+    assert SigningIdentity(bytes([1]) * 32).public_key.hex() == first
+    assert SigningIdentity(bytes([2]) * 32).public_key.hex() == second
+    assert "the second dials\n  first" in section
+    assert dials_first(bytes.fromhex(second), bytes.fromhex(first))
+    assert not dials_first(bytes.fromhex(first), bytes.fromhex(second))

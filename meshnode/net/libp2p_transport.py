@@ -86,6 +86,7 @@ from meshnode.net.transport import (
     FrameTooLarge,
     RttEstimator,
     encode_frame,
+    dials_first,
     redial_delay_ms,
 )
 from keys.errors import ConfigError
@@ -99,7 +100,9 @@ PEERS_MAX_DEFAULT = 256
 # a bid reports, and a PING a second to every peer was O(n) of an idle node's CPU (issue 18).
 PING_INTERVAL_MS_DEFAULT = 10_000
 NON_MEMBER_PING_RECHECK_MS = 1000
-DIAL_TIMEOUT_MS = 5000
+# As long as an acceptor may take for a handshake under load (PeerLimits.handshake_timeout_max_ms):
+# a dialler that gave up at 5 s threw away handshakes its loaded peer was about to finish.
+DIAL_TIMEOUT_MS = 10_000
 STREAM_OPEN_TIMEOUT_MS = 2000
 WRITE_TIMEOUT_MS = 2000
 SHUTDOWN_TIMEOUT_MS = 3000
@@ -352,6 +355,42 @@ def _use_muxer(host: IHost, muxer_class: type[_BoundedYamux]) -> None:
     muxers.new_conn = new_conn
 
 
+def _keep_one_connection_per_pair(network: INetwork, transport: "Libp2pTransport") -> None:
+    """Make ``network`` (our swarm instance only) resolve a pair's duplicate connections
+    the same way on both sides: keep the newest connection that the lower key dialled,
+    close the others (SPEC.md 8 "Dial order").
+
+    py-libp2p 0.8.1's ``Swarm._trim_connections`` (called when a peer has more than
+    max_connections_per_peer) closes the connection with the fewest streams, then the
+    oldest, once it is past a 20 s grace period; each side judged its own list, so a
+    pair that dialled each other could close both connections, lose the link and redial
+    (measured on a 32-node testnet on 2 cores: 178 such closes in a minute, and the
+    mesh never stayed fully connected). Both sides agree on who dialled a connection,
+    so this rule keeps the same one on each. Only members' (and dialled peers')
+    connections: a stranger's are left to libp2p's rule.
+    """
+    libp2p_trim = network._trim_connections
+
+    def trim(peer_id: ID) -> None:
+        peer_key = _ed25519_key(peer_id)
+        if peer_key is None or not transport.is_member(peer_key):
+            libp2p_trim(peer_id)
+            return
+        connections = [conn for conn in network.connections.get(peer_id, []) if not conn.is_closed]
+        if len(connections) <= 1:
+            return
+        we_dial = dials_first(transport.local_key, peer_key)
+        preferred = [conn for conn in connections if conn.muxed_conn.is_initiator == we_dial]
+        keep = (preferred or connections)[-1]   # the list is in the order they were added
+        for conn in connections:
+            if conn is not keep:
+                network.cleanup_connection_health(peer_id, conn)
+                transport._nursery.start_soon(_close_quietly, conn)
+        network.connections[peer_id] = [keep]
+
+    network._trim_connections = trim
+
+
 class _PeerLink:
     """Our state for one connected peer; lives as long as its connection."""
 
@@ -462,7 +501,7 @@ class Libp2pTransport:
             return
         self._enqueue(link, FRAME_KIND_DATA, data)
 
-    async def connect(self, peer_key: bytes, address: str) -> None:
+    async def connect(self, peer_key: bytes, address: str, defer_to_peer_ms: int = 0) -> None:
         try:
             target = multiaddr.Multiaddr(address)
         except (multiaddr.exceptions.Error, ValueError) as error:
@@ -478,9 +517,15 @@ class Libp2pTransport:
         if first_time and len(self._dial_addrs) >= self._peers_max:
             raise LocalProtocolError("more than %d peers to keep connected" % self._peers_max)
         self._dial_addrs[peer_key] = target
-        connected = await self._dial(peer_key, peer_id)
+        if defer_to_peer_ms:
+            # The peer dials us (SPEC.md 8 "Dial order"): our first dial waits in
+            # _keep_connected, where failed_attempts == 0 means "defer".
+            connected = peer_key in self._links
+        else:
+            connected = await self._dial(peer_key, peer_id)
         if first_time:
-            self._nursery.start_soon(self._keep_connected, peer_key, peer_id, connected)
+            self._nursery.start_soon(self._keep_connected, peer_key, peer_id, connected or bool(defer_to_peer_ms),
+                                     defer_to_peer_ms)
 
     # -- connection lifecycle -------------------------------------------------------
 
@@ -509,7 +554,8 @@ class Libp2pTransport:
         raw_conn = RawConnection(read_write_closer, False)
         try:
             try:
-                muxed_conn = await self._host.get_network().upgrade_inbound_raw_conn(raw_conn, listen_addr)
+                with trio.fail_after(self._gate.handshake_timeout_s()):   # counts this one: taken above
+                    muxed_conn = await self._host.get_network().upgrade_inbound_raw_conn(raw_conn, listen_addr)
             finally:
                 self._gate.end_handshake(address)
         except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
@@ -536,8 +582,9 @@ class Libp2pTransport:
             return False
         return peer_key in self._links
 
-    async def _keep_connected(self, peer_key: bytes, peer_id: ID, connected: bool) -> None:
-        """Redial ``peer_key`` whenever its connection is gone (SPEC.md "Transport / Redial")."""
+    async def _keep_connected(self, peer_key: bytes, peer_id: ID, connected: bool, defer_to_peer_ms: int) -> None:
+        """Redial ``peer_key`` whenever its connection is gone (SPEC.md "Transport / Redial"
+        and "Dial order")."""
         failed_attempts = 0 if connected else 1
         while True:
             link = self._links.get(peer_key)
@@ -545,7 +592,9 @@ class Libp2pTransport:
                 failed_attempts = 0
                 await link.lost.wait()
                 continue
-            await trio.sleep(redial_delay_ms(failed_attempts, self._rng) / 1000)
+            await trio.sleep(redial_delay_ms(failed_attempts, self._rng, defer_to_peer_ms) / 1000)
+            if peer_key in self._links:  # the peer's own dial came meanwhile
+                continue
             if await self._dial(peer_key, peer_id):
                 failed_attempts = 0
             else:
@@ -947,9 +996,10 @@ async def open_libp2p_transport(
         sec_opt={NOISE_PROTOCOL_ID: _BufferedNoise(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): muxer_class},
         # max_connections_per_peer=1: else every dial waits 250 ms (happy eyeballs).
-        # The upgrade timeout bounds how long a silent peer holds a handshake slot.
+        # The upgrade timeout bounds how long a silent peer holds a handshake slot (our
+        # handler applies the scaled one, InboundGate.handshake_timeout_s; this is its cap).
         connection_config=ConnectionConfig(max_connections_per_peer=1,
-                                           inbound_upgrade_timeout=limits.handshake_timeout_ms / 1000),
+                                           inbound_upgrade_timeout=limits.handshake_timeout_max_ms / 1000),
         listen_addrs=addrs,
     )
     # Our redial loop has the backoff; the swarm's own retries would add 0.7 s per dial.
@@ -985,6 +1035,7 @@ async def open_libp2p_transport(
                 limits,
             )
             muxer_class.transport = transport
+            _keep_one_connection_per_pair(host.get_network(), transport)
             transport_box.append(transport)
             host.get_network().register_notifee(_ConnectionEvents(transport))
             host.set_stream_handler(TProtocol(PROTOCOL_ID), transport._serve_inbound_stream)

@@ -83,6 +83,7 @@ class MemoryTransport:
         self.closed = False
         self._request_handler: RequestHandler | None = None
         self._inbound_requests = 0
+        self.deferred_to: set[bytes] = set()  # peers given to connect with defer_to_peer_ms
 
     def serve_requests(self, handler: RequestHandler) -> None:
         self._request_handler = handler
@@ -148,12 +149,16 @@ class MemoryTransport:
         # Only the libp2p transport limits non-members (SPEC.md 8); kept for inspection.
         self.members = frozenset(peer_keys)
 
-    async def connect(self, peer_key: bytes, multiaddr: str) -> None:
+    async def connect(self, peer_key: bytes, multiaddr: str, defer_to_peer_ms: int = 0) -> None:
         await trio.lowlevel.checkpoint()
         if not multiaddr.startswith(MEMORY_ADDR_PREFIX) or multiaddr[len(MEMORY_ADDR_PREFIX) :] != peer_key.hex():
             raise ConfigError("not the memory address of that peer: %r" % multiaddr)
         if self.closed:
             raise LocalProtocolError("transport is closed")
+        # No dial timing here: a deferred dial (SPEC.md 8 "Dial order") counts as made
+        # at once, and is noted for the tests of who defers to whom.
+        if defer_to_peer_ms:
+            self.deferred_to.add(peer_key)
         self._network._dialled.add((self.local_key, peer_key))
         if not self._network.is_live(self.local_key, peer_key):
             self.counters["dial_failed"] += 1

@@ -35,6 +35,7 @@ from meshnode.node.runner import WorkloadRunner
 from meshnode.node.store import NodeStore
 from meshnode.node.telemetry import Telemetry, TelemetryError
 from meshnode.net.limits import RefusalReport
+from meshnode.net.transport import DEFER_TO_PEER_MS, dials_first
 from meshnode.workload.sdk import GANG_PEERS_FILE, GANG_PEERS_FILE_ENV, format_peers, gang_environment, multiaddr_host
 from protocol.errors import LocalProtocolError, MeshError
 from protocol.mesh import MeshCore
@@ -187,13 +188,21 @@ class Node:
         return "http://%s:%d/metrics" % (node_config.METRICS_HOST, self.metrics_server.server_port)
 
     async def _connect_peers(self) -> None:
-        """Dial every member with an address, and the bootstrap peers; the transport redials."""
-        targets = {peer.public_key: peer.addr for peer in self.config.bootstrap}
+        """Dial every member with an address, and the bootstrap peers; the transport redials.
+
+        Of two members the lower key dials and the other defers to it (SPEC.md 8 "Dial
+        order"), so a mesh starting at once makes one connection per pair. Bootstrap
+        peers are dialled at once: they do not know us yet."""
+        bootstrap = {peer.public_key: peer.addr for peer in self.config.bootstrap}
+        members = {}
         for member in self.core.member_records():
-            if member.public_key != self.identity.public_key and member.addrs:
-                targets.setdefault(member.public_key, member.addrs[0])
-        for key, addr in targets.items():
+            if member.public_key != self.identity.public_key and member.addrs and member.public_key not in bootstrap:
+                members[member.public_key] = member.addrs[0]
+        for key, addr in bootstrap.items():
             await self.transport.connect(key, addr)
+        for key, addr in members.items():
+            defer_ms = 0 if dials_first(self.identity.public_key, key) else DEFER_TO_PEER_MS
+            await self.transport.connect(key, addr, defer_to_peer_ms=defer_ms)
 
     def _publish_gang_peers(self, job_id: bytes, gang) -> str:
         """Write a rank's peers where its workload reads them (GA5), whole or not at all."""
