@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CITATION = re.compile(r"SPEC(?:\.md)?,?\s+(?:sections?\s+)?((?:\d+(?:\.\d+)?|[PFR]\d+[a-z]?)(?:-[\d.]+)?)")
-HEADING = re.compile(r"^#{2,3} ((?:\d+(?:\.\d+)?)|[PFR]\d+[a-z]?)[ .]", re.MULTILINE)
+HEADING = re.compile(r"^#{2,4} ((?:\d+(?:\.\d+)?)|[PFR]\d+[a-z]?)[ .]", re.MULTILINE)
 
 
 def sections() -> set[str]:
