@@ -301,10 +301,11 @@ class CapabilityBook:
 
     def send_newest_to(self, peer: bytes, out: Ready) -> None:
         """SPEC F6a: a member that asks for a sync (a restart, a heal, anti-entropy) may have
-        missed our last broadcast vector, and a busy node refreshes it only every second or
-        two (an idle one every ten): our newest signed vector goes to it now, so it shows the
-        jobs we run (not `migrating`) and our free capacity at once."""
-        if self.envelope is not None and self.epochs.is_member() and peer in self.epochs.view.stakes:
+        missed our last broadcast vector, which a busy node refreshes only every second or
+        two: while it lists jobs we run, our newest signed vector goes to it now, so it shows
+        them running (not `migrating`) at once."""
+        if (self.vector is not None and self.vector.running and self.epochs.is_member()
+                and peer in self.epochs.view.stakes):
             out.messages.append(Outbound(peer, self.envelope))
 
     def on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:
