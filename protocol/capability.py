@@ -306,6 +306,15 @@ class CapabilityBook:
         self._note_broadcast(now_ms)
         out.messages.append(Outbound(None, envelope))
 
+    def send_newest_to(self, peer: bytes, out: Ready) -> None:
+        """SPEC F6a: a member that asks for a sync (a restart, a heal, anti-entropy) may have
+        missed our last broadcast vector, which a busy node refreshes only every second or
+        two: while it lists jobs we run, our newest signed vector goes to it now, so it shows
+        them running (not `migrating`) at once."""
+        if (self.vector is not None and self.vector.running and self.epochs.is_member()
+                and peer in self.epochs.view.stakes):
+            out.messages.append(Outbound(peer, self.envelope))
+
     def on_capability(self, envelope, cap: CapabilityVector, data, now_ms: int, out: Ready) -> None:
         if envelope.signer not in self.epochs.view.stakes or cap.node != envelope.signer:
             self.ctx.counters["capability_not_member"] += 1

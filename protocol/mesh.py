@@ -147,7 +147,7 @@ class MeshCore:
             CheckpointAck: lifecycle.on_checkpoint_ack, JobExit: self._on_job_end, Cancel: lifecycle.on_cancel,
             JobRefusal: self._on_job_end, MoveRequest: moves.on_move_request, RunStopped: lifecycle.on_run_stopped,
             CapabilityVector: self._on_capability, Heartbeat: liveness.on_heartbeat,
-            Suspicion: liveness.on_suspicion, SyncRequest: liveness.on_sync_request, Join: joins.on_join,
+            Suspicion: liveness.on_suspicion, SyncRequest: self._on_sync_request, Join: joins.on_join,
             QuotaGrant: self._on_quota_grant}
         safety_records = tuple(safety_records)
         # The history and outcomes set the job table; the ledger is rebuilt from the final
@@ -431,6 +431,10 @@ class MeshCore:
         self.moves.notice_reflexes(envelope.signer, now_ms, out)   # R3
         self.replicas.notice(envelope.signer, now_ms, out)         # R4
         self.gang_resizes.notice(now_ms, out)                      # GA9
+
+    def _on_sync_request(self, envelope, request, data, now_ms: int, out: Ready) -> None:
+        self.liveness.on_sync_request(envelope, request, data, now_ms, out)
+        self.capability.send_newest_to(envelope.signer, out)   # F6a
 
     def _on_job_end(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         """A job_exit or job_refusal: of a replica (its key, R4h), or of a job (P6, R1)."""

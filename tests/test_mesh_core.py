@@ -1163,6 +1163,26 @@ def test_p1_after_a_migration_every_member_shows_the_job_running_once_its_new_pr
     assert [net.cores[k].job_view(jid)["state"] for k in [backup] + others] == ["running"] * (1 + len(others))
 
 
+def test_f6a_a_sync_answer_from_a_primary_carries_its_newest_vector():
+    # A member that restarted after a job's primary broadcast its vector showed the job
+    # `migrating` until that primary's next refresh (node-mode simulator, seeds 27 and 41).
+    from protocol.messages import SyncRequest
+    net, jid = placed_on_the_big_node()
+    primary, idle = net.cores[KEYS[0]], net.cores[KEYS[3]]
+    net.emit(KEYS[0], primary.workload_started(jid, 1, None, net.now))
+    for core in (primary, idle):
+        core.update_telemetry((), 0, net.now)   # each signs and broadcasts its vector
+
+    def vectors_in_sync_answer(core, requester: int) -> list:
+        request = encode_message(IDS[requester], MESH, SyncRequest(epoch=0))
+        out = core.step(request, net.now, KEYS[requester])
+        return [m.data for m in out.messages if m.to == KEYS[requester] and codec.unpack(m.data)[2] == "cap"]
+
+    assert [r.job_id for r in primary.capability.vector.running] == [jid]
+    assert vectors_in_sync_answer(primary, 2) == [primary.capability.envelope]
+    assert vectors_in_sync_answer(idle, 2) == []   # it runs nothing: its next refresh will do
+
+
 def test_f6_no_heartbeat_in_a_sync_answer_to_a_member_this_node_suspects():
     # A restarted member's jobs stay held until a member's heartbeat (F3); a member that signed
     # a suspicion of it may be deciding its eviction, so its sync answer carries none (node-mode

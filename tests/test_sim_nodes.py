@@ -200,3 +200,14 @@ def test_r2a_a_moved_job_starts_on_its_new_node_only_once_the_old_run_stopped_ho
     assert moved.end_ms - moved.start_ms > 1500 - 900   # it did run on while stopping
     assert resumed.start_ms >= moved.end_ms   # never two runs at once
     assert resumed.start_progress == moved.end_progress   # from its final state: no work lost
+
+
+@pytest.mark.parametrize("seed", [27, 41])
+def test_f6a_a_restarted_member_shows_a_job_running_as_soon_as_it_syncs(seed):
+    # Found by the 50-seed sweep: a member restarted just after a failover's new primary
+    # broadcast that it runs the job, so it showed the job `migrating` until that primary's
+    # next refresh (up to two seconds while busy): agreement_1s. A sync answer now carries
+    # the answering member's newest vector (SPEC.md F6a).
+    result = run_node_simulation(seed=seed, nodes=4, jobs=4)
+    assert not [v for v in result.violations if v.check == "agreement_1s"], [v.line() for v in result.violations]
+    assert result.ok, [v.line() for v in result.violations]
