@@ -938,7 +938,7 @@ class Simulation:
         self._close_open_rounds()
         self.liveness.close_all()
         for jid in list(self.liveness.placeable_from_ms):
-            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), CAPACITY_WAIT)
+            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), self.liveness.wait_reason(jid))
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
