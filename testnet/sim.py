@@ -938,7 +938,7 @@ class Simulation:
         self._close_open_rounds()
         self.liveness.close_all()
         for jid in list(self.liveness.placeable_from_ms):
-            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), CAPACITY_WAIT)
+            self._credit((jid,), self.liveness.capacity_excuse_ms(jid), self.liveness.wait_reason(jid))
         # BFT promises liveness only while Byzantine stake is under 1/3 of the epoch that must
         # decide; evicting honest nodes (cut off in the safety phase) can lift the Byzantine
         # share of the next epoch to 1/3 or more. Such jobs are counted apart, not hidden.
@@ -1097,12 +1097,18 @@ class Simulation:
         for spec in self.world.jobs:
             if spec.job_id in self.checker.placement_of:
                 continue
+            # Over quota by every decider's table: held whether or not each declined. A job
+            # waiting for its quota grant (Q2b) is not bid for at all, and its instance may
+            # have given up meanwhile (seed 164: an in-quota job of its owner stays an evicted,
+            # unvouched node's for good, F5, so the quota it holds never returns).
+            if all(self._over_quota(n, spec.job) for n in deciders):
+                held.add(spec.job_id)
+                continue
             reasons = [self._decline_reason(n, spec.job_id) for n in deciders]
             if None in reasons:
                 continue
-            over_quota_everywhere = all(self._over_quota(n, spec.job) for n in deciders)
-            if over_quota_everywhere or all(reason in ("over_quota", "reserved") or not self.checker.could_host(n, spec.job)
-                                            for n, reason in zip(deciders, reasons)):
+            if all(reason in ("over_quota", "reserved") or not self.checker.could_host(n, spec.job)
+                   for n, reason in zip(deciders, reasons)):
                 held.add(spec.job_id)
         return frozenset(held)
 

@@ -7,10 +7,12 @@ placement later, and the check follows SPEC's limits rather than a looser bound,
 - ``byzantine_led_rounds``: its placement spent rounds after the heal that a Byzantine
   member led (counted in testnet/sim.py, ``Simulation._excuse_byzantine_rounds``);
 - ``capacity_wait``: no honest member could hold it (the checker's own accounting of what
-  each one runs, ``DecisionChecker.could_host``), or every honest member's job table put it
-  over its owner's quota (SPEC.md Q2), until some time after the heal: it is owed
+  each one runs, ``DecisionChecker.could_host``), until some time after the heal: it is owed
   from then, ``liveness_bound_ms`` later (an unplaceable job waits quietly, P3a); a job
   placed while none could (a Byzantine member's bid) is owed nothing;
+- ``quota_wait``: the same, where some honest member could hold it but every honest
+  member's job table put it over its owner's quota (SPEC.md Q2; with borrowing, Q6, a
+  non-preemptible job cannot borrow and waits for its owner's own jobs to end);
 - ``rounds_apart``: after the heal, the honest members that run its instance held no
   quorum of its epoch's stake in any one round (SPEC 7, known limits: honest nodes a round
   apart pass each other at every round boundary; a restarted node does not re-create its
@@ -25,6 +27,7 @@ a job still late after all of them is late, for the violation's detail and the s
 from __future__ import annotations
 
 CAPACITY_WAIT = "capacity_wait"
+QUOTA_WAIT = "quota_wait"
 ROUNDS_APART = "rounds_apart"
 
 
@@ -33,6 +36,7 @@ class LivenessTracker:
         self.sim = sim
         self.placeable_from_ms: dict[bytes, int] = {}   # job id -> when it last became placeable
         self.unplaceable: set[bytes] = set()            # job ids no honest member can hold now
+        self.quota_held: set[bytes] = set()             # job ids whose last unplaceable spell was the quota's
         # Placed while no honest member could hold them (on a Byzantine member's bid): owed
         # nothing, as a job only a Byzantine node could run may rightly stay pending.
         self.placed_unplaceable: set[bytes] = set()
@@ -52,13 +56,19 @@ class LivenessTracker:
             jid = spec.job_id
             if spec.submit_ms > now or jid in checker.first_placement_of or jid in sim.cancelled:
                 continue
-            if any(checker.could_host(i, spec.job) for i in members) and not self._quota_holds(spec.job, members):
+            hostable = any(checker.could_host(i, spec.job) for i in members)
+            quota_holds = hostable and self._quota_holds(spec.job, members)
+            if hostable and not quota_holds:
                 if jid in self.unplaceable:
                     self.unplaceable.discard(jid)
                     self.placeable_from_ms[jid] = now
                     sim.longest_excuse_ms = max(sim.longest_excuse_ms, self.capacity_excuse_ms(jid))
             else:
                 self.unplaceable.add(jid)
+                if quota_holds:
+                    self.quota_held.add(jid)
+                else:
+                    self.quota_held.discard(jid)
 
     def _quota_holds(self, job, members: list[int]) -> bool:
         """Q2: every honest member's job table puts the job over its owner's quota in its pool,
@@ -72,6 +82,10 @@ class LivenessTracker:
     def placed(self, jids) -> None:
         """The first placement of these jobs was just decided (before ``note_capacity``)."""
         self.placed_unplaceable.update(jid for jid in jids if jid in self.unplaceable)
+
+    def wait_reason(self, jid: bytes) -> str:
+        """Which wait its last unplaceable spell was: ``quota_wait`` or ``capacity_wait``."""
+        return QUOTA_WAIT if jid in self.quota_held else CAPACITY_WAIT
 
     def capacity_excuse_ms(self, jid: bytes) -> int:
         """How much later than the base deadline the job is owed: it became placeable at

@@ -1,0 +1,41 @@
+"""Issue 20: seeds that stalled once borrowing (SPEC.md Q6) was on, pinned so their cause stays
+classified. Each is one short simulator run of the sweep's own configuration."""
+
+from testnet.sim import FAULTS, SimConfig, Simulation
+
+
+def _borrowing_world(seed: int, quota_gpus: int) -> SimConfig:
+    return SimConfig(nodes=5, jobs=20, seed=seed, byzantine_milli=200, faults=FAULTS, job_ms=1500,
+                     job_fail_per_mille=100, cancel_per_mille=100, quota_gpus=quota_gpus, preempt=True)
+
+
+def test_a_job_over_quota_at_every_decider_is_held_even_when_its_instance_gave_up():
+    # Seed 164: job-3 (2 GPUs, not preemptible) waits for its quota grant (Q2b) while its
+    # owner's in-quota job-15 runs on node 3, which the mesh evicts; node 3 has no attestation
+    # to rejoin with, and job-15 has no live backup, so it stays node 3's (F5) and holds the
+    # quota for good. Every decider's table puts job-3 over quota: a wait by design, not a
+    # stall, though no decider holds a decline for it (its placement gave up after 64 rounds).
+    sim = Simulation(_borrowing_world(164, quota_gpus=2))
+    result = sim.run()
+    job3 = next(spec for spec in sim.world.jobs if spec.job.name == "job-3")
+    deciders = sim._deciders()
+    assert 3 not in deciders and sim.nodes[3].core.joins.rejoin_unvouched_said
+    assert job3.job_id not in sim.checker.placement_of
+    assert all(sim._over_quota(index, job3.job) for index in deciders)
+    assert all(sim._decline_reason(index, job3.job_id) is None for index in deciders)
+    assert result.violations == [] and result.stalled_reasons == {}
+    assert result.counters["quota_held_jobs"] >= 1
+
+
+def test_a_non_preemptible_job_behind_its_owners_own_jobs_is_late_by_quota_wait():
+    # Seed 0, quota 1 GPU: job-5 (priority 0, not preemptible, so it cannot borrow, Q6) is
+    # over its owner's quota at every honest member until 6085 ms, while the owner's
+    # in-quota jobs 3, 15 and 19 run one after another; placed at 7170 ms, past the base
+    # deadline (6000 ms) but within the 5 s owed from then. Named for the quota, not capacity.
+    sim = Simulation(_borrowing_world(0, quota_gpus=1))
+    result = sim.run()
+    job5 = next(spec for spec in sim.world.jobs if spec.job.name == "job-5")
+    assert result.violations == [] and result.stalled_reasons == {}
+    assert result.late_reasons == {"quota_wait": 1}
+    assert sim.liveness.wait_reason(job5.job_id) == "quota_wait"
+    assert sim.excuse_reasons[job5.job_id]["quota_wait"] > 0
