@@ -342,6 +342,8 @@ class MeshCore:
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
             self._refuse_unfit_after_restart(now_ms, out)
+        if self.lifecycle.own_outcomes_replayed and not self.liveness.startup_sync_due:
+            self.lifecycle.resend_own_outcomes(out)   # 6.9a
         self.lifecycle.end_handoff_waits(now_ms, out)
         self.lifecycle.end_stop_waits(now_ms, out)
         self.lifecycle.resend_handovers(now_ms, out)
