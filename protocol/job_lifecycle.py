@@ -399,14 +399,16 @@ class JobLifecycle:
                     self.ctx.counters["move_handover_resent"] += 1
                     out.messages.extend(Outbound(record.primary, message) for message in data)
 
-    def on_vector(self, node: bytes, now_ms: int) -> None:
+    def on_vector(self, node: bytes, now_ms: int, syncing: bool = False) -> None:
         """R2a: a new vector of ``node``: a hand-over owed to it as a moved job's new primary,
         sent at least a quarter period ago, is due now if the vector does not show the new
-        run (it restarted and waits again, or lost the hand-over), not a period later."""
+        run (it restarted and waits again, or lost the hand-over), not a period later.
+        ``syncing``: ``node`` asked for a sync (R2b), so it may have been down when the last
+        one came, however recent: due now."""
         for jid, owed in self.handovers.items():
             record = self.jobs.get(jid)
             if (owed[1] is not None and record is not None and record.primary == node
-                    and now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4
+                    and (syncing or now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4)
                     and not self.seen_running(node, jid, record.fence)):
                 owed[2] = now_ms
 

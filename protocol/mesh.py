@@ -437,6 +437,7 @@ class MeshCore:
     def _on_sync_request(self, envelope, request, data, now_ms: int, out: Ready) -> None:
         self.liveness.on_sync_request(envelope, request, data, now_ms, out)
         self.capability.send_newest_to(envelope.signer, out)   # F6a
+        self.lifecycle.on_vector(envelope.signer, now_ms, syncing=True)   # R2b: a restarted new primary
 
     def _on_job_end(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         """A job_exit or job_refusal: of a replica (its key, R4h), or of a job (P6, R1)."""

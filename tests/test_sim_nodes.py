@@ -232,3 +232,13 @@ def test_6_9a_a_primary_that_crashed_as_its_job_exited_broadcasts_the_exit_again
     result = run_node_simulation(seed=61, faults=("crash", "partition", "move"))
     assert not [v for v in result.violations if v.check == "agreement"], [v.line() for v in result.violations]
     assert result.ok, [v.line() for v in result.violations]
+
+
+def test_r2b_a_move_target_restarted_while_the_hand_over_was_in_flight_gets_it_on_its_restart_sync():
+    # Seed 166 with moves: node 0, the move's new primary, crashed for 59 ms and waited again
+    # after its restart; node 1 had sent the hand-over less than 250 ms before, so it did not
+    # send it on node 0's vector, its next resend was lost in a partition: the run started
+    # over a second later, with every member showing the job running (agreement_1s).
+    result = run_node_simulation(seed=166, faults=("crash", "partition", "move"))
+    assert not [v for v in result.violations if v.check.startswith("agreement")], [v.line() for v in result.violations]
+    assert result.ok, [v.line() for v in result.violations]
