@@ -401,6 +401,27 @@ def test_6_9_a_restart_replays_exits_and_cancels_after_the_certificates(outcome)
     assert core.ledger.allocated(jid) is None and not core.job_table.live_jobs_of(core.me)
 
 
+@pytest.mark.parametrize("outcome", ["exit", "cancel"])
+def test_6_9a_a_restarted_core_broadcasts_the_outcomes_it_signed_once_after_its_restart_sync(outcome):
+    # Simulator seed 61: a primary crashed in the millisecond its job exited, the exit
+    # persisted but not broadcast; two members showed the job running. Its own exit goes out
+    # again after the restart sync, once; an owner's cancel is not its to send.
+    net, jid, primary = placed_job()
+    if outcome == "exit":
+        out = net.cores[primary].job_exited(jid, 0, net.now)
+    else:
+        _jid, out = net.cores[primary].cancel(encode_message(OWNER, MESH, Cancel(job_id=jid, requested_ms=net.now)), net.now)
+    (record,) = [r for r in out.persist if r.table == "jobs"]
+    envelope = record.value["envelope"]
+    core = MeshCore(identity=IDS[KEYS.index(primary)], genesis=GENESIS, policy=NodePolicy(zone=ZONES[0]),
+                    capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(1), now_ms=net.now,
+                    history=net.certificates[primary], job_outcomes=[envelope])
+    first, second = core.tick(net.now + 10), core.tick(net.now + 20)
+    resent = [m for m in first.messages if m.data == envelope]
+    assert resent == ([Outbound(None, envelope)] if outcome == "exit" else [])
+    assert not [m for m in second.messages if m.data == envelope]
+
+
 def test_6_8_a_decision_replayed_after_restart_still_answers_a_straggler():
     net = Net()
     job, envelope = make_job()
