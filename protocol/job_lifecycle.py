@@ -31,6 +31,8 @@ FINAL_CHECKPOINT_WAIT_MS = 100
 # R2a: how often a moved job's old primary sends its hand-over again while the new primary's
 # vector does not show the new run (a lost message, or the new primary restarted).
 MOVE_HANDOVER_RESEND_MS = 1000
+# 6.9a: at most this many of its own replayed outcomes a restarted node broadcasts again.
+MAX_OWN_OUTCOMES_RESENT = 16
 
 
 def same_work(fence: int, attempt: int, job) -> bool:
@@ -83,6 +85,9 @@ class JobLifecycle:
         self.handovers: dict[bytes, list] = {}
         self.ordered: dict[bytes, int] = {}
         self.seen_running = lambda node, jid, fence: False
+        # 6.9a: the exits, refusals and cancels this node signed, replayed after a restart:
+        # broadcast again once its restart sync is sent (the crash may have cut their broadcast).
+        self.own_outcomes_replayed: list[bytes] = []
 
     # --- taking a job on (SPEC.md R1) ------------------------------------------------------------
     def admit(self, record, key: bytes | None, now_ms: int, out: Ready) -> bool:
@@ -394,14 +399,16 @@ class JobLifecycle:
                     self.ctx.counters["move_handover_resent"] += 1
                     out.messages.extend(Outbound(record.primary, message) for message in data)
 
-    def on_vector(self, node: bytes, now_ms: int) -> None:
+    def on_vector(self, node: bytes, now_ms: int, syncing: bool = False) -> None:
         """R2a: a new vector of ``node``: a hand-over owed to it as a moved job's new primary,
         sent at least a quarter period ago, is due now if the vector does not show the new
-        run (it restarted and waits again, or lost the hand-over), not a period later."""
+        run (it restarted and waits again, or lost the hand-over), not a period later.
+        ``syncing``: ``node`` asked for a sync (R2b), so it may have been down when the last
+        one came, however recent: due now."""
         for jid, owed in self.handovers.items():
             record = self.jobs.get(jid)
             if (owed[1] is not None and record is not None and record.primary == node
-                    and now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4
+                    and (syncing or now_ms >= owed[2] - MOVE_HANDOVER_RESEND_MS * 3 // 4)
                     and not self.seen_running(node, jid, record.fence)):
                 owed[2] = now_ms
 
@@ -611,6 +618,13 @@ class JobLifecycle:
         for worker in self.gangs.worker_records(record.job_id) if self.gangs is not None else ():
             self._apply_cancel(worker, now_ms, out)   # a gang's cancel stops every rank
 
+    def resend_own_outcomes(self, out: Ready) -> None:
+        """6.9a: a node that crashed just after its workload exited persisted the exit but may
+        not have broadcast it; members that missed it showed the job running (simulator seed
+        61: the exit and the crash in the same millisecond, two members never heard it)."""
+        out.messages.extend(Outbound(None, data) for data in self.own_outcomes_replayed)
+        self.own_outcomes_replayed = []
+
     # --- persisted outcomes (SPEC.md 6.9) ----------------------------------------------------------
     def _persist_outcome(self, jid: bytes, kind: str, data: bytes, out: Ready) -> None:
         """Exits, refusals and cancels are no certificates, so a restart would forget them (a
@@ -625,6 +639,8 @@ class JobLifecycle:
         for data in envelopes:
             try:
                 envelope, message = decode_message(data, self.ctx.mesh_id, caches=self.ctx.caches)
+                if envelope.signer == self.ctx.me and len(self.own_outcomes_replayed) < MAX_OWN_OUTCOMES_RESENT:
+                    self.own_outcomes_replayed.append(data)
                 if isinstance(message, JobExit):
                     self.on_job_exit(envelope, message, data, now_ms, Ready())
                 elif isinstance(message, JobRefusal):

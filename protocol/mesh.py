@@ -342,6 +342,8 @@ class MeshCore:
             out.events.append(self.ctx.event("reservation_expired", now_ms, instance=key.hex()))
         if self._refuse_after_sync and not self.liveness.startup_sync_due and not self.liveness.halted:
             self._refuse_unfit_after_restart(now_ms, out)
+        if self.lifecycle.own_outcomes_replayed and not self.liveness.startup_sync_due:
+            self.lifecycle.resend_own_outcomes(out)   # 6.9a
         self.lifecycle.end_handoff_waits(now_ms, out)
         self.lifecycle.end_stop_waits(now_ms, out)
         self.lifecycle.resend_handovers(now_ms, out)
@@ -435,6 +437,7 @@ class MeshCore:
     def _on_sync_request(self, envelope, request, data, now_ms: int, out: Ready) -> None:
         self.liveness.on_sync_request(envelope, request, data, now_ms, out)
         self.capability.send_newest_to(envelope.signer, out)   # F6a
+        self.lifecycle.on_vector(envelope.signer, now_ms, syncing=True)   # R2b: a restarted new primary
 
     def _on_job_end(self, envelope, message, data, now_ms: int, out: Ready) -> None:
         """A job_exit or job_refusal: of a replica (its key, R4h), or of a job (P6, R1)."""

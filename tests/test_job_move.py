@@ -10,8 +10,9 @@ from protocol.errors import RemoteProtocolError
 from protocol.flows.binding import certificate_binding_error
 from protocol.flows.move import move_backups
 from protocol.messages import (Checkpoint, JobMove, MoveRequest, decode_message, encode_message, job_id,
-                               move_instance_id)
+                               move_instance_id, SyncRequest)
 from protocol.mesh import MeshCore
+from protocol.ready import Outbound, Ready
 from protocol.policy import LocalCapacity, NodePolicy
 from tests.test_mesh_core import GENESIS, IDS, KEYS, MESH, OWNER, Net, make_job
 
@@ -106,6 +107,26 @@ def test_r2a_the_new_run_waits_for_the_old_run_to_stop_however_long_and_a_lost_h
     sent = net.cores[primary].counters["move_handover_resent"]
     net.run(3000)   # the new run shows in its vector: nothing more is sent
     assert net.cores[primary].counters["move_handover_resent"] == sent
+
+
+def test_r2b_a_sync_request_of_the_new_primary_brings_a_lost_hand_over_at_once():
+    # Simulator seed 166: the new primary restarted while the hand-over was in flight, and
+    # the old one would not resend for 1 s (its last send under 250 ms old at the vector).
+    net, jid, primary = running_job()
+    target = next(k for k in KEYS if k not in (primary, net.cores[primary].job_view(jid)["backups"][0]))
+    ask(net, KEYS[3], move_request(jid, 1, to_node=target))
+    net.run(30)
+    lost = net.cores[primary].hand_over_moved(jid, 1, None, net.now)
+    lost.messages.clear()
+    net.emit(primary, lost)
+    net.run(100)
+    assert not orders(net, target, "run")
+    sync = net.cores[target].ctx.sign(SyncRequest(epoch=net.cores[target].epoch))
+    net.emit(target, Ready(messages=[Outbound(primary, sync)]))
+    net.run(50)   # well before the 1000 ms resend
+    run, = orders(net, target, "run")[-1]
+    assert (run.fence, run.resume) == (2, True)
+    assert net.cores[primary].counters["move_handover_resent"] == 1
 
 
 def test_r2a_the_new_run_starts_once_the_dead_old_primary_is_evicted_and_not_before():

@@ -383,22 +383,42 @@ def test_restart_replays_certificates_into_the_same_job_table():
     assert restarted.cores[primary].ledger.allocated(jid) is not None
 
 
-@pytest.mark.parametrize("outcome", ["exit", "cancel"])
-def test_6_9_a_restart_replays_exits_and_cancels_after_the_certificates(outcome):
-    # Review: exits and cancels are no certificates; a primary restarted after its job
-    # completed had the job placed again, its GPU allocated, and resumed it.
+def primary_restarted_after(outcome):
+    """A placed job's primary ends it (its exit, or the owner's cancel) and restarts from
+    its certificates and that persisted outcome: (net, job id, persisted record, restarted core)."""
     net, jid, primary = placed_job()
     if outcome == "exit":
         out = net.cores[primary].job_exited(jid, 0, net.now)
     else:
         _jid, out = net.cores[primary].cancel(encode_message(OWNER, MESH, Cancel(job_id=jid, requested_ms=net.now)), net.now)
     (record,) = [r for r in out.persist if r.table == "jobs"]
-    assert record.value["outcome"] == outcome and record.key == jid.hex()
     core = MeshCore(identity=IDS[KEYS.index(primary)], genesis=GENESIS, policy=NodePolicy(zone=ZONES[0]),
                     capacity=LocalCapacity(gpu_mem_total_mib=(80_000,) * 2), rng=random.Random(1), now_ms=net.now,
                     history=net.certificates[primary], job_outcomes=[record.value["envelope"]])
+    return net, jid, record, core
+
+
+@pytest.mark.parametrize("outcome", ["exit", "cancel"])
+def test_6_9_a_restart_replays_exits_and_cancels_after_the_certificates(outcome):
+    # Review: exits and cancels are no certificates; a primary restarted after its job
+    # completed had the job placed again, its GPU allocated, and resumed it.
+    net, jid, record, core = primary_restarted_after(outcome)
+    assert record.value["outcome"] == outcome and record.key == jid.hex()
     assert core.job_view(jid)["state"] == ("completed" if outcome == "exit" else "cancelled")
     assert core.ledger.allocated(jid) is None and not core.job_table.live_jobs_of(core.me)
+
+
+@pytest.mark.parametrize("outcome", ["exit", "cancel"])
+def test_6_9a_a_restarted_core_broadcasts_the_outcomes_it_signed_once_after_its_restart_sync(outcome):
+    # Simulator seed 61: a primary crashed in the millisecond its job exited, the exit
+    # persisted but not broadcast; two members showed the job running. Its own exit goes out
+    # again after the restart sync, once; an owner's cancel is not its to send.
+    net, _jid, record, core = primary_restarted_after(outcome)
+    envelope = record.value["envelope"]
+    first, second = core.tick(net.now + 10), core.tick(net.now + 20)
+    resent = [m for m in first.messages if m.data == envelope]
+    assert resent == ([Outbound(None, envelope)] if outcome == "exit" else [])
+    assert not [m for m in second.messages if m.data == envelope]
 
 
 def test_6_8_a_decision_replayed_after_restart_still_answers_a_straggler():

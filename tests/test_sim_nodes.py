@@ -211,3 +211,34 @@ def test_f6a_a_restarted_member_shows_a_job_running_as_soon_as_it_syncs(seed):
     result = run_node_simulation(seed=seed, nodes=4, jobs=4)
     assert not [v for v in result.violations if v.check == "agreement_1s"], [v.line() for v in result.violations]
     assert result.ok, [v.line() for v in result.violations]
+
+
+@pytest.mark.parametrize("seed", [33, 150])
+def test_a_restarted_primary_resumes_a_placed_attempt_from_its_own_checkpoint_of_that_fence(seed):
+    # Found by the 200-seed sweep with moves: a primary of a job's attempt above 0 (placed
+    # again after a refusal) crashed and restarted within the bound; its restarted core held
+    # no checkpoint in memory, so its run order said `resume` false and the run began at
+    # progress 0 (seed 33: 2310 ms lost). A checkpoint taken under the order's own fence is
+    # of that run's work (SPEC.md F3, R1 "Resume").
+    result = run_node_simulation(seed=seed, faults=("crash", "partition", "move"))
+    assert not [v for v in result.violations if v.check == "lost_work"], [v.line() for v in result.violations]
+    assert result.ok, [v.line() for v in result.violations]
+    assert max(result.lost_work_ms, default=0) <= BOUND_MS
+
+
+def test_6_9a_a_primary_that_crashed_as_its_job_exited_broadcasts_the_exit_again_after_restarting():
+    # Seed 61 with moves: the exit and the primary's crash in the same millisecond; the exit
+    # was persisted but reached one member only, and two showed the job running to the end.
+    result = run_node_simulation(seed=61, faults=("crash", "partition", "move"))
+    assert not [v for v in result.violations if v.check == "agreement"], [v.line() for v in result.violations]
+    assert result.ok, [v.line() for v in result.violations]
+
+
+def test_r2b_a_move_target_restarted_while_the_hand_over_was_in_flight_gets_it_on_its_restart_sync():
+    # Seed 166 with moves: node 0, the move's new primary, crashed for 59 ms and waited again
+    # after its restart; node 1 had sent the hand-over less than 250 ms before, so it did not
+    # send it on node 0's vector, its next resend was lost in a partition: the run started
+    # over a second later, with every member showing the job running (agreement_1s).
+    result = run_node_simulation(seed=166, faults=("crash", "partition", "move"))
+    assert not [v for v in result.violations if v.check.startswith("agreement")], [v.line() for v in result.violations]
+    assert result.ok, [v.line() for v in result.violations]

@@ -441,10 +441,12 @@ class Node:
         if not self.run_workloads or job_id in self.runner.running():
             return
         restore = None
-        if run.resume:
-            latest = self.checkpoints.latest(job_id)
-            if latest is not None:
-                restore = (latest.state, latest.progress, latest.seq)
+        latest = self.checkpoints.latest(job_id) if run.resume or not run.replica else None
+        # F3: a checkpoint under this very fence is of this run, so always of its work: after a
+        # restart the core has forgotten the checkpoints it held (R1 "Resume"), and a placed
+        # attempt above 0 was restarted from progress 0 (`meshnode sim ... --seed 33`).
+        if latest is not None and (run.resume or latest.fence == fence):
+            restore = (latest.state, latest.progress, latest.seq)
         if not run.replica:   # a further replica keeps no checkpoints (SPEC.md R4e)
             self.checkpoints.raise_fence(job_id, fence)
         args = [arg.replace("{workdir}", self.runner.workdir(job_id)) for arg in manifest.args]
