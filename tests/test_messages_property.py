@@ -76,7 +76,14 @@ def body_strategy(cls):
         body = body.map(lambda b: {**b, "to_node": b["to_node"].ljust(32, b"\x01") if b["to_node"] else b""})
     if cls is Gang:  # cross-field rules, SPEC.md GA1: a fixed size, or an elastic range with a size in it
         body = body.map(_coherent_gang)
+    if cls.LEFT_OUT_AT_DEFAULT:  # a field at its default is left out, not sent (e.g. QuotaGrant.borrowed, Q6)
+        body = body.map(lambda b: _left_out_at_default(cls, b))
     return body
+
+
+def _left_out_at_default(cls, b: dict) -> dict:
+    defaults = {name: cls.SCHEMA[name].encode(value) for name, value in cls.LEFT_OUT_AT_DEFAULT.items()}
+    return {k: v for k, v in b.items() if not (k in defaults and v == defaults[k])}
 
 
 def _coherent_reflex(b: dict) -> dict:

@@ -187,7 +187,7 @@ def test_r3_a_reflex_never_moves_onto_a_node_with_an_unhealthy_gpu():
 def test_r3_a_short_simulator_sweep_with_reflexes_and_faults_keeps_every_check():
     from testnet.sim import SimConfig, Simulation
     results = [Simulation(SimConfig(nodes=4, jobs=4, seed=seed, reflex_per_mille=600, byzantine_milli=200)).run()
-               for seed in (0, 6, 13)]   # seeds whose worlds move on GPU and on job signals, and clone (P1b)
+               for seed in (0, 9, 13)]   # seeds whose worlds move on GPU and on job signals, and clone (P1b, R4)
     assert [r.violation_count for r in results] == [0, 0, 0]
     assert not any(r.liveness_missing for r in results)
     assert sum(r.counters["reflex_moves"] for r in results) > 0
