@@ -36,10 +36,9 @@ UNKNOWN_JOB_GRANT_ROUNDS = 8   # as a restored reservation's lifetime (R1, BID_L
 MAX_GRANTS_KEPT = 65536      # grants held for jobs; the oldest is dropped beyond (a job then waits for a re-send)
 GRANT_HANDOVER_ROUNDS = 5   # a deputy of rank r grants a job its home left waiting r x this many round timeouts
 GRANT_PERSIST_PREFIX = "grant-"   # the `jobs` table key of a persisted grant (beside the job's outcome row)
-# A job a home counted that is then cancelled keeps counting until its primary is seen to
-# stop it (a newer vector of the primary no longer lists it running), at most this many
-# maximal round timeouts after the home applied the cancel: the primary runs it until the
-# cancel reaches it (a partition or a loss delays that) and signs nothing when it stops (Q2b).
+# A job a home counted that is then cancelled keeps counting for this many maximal round
+# timeouts after the home applied the cancel: the primary runs it until the cancel reaches
+# it (a partition, a loss or its restart delays that) and signs nothing when it stops (Q2e).
 CANCEL_STOP_GRACE_ROUNDS = 1
 
 
@@ -115,7 +114,7 @@ class QuotaAdmission:
 
     def __init__(self, ctx, epochs, jobs, quotas, capability=None) -> None:
         self.ctx = ctx
-        self.capability = capability   # the members' vectors: which jobs a primary shows running (P1)
+        self.capability = capability   # the members' vectors: where a borrowed job has room (Q6)
         self.epochs = epochs
         self.jobs = jobs
         self.quotas = quotas
@@ -125,10 +124,7 @@ class QuotaAdmission:
         self.signed_here: set[bytes] = set()     # job ids whose grant this node signed (it re-sends those)
         self.room_since: dict[bytes, int] = {}   # job id -> since when a deputy's count has had room for it
         self.counted_jobs: set[bytes] = set()   # job ids counted at the last admit (live, or pending with a grant)
-        # counted job id -> ((primary, fence), the newest seq of that primary's vector listing that run)
-        self.shown_running: dict[bytes, tuple] = {}
-        # cancelled job id -> (owner, pool, demand, when the cancel applied here, its primary, its fence,
-        # the seq of the primary's vector that showed it running then, or None)
+        # cancelled job id -> (owner, pool, demand, when the cancel applied here): counted for Q2e's grace
         self.stopping: dict[bytes, tuple] = {}
         self.checked_at_stamp = None
         self.recheck_at_ms = 0
@@ -227,7 +223,7 @@ class QuotaAdmission:
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and record.job_id in self.grants):
                 total = total + demand(job.resources)
         grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
-        for job_owner, job_pool, need, cancelled_ms, *_primary in self.stopping.values():
+        for job_owner, job_pool, need, cancelled_ms in self.stopping.values():
             if job_owner == owner and job_pool == pool and now_ms - cancelled_ms < grace_ms:
                 total = total + need
         unknown_for_ms = UNKNOWN_JOB_GRANT_ROUNDS * self.ctx.params.round_timeout_max_ms
@@ -295,7 +291,7 @@ class QuotaAdmission:
             if self.jobs.get(jid) is None and kept_ms + unknown_for_ms > now_ms:
                 self.recheck_at_ms = min(self.recheck_at_ms, kept_ms + unknown_for_ms)
         grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
-        for _owner, _pool, _need, cancelled_ms, *_primary in self.stopping.values():   # a cancelled job's room returns then
+        for _owner, _pool, _need, cancelled_ms in self.stopping.values():   # a cancelled job's room returns then
             self.recheck_at_ms = min(self.recheck_at_ms, cancelled_ms + grace_ms)
 
     def _vectors_version(self):
@@ -314,48 +310,24 @@ class QuotaAdmission:
         return any(fits_after(job, cap, ()) for cap in vectors)
 
     def _note_cancels(self, now_ms: int) -> None:
-        """Q2b: a job counted at the last check (admit runs at every tick, the only place
-        grants are made) that is cancelled now keeps counting, from now, until its primary is
-        seen to stop it or the cancel's grace ends. This member's own cancel stops its own run."""
+        """Q2e: a job counted at the last check (admit runs at every tick, the only place
+        grants are made) that is cancelled now keeps counting, from now, for the cancel's
+        grace. Not less: a primary's vector without the run is no sign that it stopped it
+        (a primary that restarted lists the run again once it re-runs it, not having heard
+        the cancel; simulator seed 110). This member's own cancel stops its own run."""
         grace_ms = CANCEL_STOP_GRACE_ROUNDS * self.ctx.params.round_timeout_max_ms
-        self.stopping = {jid: entry for jid, entry in self.stopping.items()
-                         if now_ms - entry[3] < grace_ms and not self._seen_stopped(jid, *entry[4:])}
-        counted, shown = set(), {}
+        self.stopping = {jid: entry for jid, entry in self.stopping.items() if now_ms - entry[3] < grace_ms}
+        counted = set()
         for record in self.jobs:
             jid = record.job_id
             if self.borrowed(jid):
                 continue
             if record.state in LIVE_JOB_STATES or (record.state == "pending" and jid in self.grants):
                 counted.add(jid)
-                run = (record.primary, record.fence)
-                seq = self._running_seq(record.primary, jid, record.fence) if self.needs_grant(record.manifest) else None
-                if seq is not None:
-                    shown[jid] = (run, seq)
-                elif self.shown_running.get(jid, (None,))[0] == run:
-                    shown[jid] = self.shown_running[jid]
             elif record.state == "cancelled" and jid in self.counted_jobs and record.primary != self.ctx.me:
                 job = record.manifest
-                run, seq = self.shown_running.get(jid, (None, None))
-                self.stopping[jid] = (job.owner, job.scheduling.pool, demand(job.resources), now_ms,
-                                      record.primary, record.fence,
-                                      seq if run == (record.primary, record.fence) else None)
-        self.counted_jobs, self.shown_running = counted, shown
-
-    def _running_seq(self, primary, jid: bytes, fence: int) -> int | None:
-        """The seq of ``primary``'s newest vector held here if it lists the job running at ``fence``."""
-        if (self.capability is None or primary is None or primary == self.ctx.me
-                or not self.capability.shows_running(primary, jid, fence)):
-            return None
-        return self.capability.peers[primary].seq
-
-    def _seen_stopped(self, jid: bytes, primary, fence: int, running_seq) -> bool:
-        """A primary that showed the run (by the last check before the cancel), then signed a
-        newer vector without it, stopped it (a run leaves the list only when it ends or moves;
-        the list is the primary's own, P1)."""
-        if running_seq is None:
-            return False
-        cap = self.capability.peers.get(primary)
-        return cap is not None and cap.seq > running_seq and not self.capability.shows_running(primary, jid, fence)
+                self.stopping[jid] = (job.owner, job.scheduling.pool, demand(job.resources), now_ms)
+        self.counted_jobs = counted
 
     def _resend(self, waiting: list, now_ms: int, out: Ready) -> None:
         """Once every maximal round timeout: the entry node re-sends a job still waiting for

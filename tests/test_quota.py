@@ -220,8 +220,9 @@ def test_a_cancel_frees_the_quota_too():
     second = submit(net, KEYS[0], manifest(2, created_ms=1))
     net.run(200)
     assert net.cores[KEYS[0]].job_view(second)["state"] == "pending"
-    # It runs, as its primary reports (Q2b: the home frees a cancelled job's quota once the
-    # primary's vector shows the run gone, not at the cancel alone).
+    # It runs, as its primary reports (Q2e: the home frees a cancelled job's quota once the
+    # primary has had the cancel's grace to stop it, not at the cancel alone).
+    from protocol.quota_admission import CANCEL_STOP_GRACE_ROUNDS
     primary = net.cores[KEYS[0]].job_view(first)["primary"]
     fence = net.cores[primary].job_table.get(first).fence
     net.emit(primary, net.cores[primary].workload_started(first, fence, 0, net.now))
@@ -229,7 +230,7 @@ def test_a_cancel_frees_the_quota_too():
     cancel = encode_message(OWNER, POOLED.mesh_id, Cancel(job_id=first, requested_ms=net.now))
     _, ready = net.cores[KEYS[0]].cancel(cancel, net.now)
     net.emit(KEYS[0], ready)
-    net.run(300)
+    net.run(CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms + 300)
     assert all(core.job_view(second)["state"] == "placed" for core in net.cores.values())
 
 

@@ -319,23 +319,28 @@ def test_a_home_counts_a_cancelled_job_until_its_primary_has_had_time_to_stop_it
     assert grant_signers(net, jids[1]) == {HOME}         # the grace is over: the quota is the second's
 
 
-def test_a_home_frees_a_cancelled_jobs_quota_once_the_primarys_vector_shows_the_run_gone():
-    """The grace is an upper bound: a primary that hears the cancel stops the run and its
-    next vector no longer lists it, so the home grants the next job at once (Q2b)."""
+def test_a_home_counts_a_cancelled_job_for_the_grace_though_the_primarys_vector_no_longer_lists_it():
+    """A vector without the run is no sign that the primary stopped it: one that restarted
+    lists it again when it re-runs it, not having heard the cancel (simulator seed 110), so
+    the home holds the quota for the whole grace even after the primary stopped it (Q2e)."""
     from protocol.messages import Cancel
     from protocol.quota_admission import CANCEL_STOP_GRACE_ROUNDS
     net = Net(genesis=POOLED, gpus=tuple(0 if key == HOME else 2 for key in KEYS))   # the home runs nothing
     jids = [submit(net, KEYS[0], manifest(1, created_ms=1)), submit(net, KEYS[0], manifest(2, created_ms=2))]
     net.run(1000)
     primary = net.cores[KEYS[0]].job_view(jids[0])["primary"]
-    net.emit(primary, net.cores[primary].workload_started(jids[0], net.cores[primary].job_table.get(jids[0]).fence,
-                                                          0, net.now))
+    fence = net.cores[primary].job_table.get(jids[0]).fence
+    net.emit(primary, net.cores[primary].workload_started(jids[0], fence, 0, net.now))
     net.run(300)
     assert net.cores[HOME].job_view(jids[0])["state"] == "running"
     cancel = encode_message(OWNER, POOLED.mesh_id, Cancel(job_id=jids[0], requested_ms=net.now))
     _, ready = net.cores[KEYS[0]].cancel(cancel, net.now)
     net.emit(KEYS[0], ready)
-    net.run(500)
-    assert 500 < CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms
+    grace_ms = CANCEL_STOP_GRACE_ROUNDS * POOLED.params.round_timeout_max_ms
+    net.run(grace_ms - 200)
+    home_capability = net.cores[HOME].capability
+    assert not home_capability.shows_running(primary, jids[0], fence)   # the primary stopped it, and said so
+    assert grant_signers(net, jids[1]) == set()                      # yet the home waits out the grace
+    net.run(1000)
     assert grant_signers(net, jids[1]) == {HOME}
     assert live_gpu_milli(net, jids) == 1000

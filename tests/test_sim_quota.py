@@ -85,3 +85,19 @@ def test_a_sim_whose_homes_grant_past_the_quota_fails_the_quota_check(monkeypatc
     result = Simulation(SimConfig(nodes=4, jobs=10, seed=2, quota_gpus=1, job_ms=3000, fractional_per_mille=300)).run()
     assert "quota" in {violation.check for violation in result.violations}, result.counters
     assert result.counters["quota_signer_over_peak_gpu_milli"] > 0
+
+
+def test_sim_seed_110_a_restarted_primarys_vector_without_the_run_does_not_free_a_cancelled_jobs_quota():
+    """Simulator seed 110 (Byzantine 0.3): node 4 (honest), primary of a running job at
+    fence 1, crashed; the job was cancelled while it was down; it restarted, replayed the
+    job as placed (its first vectors do not list the run) and ran it again at fence 1, not
+    having heard the cancel. Its home (node 3), which then applied the cancel, took the
+    vector without the run for the primary's stop (Q2e's former clause (a)), granted the
+    owner's next jobs at once, and they ran beside the cancelled one: 2250 GPU milli on a
+    2000 quota. The home now counts a cancelled job for the whole grace."""
+    from testnet.sim import SimConfig, Simulation
+    result = Simulation(SimConfig(nodes=5, jobs=20, seed=110, byzantine_milli=300, job_ms=1500,
+                                  job_fail_per_mille=100, cancel_per_mille=100, fractional_per_mille=300,
+                                  quota_gpus=2, reservations=True, preempt=True)).run()
+    assert not result.violations, result.violations
+    assert result.counters.get("quota_signer_over_peak_gpu_milli", 0) <= 0
