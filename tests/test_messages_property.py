@@ -16,7 +16,7 @@ from protocol.envelope import ANY_MESH, CHANNEL_AUTHENTICATED_KINDS, Envelope, s
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (MESSAGE_TYPES, REFLEX_AMOUNTS, CapabilityVector, Checkpoint, Gang, JobManifest,
                                MoveRequest, Reflex, Resources, Service, decode_message, encode_message,
-                               encode_unsigned)
+                               encode_unsigned, is_heartbeat_frame)
 from protocol.schema import Bool, Bytes, Int, List, Nested, Optional, Text, TextMap
 
 SIGNER = SigningIdentity(bytes(range(32)))
@@ -150,6 +150,20 @@ def test_truncation_and_extension_rejected(message, data):
     wire = encode_message(SIGNER, MESH_ID, message)
     assert_rejected(wire[:data.draw(st.integers(0, len(wire) - 1))])
     assert_rejected(wire + data.draw(st.binary(min_size=1, max_size=8)))
+
+
+@FAST
+@given(message_strategy(), st.sampled_from([MESH_ID, ANY_MESH]))
+def test_heartbeat_frames_are_told_from_their_leading_bytes(message, mesh_id):
+    """F1c reads a frame's kind from its fixed leading bytes, never decoding: it must agree
+    with the decoded kind for every kind of envelope."""
+    kind = type(message).KIND
+    if kind in CHANNEL_AUTHENTICATED_KINDS:
+        data = encode_unsigned(SIGNER.public_key, mesh_id, message)
+    else:
+        data = encode_message(SIGNER, mesh_id, message)
+    assert is_heartbeat_frame(data) == (kind == "heartbeat")
+    assert not is_heartbeat_frame(data[:30])
 
 
 @FAST
