@@ -30,6 +30,16 @@ floats). Two clamps make the detector safe whatever the samples say:
 ``sigma`` is floored at ``heartbeat_ms / 4`` so a few identical samples cannot make the
 threshold collapse onto the mean. Until ``MIN_SAMPLES`` intervals are known, T is
 ``suspect_by_ms`` (be slow rather than wrong about a peer we know nothing about).
+
+Local health (SPEC F2a, after Lifeguard, Dadgar et al. 2018): a node that measures its own
+lateness (a tick gap of two heartbeat periods or more: the driver ticks at least once a
+period) cannot tell a silent peer from its own stall, so (1) a peer's silence does not
+count the node's own lateness since the peer was last heard, and (2) a health score
+(0..HEALTH_MAX, up by the periods a tick was late and by one per suspicion of this node,
+down by one per HEALTH_DECAY_PERIODS punctual periods) adds ``score * heartbeat_ms`` to
+every threshold, less a quarter of it per other member's fresh suspicion of that peer
+(independent confirmations shrink it back). A node that runs on time keeps score 0 and the
+bound above.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from math import isqrt
 WINDOW = 64          # inter-arrival samples kept per peer
 MIN_SAMPLES = 4
 Z_MILLI = 5612       # z for phi = 8, x 1000 (see module docstring)
+HEALTH_MAX = 8              # local health score cap: at most 8 periods added to a threshold (F2a)
+HEALTH_DECAY_PERIODS = 4    # the score drops by one per this many periods without a late tick
+HEALTH_CONFIRMATIONS = 4    # other members' fresh suspicions of a peer that cancel the score's extra
 
 
 @dataclass
@@ -50,6 +63,7 @@ class _PeerHistory:
     total: int = 0
     total_sq: int = 0
     threshold_ms: int = 0
+    late_at_ms: int = 0   # the node's own lateness total when this peer was last heard (F2a)
 
 
 class FailureDetector:
@@ -70,6 +84,61 @@ class FailureDetector:
         self.suspect_by_ms = suspect_by_ms
         self.min_silence_ms = min_silence_ms
         self._peers: dict[bytes, _PeerHistory] = {}
+        # F2a: this node's own health, measured from its tick gaps.
+        self.own_late_ms = 0          # total lateness of its ticks so far
+        self.health = 0               # 0 (on time) .. HEALTH_MAX
+        self.health_changed_ms = 0
+        self._confirmations: dict[bytes, int] = {}   # peer -> other members' fresh suspicions of it
+
+    # --- local health (SPEC F2a) -----------------------------------------------------------------
+    def note_tick(self, gap_ms: int, now_ms: int) -> int:
+        """A tick ``gap_ms`` after the previous one. Returns the lateness counted (0: on time).
+        The driver ticks at least once a heartbeat period (F3a), so a gap of two periods or
+        more is time this node was due and did not run: its peers' silences in that time may
+        be its own, and its view of them is to be trusted less for a while."""
+        if gap_ms < 2 * self.heartbeat_ms:
+            decay_ms = HEALTH_DECAY_PERIODS * self.heartbeat_ms
+            if self.health == 0:
+                self.health_changed_ms = now_ms
+            while self.health > 0 and now_ms - self.health_changed_ms >= decay_ms:
+                self.health -= 1
+                self.health_changed_ms += decay_ms
+            return 0
+        late_ms = gap_ms - self.heartbeat_ms
+        self.own_late_ms += late_ms
+        self._raise_health(late_ms // self.heartbeat_ms, now_ms)
+        return late_ms
+
+    def note_suspected(self, now_ms: int) -> None:
+        """A member suspected this node: it was late to someone (Lifeguard's refute)."""
+        self._raise_health(1, now_ms)
+
+    def _raise_health(self, points: int, now_ms: int) -> None:
+        self.health = min(HEALTH_MAX, self.health + points)
+        self.health_changed_ms = now_ms
+
+    def set_confirmations(self, peer: bytes, count: int) -> None:
+        """How many other members' fresh suspicions of ``peer`` this node holds (F2a)."""
+        if count:
+            self._confirmations[peer] = count
+        else:
+            self._confirmations.pop(peer, None)
+
+    def clear_confirmations(self) -> None:
+        self._confirmations.clear()
+
+    def health_extra_ms(self, peer: bytes) -> int:
+        """What the health score adds to ``peer``'s threshold: score periods, less a quarter
+        per confirmation."""
+        unconfirmed = max(0, HEALTH_CONFIRMATIONS - self._confirmations.get(peer, 0))
+        return self.health * self.heartbeat_ms * unconfirmed // HEALTH_CONFIRMATIONS
+
+    def _silence(self, peer: bytes, history: _PeerHistory, now_ms: int) -> int:
+        """Silence less this node's own lateness since the peer was last heard (F2a)."""
+        return now_ms - history.last_ms - (self.own_late_ms - history.late_at_ms)
+
+    def _flag_after_ms(self, peer: bytes, history: _PeerHistory) -> int:
+        return history.threshold_ms + self.health_extra_ms(peer)
 
     def track(self, peer: bytes, now_ms: int, last_heard_ms: int | None = None,
               threshold_ms: int | None = None) -> None:
@@ -78,7 +147,8 @@ class FailureDetector:
         ``threshold_ms``: its silence threshold until its next heartbeat (default suspect_by)."""
         if peer not in self._peers:
             heard = now_ms if last_heard_ms is None else min(now_ms, last_heard_ms)
-            self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=threshold_ms or self.suspect_by_ms)
+            self._peers[peer] = _PeerHistory(last_ms=heard, threshold_ms=threshold_ms or self.suspect_by_ms,
+                                             late_at_ms=self.own_late_ms)
 
     def heard_no_earlier_than(self, peer: bytes, heard_ms: int, threshold_ms: int | None = None) -> None:
         """Count ``peer`` as last heard at ``heard_ms`` if that is later than when it was (a
@@ -86,12 +156,14 @@ class FailureDetector:
         for ``track``, until its next heartbeat)."""
         history = self._peers.get(peer)
         if history is not None:
-            history.last_ms = max(history.last_ms, heard_ms)
+            if heard_ms > history.last_ms:
+                history.last_ms, history.late_at_ms = heard_ms, self.own_late_ms
             if threshold_ms is not None:
                 history.threshold_ms = threshold_ms
 
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)
+        self._confirmations.pop(peer, None)
 
     def is_watched(self, peer: bytes) -> bool:
         """Whether ``peer`` was ever heard (or tracked): only those can be suspected."""
@@ -109,6 +181,7 @@ class FailureDetector:
         if interval < 0:
             return  # a reordered, older arrival: carries no timing information
         history.last_ms = now_ms
+        history.late_at_ms = self.own_late_ms
         if len(history.intervals) == WINDOW:
             old = history.intervals[0]
             history.total -= old
@@ -148,17 +221,23 @@ class FailureDetector:
 
     def is_suspected(self, peer: bytes, now_ms: int) -> bool:
         history = self._peers.get(peer)
-        return history is not None and now_ms - history.last_ms >= history.threshold_ms
+        return history is not None and self._silence(peer, history, now_ms) >= self._flag_after_ms(peer, history)
+
+    def flag_at_ms(self, peer: bytes) -> int:
+        """When ``peer``, unheard until then and with this node on time, is suspected."""
+        history = self._peers[peer]
+        return history.last_ms + (self.own_late_ms - history.late_at_ms) + self._flag_after_ms(peer, history)
 
     def next_suspicion_ms(self) -> int | None:
         """The first moment a watched peer, unheard until then, is suspected (None: none watched)."""
-        return min((h.last_ms + h.threshold_ms for h in self._peers.values()), default=None)
+        return min((self.flag_at_ms(peer) for peer in self._peers), default=None)
 
     def suspects(self, now_ms: int) -> list[tuple[bytes, int]]:
-        """Every peer silent for at least its threshold, with how long it has been silent."""
+        """Every peer silent for at least its threshold, with how long it has been silent
+        (this node's own lateness since excepted, F2a)."""
         out = []
         for peer, history in self._peers.items():
-            silent = now_ms - history.last_ms
-            if silent >= history.threshold_ms:
+            silent = self._silence(peer, history, now_ms)
+            if silent >= self._flag_after_ms(peer, history):
                 out.append((peer, silent))
         return out

@@ -188,6 +188,8 @@ class Liveness:
                 self.answer_sync(peer, since_epoch, now_ms, out)
         if not ctx.heartbeats or not epochs.is_member():
             return
+        if self.detector.note_tick(gap, now_ms):
+            ctx.counters["late_ticks"] += 1   # F2a: our own lateness, not our peers' silence
         paused = gap >= self.detector.min_silence_ms - params.heartbeat_ms
         if paused and not self.halted and self.others_can_evict_me():
             # SPEC F3: we were paused long enough for peers to suspect us (our last heartbeat
@@ -279,7 +281,7 @@ class Liveness:
         for peer in detector.peers():
             if peer in self.refuted:
                 continue   # F4a: its silence is not timed until another suspicion (an input)
-            flagged_at = detector.last_heard_ms(peer) + detector.threshold_ms(peer)
+            flagged_at = detector.flag_at_ms(peer)
             if flagged_at > now_ms:
                 due = min(due, flagged_at)
             elif peer in self.suspicion_sent_ms:
@@ -459,6 +461,7 @@ class Liveness:
             return
         if self.ctx.heartbeats and self.epochs.is_member():
             if suspicion.suspect == self.ctx.me:
+                self.detector.note_suspected(now_ms)   # F2a: we were late to someone
                 self._refute(now_ms, out)
             else:
                 self._watch_suspect(suspicion, now_ms)
@@ -499,6 +502,7 @@ class Liveness:
         by = self.suspicions.setdefault(suspect, {})
         by[signer] = data
         self.suspicion_heard_ms.setdefault(suspect, {})[signer] = now_ms
+        self._count_confirmations(suspect)
         # SPEC F4: more than 1/3 of the stake, so one Byzantine node below 1/3 cannot evict alone.
         if view.exceeds_one_third(by):
             self.epoch_changes.start(view, now_ms, out)
@@ -509,10 +513,17 @@ class Liveness:
             for signer in [s for s, at in heard.items() if at < oldest]:
                 del heard[signer]
                 self.suspicions.get(suspect, {}).pop(signer, None)
+                self._count_confirmations(suspect)
             if not heard:
                 del self.suspicion_heard_ms[suspect]
                 self.suspicions.pop(suspect, None)
                 self._unwatch_unless_subject(suspect)
+
+    def _count_confirmations(self, suspect: bytes) -> None:
+        """F2a: other members' fresh suspicions of ``suspect`` shrink what our own health adds
+        to its threshold (independent confirmations)."""
+        others = sum(1 for signer in self.suspicion_heard_ms.get(suspect, ()) if signer != self.ctx.me)
+        self.detector.set_confirmations(suspect, others)
 
     def _unwatch_unless_subject(self, member: bytes) -> None:
         if member in self.watched_on_suspicion:
@@ -564,6 +575,7 @@ class Liveness:
         self.suspicions.clear()
         self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
+        self.detector.clear_confirmations()
 
     def on_evicted(self) -> None:
         self.halted, self.fresh_beat_after_ms = False, {}  # nothing left to hold: its jobs moved
