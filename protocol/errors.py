@@ -22,3 +22,13 @@ class LocalProtocolError(MeshError):
 
 class ManifestError(MeshError):
     """A job manifest is invalid; the message names the field and what was expected."""
+
+
+class SubmitOverloaded(LocalProtocolError):
+    """SPEC 10.5: the entry node already has its bound of submitted jobs undecided; the text
+    ends with "retry in N ms" (``retry_after_ms``), which clients parse."""
+
+    def __init__(self, undecided: int, bound: int, retry_after_ms: int):
+        super().__init__("overloaded: %d jobs submitted to this node are undecided (node.max_undecided_submits = %d): "
+                         "retry in %d ms" % (undecided, bound, retry_after_ms))
+        self.retry_after_ms = retry_after_ms

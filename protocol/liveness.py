@@ -45,6 +45,11 @@ CONFIRM_GRACE_PERIODS = 2
 # (F4a): enough to reach every member the suspicion reached, each of which then stops timing
 # its silence until another suspicion says otherwise.
 REFUTE_PERIODS = CONFIRM_PERIODS + CONFIRM_GRACE_PERIODS + 1
+# F4c: a suspicion that more than 1/3 of the stake does not share is re-sent after 1, 2, 4, then
+# every 8 detection bounds while the suspect stays silent to us: a lost link (n = 32 on 2 cores:
+# handshakes failed under load and pairs stayed unconnected for minutes) is not a dead member,
+# and each re-send cost every member a verification and the suspect a refutation to everyone.
+SUSPICION_BACKOFF_MAX_BOUNDS = 8
 
 
 class Liveness:
@@ -72,6 +77,7 @@ class Liveness:
         # and an epoch change started on it has nothing left to decide.
         self.suspicion_heard_ms: dict[bytes, dict[bytes, int]] = {}
         self.suspicion_sent_ms: dict[bytes, int] = {}
+        self.suspicion_repeats: dict[bytes, int] = {}   # suspect -> our suspicions of it since last heard (F4c)
         self.halted = False
         self.sync_answered_ms: dict[bytes, int] = {}
         # peer -> instance -> when a sync answer last sent it that decision: the next answer
@@ -235,11 +241,14 @@ class Liveness:
             # its suspicions would only add O(n) messages each to a saturated host.
             ctx.counters["suspicion_ticks_withheld"] += 1
             silent = []
+        for peer in [p for p in self.suspicion_repeats if not self.detector.is_suspected(p, now_ms)]:
+            del self.suspicion_repeats[peer]   # heard again: its next suspicion is a new one (F4c)
         for peer, silent_ms in silent:
             sent = self.suspicion_sent_ms.get(peer)
-            if sent is not None and now_ms - sent < params.detection_bound_ms:
+            if sent is not None and now_ms - sent < self._resend_after_ms(peer):
                 continue
             self.suspicion_sent_ms[peer] = now_ms
+            self.suspicion_repeats[peer] = self.suspicion_repeats.get(peer, 0) + 1
             suspicion = Suspicion(suspect=peer, epoch=epochs.epoch, silent_ms=silent_ms)
             data = ctx.sign(suspicion)
             out.messages.append(Outbound(None, data))
@@ -287,7 +296,7 @@ class Liveness:
             elif peer in self.suspicion_sent_ms:
                 # Flagged: its suspicion is sent again a bound after the last (withheld ones,
                 # F4a, are looked at again with the next heartbeat).
-                due = min(due, max(now_ms + 1, self.suspicion_sent_ms[peer] + params.detection_bound_ms))
+                due = min(due, max(now_ms + 1, self.suspicion_sent_ms[peer] + self._resend_after_ms(peer)))
         fresh_for = SUSPICION_FRESH_BOUNDS * params.detection_bound_ms
         view = self.epochs.view
         for suspect, heard in self.suspicion_heard_ms.items():
@@ -301,6 +310,16 @@ class Liveness:
         if self.instances.instances and now_ms < self.unheard_since_ms + detector.suspect_by_ms:
             due = min(due, self.unheard_since_ms + detector.suspect_by_ms)   # F4: never-heard subjects
         return max(now_ms, due)
+
+    def _resend_after_ms(self, peer: bytes) -> int:
+        """SPEC F4c: how long after its last suspicion of ``peer`` this member sends the next:
+        a bound while more than 1/3 of the stake suspects it (the eviction needs them fresh),
+        else 1, 2, 4, then 8 bounds after the 1st, 2nd, 3rd and later sends since it was last heard."""
+        bound = self.ctx.params.detection_bound_ms
+        if self.epochs.view.exceeds_one_third(self.suspicions.get(peer, ())):
+            return bound
+        repeats = self.suspicion_repeats.get(peer, 1)
+        return bound * min(1 << max(0, repeats - 1), SUSPICION_BACKOFF_MAX_BOUNDS)
 
     def _send_heartbeat(self, now_ms: int, out: Ready, refuting: bool) -> None:
         """SPEC F1: to our monitors; to every member while a suspicion of us is fresh."""
@@ -575,6 +594,7 @@ class Liveness:
         self.suspicions.clear()
         self.suspicion_heard_ms.clear()
         self.suspicion_sent_ms.clear()
+        self.suspicion_repeats.clear()
         self.detector.clear_confirmations()
 
     def on_evicted(self) -> None:

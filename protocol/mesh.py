@@ -372,9 +372,10 @@ class MeshCore:
                 due = min(due, deadline)
         return max(now_ms, due)
 
-    def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
-        """A signed job from a local owner (SPEC P2)."""
-        return self._with_orders(self.placement.submit(job_envelope, now_ms))
+    def submit(self, job_envelope: bytes, now_ms: int, max_undecided: int = 0) -> Ready:
+        """A signed job from a local owner (SPEC P2); refused with SubmitOverloaded while
+        ``max_undecided`` (> 0) jobs submitted here are undecided (SPEC 10.5)."""
+        return self._with_orders(self.placement.submit(job_envelope, now_ms, max_undecided))
 
     def cancel(self, request: bytes, now_ms: int) -> tuple[bytes, Ready]:
         """An owner-signed Cancel envelope: stop and forget the job everywhere."""

@@ -9,6 +9,8 @@ import random
 import pytest
 
 from protocol.failure_detector import HEALTH_DECAY_PERIODS, HEALTH_MAX, FailureDetector
+from protocol.monitors import monitor_assignment
+from protocol.ready import Ready
 from tests.test_monitors import BOUND, PERIOD, Mesh
 
 
@@ -140,4 +142,46 @@ def test_a_crash_on_a_punctual_mesh_is_suspected_within_the_bound_even_after_a_p
     crashed_ms = mesh.now
     mesh.down.add(victim)
     mesh.run(1500)
+    assert min(e.at_ms for e in mesh.suspect_events(victim)) - crashed_ms <= BOUND
+
+
+def test_a_monitor_that_lost_its_link_to_a_live_subject_backs_off_its_suspicions():
+    """F4c (issue 18, n = 32 on 2 cores: handshakes failed under load, monitor-subject pairs
+    stayed unconnected for minutes, and each such monitor re-sent a signed suspicion to every
+    member every bound: 118,457 suspicions in 400 s, p50 silence 19 s). Nobody else suspects
+    the subject (it refutes to them), so the monitor re-sends after 1, 2, 4, then 8 bounds."""
+    from protocol.liveness import SUSPICION_BACKOFF_MAX_BOUNDS
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    subject = mesh.keys[4]
+    monitor = monitor_assignment(mesh.keys)[subject][0]
+    core, step = mesh.cores[monitor], mesh.cores[monitor].step
+    cut = []
+
+    def step_but_the_cut_link(data, now_ms, src):
+        if src == subject:
+            cut.append(now_ms)
+            return Ready()
+        return step(data, now_ms, src)
+    core.step = step_but_the_cut_link
+    seconds = 20
+    mesh.run(seconds * 1000)
+    sent = [e.at_ms for e in mesh.events[monitor] if e.kind == "suspect" and e.detail["suspect"] == subject.hex()]
+    # every bound: 66 in 20 s; with the back-off 1, 2, 4, 8, 8, ... bounds: at most 11
+    assert 3 <= len(sent) <= 4 + seconds * 1000 // (SUSPICION_BACKOFF_MAX_BOUNDS * BOUND) + 1
+    assert [b - a for a, b in zip(sent, sent[1:])][:3] == [BOUND, 2 * BOUND, 4 * BOUND] or len(sent) < 4
+    assert not any(mesh.evictions(k) for k in mesh.keys)
+    assert cut   # the subject, alive, kept sending: the link was cut, the subject was not
+
+
+def test_a_dead_member_is_still_suspected_every_bound_once_corroborated():
+    """The back-off spares a suspicion that more than 1/3 of the stake shares: an eviction
+    needs those fresh (F4), and a crash is evicted as fast as before."""
+    mesh = Mesh(16, sparse_ticks=True)
+    mesh.run(500)
+    victim = mesh.keys[5]
+    crashed_ms = mesh.now
+    mesh.down.add(victim)
+    mesh.run(1500)
+    assert all(mesh.evictions(k) == [victim] for k in mesh.keys if k != victim)
     assert min(e.at_ms for e in mesh.suspect_events(victim)) - crashed_ms <= BOUND

@@ -22,6 +22,7 @@ once the node acknowledged, and iterates the node's event maps). Errors:
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -37,6 +38,16 @@ RECV_CHUNK_BYTES = 65536
 
 class ControlError(MeshError):
     """The node refused a request (``ok: false``); the message is the node's error text."""
+
+    @property
+    def retry_after_ms(self) -> int | None:
+        """SPEC 10.5: for a submit refused because the entry node has too many jobs undecided
+        ("overloaded: ... retry in N ms"), N; None for any other refusal."""
+        match = _OVERLOADED.search(str(self))
+        return int(match.group(1)) if match else None
+
+
+_OVERLOADED = re.compile(r"overloaded: .* retry in (\d+) ms$")
 
 
 class ControlUnavailable(MeshError):

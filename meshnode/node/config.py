@@ -97,6 +97,8 @@ class NodeConfig:
     entrypoints: tuple[tuple[str, tuple[str, ...]], ...] = ()  # name -> argv the operator allows
     log_level: str = "info"
     metrics_listen: str = ""   # "127.0.0.1:PORT" serves Prometheus metrics there (0: any free port); "": off
+    # SPEC 10.5: a submit is refused (retry later) while this many jobs submitted here are undecided; 0: no bound
+    max_undecided_submits: int = 64
 
     @property
     def metrics_port(self) -> int | None:
@@ -235,7 +237,7 @@ def parse_config(doc: dict) -> NodeConfig:
     if unknown:
         raise ConfigError("%s: unknown section (allowed: node, passphrase, policy, gpu, entrypoints)" % unknown[0])
     node = _table(doc, "node", {"listen", "bootstrap", "zone", "rail_group", "cpu_milli", "mem_mib", "log_level",
-                                "metrics_listen"})
+                                "metrics_listen", "max_undecided_submits"})
     policy = _table(doc, "policy", {"allowed_owners", "allowed_entrypoints", "labels", "attestations"})
     default = NodeConfig()
     listen = tuple(parse_multiaddr(a, "node.listen[%d]" % i)
@@ -271,6 +273,8 @@ def parse_config(doc: dict) -> NodeConfig:
         entrypoints=_entrypoints(_entrypoint_table(doc)),
         log_level=log_level,
         metrics_listen=_metrics_listen(node.get("metrics_listen", default.metrics_listen)),
+        max_undecided_submits=_int(node.get("max_undecided_submits", default.max_undecided_submits),
+                                   "node.max_undecided_submits", 0, 1 << 20),
     )
 
 
@@ -380,7 +384,7 @@ def config_document(config: NodeConfig) -> dict:
                  "bootstrap": ["%s@%s" % (p.public_key.hex(), p.addr) for p in config.bootstrap],
                  "zone": config.zone, "rail_group": config.rail_group, "cpu_milli": config.cpu_milli,
                  "mem_mib": config.mem_mib, "log_level": config.log_level,
-                 "metrics_listen": config.metrics_listen},
+                 "metrics_listen": config.metrics_listen, "max_undecided_submits": config.max_undecided_submits},
         "passphrase": passphrase,
         "policy": {"allowed_owners": ["*"] if config.allowed_owners is None
                    else [k.hex() for k in config.allowed_owners],

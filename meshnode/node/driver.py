@@ -564,7 +564,7 @@ class Node:
     async def submit(self, job_envelope: bytes) -> bytes:
         self._refuse_if_evicted()
         envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True)
-        await self._handle(self.core.submit(job_envelope, now_ms()))
+        await self._handle(self.core.submit(job_envelope, now_ms(), self.config.max_undecided_submits))
         return compute_job_id(job)
 
     async def move(self, request: bytes) -> bytes:

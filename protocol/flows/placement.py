@@ -19,7 +19,7 @@ import dataclasses
 
 from protocol import codec
 from protocol.certificate import next_epoch_view
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError, SubmitOverloaded
 from protocol.flows.base import ValueFlow
 from protocol.job_queue import queue_key
 from protocol.job_table import FENCE_PER_ATTEMPT, TERMINAL
@@ -70,7 +70,7 @@ class PlacementFlow(ValueFlow):
         return self._validator(iid), None
 
     # --- jobs arriving (SPEC P2) ------------------------------------------------------------------
-    def submit(self, job_envelope: bytes, now_ms: int) -> Ready:
+    def submit(self, job_envelope: bytes, now_ms: int, max_undecided: int = 0) -> Ready:
         """A signed job from a local owner: send it on (P2: broadcast, or with bid sampling
         only to those who need it) and start its placement."""
         out = Ready()
@@ -78,6 +78,10 @@ class PlacementFlow(ValueFlow):
                                        caches=self.ctx.caches)
         if envelope.signer != job.owner:
             raise RemoteProtocolError("job is not signed by its owner")
+        if max_undecided and self.jobs.get(job_id(job)) is None:
+            undecided = self.undecided_submissions()
+            if undecided >= max_undecided:
+                raise SubmitOverloaded(undecided, max_undecided, self.retry_after_ms())
         epoch = self.epochs.epoch
         if job.epoch > epoch or self.epochs.view_for(job.epoch) is None:
             raise LocalProtocolError(
@@ -91,6 +95,20 @@ class PlacementFlow(ValueFlow):
         record = self.jobs.get(job_id(job))
         out.messages[0:0] = [Outbound(to, job_envelope) for to in self._job_recipients(record)]
         return out
+
+    def undecided_submissions(self) -> int:
+        """SPEC 10.5: jobs submitted to this node (it is their entry) whose placement (or
+        slot) instance is open here and undecided. A job waiting for capacity, with no
+        instance open, is not counted: the mesh decided it fits nowhere yet."""
+        me, open_instances = self.ctx.me, self.instances.instances
+        return sum(1 for record in self.jobs.records.values()
+                   if record.entry == me and record.state == "pending" and record.instance in open_instances)
+
+    def retry_after_ms(self) -> int:
+        """SPEC 10.5: when a refused submitter should try again: the round timeout this node
+        would give a new placement now (6.12: four times its recent decision time, between the
+        genesis round_timeout_ms and twice it)."""
+        return self.instances.decision_times_of(self).round_timeout_ms(self.ctx.params.round_timeout_ms)
 
     def _job_recipients(self, record) -> list:
         """SPEC P2: who the entry node sends a new job to. Everyone (``None``: broadcast),
