@@ -3,6 +3,8 @@ namespace of its own with --netns), and fault injection."""
 
 from __future__ import annotations
 
+import argparse
+
 import shutil
 import signal
 
@@ -23,6 +25,14 @@ FAULTS = (  # (command, what it does to node I)
     ("pause", "freeze node I (SIGSTOP)"),
     ("resume", "unfreeze node I (SIGCONT)"),
 )
+UP_READINESS = """Create N nodes in DIR, start them, and return once the mesh is ready.
+
+Ready: every node is connected to every other running node. At the timeout,
+max(60, 3 x N) seconds (on 2 cores a 32-node mesh takes over a minute to finish its
+handshakes), a mesh in which every node is connected to a quorum (itself and its
+peers more than 2/3 of the running nodes: what placing jobs needs) is accepted
+too; otherwise `up` fails naming each node's connections. A node that exits
+while starting fails it at once."""
 STATUS_COLUMNS = ("#", "node", "pid", "process", "port", "zone", "rail", "connected", "epoch")
 
 
@@ -32,7 +42,8 @@ def register(subparsers) -> None:
         "meshnode testnet down --dir net --purge"))
     sub = testnet.add_subparsers(dest="testnet_command", metavar="SUBCOMMAND")
     sub.required = True
-    up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected", epilog=examples(
+    up = sub.add_parser("up", help="create and start N nodes; return once the mesh is connected",
+                        description=UP_READINESS, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples(
         "meshnode testnet up --nodes 4 --dir net",
         "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores",
         "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)",

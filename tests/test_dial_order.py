@@ -176,3 +176,14 @@ def test_wait_ready_accepts_a_quorum_of_peers_at_the_timeout(monkeypatch):
 def test_larger_meshes_get_a_longer_ready_timeout():
     assert launcher.ready_timeout_s(4) == launcher.READY_TIMEOUT_S
     assert launcher.ready_timeout_s(32) == 96
+
+
+def test_testnet_up_help_states_the_readiness_rule_and_its_timeout(capsys):
+    """Issue 18: `up` accepts a mesh where each node reaches a quorum once max(60, 3 x N) s passed."""
+    import pytest
+    from meshnode.cli import main
+    with pytest.raises(SystemExit):
+        main(["testnet", "up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "max(60, 3 x N) seconds" in text and "connected to a quorum" in text
+    assert launcher.ready_timeout_s(4) == 60 and launcher.ready_timeout_s(32) == 3 * 32
