@@ -35,7 +35,8 @@ Local health (SPEC F2a, after Lifeguard, Dadgar et al. 2018): a node that measur
 lateness (a tick gap of two heartbeat periods or more: the driver ticks at least once a
 period) cannot tell a silent peer from its own stall, so (1) a peer's silence does not
 count the node's own lateness since the peer was last heard, and (2) a health score
-(0..HEALTH_MAX, up by the periods a tick was late and by one per suspicion of this node,
+(0..HEALTH_MAX, up by the periods a tick was late or a heartbeat waited in queues, and by
+one per suspicion of this node,
 down by one per HEALTH_DECAY_PERIODS punctual periods) adds ``score * heartbeat_ms`` to
 every threshold, less a quarter of it per other member's fresh suspicion of that peer
 (independent confirmations shrink it back). A node that runs on time keeps score 0 and the
@@ -89,6 +90,7 @@ class FailureDetector:
         self.health = 0               # 0 (on time) .. HEALTH_MAX
         self.health_changed_ms = 0
         self._confirmations: dict[bytes, int] = {}   # peer -> other members' fresh suspicions of it
+        self._delay_floor: dict[bytes, tuple] = {}   # peer -> (least now - sent_ms seen, its latest seq)
 
     # --- local health (SPEC F2a) -----------------------------------------------------------------
     def note_tick(self, gap_ms: int, now_ms: int) -> int:
@@ -106,6 +108,26 @@ class FailureDetector:
             return 0
         late_ms = gap_ms - self.heartbeat_ms
         self.own_late_ms += late_ms
+        self._raise_health(late_ms // self.heartbeat_ms, now_ms)
+        return late_ms
+
+    def note_read_delay(self, peer: bytes, sent_ms: int, seq: int, now_ms: int) -> int:
+        """A heartbeat of ``peer`` read at ``now_ms``, stamped ``sent_ms`` by the peer's clock.
+        ``now_ms - sent_ms`` is the clocks' offset plus the frame's delay; its least value
+        seen since the peer's heartbeats began (its ``seq`` restarting means a new clock) is
+        taken as offset plus an unloaded delay, so the excess is how long the heartbeat waited
+        in queues (ours, the peer's, the network's) beyond that. Returns the lateness counted
+        (an excess of two periods or more, less one period, as for a tick)."""
+        delay = now_ms - sent_ms
+        floor, last_seq = self._delay_floor.get(peer, (delay, seq))
+        if seq <= last_seq and peer in self._delay_floor:
+            floor = delay   # restarted (or reordered): start again from this one
+        floor = min(floor, delay)
+        self._delay_floor[peer] = (floor, seq)
+        excess = delay - floor
+        if excess < 2 * self.heartbeat_ms:
+            return 0
+        late_ms = excess - self.heartbeat_ms
         self._raise_health(late_ms // self.heartbeat_ms, now_ms)
         return late_ms
 
@@ -164,6 +186,7 @@ class FailureDetector:
     def forget(self, peer: bytes) -> None:
         self._peers.pop(peer, None)
         self._confirmations.pop(peer, None)
+        self._delay_floor.pop(peer, None)
 
     def is_watched(self, peer: bytes) -> bool:
         """Whether ``peer`` was ever heard (or tracked): only those can be suspected."""

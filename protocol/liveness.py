@@ -388,6 +388,8 @@ class Liveness:
             # Only those we watch: another member's heartbeat (a sync answer, a refutation after
             # its suspicions lapsed) would start a watch that its silence then turns into suspicion.
             self.detector.heartbeat(signer, now_ms)
+            if self.detector.note_read_delay(signer, beat.sent_ms, beat.seq, now_ms):
+                self.ctx.counters["late_heartbeats"] += 1   # F2a: it waited in queues, ours or the host's
             if signer in self.watched_on_suspicion:
                 self.refuted.add(signer)   # F4a: alive since the suspicion; its monitors watch on
         if was_silent and epochs.is_member() and not self.halted:

@@ -173,3 +173,20 @@ def test_a_monitor_that_lost_its_link_to_a_live_subject_backs_off_its_suspicions
     assert not any(mesh.evictions(k) for k in mesh.keys)
     assert cut   # the subject, alive, kept sending: the link was cut, the subject was not
 
+
+
+def test_a_heartbeat_that_waited_in_queues_lowers_the_health_and_a_restart_resets_its_measure():
+    """F2a: the least `now - sent_ms` seen is the clocks' offset plus an unloaded delay (trio's
+    clocks differ per process by a random offset); a heartbeat read two periods or more past
+    it waited in queues (on a starved 32-node host, 2.3 s round trips: every member's view of
+    its peers' silence is then its own backlog's)."""
+    fd = detector()
+    offset = 123_456
+    assert fd.note_read_delay(b"p", 0, 1, offset + 2) == 0
+    assert fd.note_read_delay(b"p", PERIOD, 2, PERIOD + offset + 2 + 2 * PERIOD - 1) == 0
+    assert fd.health == 0
+    assert fd.note_read_delay(b"p", 2 * PERIOD, 3, 2 * PERIOD + offset + 2 + 4 * PERIOD) == 3 * PERIOD
+    assert fd.health == 3
+    # Restarted (seq from 1 again), with another clock: its first heartbeat is the new floor.
+    assert fd.note_read_delay(b"p", 10, 1, 10 + offset + 9 * PERIOD) == 0
+    assert fd.note_read_delay(b"p", 10 + PERIOD, 2, 10 + PERIOD + offset + 9 * PERIOD) == 0
