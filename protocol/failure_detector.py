@@ -52,7 +52,7 @@ from math import isqrt
 WINDOW = 64          # inter-arrival samples kept per peer
 MIN_SAMPLES = 4
 Z_MILLI = 5612       # z for phi = 8, x 1000 (see module docstring)
-HEALTH_MAX = 8              # local health score cap: at most 8 periods added to a threshold (F2a)
+HEALTH_MAX = 16             # local health score cap: at most 16 periods added to a threshold (F2a)
 HEALTH_DECAY_PERIODS = 4    # the score drops by one per this many periods without a late tick
 HEALTH_CONFIRMATIONS = 4    # other members' fresh suspicions of a peer that cancel the score's extra
 

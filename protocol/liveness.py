@@ -45,11 +45,11 @@ CONFIRM_GRACE_PERIODS = 2
 # (F4a): enough to reach every member the suspicion reached, each of which then stops timing
 # its silence until another suspicion says otherwise.
 REFUTE_PERIODS = CONFIRM_PERIODS + CONFIRM_GRACE_PERIODS + 1
-# F4c: a suspicion that more than 1/3 of the stake does not share is re-sent after 1, 2, 4, then
-# every 8 detection bounds while the suspect stays silent to us: a lost link (n = 32 on 2 cores:
+# F4c: a suspicion that more than 1/3 of the stake does not share is re-sent after 1, 2, 4, 8, 16,
+# then every 32 detection bounds while the suspect stays silent to us: a lost link (n = 32 on 2 cores:
 # handshakes failed under load and pairs stayed unconnected for minutes) is not a dead member,
 # and each re-send cost every member a verification and the suspect a refutation to everyone.
-SUSPICION_BACKOFF_MAX_BOUNDS = 8
+SUSPICION_BACKOFF_MAX_BOUNDS = 32
 
 
 class Liveness:
@@ -314,7 +314,8 @@ class Liveness:
     def _resend_after_ms(self, peer: bytes) -> int:
         """SPEC F4c: how long after its last suspicion of ``peer`` this member sends the next:
         a bound while more than 1/3 of the stake suspects it (the eviction needs them fresh),
-        else 1, 2, 4, then 8 bounds after the 1st, 2nd, 3rd and later sends since it was last heard."""
+        else 1, 2, 4, ... doubling up to 32 bounds after the 1st, 2nd, 3rd, ... send since it was
+        last heard."""
         bound = self.ctx.params.detection_bound_ms
         if self.epochs.view.exceeds_one_third(self.suspicions.get(peer, ())):
             return bound
