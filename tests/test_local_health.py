@@ -35,7 +35,11 @@ def test_own_lateness_since_a_peer_was_heard_is_not_its_silence():
     assert fd.note_tick(180, PERIOD + 180) == 180 - PERIOD   # a stall: 130 ms late
     # Silent 230 ms by the clock, of which 130 ms were our own stall.
     assert not fd.is_suspected(b"p", 230 + fd.health_extra_ms(b"p"))
-    assert fd.suspects(400) == [] or fd.suspects(400)[0][1] == 400 - 130
+    assert fd.health == 2 and fd.health_extra_ms(b"p") == 2 * PERIOD
+    flag_ms = fd.suspect_by_ms + 2 * PERIOD + 130   # threshold + score's extra + our own stall
+    assert fd.flag_at_ms(b"p") == flag_ms
+    assert fd.suspects(flag_ms - 1) == []
+    assert fd.suspects(flag_ms) == [(b"p", flag_ms - 130)]   # the silence it reports excludes the stall
     # Heard again: the stall before no longer counts for (or against) it.
     fd.heartbeat(b"p", 300)
     assert fd.flag_at_ms(b"p") == 300 + fd.suspect_by_ms + fd.health_extra_ms(b"p")
