@@ -143,7 +143,7 @@ def render_genesis(console, view: dict) -> None:
     # folded id cannot be copied; each gets a line of its own under its node's label.
     console.print(key_value_table("peer ids", [(m["short_id"], m["peer_id"]) for m in view["members"]]))
     console.print(key_value_table("protocol parameters", sorted(view["params"].items())
-                                  + [("bid_sample (5.6)", view["bid_sample"] or "0: every member bids")]))
+                                  + [("bid_sample (5.6)", view.get("bid_sample") or "0: every member bids")]))
     if view.get("pools") or view.get("reservations"):
         console.print(key_value_table("pools (SPEC 5.5; reservations %s)" % ("on" if view["reservations"] else "off"), [
             (repr(pool["name"]) + (" " + owner if owner else ""), _quota_text(quota))
