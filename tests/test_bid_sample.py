@@ -98,3 +98,13 @@ def test_a_sampled_leader_proposes_once_every_sampled_member_answered():
     assert net.now == 0
     assert all(len(net.certified(key, "placement")) == 1 for key in KEYS)
     assert net.cores[KEYS[0]].job_view(job_id(job))["state"] == "placed"
+
+
+def test_sim_seed_183_a_job_placed_twice_does_not_end_the_run_before_another_is_placed():
+    """One job placed at attempts 3 and 4 (refusals, R1) counted twice toward "every job
+    placed everywhere", so the run stopped with another job still pending: a liveness
+    violation of the simulator, not of the mesh."""
+    from testnet.sim import SimConfig, run_simulation
+    result = run_simulation(SimConfig(nodes=8, jobs=8, seed=183, bid_sample=3,
+                                      faults=("crash", "partition", "asym", "delay", "loss", "dup", "reorder")))
+    assert result.violations == [] and result.decisions >= 9
