@@ -34,9 +34,8 @@ def register(subparsers) -> None:
                            help="genesis heartbeat period (detection bound scales with it; default 50)")
     consensus.add_argument("--slot-ms", type=int, default=0, metavar="MS",
                            help="genesis placement_slot_ms: batch first placements per MS window (SPEC.md P7)")
-    consensus.add_argument("--bid-sample", type=int, default=None, metavar="K",
-                           help="genesis bid_sample: about K members bid per job (SPEC.md 5.6; 0: all; "
-                                "default: the testnet's)")
+    consensus.add_argument("--bid-sample", type=int, default=0, metavar="K",
+                           help="genesis bid_sample: about K members bid per job (SPEC.md 5.6; default 0: all)")
     _common(consensus)
     consensus.set_defaults(func=cmd_consensus)
 

@@ -42,9 +42,6 @@ READY_TIMEOUT_S = 60
 STOP_GRACE_S = 5
 STARTUP_LOG_TAIL_BYTES = 4096  # read from the end of a dead node's log to say why it died
 MAX_NODES = 64
-# SPEC.md 5.6: a testnet of this many nodes or more samples TESTNET_BID_SAMPLE bidders per job.
-BID_SAMPLE_FROM_NODES = 8
-TESTNET_BID_SAMPLE = 6
 ATTESTATION_FILE = "attestation.bin"
 ATTESTATION_VALID_MS = 30 * 24 * 3600 * 1000
 JURISDICTIONS = ("eu", "us")  # attested per node, alternating, for sovereign placements
@@ -108,11 +105,6 @@ def save_layout(root: Path, layout: dict) -> None:
     os.replace(tmp, _layout_path(root))
 
 
-def default_bid_sample(nodes: int) -> int:
-    """SPEC.md 5.6: the genesis ``bid_sample`` of a testnet of ``nodes`` (0: every member bids)."""
-    return TESTNET_BID_SAMPLE if nodes >= BID_SAMPLE_FROM_NODES else 0
-
-
 def loopback_host(index: int) -> str:
     """Node ``index``'s own loopback address (Linux routes all of 127.0.0.0/8 to lo)."""
     return "127.0.0.%d" % (index + 1)
@@ -122,7 +114,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
                    rng: random.Random | None = None, metrics: bool = False,
                    hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False,
-                   rail_groups: int = 0, loopback_hosts: bool = False, bid_sample: int | None = None) -> dict:
+                   rail_groups: int = 0, loopback_hosts: bool = False, bid_sample: int = 0) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -131,7 +123,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
     nodes run in one process (driver tests) leave it off and bind nothing.
     ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5), and ``bid_sample``
-    (5.6; None: ``default_bid_sample(nodes)``, 0: every member bids). ``rail_groups``: see
+    (5.6; 0: every member bids). ``rail_groups``: see
     ``rail_group_of``.
     With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
     netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
@@ -179,7 +171,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     try:
         genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members), params=params,
                           authorities=(authority.public_key,), pools=pools, reservations=reservations,
-                          bid_sample=default_bid_sample(nodes) if bid_sample is None else bid_sample)
+                          bid_sample=bid_sample)
     except ValueError as exc:   # the record's schema names the field
         raise ConfigError("invalid genesis: %s" % exc) from None
     entries = []
@@ -451,7 +443,7 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
        params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None,
        pools: tuple = (), reservations: bool = False, rail_groups: int = 0,
-       loopback_hosts: bool = False, bid_sample: int | None = None) -> list[dict]:
+       loopback_hosts: bool = False, bid_sample: int = 0) -> list[dict]:
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
     own; ``on_step(text)`` hears of each step (a CLI's progress line); ``rail_groups``: see
     ``rail_group_of``; ``loopback_hosts`` and ``bid_sample``: see ``create_testnet``."""

@@ -49,8 +49,7 @@ def register(subparsers) -> None:
                       help="a TOML file naming pools, per-owner quotas and reservations (SPEC.md 5.5; "
                            "example: jobs/pools/lab.toml)")
     init.add_argument("--bid-sample", type=int, default=0, metavar="K",
-                      help="about K members bid per job, chosen by hash (SPEC.md 5.6; default 0: every member; "
-                           "testnets use 6 from 8 members)")
+                      help="about K members bid per job, chosen by hash (SPEC.md 5.6; default 0: every member)")
     init.add_argument("--out", required=True, metavar="FILE", help="the genesis file to write")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     add_json_flag(init)
