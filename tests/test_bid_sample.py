@@ -107,3 +107,22 @@ def test_sim_seed_183_a_job_placed_twice_does_not_end_the_run_before_another_is_
     result = run_simulation(SimConfig(nodes=8, jobs=8, seed=183, bid_sample=3,
                                       faults=("crash", "partition", "asym", "delay", "loss", "dup", "reorder")))
     assert result.violations == [] and result.decisions >= 9
+
+
+async def test_a_node_runs_with_its_genesis_bid_sample_and_status_shows_it(tmp_path, mock_clock):
+    import trio
+    from meshnode.net.memory_transport import MemoryNetwork
+    from meshnode.node.api import ControlApi
+    from meshnode.node.driver import Node
+    from tests.test_failover_node import memory_factory
+    mock_clock.autojump_threshold = 0
+    launcher.create_testnet(tmp_path / "net", 1, run_workloads=False, bid_sample=6)
+    node = Node(tmp_path / "net" / "node-0", transport_factory=memory_factory(MemoryNetwork()), run_workloads=False)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            assert node.core.ctx.bid_sample == 6
+            assert (await ControlApi(node).status({}))["bid_sample"] == 6
+            nursery.cancel_scope.cancel()
+    finally:
+        node.close()
