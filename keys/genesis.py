@@ -51,6 +51,7 @@ DEFAULT_PARAMS = ProtocolParams(
 UNLIMITED = 1 << 40   # a quota dimension with no limit (SPEC.md 5.5)
 MAX_POOLS = 64
 MAX_POOL_OWNERS = 1024
+MAX_BID_SAMPLE = 4096   # the most members a genesis lists: a larger sample is every member
 
 
 @record
@@ -98,12 +99,14 @@ class Genesis(Record):
     # so a genesis without them keeps its bytes and its mesh id.
     pools: tuple = ()
     reservations: bool = False   # a waiting job holds capacity against later ones (Q5)
+    # SPEC.md 5.6: about this many members bid per job in round 0 (P3 sampling); 0: every member.
+    bid_sample: int = 0
     SCHEMA: ClassVar = {
         "name": Text(1, 64), "created_ms": Int(), "members": List(Nested(Member), 4096),
         "params": Nested(ProtocolParams), "authorities": List(Key(), 16), "pools": List(Nested(Pool), MAX_POOLS),
-        "reservations": Bool(),
+        "reservations": Bool(), "bid_sample": Int(0, MAX_BID_SAMPLE),
     }
-    OMITTED_AT_DEFAULT: ClassVar = {"pools": [], "reservations": False}
+    OMITTED_AT_DEFAULT: ClassVar = {"pools": [], "reservations": False, "bid_sample": 0}
 
     def __post_init__(self):
         super().__post_init__()

@@ -39,6 +39,7 @@ class Bidding:
         self.windows_extended: set[bytes] = set()               # instances whose bid window was extended once
         self.windows_closed: dict[bytes, int] = {}              # instance -> round whose last bid window closed
         self.declined: dict[bytes, dict[bytes, bytes]] = {}     # placement key -> signer -> Decline envelope
+        self.sample_of: dict[bytes, tuple[int, tuple]] = {}     # instance -> (round, the members sampled in it)
         self.scheduling = PoolScheduling(ctx, epochs, jobs, ledger, self.jobs_bid_for, capability)   # quotas and reservations (Q2, Q5)
 
     def forget(self, key: bytes) -> None:
@@ -50,6 +51,7 @@ class Bidding:
         self.windows_extended.discard(key)
         self.windows_closed.pop(key, None)
         self.declined.pop(key, None)
+        self.sample_of.pop(key, None)
 
     def jobs_bid_for(self) -> list:
         """Records of the pending jobs this node holds a live bid for (Q2 counts them)."""
@@ -74,6 +76,21 @@ class Bidding:
             return True
         draw = int.from_bytes(hashlib.sha256(b"bidder" + key + (member or self.ctx.me)).digest()[:8], "big")
         return draw * members < sample << 64
+
+    def all_answered(self, inst, held: dict, declines: dict) -> bool:
+        """SPEC P4b: whether every member asked to answer in ``inst``'s round did (a bid or a
+        decline): every member of its epoch, or with bid sampling (P3) every member sampled
+        in the round. Without the sample rule a leader of a sampled round waited for the bid
+        window each time, for answers that never come."""
+        members = inst.view.members
+        if self.ctx.bid_sample is None:
+            return len(held) + len(declines) >= len(members)
+        iid = inst.instance_id
+        cached = self.sample_of.get(iid)
+        if cached is None or cached[0] != inst.round:
+            cached = self.sample_of[iid] = (inst.round, tuple(
+                key for key in members if self.sampled(iid, inst.round, len(members), key)))
+        return all(key in held or key in declines for key in cached[1])
 
     def send_mine(self, iid: bytes, now_ms: int, out: Ready) -> None:
         """Our answer for the placement instance ``iid``, to its current leader."""

@@ -82,7 +82,8 @@ class MeshCore:
         after the certificates.
         ``heartbeats=False`` turns heartbeats, failure detection and self-fencing off (the
         simulator's scale runs). ``bid_sample=K``: only about K members (chosen by hash of the
-        instance and key, so every node agrees) bid on each job instead of all of them.
+        instance and key, so every node agrees) bid on each job instead of all of them;
+        default: the genesis ``bid_sample`` (SPEC.md 5.6; 0 there: every member bids).
         ``min_silence_ms``: the failure detector's hiccup floor (default: the detection bound
         minus one heartbeat period, SPEC.md F2). ``capability_seq_floor``: the persisted
         ``capability`` record's ``seq_floor``, so a restart never rewinds the seq peers compare (P1).
@@ -90,6 +91,8 @@ class MeshCore:
         driver running many cores may hand them one, deliberately (the simulator does, so a
         signature one simulated node verified is not verified again by the next: every entry
         is a pure function of bytes, so this changes the cost, never a decision)."""
+        if bid_sample is None:
+            bid_sample = genesis.bid_sample or None
         ctx = self.ctx = NodeContext(identity=identity, genesis=genesis, policy=policy, capacity=capacity, rng=rng,
                                      heartbeats=heartbeats, bid_sample=bid_sample, caches=caches or CoreCaches())
         self.identity, self.me, self.mesh_id, self.genesis = identity, ctx.me, ctx.mesh_id, genesis

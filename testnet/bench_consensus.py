@@ -244,13 +244,14 @@ def tear_down(root: Path, failed: bool, keep: bool) -> None:
 
 def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, keep: bool = False,
                         seed: int | None = None, job_timeout_s: float = JOB_TIMEOUT_S,
-                        heartbeat_ms: int | None = None, slot_ms: int = 0) -> dict:
+                        heartbeat_ms: int | None = None, slot_ms: int = 0, bid_sample: int = 0) -> dict:
     """Start a testnet, measure, tear it down; one JSON-ready result.
 
     ``heartbeat_ms``: run the testnet with that heartbeat period and a detection bound of
     the same multiple of it as the defaults (6x).
     ``slot_ms``: the genesis ``placement_slot_ms`` (SPEC.md P7); jobs are then signed as
-    they are submitted, so their creation times fall in the slots of their submission."""
+    they are submitted, so their creation times fall in the slots of their submission.
+    ``bid_sample``: the genesis ``bid_sample`` (SPEC.md 5.6; 0: every member bids)."""
     if not 1 <= jobs <= MAX_JOBS or not 1 <= concurrency <= MAX_CONCURRENCY:
         raise MeshError("--jobs must be 1..%d and --concurrency 1..%d" % (MAX_JOBS, MAX_CONCURRENCY))
     params = launcher.params_with_heartbeat(heartbeat_ms)
@@ -263,7 +264,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
     failed = True
     try:
         started = time.monotonic()
-        launcher.up(root, nodes, owners=1, run_workloads=False, params=params)
+        launcher.up(root, nodes, owners=1, run_workloads=False, params=params, bid_sample=bid_sample)
         ready_s = time.monotonic() - started
         layout = launcher.load_layout(root)
         owner_key, mesh_id = layout["owners"][0]["key_file"], bytes.fromhex(layout["mesh_id"])
@@ -282,6 +283,7 @@ def run_consensus_bench(nodes: int, jobs: int, concurrency: int, *, root=None, k
         "bench": "consensus", "nodes": nodes, "jobs": jobs, "concurrency": concurrency, "seed": seed,
         "heartbeat_ms": params.heartbeat_ms, "detection_bound_ms": params.detection_bound_ms,
         "placement_slot_ms": params.placement_slot_ms,
+        "bid_sample": bid_sample,
         "decided": decided, "undecided": raw["undecided"], "refused": len(raw["refused"]),
         "refused_first": raw["refused"][0] if raw["refused"] else None,
         # submits the entry node refused as overloaded (SPEC 10.5), each retried after its hint

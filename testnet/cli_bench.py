@@ -34,6 +34,8 @@ def register(subparsers) -> None:
                            help="genesis heartbeat period (detection bound scales with it; default 50)")
     consensus.add_argument("--slot-ms", type=int, default=0, metavar="MS",
                            help="genesis placement_slot_ms: batch first placements per MS window (SPEC.md P7)")
+    consensus.add_argument("--bid-sample", type=int, default=0, metavar="K",
+                           help="genesis bid_sample: about K members bid per job (SPEC.md 5.6; default 0: all)")
     _common(consensus)
     consensus.set_defaults(func=cmd_consensus)
 
@@ -161,7 +163,8 @@ def cmd_consensus(args) -> int:
     from testnet.bench_consensus import run_consensus_bench
     _interrupt_on_sigterm()
     result = run_consensus_bench(args.nodes, args.jobs, args.concurrency, root=args.dir, keep=args.keep,
-                                 seed=args.seed, heartbeat_ms=args.heartbeat_ms, slot_ms=args.slot_ms)
+                                 seed=args.seed, heartbeat_ms=args.heartbeat_ms, slot_ms=args.slot_ms,
+                                 bid_sample=args.bid_sample)
     _print(result)
     return 0 if result["undecided"] == 0 and result["refused"] == 0 else 1
 

@@ -296,7 +296,7 @@ def _run_node_seed(config: NodeSimConfig) -> NodeSimResult:
 def run_node_driver(args: argparse.Namespace) -> int:
     """``meshnode sim --driver node``: the real node driver, seed by seed (testnet/sim_nodes.py)."""
     core_only = [flag for flag, given in (("--byzantine", args.byzantine), ("--no-heartbeats", args.no_heartbeats),
-                                          ("--bid-sample", args.bid_sample is not None), ("--slot-ms", args.slot_ms))
+                                          ("--slot-ms", args.slot_ms))
                  if given]
     if core_only:
         raise SystemExit("meshnode sim: %s apply to --driver core only" % ", ".join(core_only))
@@ -308,7 +308,8 @@ def run_node_driver(args: argparse.Namespace) -> int:
         faults = parse_faults(",".join(NODE_FAULTS) if args.faults is None else args.faults, NODE_FAULT_KINDS)
     except argparse.ArgumentTypeError as exc:
         raise SystemExit("meshnode sim: %s" % exc)
-    configs = [NodeSimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k, faults=faults)
+    configs = [NodeSimConfig(nodes=args.nodes, jobs=args.jobs, seed=args.seed + k, faults=faults,
+                             bid_sample=args.bid_sample or 0)   # the genesis field (SPEC.md 5.6)
                for k in range(args.seeds)]
     started = time.perf_counter()
     if args.workers > 1 and len(configs) > 1:

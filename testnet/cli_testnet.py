@@ -48,7 +48,8 @@ def register(subparsers) -> None:
         "meshnode testnet up --nodes 16 --heartbeat-ms 200 --dir net     # a larger mesh on few cores",
         "meshnode testnet up --nodes 4 --pools jobs/pools/lab.toml --dir net  # pools and quotas (SPEC.md 5.5)",
         "meshnode testnet up --nodes 6 --rail-groups 2 --dir net   # rail-1 on nodes 0,2,4 (zone-a), rail-2 on 1,3,5",
-        "meshnode testnet up --nodes 4 --loopback-hosts --dir net   # node i on 127.0.0.(i+1): replicas serve one port"))
+        "meshnode testnet up --nodes 4 --loopback-hosts --dir net   # node i on 127.0.0.(i+1): replicas serve one port",
+        "meshnode testnet up --nodes 16 --bid-sample 6 --dir net   # about 6 members bid per job (SPEC.md 5.6)"))
     up.add_argument("--nodes", type=int, default=4, metavar="N", help="how many nodes (default 4)")
     up.add_argument("--owners", type=int, default=1, metavar="N",
                     help="workload owner keys to create, in DIR/owners/ (default 1)")
@@ -60,6 +61,8 @@ def register(subparsers) -> None:
     up.add_argument("--rail-groups", type=int, default=0, metavar="G",
                     help="node i's capability vector carries rail group rail-(i mod G + 1); an even G keeps each "
                          "in one zone (default 0: every node's own rail)")
+    up.add_argument("--bid-sample", type=int, default=0, metavar="K",
+                    help="genesis bid_sample: about K members bid per job (SPEC.md 5.6; default 0: every member)")
     up.add_argument("--netns", action="store_true",
                     help="each node in a network namespace of its own on a virtual bridge (root; enables partition)")
     up.add_argument("--loopback-hosts", action="store_true",
@@ -141,7 +144,7 @@ def cmd_up(args) -> int:
     with progress(args, "creating the testnet in %s" % args.dir) as shown:
         rows = launcher.up(args.dir, args.nodes, args.owners, run_workloads=not args.no_workloads, params=params,
                            netns=args.netns, on_step=shown.update, rail_groups=args.rail_groups,
-                           loopback_hosts=args.loopback_hosts, **scheduling)
+                           loopback_hosts=args.loopback_hosts, bid_sample=args.bid_sample, **scheduling)
     layout = launcher.load_layout(args.dir)
 
     def render(console):

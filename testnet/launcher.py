@@ -114,7 +114,7 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
                    run_workloads: bool = True, stake: int = 100, params: ProtocolParams = DEFAULT_PARAMS,
                    rng: random.Random | None = None, metrics: bool = False,
                    hosts: list[str] | None = None, pools: tuple = (), reservations: bool = False,
-                   rail_groups: int = 0, loopback_hosts: bool = False) -> dict:
+                   rail_groups: int = 0, loopback_hosts: bool = False, bid_sample: int = 0) -> dict:
     """Write keys, genesis (protocol ``params``) and configs for ``nodes`` nodes; start nothing.
 
     With ``rng`` (the node-mode simulator, testnet/sim_nodes.py) every key is drawn from it,
@@ -122,7 +122,8 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
     (same mesh id, keys and attestations); its nodes are not meant for TCP then.
     With ``metrics`` (``testnet up``) each node serves Prometheus metrics on a port of its own;
     nodes run in one process (driver tests) leave it off and bind nothing.
-    ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5). ``rail_groups``: see
+    ``pools`` and ``reservations`` go into the genesis (SPEC.md 5.5), and ``bid_sample``
+    (5.6; 0: every member bids). ``rail_groups``: see
     ``rail_group_of``.
     With ``hosts`` (``testnet up --netns``) node i listens on ``hosts[i]``, port
     netns.NODE_PORT, in a network namespace of its own, instead of a free port on 127.0.0.1.
@@ -167,8 +168,12 @@ def create_testnet(root, nodes: int, owners: int = 1, *, name: str = "testnet",
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
         members.append(Member(public_key=identity.public_key, stake=stake, zone=zone,
                               labels={"testnet": name}, addrs=("/ip4/%s/tcp/%d" % (hosts[i], ports[i]),)))
-    genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members),
-                      params=params, authorities=(authority.public_key,), pools=pools, reservations=reservations)
+    try:
+        genesis = Genesis(name=name, created_ms=now_ms, members=tuple(members), params=params,
+                          authorities=(authority.public_key,), pools=pools, reservations=reservations,
+                          bid_sample=bid_sample)
+    except ValueError as exc:   # the record's schema names the field
+        raise ConfigError("invalid genesis: %s" % exc) from None
     entries = []
     for i, identity in enumerate(identities):
         zone = GPU_PROFILES[i % len(GPU_PROFILES)][3]
@@ -438,10 +443,10 @@ def params_with_heartbeat(heartbeat_ms: int | None, params: ProtocolParams = DEF
 def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
        params: ProtocolParams = DEFAULT_PARAMS, netns: bool = False, on_step=lambda text: None,
        pools: tuple = (), reservations: bool = False, rail_groups: int = 0,
-       loopback_hosts: bool = False) -> list[dict]:
+       loopback_hosts: bool = False, bid_sample: int = 0) -> list[dict]:
     """Create and start a testnet; with ``netns`` each node gets a network namespace of its
     own; ``on_step(text)`` hears of each step (a CLI's progress line); ``rail_groups``: see
-    ``rail_group_of``; ``loopback_hosts``: see ``create_testnet``."""
+    ``rail_group_of``; ``loopback_hosts`` and ``bid_sample``: see ``create_testnet``."""
     if netns and loopback_hosts:
         raise ConfigError("--netns and --loopback-hosts exclude each other (a namespace gives each node its address)")
     if netns:
@@ -450,7 +455,7 @@ def up(root, nodes: int, owners: int = 1, run_workloads: bool = True,
     hosts = [netns_mod.node_address(i) for i in range(nodes)] if netns else None
     layout = create_testnet(root, nodes, owners, run_workloads=run_workloads, params=params, metrics=True,
                             hosts=hosts, pools=pools, reservations=reservations, rail_groups=rail_groups,
-                            loopback_hosts=loopback_hosts)
+                            loopback_hosts=loopback_hosts, bid_sample=bid_sample)
     try:
         if netns:
             layout["netns"] = netns_mod.plan(layout["mesh_id"], nodes)

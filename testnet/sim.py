@@ -305,7 +305,7 @@ class Simulation:
         # cause are over.
         self.busy_until_ms = max([self.heal_ms] + [end + REFLEX_SETTLE_MS for spells in self.hot.values()
                                                    for _start, end in spells])
-        self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (workload runs)
+        self.placed_everywhere: set[bytes] = set()  # job ids placed at every honest node (early stop)
         self.gang_runs_started: set[tuple] = set()   # (node, incarnation, rank, fence) ordered to run (GA7)
         for index in sorted(self.world.byzantine):
             spec = self.world.nodes[index]
@@ -830,15 +830,13 @@ class Simulation:
             done = self.honest_done.get(decision.instance, 0) + 1
             self.honest_done[decision.instance] = done
             if done == len(self.honest):  # early stop only when every honest node has every job
-                if self.workload_rng is not None:
-                    # A retried job is placed again, by another instance: count each job once.
-                    placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
-                    fresh = {self.checker.job_of(p) for p in placements} - self.placed_everywhere
-                    self.placed_everywhere |= fresh
-                    self.complete += len(fresh)
-                    return
-                placed = 1 if decision.value_kind == "placement" else len(decision.value.placements)
-                self.complete += placed
+                # A retried job (a failed exit, or a refusal: R1) is placed again, by another
+                # instance: count each job once, or the run stops while a job is still pending
+                # (seed 183 at 8 nodes, bid sample 3: one job placed at attempts 3 and 4).
+                placements = (decision.value,) if decision.value_kind == "placement" else decision.value.placements
+                fresh = {self.checker.job_of(p) for p in placements} - self.placed_everywhere
+                self.placed_everywhere |= fresh
+                self.complete += len(fresh)
 
     def _excuse_byzantine_rounds(self, node: SimNode, events) -> None:
         for event in events:

@@ -337,13 +337,16 @@ class NodeSimConfig:
     # "backup": the primary or first backup of the first job submitted, as the
     # lowest-numbered live member sees it then.
     script: tuple = ()
+    bid_sample: int = 0               # the genesis bid_sample (SPEC.md 5.6; 0: every member bids)
 
     def reproduce(self) -> str:
-        cli = NodeSimConfig(nodes=self.nodes, jobs=self.jobs, seed=self.seed, faults=self.faults)
+        cli = NodeSimConfig(nodes=self.nodes, jobs=self.jobs, seed=self.seed, faults=self.faults,
+                            bid_sample=self.bid_sample)
         if self != cli:   # options the command line does not offer
             return 'python -c "from testnet.sim_nodes import *; run_config(%r)"' % (self,)
-        return "meshnode sim --driver node --nodes %d --jobs %d --seed %d --faults %s" % (
-            self.nodes, self.jobs, self.seed, ",".join(self.faults) if self.faults else "none")
+        return "meshnode sim --driver node --nodes %d --jobs %d --seed %d --faults %s%s" % (
+            self.nodes, self.jobs, self.seed, ",".join(self.faults) if self.faults else "none",
+            " --bid-sample %d" % self.bid_sample if self.bid_sample else "")
 
 
 @dataclass
@@ -628,7 +631,8 @@ class NodeSimulation(RunChecks):
         self.rng = random.Random(config.seed)
         self.params = DEFAULT_PARAMS
         self.layout = launcher.create_testnet(self.root / "net", config.nodes, name="sim",
-                                              params=self.params, rng=random.Random(self.rng.getrandbits(64)))
+                                              params=self.params, rng=random.Random(self.rng.getrandbits(64)),
+                                              bid_sample=config.bid_sample)
         self.dirs = [Path(entry["dir"]) for entry in self.layout["nodes"]]
         self.keys = [bytes.fromhex(entry["public_key"]) for entry in self.layout["nodes"]]
         with contextlib.redirect_stderr(io.StringIO()):

@@ -67,7 +67,7 @@ NESTED_ENVELOPES = {
                                               "genesis authority, not about the bidder or not valid at the "
                                               "vector's `taken_ms` is ignored (P4, 5.3)"),
     (Proposal, "justification"): (("bid", "suspicion", "commit", "decline", "cap", "quota_grant"),
-                                  "by `value_kind`: `placement`: the `bid`s it was chosen from (at most 32), "
+                                  "by `value_kind`: `placement`: the `bid`s of its primary and backups (P4d; a validator accepts at most 32), "
                                   "and in a slot mesh's late attempt-0 placement the slot's `commit` after them (P4b, "
                                   "P7c), and last, for a job whose owner has a quota in its pool, its `quota_grant` "
                                   "(exactly one, Q2c); `placement_slot`: `bid`s, at most 5 per job (P7b); `eviction`: "

@@ -155,6 +155,7 @@ def test_mesh_init_show_job_sign_verify(tmp_path, capsys, passfile):
     (["--member", "%s:1" % ("ab" * 32), "--member", "%s:2" % ("ab" * 32)], "listed twice"),
     (["--member", "%s:1" % ("ab" * 32), "--heartbeat-ms", "0"], "heartbeat_ms"),
     (["--member", "%s:1" % ("ab" * 32), "--member-label", "3:a=b"], "--member-label"),
+    (["--member", "%s:1" % ("ab" * 32), "--bid-sample", "5000"], "Genesis.bid_sample"),
 ])
 def test_mesh_init_errors(tmp_path, capsys, argv, message):
     code, out, err = run(capsys, "mesh", "init", "--name", "m", *argv, "--out", tmp_path / "g.bin")

@@ -517,7 +517,7 @@ def test_key_derivation_shows_progress_on_a_terminal_only(capsys, monkeypatch, t
 def test_testnet_up_reports_each_step_as_progress(capsys, monkeypatch, tmp_path):
     steps = []
 
-    def fake_up(root, nodes, owners, run_workloads, params, netns, on_step, rail_groups=0, loopback_hosts=False):
+    def fake_up(root, nodes, owners, run_workloads, params, netns, on_step, rail_groups=0, loopback_hosts=False, bid_sample=0):
         for text in ("writing keys", "starting node 1 of 2", "waiting"):
             on_step(text)
         return []

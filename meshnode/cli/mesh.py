@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     init = sub.add_parser("init", help="write a genesis document; its hash is the mesh id", epilog=examples(
         "meshnode mesh init --name lab --member node-a.key:100 --member 12D3KooW...:100:zone-b \\\n"
         "      --member-addr 0:/ip4/10.0.0.5/tcp/4001 --heartbeat-ms 50 --out genesis.bin",
-        "meshnode mesh init --name lab --member node-a.key:100 --pools jobs/pools/lab.toml --out genesis.bin"))
+        "meshnode mesh init --name lab --member node-a.key:100 --pools jobs/pools/lab.toml --out genesis.bin",
+        "meshnode mesh init --name lab --member node-a.key:100 --bid-sample 6 --out genesis.bin"))
     init.add_argument("--name", required=True, help="the mesh's name (part of the genesis, so of the mesh id)")
     init.add_argument("--member", action="append", required=True, metavar="KEY:STAKE[:ZONE]",
                       help="a member (repeatable): KEY is a keystore file, 64 hex digits or a peer ID")
@@ -47,6 +48,8 @@ def register(subparsers) -> None:
     init.add_argument("--pools", metavar="FILE",
                       help="a TOML file naming pools, per-owner quotas and reservations (SPEC.md 5.5; "
                            "example: jobs/pools/lab.toml)")
+    init.add_argument("--bid-sample", type=int, default=0, metavar="K",
+                      help="about K members bid per job, chosen by hash (SPEC.md 5.6; default 0: every member)")
     init.add_argument("--out", required=True, metavar="FILE", help="the genesis file to write")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     add_json_flag(init)
@@ -100,7 +103,7 @@ def build_genesis(args: argparse.Namespace) -> Genesis:
         params = ProtocolParams(**{**DEFAULT_PARAMS.to_body(), **overrides})
         return Genesis(name=args.name, created_ms=created_ms, members=members, params=params,
                        authorities=tuple(parse_public_key(a) for a in args.authority), pools=pools,
-                       reservations=reservations)
+                       reservations=reservations, bid_sample=args.bid_sample)
     except ValueError as exc:  # a record's SCHEMA or invariant check names the field
         raise ConfigError("invalid genesis: %s" % exc) from None
 
@@ -117,6 +120,7 @@ def genesis_view(genesis: Genesis) -> dict:
         "pools": [{"name": pool.name, "default": pool.default.to_body(),
                    "owners": {short_id(o.owner): o.quota.to_body() for o in pool.owners}} for pool in genesis.pools],
         "reservations": genesis.reservations,
+        "bid_sample": genesis.bid_sample,
     }
 
 
@@ -137,7 +141,8 @@ def render_genesis(console, view: dict) -> None:
     # Peer ids are 52 characters: beside the other columns they would be folded, and a
     # folded id cannot be copied; each gets a line of its own under its node's label.
     console.print(key_value_table("peer ids", [(m["short_id"], m["peer_id"]) for m in view["members"]]))
-    console.print(key_value_table("protocol parameters", sorted(view["params"].items())))
+    console.print(key_value_table("protocol parameters", sorted(view["params"].items())
+                                  + [("bid_sample (5.6)", view.get("bid_sample") or "0: every member bids")]))
     if view.get("pools") or view.get("reservations"):
         console.print(key_value_table("pools (SPEC 5.5; reservations %s)" % ("on" if view["reservations"] else "off"), [
             (repr(pool["name"]) + (" " + owner if owner else ""), _quota_text(quota))

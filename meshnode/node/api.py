@@ -111,6 +111,7 @@ class ControlApi:
                 "telemetry": dict(node.telemetry.describe_source(), failing=core.capability.telemetry_fault,
                                   read_errors=node.telemetry_errors),
                 "metrics": node.metrics_url,
+                "bid_sample": core.ctx.bid_sample or 0,   # about this many members bid per job (SPEC.md 5.6)
                 # Thousandths of each of this node's GPUs its bids and jobs hold (SPEC.md R1, P4c).
                 "gpu_milli_held": list(core.ledger.held_gpu_milli())}
 
