@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import random
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -65,6 +66,11 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE as YAMUX_WINDOW_BYTES
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE as YAMUX_HEADER_BYTES
+from libp2p.stream_muxer.yamux.yamux import MAX_MESSAGE_SIZE as YAMUX_MAX_MESSAGE_BYTES
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA as YAMUX_TYPE_DATA
+from libp2p.stream_muxer.yamux.yamux import YAMUX_HEADER_FORMAT
+from libp2p.network.stream.net_stream import StreamState
 
 from keys.identity import peer_id_bytes, public_key_from_peer_id
 from meshnode.net.limits import InboundGate, KeyedRateLimiter, MemoryBudget, PeerLimits
@@ -527,6 +533,30 @@ class _InboundFrames:
         return self._ended
 
 
+async def _write_frames_to(stream: INetStream, data: bytes) -> None:
+    """Write ``data`` on our outbound frame stream: as one yamux DATA frame when it fits
+    the peer's window and one yamux message, else by libp2p's own ``write``.
+
+    py-libp2p 0.8.1's write path (NetStream.write -> YamuxStream.write -> _write_frame)
+    takes four locks and a checkpoint per write and formats a debug line whatever the log
+    level: eight task steps per frame sent, measured (issue 18). Here the window is
+    checked and debited and the header built with no await in between (trio runs one
+    task at a time, so a WINDOW_UPDATE cannot interleave), and the frame goes out under
+    the connection's write lock, which keeps yamux frames whole on the connection."""
+    muxed = getattr(stream, "muxed_stream", None)
+    size = len(data)
+    if (not isinstance(muxed, YamuxStream) or getattr(stream, "_state", None) is not StreamState.OPEN
+            or muxed.send_closed or muxed.closed or size > muxed.send_window
+            or size > YAMUX_MAX_MESSAGE_BYTES - YAMUX_HEADER_BYTES):
+        await stream.write(data)   # waits for window, splits, raises on a closed stream
+        return
+    muxed.send_window -= size
+    frame = struct.pack(YAMUX_HEADER_FORMAT, 0, YAMUX_TYPE_DATA, 0, muxed.stream_id, size) + data
+    connection = muxed.conn
+    async with connection._write_lock:
+        await connection.secured_conn.write(frame)
+
+
 def _discard(_data: bytes) -> None:
     """A detached stream's bytes, between the end of its reader and its reset."""
     return None
@@ -848,8 +878,10 @@ class Libp2pTransport:
                 if kind == FRAME_KIND_PING:
                     link.rtt.ping_written(wire[-PING_TOKEN_BYTES:], now_s)
             try:
-                with trio.fail_after(WRITE_TIMEOUT_MS / 1000):
-                    await stream.write(b"".join(wire for _, wire in batch))
+                with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT_MS / 1000) as write_scope:
+                    await _write_frames_to(stream, b"".join(wire for _, wire in batch))
+                if write_scope.cancelled_caught:
+                    raise trio.TooSlowError
             except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
                 # A partly written frame corrupts the stream: reset it, the next frame
                 # opens a new one.
