@@ -30,10 +30,15 @@ that handles it:
   connection closes and applies the limits of meshnode.net.limits (SPEC.md 8).
 - yamux's receive buffers are bounded (``_BoundedYamux``): py-libp2p 0.8.1 buffers
   whatever a peer sends on a stream, window or not, and never limits inbound streams.
+- A peer's frame stream is decoded in yamux's connection reader as its bytes arrive
+  (``_InboundFrames``), not read by a task woken per frame; our frames are written as
+  one yamux DATA frame per batch (``_write_frames_to``), not through libp2p's four locks
+  per write. Both were task switches per frame (issue 18).
 
 Concurrency: each connected peer has a ``_PeerLink`` whose tasks (frame writer,
 pinger, pong reader) run under the link's cancel scope and end with the connection.
-Inbound streams are served in libp2p's own handler tasks.
+Inbound streams are served in libp2p's own handler tasks, which wait for the stream's
+end; their frames are taken in yamux's connection reader.
 """
 
 from __future__ import annotations
