@@ -272,3 +272,30 @@ async def test_frames_take_fewer_task_steps_both_ways():
             # The sender's writer: libp2p's write path stepped it 8 times per frame, ours 4.
             assert counter.steps.get("_write_frames", 0) <= 4 * frames + 4, counter.steps
             assert b.counters["frames_received"] == frames + 1
+
+
+def _tasks_named(name: str) -> int:
+    """Tasks of this trio run whose function is ``name``."""
+    count, nurseries = 0, list(trio.lowlevel.current_root_task().child_nurseries)
+    while nurseries:
+        for task in nurseries.pop().child_tasks:
+            count += task.name.rsplit(".", 1)[-1] == name
+            nurseries.extend(task.child_nurseries)
+    return count
+
+
+async def test_a_replaced_frame_stream_leaves_no_task_behind():
+    """A peer's new frame stream replaces its old one, which we reset ourselves: yamux wakes
+    nobody for that, so its reader is ended by the replacement (else each replacement
+    would leave a task waiting for ever)."""
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with quiet_connected_pair() as (a, b):
+            await a.send(KEY_PEER, b"first stream")
+            assert await b.incoming.receive() == (KEY_NODE, b"first stream")
+            handlers = _tasks_named("_handle_muxed_stream")
+            a._links[KEY_PEER].outbound_stream = None   # a's next frame opens a new stream; the old is not reset
+            await a.send(KEY_PEER, b"second stream")
+            assert await b.incoming.receive() == (KEY_NODE, b"second stream")
+            for _ in range(50):
+                await trio.lowlevel.checkpoint()
+            assert _tasks_named("_handle_muxed_stream") == handlers

@@ -419,6 +419,7 @@ class _PeerLink:
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[tuple[int, bytes]](send_queue_frames)
         self.outbound_stream: INetStream | None = None
         self.inbound_stream: INetStream | None = None
+        self.inbound_reader: _InboundFrames | None = None   # reads inbound_stream
         self.cancel_scope = trio.CancelScope()
         self.lost = trio.Event()
         self.rtt = RttEstimator()
@@ -825,6 +826,8 @@ class Libp2pTransport:
     def _drop_link(self, link: _PeerLink) -> None:
         del self._links[link.key]
         link.cancel_scope.cancel()
+        if link.inbound_reader is not None:
+            link.inbound_reader.end("")
         link.lost.set()
         link.outbox_send.close()
         self._drop_queued(link)
@@ -956,11 +959,15 @@ class Libp2pTransport:
         if link is None:
             await stream.reset()
             return
-        # One persistent inbound stream per peer: a new one replaces the old.
+        # One persistent inbound stream per peer: a new one replaces the old. Its reader is
+        # ended here: yamux does not wake anyone for a reset of our own.
+        reader = _InboundFrames(self, link.key, stream)
         previous, link.inbound_stream = link.inbound_stream, stream
+        previous_reader, link.inbound_reader = link.inbound_reader, reader
+        if previous_reader is not None:
+            previous_reader.end("")
         if previous is not None:
             await previous.reset()
-        reader = _InboundFrames(self, link.key, stream)
         try:
             if reader.attach():
                 ended = await reader.wait_for_end()
@@ -970,7 +977,7 @@ class Libp2pTransport:
         finally:
             reader.detach()
         if link.inbound_stream is stream:
-            link.inbound_stream = None
+            link.inbound_stream = link.inbound_reader = None
         try:
             await stream.reset()
         except _NETWORK_ERRORS:
