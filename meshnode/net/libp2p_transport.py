@@ -30,10 +30,15 @@ that handles it:
   connection closes and applies the limits of meshnode.net.limits (SPEC.md 8).
 - yamux's receive buffers are bounded (``_BoundedYamux``): py-libp2p 0.8.1 buffers
   whatever a peer sends on a stream, window or not, and never limits inbound streams.
+- A peer's frame stream is decoded in yamux's connection reader as its bytes arrive
+  (``_InboundFrames``), not read by a task woken per frame; our frames are written as
+  one yamux DATA frame per batch (``_write_frames_to``), not through libp2p's four locks
+  per write. Both were task switches per frame (issue 18).
 
 Concurrency: each connected peer has a ``_PeerLink`` whose tasks (frame writer,
 pinger, pong reader) run under the link's cancel scope and end with the connection.
-Inbound streams are served in libp2p's own handler tasks.
+Inbound streams are served in libp2p's own handler tasks, which wait for the stream's
+end; their frames are taken in yamux's connection reader.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import logging
 import math
 import os
 import random
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -65,6 +71,11 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE as YAMUX_WINDOW_BYTES
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE as YAMUX_HEADER_BYTES
+from libp2p.stream_muxer.yamux.yamux import MAX_MESSAGE_SIZE as YAMUX_MAX_MESSAGE_BYTES
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA as YAMUX_TYPE_DATA
+from libp2p.stream_muxer.yamux.yamux import YAMUX_HEADER_FORMAT
+from libp2p.network.stream.net_stream import StreamState
 
 from keys.identity import peer_id_bytes, public_key_from_peer_id
 from meshnode.net.limits import InboundGate, KeyedRateLimiter, MemoryBudget, PeerLimits
@@ -246,8 +257,16 @@ class _BoundedBuffer(bytearray):
         self._muxer = muxer
         self._stream_id = stream_id
         self.holder = object()
+        # Our frame stream's reader (_InboundFrames.take), once it is attached: bytes then go
+        # to it as they arrive, in yamux's connection reader, and nothing is kept here.
+        self.sink = None
 
     def extend(self, data) -> None:
+        if self.sink is not None:
+            refused = self.sink(bytes(data))
+            if refused is not None:
+                self._muxer.refuse(refused)
+            return
         size = len(self) + len(data)
         stream = self._muxer.streams.get(self._stream_id)
         window = max(YAMUX_WINDOW_BYTES, stream.target_recv_window if stream is not None else 0)
@@ -400,10 +419,177 @@ class _PeerLink:
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[tuple[int, bytes]](send_queue_frames)
         self.outbound_stream: INetStream | None = None
         self.inbound_stream: INetStream | None = None
+        self.inbound_reader: _InboundFrames | None = None   # reads inbound_stream
         self.cancel_scope = trio.CancelScope()
         self.lost = trio.Event()
         self.rtt = RttEstimator()
         self.last_active_s = trio.current_time()  # last frame received: idle non-members go first
+
+
+class _InboundFrames:
+    """The reading side of one peer's frame stream, decoded in yamux's connection reader.
+
+    Before, yamux's reader put each DATA frame's bytes in the stream's buffer and woke a
+    task of ours that read them (yamux's read path: a lock, an event, copies) and queued
+    the frames for the driver: a task switch per frame on top of the reader's and the
+    driver's (issue 18: trio was 27-45% of a node's CPU). Now the stream's buffer hands
+    the bytes to ``take`` as they arrive and complete frames go straight to the
+    transport's incoming queue. The stream's task (``wait_for_end``) wakes only to end the
+    stream (a reset, the connection closing, a bad or oversized frame, a partial frame
+    over its memory budget) or when a partial frame's read timeout is due (SPEC.md 8).
+    Window credit goes back as before: once half the window was taken."""
+
+    def __init__(self, transport: "Libp2pTransport", peer_key: bytes, stream: INetStream):
+        self._transport = transport
+        self._peer_key = peer_key
+        self._stream = stream
+        self._decoder = FrameDecoder(transport.max_frame_bytes)
+        self._holder = object()      # this stream's partial frame in transport.memory
+        self._muxed: YamuxStream | None = None
+        self._buffer: _BoundedBuffer | None = None
+        self._unreleased = 0         # bytes taken whose window credit the peer has not had back
+        self._frame_started_s: float | None = None
+        self._ended: str | None = None   # why the stream ends: a counter's name, "" for the peer's end
+        self._wake = trio.Event()
+
+    def attach(self) -> bool:
+        """Take the stream's bytes from now on (and those already buffered); False if the
+        stream is not a yamux stream of ours or is already gone."""
+        muxed = getattr(self._stream, "muxed_stream", None)
+        if not isinstance(muxed, YamuxStream):
+            return False
+        buffer = muxed.conn.stream_buffers.get(muxed.stream_id)
+        if not isinstance(buffer, _BoundedBuffer) or muxed.stream_id not in muxed.conn.stream_events:
+            return False
+        self._muxed, self._buffer = muxed, buffer
+        # Whatever arrived with or after the protocol negotiation, before this handler ran.
+        pending = bytes(buffer)
+        buffer.clear()
+        buffer.sink = self.take
+        muxed.conn.stream_events[muxed.stream_id] = _StreamEndSignal(self, muxed)
+        if pending:
+            refused = self.take(pending)
+            if refused is not None:
+                self.end(refused)
+        if muxed.reset_received or muxed.recv_closed:
+            self.end("")
+        return True
+
+    def detach(self) -> None:
+        if self._buffer is not None and self._buffer.sink == self.take:
+            self._buffer.sink = _discard
+        self._transport.memory.release(self._holder)
+
+    def end(self, why: str) -> None:
+        if self._ended is None:
+            self._ended = why
+        self._wake.set()
+
+    def take(self, data: bytes) -> str | None:
+        """The bytes of one yamux DATA frame of this stream; the reason to close the
+        connection if they pass the receive window we granted, else None."""
+        if self._ended is not None:
+            return None   # the stream is being reset
+        transport, peer_key = self._transport, self._peer_key
+        self._unreleased += len(data)
+        if self._unreleased > max(YAMUX_WINDOW_BYTES, self._muxed.target_recv_window):
+            return "dropped_window_exceeded"
+        completed = False
+        try:
+            for kind, payload in self._decoder.feed(data):
+                completed = True
+                transport._accept_inbound_frame(peer_key, self._stream, kind, payload)
+        except FrameTooLarge:
+            self.end("dropped_oversize")
+            return None
+        except RemoteProtocolError:
+            self.end("bad_frame")
+            return None
+        if self._unreleased >= WINDOW_RELEASE_BYTES:
+            increment, self._unreleased = self._unreleased, 0
+            transport._nursery.start_soon(self._return_credit, increment)
+        buffered = self._decoder.buffered_bytes
+        if not buffered:
+            self._frame_started_s = None
+        elif completed or self._frame_started_s is None:
+            # A frame begun must end in time: a peer that sends a long prefix and stalls
+            # pins up to max_frame_bytes until then. The task times it.
+            self._frame_started_s = trio.current_time()
+            self._wake.set()
+        if not transport.memory.hold(self._holder, peer_key, transport.is_member(peer_key), buffered):
+            self.end("dropped_memory_budget")
+        return None
+
+    async def _return_credit(self, increment: int) -> None:
+        self._muxed.recv_window += increment
+        try:
+            await self._muxed.send_window_update(increment)
+        except _NETWORK_ERRORS:
+            pass
+
+    async def wait_for_end(self) -> str:
+        timeout_s = self._transport.limits.frame_read_timeout_ms / 1000
+        while self._ended is None:
+            started = self._frame_started_s
+            with trio.move_on_at(math.inf if started is None else started + timeout_s) as scope:
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if scope.cancelled_caught and self._ended is None and self._frame_started_s == started:
+                self._ended = "dropped_frame_timeout"
+        return self._ended
+
+
+async def _write_frames_to(stream: INetStream, data: bytes) -> None:
+    """Write ``data`` on our outbound frame stream: as one yamux DATA frame when it fits
+    the peer's window and one yamux message, else by libp2p's own ``write``.
+
+    py-libp2p 0.8.1's write path (NetStream.write -> YamuxStream.write -> _write_frame)
+    takes four locks and a checkpoint per write and formats a debug line whatever the log
+    level: eight task steps per frame sent, measured (issue 18). Here the window is
+    checked and debited and the header built with no await in between (trio runs one
+    task at a time, so a WINDOW_UPDATE cannot interleave), and the frame goes out under
+    the connection's write lock, which keeps yamux frames whole on the connection."""
+    muxed = getattr(stream, "muxed_stream", None)
+    size = len(data)
+    if (not isinstance(muxed, YamuxStream) or getattr(stream, "_state", None) is not StreamState.OPEN
+            or muxed.send_closed or muxed.closed or size > muxed.send_window
+            or size > YAMUX_MAX_MESSAGE_BYTES - YAMUX_HEADER_BYTES):
+        await stream.write(data)   # waits for window, splits, raises on a closed stream
+        return
+    muxed.send_window -= size
+    frame = struct.pack(YAMUX_HEADER_FORMAT, 0, YAMUX_TYPE_DATA, 0, muxed.stream_id, size) + data
+    connection = muxed.conn
+    async with connection._write_lock:
+        await connection.secured_conn.write(frame)
+
+
+def _discard(_data: bytes) -> None:
+    """A detached stream's bytes, between the end of its reader and its reset."""
+    return None
+
+
+class _StreamEndSignal:
+    """Stands in for yamux's wake-up event of our frame stream. Yamux sets it after every
+    DATA frame, and our bytes never wait in yamux's buffer, so only the stream's end (a
+    reset, the connection going) wakes the reader's task. A FIN alone, which our peers
+    never send on this stream (they reset it), is seen when the connection goes."""
+
+    def __init__(self, reader: _InboundFrames, muxed: YamuxStream):
+        self._reader = reader
+        self._muxed = muxed
+        self._ended = trio.Event()
+
+    def set(self) -> None:
+        muxed = self._muxed
+        if muxed.reset_received or muxed.recv_closed or muxed.closed or muxed.conn.event_shutting_down.is_set():
+            self._reader.end("")
+            self._ended.set()
+
+    def is_set(self) -> bool:
+        return self._ended.is_set()
+
+    async def wait(self) -> None:
+        await self._ended.wait()
 
 
 class _ConnectionEvents(INotifee):
@@ -640,6 +826,8 @@ class Libp2pTransport:
     def _drop_link(self, link: _PeerLink) -> None:
         del self._links[link.key]
         link.cancel_scope.cancel()
+        if link.inbound_reader is not None:
+            link.inbound_reader.end("")
         link.lost.set()
         link.outbox_send.close()
         self._drop_queued(link)
@@ -698,8 +886,10 @@ class Libp2pTransport:
                 if kind == FRAME_KIND_PING:
                     link.rtt.ping_written(wire[-PING_TOKEN_BYTES:], now_s)
             try:
-                with trio.fail_after(WRITE_TIMEOUT_MS / 1000):
-                    await stream.write(b"".join(wire for _, wire in batch))
+                with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT_MS / 1000) as write_scope:
+                    await _write_frames_to(stream, b"".join(wire for _, wire in batch))
+                if write_scope.cancelled_caught:
+                    raise trio.TooSlowError
             except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
                 # A partly written frame corrupts the stream: reset it, the next frame
                 # opens a new one.
@@ -769,56 +959,33 @@ class Libp2pTransport:
         if link is None:
             await stream.reset()
             return
-        peer_key = link.key
-        _release_window_in_batches(stream)
-        # One persistent inbound stream per peer: a new one replaces the old.
+        # One persistent inbound stream per peer: a new one replaces the old. Its reader is
+        # ended here: yamux does not wake anyone for a reset of our own.
+        reader = _InboundFrames(self, link.key, stream)
         previous, link.inbound_stream = link.inbound_stream, stream
+        previous_reader, link.inbound_reader = link.inbound_reader, reader
+        if previous_reader is not None:
+            previous_reader.end("")
         if previous is not None:
             await previous.reset()
-        decoder = FrameDecoder(self.max_frame_bytes)
-        holder = object()  # this stream's partial frame in self.memory
-        frame_started_s: float | None = None
-        frame_timeout_s = self.limits.frame_read_timeout_ms / 1000
         try:
-            while True:
-                # A frame begun must end in time: a peer that sends a long prefix and
-                # stalls pins up to max_frame_bytes until then (SPEC.md 8).
-                deadline = math.inf if frame_started_s is None else frame_started_s + frame_timeout_s
-                with trio.move_on_at(deadline) as read_scope:
-                    chunk = await stream.read(READ_CHUNK_BYTES)
-                if read_scope.cancelled_caught:
-                    self.counters["dropped_frame_timeout"] += 1
-                    log.debug("frame from %s not complete within %d ms", peer_id, self.limits.frame_read_timeout_ms)
-                    break
-                if not chunk:
-                    break
-                completed = False
-                for kind, payload in decoder.feed(chunk):
-                    completed = True
-                    await self._on_inbound_frame(peer_key, stream, kind, payload)
-                if not decoder.buffered_bytes:
-                    frame_started_s = None
-                elif completed or frame_started_s is None:
-                    frame_started_s = trio.current_time()
-                if not self.memory.hold(holder, peer_key, self.is_member(peer_key), decoder.buffered_bytes):
-                    self.counters["dropped_memory_budget"] += 1
-                    log.debug("partial frame from %s over its memory budget", peer_id)
-                    break
-        except FrameTooLarge as error:
-            self.counters["dropped_oversize"] += 1
-            log.debug("oversized frame from %s: %s", peer_id, error)
-        except RemoteProtocolError as error:
-            self.counters["bad_frame"] += 1
-            log.debug("bad frame from %s: %s", peer_id, error)
-        except (StreamEOF, *_NETWORK_ERRORS, trio.TooSlowError):
-            pass
+            if reader.attach():
+                ended = await reader.wait_for_end()
+                if ended:
+                    self.counters[ended] += 1
+                    log.debug("inbound stream of %s ended: %s", peer_id, ended)
         finally:
-            self.memory.release(holder)
+            reader.detach()
         if link.inbound_stream is stream:
-            link.inbound_stream = None
-        await stream.reset()
+            link.inbound_stream = link.inbound_reader = None
+        try:
+            await stream.reset()
+        except _NETWORK_ERRORS:
+            pass
 
-    async def _on_inbound_frame(self, peer_key: bytes, stream: INetStream, kind: int, payload: bytes) -> None:
+    def _accept_inbound_frame(self, peer_key: bytes, stream: INetStream, kind: int, payload: bytes) -> None:
+        """One complete frame of a peer's frame stream, in yamux's connection reader
+        (_InboundFrames.take): nothing here may wait."""
         now_s = trio.current_time()
         link = self._links.get(peer_key)
         if link is not None:
@@ -843,10 +1010,17 @@ class Libp2pTransport:
             else:
                 self.counters["frames_received"] += 1
         elif kind == FRAME_KIND_PING:
-            with trio.fail_after(WRITE_TIMEOUT_MS / 1000):
-                await stream.write(encode_frame(FRAME_KIND_PONG, payload))
+            self._nursery.start_soon(self._write_pong, stream, payload)
         else:
             raise RemoteProtocolError("frame kind %d on an inbound stream" % kind)
+
+    @staticmethod
+    async def _write_pong(stream: INetStream, token: bytes) -> None:
+        try:
+            with trio.fail_after(WRITE_TIMEOUT_MS / 1000):
+                await stream.write(encode_frame(FRAME_KIND_PONG, token))
+        except (StreamEOF, *_NETWORK_ERRORS, trio.TooSlowError):
+            pass   # the peer's RTT goes unmeasured this time; a broken stream ends by itself
 
     def _incoming_backlog(self) -> int:
         return self._incoming_send.statistics().current_buffer_used

@@ -239,7 +239,10 @@ class Node:
                 if not unread or now_ms() - batch_started_ms >= RECEIVE_BATCH_MS:
                     break
                 sender, data = unread.popleft()
-                await self._handle(self.core.step(data, now_ms(), sender))
+                await self._handle(self.core.step(data, now_ms(), sender), tick_sooner=False)
+            # Once per batch, not per frame: the tick loop cannot run before this task
+            # yields, and asking the core for its next deadline was 4-6% of a node's CPU.
+            self._tick_sooner()
             # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
             # so a starved node would read frames faster than it sends their answers, until
             # the drain's loop guard stops it (seen at n = 16 on 2 loaded cores). Frames left
@@ -262,7 +265,7 @@ class Node:
 
     async def _take(self, sender: bytes, data: bytes, unread: deque) -> None:
         if is_heartbeat_frame(data):
-            await self._handle(self.core.step(data, now_ms(), sender))
+            await self._handle(self.core.step(data, now_ms(), sender), tick_sooner=False)  # asked after the batch
         else:
             unread.append((sender, data))
 
@@ -286,7 +289,7 @@ class Node:
         """After an input: the core may now have work sooner than the tick loop sleeps for
         (a consensus instance opened, a suspicion arrived)."""
         wait = self._tick_wait
-        if wait is not None:
+        if wait is not None and wait.deadline > trio.current_time() + TICK_MS / 1000:   # else it cannot be sooner
             wait.deadline = min(wait.deadline, trio.current_time() + self._tick_wait_ms() / 1000)
 
     def _tell_transport_members(self) -> None:
@@ -352,11 +355,13 @@ class Node:
 
     # --- the Ready contract --------------------------------------------------------------------
 
-    async def _handle(self, ready: Ready) -> None:
+    async def _handle(self, ready: Ready, tick_sooner: bool = True) -> None:
         """Every Ready goes through the one drain (protocol/drain.py): a batch fed while
-        another is being drained (a started workload's report) waits its turn."""
+        another is being drained (a started workload's report) waits its turn.
+        ``tick_sooner=False``: the caller (the receive loop) asks after its batch."""
         await self.drain.drain_async(ready)
-        self._tick_sooner()
+        if tick_sooner:
+            self._tick_sooner()
 
     async def _persist(self, ready: Ready) -> None:
         # 1. persist before sending: the messages may promise what the records say.
