@@ -412,7 +412,10 @@ class Liveness:
         last = self.sync_answered_ms.get(peer)
         if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
             return
-        certificates = self.epochs.certificates_since(since_epoch)[:MAX_SYNC_CERTIFICATES]
+        # Newest first (SPEC F6b): a node behind holds each as early (F5) until the oldest
+        # arrives, then applies them all in that one input, so its workload orders follow only
+        # the epoch it ends in, never one a later change in the same answer has left.
+        certificates = self.epochs.certificates_since(since_epoch)[:MAX_SYNC_CERTIFICATES][::-1]
         if peer in self.epochs.view.stakes:
             # A member that was down may have missed placements too: the newest certificates we
             # applied, however they reached us (our own instance, a broadcast or a catch-up).

@@ -772,10 +772,11 @@ class NodeSimulation(RunChecks):
         start = now_ms()
         if kind == "move":
             return Episode("move", (), start, start)
-        if target in ("primary", "backup"):
+        if target in ("primary", "backup", "primary+backup"):
             viewer = next(node for node in self.live if node is not None and node.core.is_member())
             view = viewer.core.job_view(self.job_ids[0])
-            target = self._index(view["primary"] if target == "primary" else view["backups"][0])
+            roles = {"primary": view["primary"], "backup": view["backups"][0] if view["backups"] else None}
+            target = tuple(self._index(roles[role]) for role in target.split("+"))
         nodes = tuple(target) if isinstance(target, (tuple, list)) else (target,)
         return Episode(kind, nodes, start, min(self.config.heal_ms, start + duration_ms))
 

@@ -242,3 +242,19 @@ def test_r2b_a_move_target_restarted_while_the_hand_over_was_in_flight_gets_it_o
     result = run_node_simulation(seed=166, faults=("crash", "partition", "move"))
     assert not [v for v in result.violations if v.check.startswith("agreement")], [v.line() for v in result.violations]
     assert result.ok, [v.line() for v in result.violations]
+
+
+def test_f6b_a_backup_cut_off_with_its_primary_never_runs_the_fence_its_later_eviction_took_away():
+    # Primary and backup cut off together (8 nodes, no bid sampling): the mesh evicts the
+    # primary, moving the job to the backup (fence 2), then the backup (fence 3, to a node
+    # with no checkpoint). On the heal the backup learns both evictions from one sync answer;
+    # sent oldest first, one frame each, it ran fence 2 for the frame between them, beside
+    # fence 3 (double_run; `--bid-sample 6` seed 1 found it, SPEC F6b). Newest first, it
+    # holds the later one (F5) and applies both in one input: it never runs the job.
+    result = run_node_simulation(seed=2, nodes=8, script=((900, "partition", "primary+backup", 900),),
+                                 **dict(ONE_JOB, units=(250, 250), heal_ms=1800))
+    assert "double_run" not in {v.check for v in result.violations}, [v.line() for v in result.violations]
+    first, moved = sorted(result.runs, key=lambda r: r.start_ms)
+    cut_off = set(result.episodes[0].nodes)
+    assert first.node in cut_off and first.fence == 1
+    assert moved.node not in cut_off and moved.fence == 3   # two evictions: the job skipped fence 2
