@@ -18,6 +18,7 @@ current member's fresh heartbeat shows it was not evicted.
 from __future__ import annotations
 
 from protocol.failure_detector import FailureDetector
+from protocol.job_table import LIVE_JOB_STATES
 from protocol.messages import Heartbeat, Suspicion, SyncRequest
 from protocol.monitors import monitor_assignment, subjects_in
 from protocol.ready import Outbound, Ready, local_decision
@@ -32,6 +33,7 @@ MAX_SYNC_DECISIONS = 32        # recent decisions re-sent to a syncing peer, per
 # is found again only after it: 5000 left members up to 7 s behind after a heal.
 SYNC_RESEND_MS = 2000
 STARTUP_SYNC_PEERS = 3
+MAX_PRIMARIES_SYNCED = 8       # F6c: primaries of its live jobs a restarted node also asks
 ANTI_ENTROPY_MS = 1000
 SUSPICION_FRESH_BOUNDS = 3     # a suspicion counts for this many detection bounds after it arrived
 CONFIRM_PERIODS = 2            # a member told of a suspicion watches the suspect itself this many periods first
@@ -157,10 +159,18 @@ class Liveness:
         else:
             out.decisions.append(local_decision("resume", mine))
 
-    def sync(self, now_ms: int, out: Ready, peers_asked: int) -> None:
+    def _primaries_of_live_jobs(self) -> list[bytes]:
+        """SPEC F6c: the other members its table makes primaries of live jobs, lowest key first."""
+        members = self.epochs.view.stakes
+        primaries = {r.primary for r in self.jobs if r.state in LIVE_JOB_STATES and r.primary in members}
+        primaries.discard(self.ctx.me)
+        return sorted(primaries)[:MAX_PRIMARIES_SYNCED]
+
+    def sync(self, now_ms: int, out: Ready, peers_asked: int, also: list[bytes] = ()) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
-        not all, so this costs O(n) messages mesh-wide, not O(n^2)."""
+        not all, so this costs O(n) messages mesh-wide, not O(n^2). ``also``: members asked
+        besides (F6c: a restarted node's primaries, whose answers carry their vectors, F6a)."""
         self.sync_sent_ms = now_ms
         peers = self.epochs.broadcast_targets()
         if not self.epochs.is_member() or not peers:
@@ -169,7 +179,9 @@ class Liveness:
         unresponsive = self.unresponsive_members(now_ms)
         peers = [peer for peer in peers if peer not in unresponsive] or peers
         data = self.ctx.sign(SyncRequest(epoch=self.epochs.epoch))
-        out.messages.extend(Outbound(peer, data) for peer in self.ctx.rng.sample(peers, min(peers_asked, len(peers))))
+        chosen = self.ctx.rng.sample(peers, min(peers_asked, len(peers)))
+        chosen += [peer for peer in also if peer not in chosen and peer in self.epochs.view.stakes]
+        out.messages.extend(Outbound(peer, data) for peer in chosen)
 
     # --- heartbeats, detection, self-fencing (SPEC F1-F3) ------------------------------------------
     def tick(self, now_ms: int, out: Ready) -> None:
@@ -183,7 +195,7 @@ class Liveness:
             # history asks for one) must not skip the restart's hold (F3; simulator seeds 55, 58).
             self.startup_sync_due = False
             self._hold_restarted_jobs(now_ms, out)
-            self.sync(now_ms, out, STARTUP_SYNC_PEERS)
+            self.sync(now_ms, out, STARTUP_SYNC_PEERS, also=self._primaries_of_live_jobs())
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
             self.sync(now_ms, out, 1)
         if self.joins.evicted_at_epoch is not None and not epochs.is_member():
@@ -436,7 +448,10 @@ class Liveness:
         last = self.sync_answered_ms.get(peer)
         if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
             return
-        certificates = self.epochs.certificates_since(since_epoch)[:MAX_SYNC_CERTIFICATES]
+        # Newest first (SPEC F6b): a node behind holds each as early (F5) until the oldest
+        # arrives, then applies them all in that one input, so its workload orders follow only
+        # the epoch it ends in, never one a later change in the same answer has left.
+        certificates = self.epochs.certificates_since(since_epoch)[:MAX_SYNC_CERTIFICATES][::-1]
         if peer in self.epochs.view.stakes:
             # A member that was down may have missed placements too: the newest certificates we
             # applied, however they reached us (our own instance, a broadcast or a catch-up).

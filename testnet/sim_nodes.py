@@ -132,6 +132,8 @@ class RunRecord:
     last_checkpoint: tuple | None = None   # (seq, progress, taken_ms)
     exit_reached: tuple = ()   # nodes its exit could reach: members its node broadcast to, not cut off
     gpus: tuple = ()           # the GPU indices its node ran it on
+    # (node, fence, progress): the newest checkpoint of the job each other running node held at start
+    checkpoint_holders: tuple = ()
 
     def progress_at(self, at_ms: int) -> int:
         """The work this run had done at ``at_ms`` (its model: one unit per unit_ms)."""
@@ -616,7 +618,17 @@ class RunChecks:
         reached = previous.progress_at(heard_until)
         lost_ms = max(0, reached - run.start_progress) * run.unit_ms
         self.lost_work_ms.append(lost_ms)
-        if lost_ms > bound:
+        holders = [(node, progress) for node, fence, progress in run.checkpoint_holders
+                   if fence == previous.fence and node != previous.node and progress > run.start_progress]
+        if lost_ms > bound and holders and all(self.separated(node, run.node, run.start_ms) for node, _ in holders):
+            # Every node holding the work was cut off with the run (its primary and all its
+            # backups): no node the mesh could reach had it (SPEC.md 11, `checkpoints_cut_off`).
+            self.known_limit("checkpoints_cut_off", run.node, job,
+                             "fence %d on node %d started at progress %d; the work of node %d fence %d (%d ms) "
+                             "was held only by nodes cut off from it: %s"
+                             % (run.fence, run.node, run.start_progress, previous.node, previous.fence, lost_ms,
+                                ", ".join("node %d (progress %d)" % h for h in holders)))
+        elif lost_ms > bound:
             self.violate("lost_work", run.node, job,
                          "fence %d on node %d started at progress %d; the run it continues (node %d fence %d) "
                          "had reached %d when last heard at %d ms: %d ms lost, bound %d ms"
@@ -728,6 +740,10 @@ class NodeSimulation(RunChecks):
         node = self.live[runner.node]
         held = node.checkpoints.latest(bytes.fromhex(record.job)) if node is not None else None
         record.held = None if held is None else (held.fence, held.seq, held.progress)
+        record.checkpoint_holders = tuple(
+            (index, newest.fence, newest.progress) for index, other in enumerate(self.live)
+            if other is not None and index != runner.node
+            for newest in [other.checkpoints.latest(bytes.fromhex(record.job))] if newest is not None)
         self.runs.append(record)
         # resume: from the newest checkpoint this node holds, never less.
         if held is not None:
@@ -772,10 +788,11 @@ class NodeSimulation(RunChecks):
         start = now_ms()
         if kind == "move":
             return Episode("move", (), start, start)
-        if target in ("primary", "backup"):
+        if target in ("primary", "backup", "primary+backup"):
             viewer = next(node for node in self.live if node is not None and node.core.is_member())
             view = viewer.core.job_view(self.job_ids[0])
-            target = self._index(view["primary"] if target == "primary" else view["backups"][0])
+            roles = {"primary": view["primary"], "backup": view["backups"][0] if view["backups"] else None}
+            target = tuple(self._index(roles[role]) for role in target.split("+"))
         nodes = tuple(target) if isinstance(target, (tuple, list)) else (target,)
         return Episode(kind, nodes, start, min(self.config.heal_ms, start + duration_ms))
 

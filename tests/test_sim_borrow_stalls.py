@@ -15,6 +15,9 @@ def test_a_job_over_quota_at_every_decider_is_held_even_when_its_instance_gave_u
     # to rejoin with, and job-15 has no live backup, so it stays node 3's (F5) and holds the
     # quota for good. Every decider's table puts job-3 over quota: a wait by design, not a
     # stall, though no decider holds a decline for it (its placement gave up after 64 rounds).
+    # (Since F6b/F6c changed this seed's course, the deciders hold declines, and one of them,
+    # node 0's `not_enough_gpus`, is not the quota's while the checker finds room there: the
+    # decline rule alone would call it a stall, so the over-quota rule is still what holds it.)
     sim = Simulation(_borrowing_world(164, quota_gpus=2))
     result = sim.run()
     job3 = next(spec for spec in sim.world.jobs if spec.job.name == "job-3")
@@ -22,7 +25,9 @@ def test_a_job_over_quota_at_every_decider_is_held_even_when_its_instance_gave_u
     assert 3 not in deciders and sim.nodes[3].core.joins.rejoin_unvouched_said
     assert job3.job_id not in sim.checker.placement_of
     assert all(sim._over_quota(index, job3.job) for index in deciders)
-    assert all(sim._decline_reason(index, job3.job_id) is None for index in deciders)
+    reasons = {index: sim._decline_reason(index, job3.job_id) for index in deciders}
+    assert any(reasons[index] not in ("over_quota", "reserved") and sim.checker.could_host(index, job3.job)
+               for index in deciders), reasons
     assert result.violations == [] and result.stalled_reasons == {}
     assert result.counters["quota_held_jobs"] >= 1
 

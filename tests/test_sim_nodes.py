@@ -242,3 +242,50 @@ def test_r2b_a_move_target_restarted_while_the_hand_over_was_in_flight_gets_it_o
     result = run_node_simulation(seed=166, faults=("crash", "partition", "move"))
     assert not [v for v in result.violations if v.check.startswith("agreement")], [v.line() for v in result.violations]
     assert result.ok, [v.line() for v in result.violations]
+
+
+def test_f6b_a_backup_cut_off_with_its_primary_never_runs_the_fence_its_later_eviction_took_away():
+    # Primary and backup cut off together (8 nodes, no bid sampling): the mesh evicts the
+    # primary, moving the job to the backup (fence 2), then the backup (fence 3, to a node
+    # with no checkpoint). On the heal the backup learns both evictions from one sync answer;
+    # sent oldest first, one frame each, it ran fence 2 for the frame between them, beside
+    # fence 3 (double_run; `--bid-sample 6` seed 1 found it, SPEC F6b). Newest first, it
+    # holds the later one (F5) and applies both in one input: it never runs the job.
+    result = run_node_simulation(seed=2, nodes=8, script=((900, "partition", "primary+backup", 900),),
+                                 **dict(ONE_JOB, units=(250, 250), heal_ms=1800))
+    assert "double_run" not in {v.check for v in result.violations}, [v.line() for v in result.violations]
+    first, moved = sorted(result.runs, key=lambda r: r.start_ms)
+    cut_off = set(result.episodes[0].nodes)
+    assert first.node in cut_off and first.fence == 1
+    assert moved.node not in cut_off and moved.fence == 3   # two evictions: the job skipped fence 2
+
+
+def test_work_held_only_by_nodes_cut_off_with_its_run_is_a_known_limit_not_a_violation():
+    # Node 0 runs fence 1 and checkpoints to its backup, node 1 (progress 80 when both are cut
+    # off at 900 ms); node 2, which held nothing, runs fence 3 from progress 0 at 1500 ms.
+    def checks_of(episode_nodes, holders):
+        moved = run(2, 3, 1500, 2500)
+        moved.checkpoint_holders = holders
+        checks = RunChecks([Episode("partition", episode_nodes, 900, 2000)], DEFAULT_PARAMS.checkpoint_ms,
+                           DEFAULT_PARAMS.detection_bound_ms)
+        checks.check_runs([run(0, 1, 0, 2000), moved])
+        return [v.check for v in checks.violations], list(checks.known_limits_count)
+    # Every holder of the work cut off with it: no reachable node had it.
+    assert checks_of((0, 1), ((1, 1, 80),)) == ([], ["checkpoints_cut_off"])
+    # A holder node 2 could hear, or no holder at all (nothing replicated): lost work.
+    assert checks_of((0,), ((1, 1, 80),)) == (["lost_work"], [])
+    assert checks_of((0, 1), ()) == (["lost_work"], [])
+    # A holder of an older fence's checkpoint only does not excuse it either.
+    assert checks_of((0, 1), ((1, 0, 80), (3, 1, 80))) == (["lost_work"], [])
+
+
+def test_f6c_a_restarted_member_asks_its_jobs_primaries_and_shows_their_jobs_running_at_once():
+    # Seed 37 (8 nodes, --bid-sample 6): node 2 restarted at 4000 ms holding a job as
+    # `migrating` whose new primary (node 3) ran it since 3682 ms; its restart sync went to
+    # 3 random members, not node 3, so it showed `migrating` until node 3's next vector,
+    # over 1 s later (agreement_1s). It now asks the primaries too; their answers carry
+    # their vectors (F6a).
+    result = run_node_simulation(seed=37, nodes=8, jobs=6, bid_sample=6)
+    assert result.ok, [v.line() for v in result.violations]
+    restarted = [e for e in result.episodes if e.kind == "crash" and e.nodes == (2,) and e.end_ms == 4000]
+    assert restarted   # the seed still restarts node 2 at the heal
