@@ -194,3 +194,18 @@ def test_a_heartbeat_that_waited_in_queues_lowers_the_health_and_a_restart_reset
     # Restarted (seq from 1 again), with another clock: its first heartbeat is the new floor.
     assert fd.note_read_delay(b"p", 10, 1, 10 + offset + 9 * PERIOD) == 0
     assert fd.note_read_delay(b"p", 10 + PERIOD, 2, 10 + PERIOD + offset + 9 * PERIOD) == 0
+
+
+def test_the_gap_before_the_first_tick_is_the_start_not_lateness():
+    # bench failover on the merged code (session 14): a node's first tick came 1,163 ms after
+    # its core was made (the node's start), counted as 1,113 ms of lateness the score hit its
+    # cap, and the first kill, 2 s later, was suspected 260-330 ms late. Later gaps still count.
+    mesh = Mesh(4)
+    core = mesh.cores[mesh.keys[0]]
+    detector = core.liveness.detector
+    out = Ready()
+    core.liveness.tick(1163, out)
+    assert detector.health == 0 and detector.own_late_ms == 0
+    assert core.ctx.counters["late_ticks"] == 0
+    core.liveness.tick(1163 + 4 * PERIOD, Ready())   # three periods late: a stall
+    assert detector.health == 3 and core.ctx.counters["late_ticks"] == 1
