@@ -55,6 +55,9 @@ class PlacementFlow(ValueFlow):
         self.epoch_changes = None
         self.lifecycle = None
         self.jobs_shown: set[tuple] = set()    # (leader, instance, job, round) we sent the job to (SPEC P3)
+        # SPEC 10.5a: ids of the jobs whose entry is this node and that have not ended, so the
+        # admission count on every submit reads these, not all of the table (up to MAX_JOBS).
+        self._entered_here: set[bytes] = set()
         self.declines_forwarded: set[tuple] = set()   # (instance, round) whose declines we forwarded (P3a)
         # The ledger version and GPU health reconsider_held last saw: a change of either may
         # turn a decline into a bid (freed capacity, a GPU cooled down).
@@ -100,9 +103,14 @@ class PlacementFlow(ValueFlow):
         """SPEC 10.5: jobs submitted to this node (it is their entry) whose placement (or
         slot) instance is open here and undecided. A job waiting for capacity, with no
         instance open, is not counted: the mesh decided it fits nowhere yet."""
-        me, open_instances = self.ctx.me, self.instances.instances
-        return sum(1 for record in self.jobs.records.values()
-                   if record.entry == me and record.state == "pending" and record.instance in open_instances)
+        open_instances, undecided = self.instances.instances, 0
+        for jid in list(self._entered_here):
+            record = self.jobs.get(jid)
+            if record is None or record.state in TERMINAL:
+                self._entered_here.discard(jid)   # ended or dropped: never pending again
+            elif record.state == "pending" and record.instance in open_instances:
+                undecided += 1
+        return undecided
 
     def retry_after_ms(self) -> int:
         """SPEC 10.5: when a refused submitter should try again: the round timeout this node
@@ -141,6 +149,8 @@ class PlacementFlow(ValueFlow):
             out.events.append(self.ctx.event("job_submitted", now_ms, job_id=jid.hex(), name=job.name))
         if record.entry is None:
             record.entry = entry
+            if entry == self.ctx.me:
+                self._entered_here.add(jid)
         if record.state == "pending" and record.instance not in self.instances.instances:
             # Not started yet, or its instance was dropped (an evicted node drops those only
             # it ran, F7): the job, shown again by a round's leader-to-be (P3), starts it.
