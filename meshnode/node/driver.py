@@ -29,6 +29,7 @@ from meshnode.node.api import CHECKPOINT_STATS_WINDOW, ControlApi
 from meshnode.node.checkpoint_store import CheckpointStore, StoredCheckpoint
 from meshnode.node.clock import now_ms, wall_ms
 from meshnode.node.dirlock import DirectoryLock
+from meshnode.node.logfile import flush_log, setup_logging
 from meshnode.node.metrics import NodeMetrics, serve_metrics, stop_metrics
 from meshnode.node.output_service import OutputService
 from meshnode.node.runner import WorkloadRunner
@@ -243,6 +244,7 @@ class Node:
             # Once per batch, not per frame: the tick loop cannot run before this task
             # yields, and asking the core for its next deadline was 4-6% of a node's CPU.
             self._tick_sooner()
+            flush_log()   # the batch's log lines, in one write (meshnode/node/logfile.py)
             # Backpressure: a batch fed while another drains only queues (protocol/drain.py),
             # so a starved node would read frames faster than it sends their answers, until
             # the drain's loop guard stops it (seen at n = 16 on 2 loaded cores). Frames left
@@ -362,6 +364,7 @@ class Node:
         await self.drain.drain_async(ready)
         if tick_sooner:
             self._tick_sooner()
+            flush_log()   # the receive loop flushes after its batch
 
     async def _persist(self, ready: Ready) -> None:
         # 1. persist before sending: the messages may promise what the records say.
@@ -387,9 +390,11 @@ class Node:
         # 4. log and publish events.
         self.metrics.observe_events(events)
         mono_ns = time.monotonic_ns()  # system-wide on Linux: benchmarks compare across processes
+        logged = log.isEnabledFor(logging.INFO)   # else the line is not formatted at all
         for event in events:
             detail = dict(event.detail, mono_ns=mono_ns)
-            log.info("%s %s", event.kind, _loggable(event.detail))
+            if logged:
+                log.info("%s %s", event.kind, _loggable(event.detail))
             self.events.publish(Event(event.kind, event.at_ms, detail))
 
     def _store_checkpoint(self, value: dict) -> None:
@@ -619,14 +624,6 @@ def _freeze_startup_heap() -> None:
     make peers see a 150 ms pause as a 300 ms silence."""
     gc.collect()
     gc.freeze()
-
-
-def setup_logging(log_path: Path, level: str) -> None:
-    handler = logging.FileHandler(log_path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 async def run_node(data_dir, *, run_workloads: bool = True, on_started=None) -> None:
