@@ -8,7 +8,6 @@ every member show a job running, not only the backups that hold its checkpoints.
 
 from __future__ import annotations
 
-from protocol import job_table
 from protocol.messages import MAX_RUNNING_LISTED, CapabilityVector, GpuState, JobSignals, RunningJob
 from protocol.placement import attested_attributes, gpu_healthy
 from protocol.ready import Outbound, PersistRecord, Ready
@@ -41,7 +40,7 @@ class CapabilityBook:
         self.ctx = ctx
         self.epochs = epochs
         self.jobs = jobs
-        self._running: tuple[int | None, tuple] = (None, ())   # (job_table.changes[0], _running_here())
+        self._running: tuple[int | None, tuple] = (None, ())   # (JobTable.mine_version(), _running_here())
         self.ledger = ledger
         self.envelope: bytes | None = None          # our newest signed vector
         self.vector: CapabilityVector | None = None
@@ -265,9 +264,10 @@ class CapabilityBook:
 
     def _running_here(self) -> tuple:
         """(job id, fence) of the jobs running here as primary; recounted only after a watched
-        job field changed (job_table.changes): it is asked after every input."""
-        if self._running[0] != job_table.changes[0]:
-            self._running = (job_table.changes[0],
+        field of one of this node's jobs changed (JobTable.mine_version): it is asked after every input."""
+        version = self.jobs.mine_version()
+        if self._running[0] != version:
+            self._running = (version,
                              tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running"))
         return self._running[1]
 

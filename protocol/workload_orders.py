@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol import job_table
 from protocol.job_lifecycle import resumes_from_checkpoint
 from protocol.job_table import LIVE_JOB_STATES
 from protocol.ready import Decision, NO_INSTANCE, Ready
@@ -60,9 +59,9 @@ class WorkloadOrders:
 
     def _inputs(self, replicas) -> tuple:
         """Everything ``reconcile`` reads but the ordered runs themselves (which only it and
-        ``exited`` change): the watched job fields (job_table.changes), the allocations, the
+        ``exited`` change): the watched fields of this node's jobs (JobTable.mine_version), the allocations, the
         waits, membership and halts, and the replicas' runs by value."""
-        return (job_table.changes[0], self.ledger.allocations_version, tuple(self.handoff_waits),
+        return (self.jobs.mine_version(), self.ledger.allocations_version, tuple(self.handoff_waits),
                 tuple(self.stop_waits), self.epochs.is_member(), self.liveness.halted,
                 self.liveness.startup_sync_due,
                 tuple((key, replica.fence, None if claim is None else tuple(claim.gpus), index)

@@ -1,0 +1,95 @@
+"""JobTable.mine is kept from the job ids that changed, not rebuilt by a scan (issue 18).
+
+Every node rescanned the jobs it is primary of (and the workload orders and the vector's
+running list recounted) whenever any job anywhere changed: each decision, at every node.
+Now a record names its id to its table when a watched field is assigned, and the table
+recounts only those. These tests hold both halves: the answer equals the full scan over
+seeded random sequences of every kind of change, and a change to another node's job
+costs this node no recount.
+"""
+
+import random
+
+from protocol.job_table import LIVE_JOB_STATES, TERMINAL, JobTable
+from test_mesh_core import KEYS, make_job, placed_on_the_big_node
+from test_workload_orders import primary_core_counting_scans
+
+ME = KEYS[0]
+STATES = ("pending", *LIVE_JOB_STATES, *TERMINAL)
+
+
+def full_scan(table: JobTable) -> list:
+    """The definition: the records of the jobs this node is primary of now, by job id."""
+    return [table.records[jid] for jid in sorted(table.records) if table.records[jid].primary == ME]
+
+
+def test_mine_equals_the_full_scan_over_random_changes():
+    manifests = [make_job(nonce=n) for n in range(24)]
+    for seed in range(8):
+        rng = random.Random(seed)
+        table = JobTable(ME)
+        version = table.mine_version()
+        for step in range(400):
+            before = [(r.job_id, r.primary, r.state, r.fence, r.gpus) for r in full_scan(table)]
+            job, envelope = rng.choice(manifests)
+            jid = bytes([rng.randrange(24)]) * 32
+            record = table.get(jid)
+            action = rng.randrange(6)
+            if record is None or action == 0:
+                table.add(jid, envelope, job, step)   # a new record, or one replacing the old
+            elif action == 1:
+                table.assign(record, rng.choice(KEYS[:3]), (), gpus=(rng.randrange(4),), fence=step)
+            elif action == 2:
+                record.primary = rng.choice(KEYS[:3])   # a plain assignment, no table method
+            elif action == 3:
+                record.state = rng.choice(STATES)
+            elif action == 4:
+                record.fence = step
+            else:
+                record.hint = "unwatched field %d" % step   # changes nothing mine() reads
+            assert table.mine() == full_scan(table), (seed, step)
+            assert table.may_have_mine() == bool(full_scan(table))
+            after = [(r.job_id, r.primary, r.state, r.fence, r.gpus) for r in full_scan(table)]
+            new_version = table.mine_version()
+            if after != before:
+                assert new_version != version, (seed, step)   # readers of mine() must recount
+            version = new_version
+
+
+def test_records_dropped_for_room_leave_mine(monkeypatch):
+    monkeypatch.setattr("protocol.job_table.MAX_JOBS", 4)
+    table = JobTable(ME)
+    jobs = [make_job(nonce=n) for n in range(6)]
+    for n, (job, envelope) in enumerate(jobs[:4]):
+        record = table.add(bytes([n]) * 32, envelope, job, n)
+        table.assign(record, ME, ())
+        record.state = "completed"
+    assert len(table.mine()) == 4
+    table.add(bytes([9]) * 32, jobs[4][1], jobs[4][0], 9)   # over MAX_JOBS: the finished ones go
+    assert table.mine() == full_scan(table) == []
+
+
+def test_a_change_to_another_nodes_job_does_not_recount_the_orders_here():
+    # Before: JobTable.mine was rebuilt, and the workload orders recounted, after any job's
+    # field changed (job_table.changes), so each decision anywhere cost every node a scan.
+    net, core, _jid, scans = primary_core_counting_scans()
+    core.tick(net.now)
+    scans.clear()
+    job, envelope = make_job(nonce=77)
+    other = core.job_table.add(b"\x77" * 32, envelope, job, net.now)
+    core.job_table.assign(other, KEYS[2], (KEYS[3],), gpus=(0,), fence=1)
+    other.state = "running"
+    for step in range(1, 6):
+        core.tick(net.now + step)
+    assert scans == []
+    mine = core.job_table.get(_jid)
+    mine.state = "failed"   # one of this node's jobs: recounted, and the run is stopped
+    out = core.tick(net.now + 10)
+    assert len(scans) >= 1
+    assert [d.value for d in out.decisions if d.value_kind == "stop"] == [(_jid,)]
+
+
+def test_the_placed_job_is_mine_at_its_primary_only():
+    net, jid = placed_on_the_big_node()
+    for key, core in net.cores.items():
+        assert [r.job_id for r in core.job_table.mine()] == ([jid] if key == ME else [])
