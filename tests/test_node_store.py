@@ -275,3 +275,29 @@ def test_a_restart_from_the_store_never_rewinds_the_capability_seq(tmp_path):
     after = core(floor)
     after.update_telemetry((), 0, 10, simulated=True)
     assert after.capability.vector.seq > signed
+
+
+def test_the_events_tail_is_kept_without_reading_its_newest_seq_per_batch(tmp_path):
+    # Issue 18: every Ready with events read back max(seq) to trim the tail: one more
+    # statement per batch, 3 of a node's 4 batches per placement. The seq is counted here.
+    store = NodeStore(tmp_path / "node.sqlite", max_events=5)
+    statements = []
+    store._conn.set_trace_callback(statements.append)
+    for batch in range(4):
+        store.record_ready(Ready(events=[Event("tick", batch * 3 + i, {}) for i in range(3)]))
+    assert sum("max(seq)" in s for s in statements) == 1
+    assert [e.at_ms for e in store.recent_events(limit=100)] == [7, 8, 9, 10, 11]
+    store.close()
+    reopened = NodeStore(tmp_path / "node.sqlite", max_events=5)   # counts on from the stored tail
+    reopened.record_ready(Ready(events=[Event("tick", 12, {})]))
+    assert [e.at_ms for e in reopened.recent_events(limit=100)] == [8, 9, 10, 11, 12]
+
+
+def test_a_failed_batch_leaves_the_events_tail_and_its_count_as_they_were(tmp_path):
+    store = NodeStore(tmp_path / "node.sqlite", max_events=3)
+    store.record_ready(Ready(events=[Event("tick", i, {}) for i in range(3)]))
+    with pytest.raises(LocalProtocolError):
+        store.record_ready(Ready(persist=[PersistRecord("no_such_table", "k", {})],
+                                 events=[Event("tick", 9, {})]))
+    store.record_ready(Ready(events=[Event("tick", 3, {})]))
+    assert [e.at_ms for e in store.recent_events(limit=100)] == [1, 2, 3]
