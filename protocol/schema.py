@@ -118,7 +118,15 @@ class List(FieldType):
     def check(self, value, where):
         if not isinstance(value, (list, tuple)) or len(value) > self.max_items:
             raise _fail(where, "array of at most %d" % self.max_items, value)
-        return tuple(self.item.check(v, "%s[%d]" % (where, i)) for i, v in enumerate(value))
+        check = self.item.check
+        try:
+            return tuple([check(v, where) for v in value])
+        except RemoteProtocolError:
+            # The item's place in the message is named only on this path: formatting it for
+            # every item that passes was most of a decode's text work (issue 18).
+            for i, v in enumerate(value):
+                check(v, "%s[%d]" % (where, i))
+            raise
 
     def encode(self, value):
         return [self.item.encode(v) for v in value]
@@ -137,9 +145,15 @@ class TextMap(FieldType):
             value = dict(value)
         if not isinstance(value, dict) or len(value) > self.max_items:
             raise _fail(where, self.describe(), value)
-        for k, v in value.items():
-            Text(1, 64).check(k, where + " key")
-            Text(0, 256).check(v, "%s[%s]" % (where, k))
+        try:
+            for k, v in value.items():
+                _TEXT_MAP_KEY.check(k, where)
+                _TEXT_MAP_VALUE.check(v, where)
+        except RemoteProtocolError:   # the offending entry is named on this path only (List.check)
+            for k, v in value.items():
+                _TEXT_MAP_KEY.check(k, where + " key")
+                _TEXT_MAP_VALUE.check(v, "%s[%s]" % (where, k))
+            raise
         return tuple(sorted(value.items()))  # hashable, canonical order
 
     def encode(self, value):
@@ -147,6 +161,10 @@ class TextMap(FieldType):
 
     def describe(self):
         return "map of at most %d text -> text" % self.max_items
+
+
+_TEXT_MAP_KEY = Text(1, 64)
+_TEXT_MAP_VALUE = Text(0, 256)
 
 
 @dataclass(frozen=True)
@@ -190,14 +208,22 @@ class Record:
             raise _fail(where, "map", body)
         if cls.LEFT_OUT_AT_DEFAULT:
             body = cls._with_defaults(body, where)
-        expected = set(cls.SCHEMA)
-        if set(body) != expected:
+        expected = _field_names.get(cls)
+        if expected is None:
+            expected = _field_names[cls] = frozenset(cls.SCHEMA)
+        if body.keys() != expected:
             missing = sorted(expected - set(body))
             extra = sorted(set(body) - expected)
             raise RemoteProtocolError("%s: missing fields %s, unknown fields %s" % (where, missing, extra))
         record = object.__new__(cls)  # fields are checked here, so skip __post_init__'s second pass
+        set_field = object.__setattr__
         for name, ftype in cls.SCHEMA.items():
-            object.__setattr__(record, name, ftype.check(body[name], "%s.%s" % (where, name)))
+            try:
+                set_field(record, name, ftype.check(body[name], where))
+            except RemoteProtocolError:
+                # The field's name goes into the message on this path only (see List.check).
+                ftype.check(body[name], "%s.%s" % (where, name))
+                raise
         if cls.__post_init__ is not Record.__post_init__:
             # The subclass adds cross-field rules (Checkpoint.state_hash, Genesis members):
             # a decoded record must obey them too, or a signed but invalid message gets in.
@@ -243,6 +269,7 @@ def scalars_only(schema: dict) -> bool:
     return all(scalar(f) for f in schema.values())
 
 
+_field_names: dict[type, frozenset] = {}  # record class -> the names of its SCHEMA (from_body)
 _plain_fields: dict[type, tuple] = {}  # record class -> its field names if all encode as themselves, else ()
 
 
