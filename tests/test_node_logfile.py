@@ -12,6 +12,9 @@ from protocol.ready import Event, Ready
 from tests.test_driver_batching import RecordingCore, driver_without_network, receive_all
 
 
+LEAN_RECORD_FLAGS = ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing")
+
+
 class CountingStream:
     """The handler's file, counting the flushes that reach it."""
 
@@ -35,6 +38,7 @@ def node_log(tmp_path):
     the root logger's handlers and level put back afterwards."""
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    flags = {name: getattr(logging, name) for name in LEAN_RECORD_FLAGS}
     path = tmp_path / "node.log"
     logfile.setup_logging(path, "info")
     handler = root.handlers[0]
@@ -43,6 +47,8 @@ def node_log(tmp_path):
     handler.close()
     root.handlers[:], root.level = saved
     logfile._handler = None
+    for name, value in flags.items():   # the node's process-wide settings, not pytest's
+        setattr(logging, name, value)
 
 
 def test_info_lines_wait_for_the_batch_flush_and_warnings_do_not(node_log):

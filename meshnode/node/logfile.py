@@ -14,7 +14,8 @@ often come just before the process ends. Closing the handler (``logging.shutdown
 exit) flushes too.
 
 The timestamp's date and time part is formatted once per second, not once per line
-(``time.strftime`` was ~1% of a node's CPU per placement); the text is unchanged.
+(``time.strftime`` was ~1% of a node's CPU per placement), and a record skips the caller
+lookup and the thread and process names the format does not show; the text is unchanged.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ _handler: BatchedFileHandler | None = None
 def setup_logging(log_path, level: str) -> None:
     """The root logger writes to ``log_path`` only, at ``level``, batched (module docstring)."""
     global _handler
+    # What a record gathers and the format never shows: the caller's file and line (a stack
+    # walk per line), thread, process and task names ("Optimization" in Python's logging
+    # documentation). A node process logs through this handler only.
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = BatchedFileHandler(log_path)
     handler.setFormatter(SecondCachedFormatter())
     root = logging.getLogger()

@@ -23,6 +23,7 @@ import contextlib
 import re
 import sqlite3
 
+import msgpack
 import sqlite_utils
 
 from keys.errors import ConfigError
@@ -304,11 +305,13 @@ class NodeStore:
 
 
 def certificate_epoch(certificate: bytes) -> int:
-    """The epoch field of an encoded CommitCertificate envelope (the core has verified it)."""
+    """The epoch field of an encoded CommitCertificate envelope (the core has verified it,
+    canonical form included, so it is read without the decoder's re-encoding check: issue 18)."""
     try:
-        envelope = codec.unpack(certificate)
+        envelope = msgpack.unpackb(certificate, raw=False, max_ext_len=0)
         epoch = envelope[3]["epoch"]
-    except (RemoteProtocolError, IndexError, KeyError, TypeError) as exc:
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, msgpack.OutOfData,
+            IndexError, KeyError, TypeError) as exc:
         raise LocalProtocolError("decision certificate is not an encoded CommitCertificate envelope: %s" % exc) from None
     if isinstance(epoch, bool) or not isinstance(epoch, int):
         raise LocalProtocolError("decision certificate has a non-integer epoch")
