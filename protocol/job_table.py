@@ -149,6 +149,7 @@ class JobTable:
         self._mine: list[JobRecord] = []         # mine()'s answer, by job id, unless _mine_stale
         self._mine_stale = False
         self._mine_version = 0
+        self._mine_changed: set[bytes] = set()   # ids that bumped _mine_version, for take_mine_changed
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,
                fence: int | None = None) -> None:
@@ -187,10 +188,12 @@ class JobTable:
                     mine_ids.add(jid)
                     self._mine_stale = True
                 self._mine_version += 1
+                self._mine_changed.add(jid)
             elif jid in mine_ids:
                 mine_ids.discard(jid)
                 self._mine_stale = True
                 self._mine_version += 1
+                self._mine_changed.add(jid)
         self._touched.clear()
 
     def may_have_mine(self) -> bool:
@@ -203,6 +206,13 @@ class JobTable:
         records may have (read by what recounts only then: the workload orders, the vector)."""
         self._settle()
         return self._mine_version
+
+    def take_mine_changed(self) -> set[bytes]:
+        """The ids of this node's jobs (now or before) whose watched fields changed, or that
+        came or went, since the last call (the workload orders recount only those)."""
+        self._settle()
+        changed, self._mine_changed = self._mine_changed, set()
+        return changed
 
     def mine(self) -> list[JobRecord]:
         """Records of the jobs this node is primary of now, in any state (a fresh list)."""

@@ -84,6 +84,8 @@ class ResourceLedger:
         self._shares = self._fresh_shares()
         self.version = 0  # bumps on every change: tells the core its capability vector is stale
         self.allocations_version = 0   # bumps when a job's allocation comes or goes (workload_orders.py)
+        # ... and which jobs' (taken by the workload orders, which recount only those).
+        self.allocations_changed: set[bytes] = set()
         # Reservation changes not persisted yet, (key, claim or None when it went), oldest
         # first: the core persists them with the Ready batch that sends the bids (R1).
         self.journal: list[tuple[bytes, Claim | None]] = []
@@ -234,6 +236,7 @@ class ResourceLedger:
         allocated = claim.unexpiring()
         self._allocated[job_key] = allocated
         self.allocations_version += 1
+        self.allocations_changed.add(job_key)
         return allocated
 
     def allocate_now(self, job_key: bytes, resources: Resources, free_mem_mib: dict[int, int] | None = None,
@@ -246,6 +249,7 @@ class ResourceLedger:
         if claim is not None:
             self._allocated[job_key] = claim
             self.allocations_version += 1
+            self.allocations_changed.add(job_key)
         return claim
 
     def take_on(self, key: bytes | None, job_key: bytes, resources: Resources,
@@ -262,6 +266,7 @@ class ResourceLedger:
         if claim is None:
             return False
         self.allocations_version += 1
+        self.allocations_changed.add(job_key)
         self._give_back(("allocated", job_key))
         return True
 
@@ -281,11 +286,17 @@ class ResourceLedger:
     def clear(self) -> None:
         """Forget every claim (a restart rebuilds the ledger from its final job table)."""
         self._reserved.clear()
+        self.allocations_changed.update(self._allocated)
         self._allocated.clear()
         self.allocations_version += 1
         self._shares = self._fresh_shares()
         self.journal.clear()
         self.version += 1
+
+    def take_allocations_changed(self) -> set[bytes]:
+        """The job keys whose allocation came or went since the last call."""
+        changed, self.allocations_changed = self.allocations_changed, set()
+        return changed
 
     def take_journal(self) -> list[tuple[bytes, Claim | None]]:
         journal, self.journal = self.journal, []

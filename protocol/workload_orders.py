@@ -50,11 +50,23 @@ class WorkloadOrders:
         # a gang rank runs here, whose peers change without any of them). The same inputs
         # order nothing again, so it is not recounted: most inputs change no job of this node.
         self._quiet_inputs: tuple | None = None
+        # The primaries' runs wanted at the last reconcile (None: recount them all next time),
+        # and what they were counted under. A reconcile then recounts only the jobs that
+        # changed (issue 18): the node a job is placed on rescanned all its jobs twice per
+        # placement, so its work per placement grew with the jobs it ran.
+        self._wanted: dict[bytes, object] | None = None
+        self._wanted_eligible = False
+        self._gang_wanted: set[bytes] = set()      # wanted jobs that are a gang's ranks
+        self._replicas_ordered: set[bytes] = set()  # replica keys among ``ordered``
+        self._waits_seen: tuple = (frozenset(), frozenset())
+        self._exited: set[bytes] = set()            # runs the driver reported gone since
 
     def exited(self, jid: bytes) -> None:
         """The driver reports the workload gone: nothing to stop any more."""
         self.ordered.pop(jid, None)
         self.gang_told.pop(jid, None)
+        self._replicas_ordered.discard(jid)
+        self._exited.add(jid)
         self._quiet_inputs = None
 
     def _inputs(self, replicas) -> tuple:
@@ -75,10 +87,67 @@ class WorkloadOrders:
         if inputs == self._quiet_inputs:
             return
         self._quiet_inputs = None
+        # Nothing before the first tick's restart check (F6) has had its say on our history.
+        eligible = self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due
+        changed = self._take_changed()
+        if (self.full_recounts or self._wanted is None or eligible != self._wanted_eligible
+                or replicas or self._replicas_ordered or self.gang_told or self._gang_wanted):
+            self._recount_all(out, inputs, replicas, eligible)
+        else:
+            self._recount(out, inputs, changed)
+
+    # Set by tests: every reconcile recounts every job, as before issue 18 (the reference).
+    full_recounts = False
+
+    def _take_changed(self) -> set[bytes]:
+        """The jobs whose runs may have changed since the last reconcile: their watched
+        fields, their allocations, their waits, or their runs reported gone."""
+        changed = self.jobs.take_mine_changed()
+        changed |= self.ledger.take_allocations_changed()
+        waits = (frozenset(self.handoff_waits), frozenset(self.stop_waits))
+        if waits != self._waits_seen:
+            changed |= (waits[0] ^ self._waits_seen[0]) | (waits[1] ^ self._waits_seen[1])
+            self._waits_seen = waits
+        changed |= self._exited
+        self._exited = set()
+        return changed
+
+    def _runs_here(self, record) -> bool:
+        """A job this node runs as its primary (the module docstring), while eligible."""
+        return (record is not None and record.primary == self.jobs.me and record.state in LIVE_JOB_STATES
+                and self.ledger.allocated(record.job_id) is not None
+                and record.job_id not in self.handoff_waits and record.job_id not in self.stop_waits)
+
+    def _recount(self, out: Ready, inputs: tuple, changed: set[bytes]) -> None:
+        """Only the ``changed`` jobs (no replicas, no gang ranks here: ``reconcile``)."""
+        wanted = self._wanted
+        if self._wanted_eligible:
+            for jid in changed:
+                record = self.jobs.get(jid)
+                if self._runs_here(record):
+                    wanted[jid] = record
+                    if self.gang_rank(jid) is not None:
+                        self._gang_wanted.add(jid)
+                else:
+                    wanted.pop(jid, None)
+        ordered = self.ordered
+        stops = [jid for jid in changed if jid in ordered and (jid not in wanted or wanted[jid].fence != ordered[jid])]
+        if len(stops) > 1:
+            stops = [jid for jid in ordered if jid in stops]   # the order they were run in, as _recount_all
+        runs = tuple(WorkloadRun(r.job_id, r.fence, tuple(r.gpus), resume=resumes_from_checkpoint(r),
+                                 manifest=r.manifest, gang=self.gang_rank(r.job_id))
+                     for r in (wanted[jid] for jid in sorted(changed) if jid in wanted)
+                     if ordered.get(r.job_id) != r.fence)
+        if not stops and not runs:
+            if not self._gang_wanted:
+                self._quiet_inputs = inputs
+            return
+        self._issue(out, tuple(stops), runs)
+
+    def _recount_all(self, out: Ready, inputs: tuple, replicas, eligible: bool) -> None:
         wanted: dict[bytes, object] = {}
         replica_runs: dict[bytes, WorkloadRun] = {}
-        # Nothing before the first tick's restart check (F6) has had its say on our history.
-        if self.epochs.is_member() and not self.liveness.halted and not self.liveness.startup_sync_due:
+        if eligible:
             allocated = self.ledger.allocated
             wanted = {r.job_id: r for r in self.jobs.mine()
                       if r.state in LIVE_JOB_STATES and allocated(r.job_id) is not None
@@ -87,6 +156,8 @@ class WorkloadOrders:
             replica_runs = {key: WorkloadRun(key, replica.fence, tuple(claim.gpus), resume=False,
                                              manifest=record.manifest, replica=index)
                             for key, record, index, replica, claim in replicas}
+        self._wanted, self._wanted_eligible = dict(wanted), eligible
+        self._gang_wanted = {jid for jid in wanted if self.gang_rank(jid) is not None}
         stops = tuple(jid for jid, fence in self.ordered.items()
                       if (jid not in wanted and jid not in replica_runs)
                       or (wanted[jid].fence if jid in wanted else replica_runs[jid].fence) != fence)
@@ -101,15 +172,20 @@ class WorkloadOrders:
             self.gang_told.update(moved)
             out.decisions.append(Decision("gang_peers", NO_INSTANCE, moved, b""))
         if not stops and not runs:
-            if not moved and not self.gang_told and not any(self.gang_rank(jid) is not None for jid in wanted):
+            if not moved and not self.gang_told and not self._gang_wanted:
                 self._quiet_inputs = inputs
             return
+        self._issue(out, stops, runs)
+
+    def _issue(self, out: Ready, stops: tuple, runs: tuple) -> None:
         for jid in stops:
             del self.ordered[jid]
             self.gang_told.pop(jid, None)
+            self._replicas_ordered.discard(jid)
         if stops:
             out.decisions.append(Decision("stop", NO_INSTANCE, stops, b""))
         if runs:
             self.ordered.update((run.job_id, run.fence) for run in runs)
             self.gang_told.update((run.job_id, run.gang) for run in runs if run.gang is not None)
+            self._replicas_ordered.update(run.job_id for run in runs if run.replica)
             out.decisions.append(Decision("run", NO_INSTANCE, runs, b""))

@@ -93,3 +93,109 @@ def test_the_placed_job_is_mine_at_its_primary_only():
     net, jid = placed_on_the_big_node()
     for key, core in net.cores.items():
         assert [r.job_id for r in core.job_table.mine()] == ([jid] if key == ME else [])
+
+
+class Epochs:
+    def __init__(self):
+        self.member = True
+
+    def is_member(self) -> bool:
+        return self.member
+
+
+class Liveness:
+    halted = False
+    startup_sync_due = False
+
+
+class World:
+    """A node's job table, ledger, waits and workload orders, changed only by ``apply``."""
+
+    def __init__(self, full_recounts: bool):
+        from protocol.ledger import ResourceLedger
+        from protocol.workload_orders import WorkloadOrders
+        self.jobs = JobTable(ME)
+        self.ledger = ResourceLedger((80_000,) * 64, 1_000_000, 1_000_000)
+        self.epochs, self.liveness = Epochs(), Liveness()
+        self.handoff_waits, self.stop_waits = {}, {}
+        self.orders = WorkloadOrders(self.epochs, self.jobs, self.liveness, self.ledger, self.handoff_waits,
+                                     stop_waits=self.stop_waits)
+        self.orders.full_recounts = full_recounts
+
+    def apply(self, op: tuple, manifests: list) -> None:
+        kind, n, arg = op
+        jid = bytes([n]) * 32
+        job, envelope = manifests[n]
+        record = self.jobs.get(jid)
+        if kind == "add" or record is None:
+            self.jobs.add(jid, envelope, job, 0)
+        elif kind == "assign":
+            self.jobs.assign(record, ME if arg <= 5 else KEYS[arg % 3], (), gpus=(arg % 4,), fence=arg)
+        elif kind == "state":
+            record.state = LIVE_JOB_STATES[arg % 3] if arg <= 6 else STATES[arg % len(STATES)]
+        elif kind == "fence":
+            record.fence = arg
+        elif kind == "allocate":
+            self.ledger.allocate_now(jid, job.resources)
+        elif kind == "free":
+            self.ledger.free(jid)
+        elif kind == "wait":
+            waits = self.handoff_waits if arg % 2 else self.stop_waits
+            if jid in waits:
+                del waits[jid]
+            else:
+                waits[jid] = arg
+        elif kind == "member":
+            self.epochs.member = not self.epochs.member
+        elif kind == "halt":
+            self.liveness.halted = not self.liveness.halted
+        elif kind == "exited":
+            self.orders.exited(jid)
+
+    def reconcile(self) -> list:
+        from protocol.ready import Ready
+        out = Ready()
+        self.orders.reconcile(out)
+        return [(d.value_kind, d.value) for d in out.decisions]
+
+
+KINDS = ("add", "assign", "assign", "assign", "state", "state", "fence", "allocate", "allocate", "allocate",
+         "free", "wait", "exited", "exited")
+
+
+def test_incremental_workload_orders_equal_full_recounts_over_random_changes():
+    # Issue 18: the orders now recount only the jobs that changed; the reference recounts
+    # every job after every input (as before). Same decisions, in the same order, always.
+    manifests = [make_job(nonce=n) for n in range(16)]
+    recounted = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        ops = [(KINDS[rng.randrange(len(KINDS))], rng.randrange(16), rng.randrange(1, 9)) for _ in range(300)]
+        for at, toggle in ((100, "member"), (110, "member"), (200, "halt"), (215, "halt")):
+            ops[at] = (toggle, 0, 0)   # out and back: everything stopped, then run again
+        incremental, reference = World(full_recounts=False), World(full_recounts=True)
+        for step, op in enumerate(ops):
+            for world in (incremental, reference):
+                world.apply(op, manifests)
+            got, expected = incremental.reconcile(), reference.reconcile()
+            assert got == expected, (seed, step, op)
+            assert incremental.orders.ordered == reference.orders.ordered
+            recounted += bool(expected)
+    assert recounted > 200   # the sequences do order runs and stops
+
+
+def test_a_change_to_one_of_this_nodes_jobs_recounts_that_job_only():
+    # Before: the node a job was placed on rescanned all its jobs (twice per placement).
+    manifests = [make_job(nonce=n) for n in range(40)]
+    world = World(full_recounts=False)
+    for n in range(40):
+        for op in (("add", n, 0), ("assign", n, 1), ("state", n, 1), ("allocate", n, 0)):
+            world.apply(op, manifests)
+    assert [kind for kind, _ in world.reconcile()] == ["run"]
+    asked = []
+    allocated = world.ledger.allocated
+    world.ledger.allocated = lambda key: asked.append(key) or allocated(key)
+    world.apply(("fence", 7, 9), manifests)
+    decisions = world.reconcile()
+    assert [kind for kind, _ in decisions] == ["stop", "run"]
+    assert asked == [bytes([7]) * 32]
