@@ -40,7 +40,9 @@ class CapabilityBook:
         self.ctx = ctx
         self.epochs = epochs
         self.jobs = jobs
-        self._running: tuple[int | None, tuple] = (None, ())   # (JobTable.mine_version(), _running_here())
+        self._running: tuple = ()                     # _running_here()'s answer, sorted by job id
+        self._running_fences: dict[bytes, int] = {}   # ... as a map, kept from the jobs that changed
+        self._jobs_changed = jobs.changes_feed()
         self.ledger = ledger
         self.envelope: bytes | None = None          # our newest signed vector
         self.vector: CapabilityVector | None = None
@@ -263,13 +265,19 @@ class CapabilityBook:
         self.broadcast_facts = broadcast_facts if broadcast_facts is not None else self._broadcast_facts()
 
     def _running_here(self) -> tuple:
-        """(job id, fence) of the jobs running here as primary; recounted only after a watched
-        field of one of this node's jobs changed (JobTable.mine_version): it is asked after every input."""
-        version = self.jobs.mine_version()
-        if self._running[0] != version:
-            self._running = (version,
-                             tuple((r.job_id, r.fence) for r in self.jobs.mine() if r.state == "running"))
-        return self._running[1]
+        """(job id, fence) of the jobs running here as primary, by job id; asked after every
+        input, so only the jobs of this node that changed are looked at (JobTable.take_changes)."""
+        changed = self.jobs.take_changes(self._jobs_changed)
+        if changed:
+            fences, me = self._running_fences, self.jobs.me
+            for jid in changed:
+                record = self.jobs.get(jid)
+                if record is not None and record.primary == me and record.state == "running":
+                    fences[jid] = record.fence
+                else:
+                    fences.pop(jid, None)
+            self._running = tuple(sorted(fences.items()))
+        return self._running
 
     def shows_running(self, node: bytes, jid: bytes, fence: int) -> bool:
         """Whether ``node``'s newest vector held here lists job ``jid`` running at ``fence`` (R2a)."""

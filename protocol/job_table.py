@@ -149,7 +149,7 @@ class JobTable:
         self._mine: list[JobRecord] = []         # mine()'s answer, by job id, unless _mine_stale
         self._mine_stale = False
         self._mine_version = 0
-        self._mine_changed: set[bytes] = set()   # ids that bumped _mine_version, for take_mine_changed
+        self._feeds: list[set[bytes]] = []       # each reader's ids that bumped _mine_version (take_changes)
 
     def assign(self, record: JobRecord, primary: bytes | None, backups: tuple, gpus: tuple | None = None,
                fence: int | None = None) -> None:
@@ -188,12 +188,14 @@ class JobTable:
                     mine_ids.add(jid)
                     self._mine_stale = True
                 self._mine_version += 1
-                self._mine_changed.add(jid)
+                for feed in self._feeds:
+                    feed.add(jid)
             elif jid in mine_ids:
                 mine_ids.discard(jid)
                 self._mine_stale = True
                 self._mine_version += 1
-                self._mine_changed.add(jid)
+                for feed in self._feeds:
+                    feed.add(jid)
         self._touched.clear()
 
     def may_have_mine(self) -> bool:
@@ -207,11 +209,20 @@ class JobTable:
         self._settle()
         return self._mine_version
 
-    def take_mine_changed(self) -> set[bytes]:
-        """The ids of this node's jobs (now or before) whose watched fields changed, or that
-        came or went, since the last call (the workload orders recount only those)."""
+    def changes_feed(self) -> set[bytes]:
+        """A reader's feed for ``take_changes``: it starts with this node's jobs now."""
         self._settle()
-        changed, self._mine_changed = self._mine_changed, set()
+        feed = set(self._mine_ids)
+        self._feeds.append(feed)
+        return feed
+
+    def take_changes(self, feed: set[bytes]) -> set[bytes]:
+        """The ids of this node's jobs (now or before) whose watched fields changed, or that
+        came or went, since ``feed`` was last taken (readers that recount only those: the
+        workload orders, the vector's running list)."""
+        self._settle()
+        changed = set(feed)
+        feed.clear()
         return changed
 
     def mine(self) -> list[JobRecord]:

@@ -60,6 +60,7 @@ class WorkloadOrders:
         self._replicas_ordered: set[bytes] = set()  # replica keys among ``ordered``
         self._waits_seen: tuple = (frozenset(), frozenset())
         self._exited: set[bytes] = set()            # runs the driver reported gone since
+        self._jobs_changed = jobs.changes_feed()
 
     def exited(self, jid: bytes) -> None:
         """The driver reports the workload gone: nothing to stop any more."""
@@ -102,7 +103,7 @@ class WorkloadOrders:
     def _take_changed(self) -> set[bytes]:
         """The jobs whose runs may have changed since the last reconcile: their watched
         fields, their allocations, their waits, or their runs reported gone."""
-        changed = self.jobs.take_mine_changed()
+        changed = self.jobs.take_changes(self._jobs_changed)
         changed |= self.ledger.take_allocations_changed()
         waits = (frozenset(self.handoff_waits), frozenset(self.stop_waits))
         if waits != self._waits_seen:
