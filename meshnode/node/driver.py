@@ -478,6 +478,7 @@ class Node:
         await self._handle(self.core.workload_started(job_id, fence, restore[2] if restore else 0, now_ms()))
         log.info("started job %s pid %d fence %d from %s", job_id.hex()[:12], pid, fence,
                  "checkpoint seq %d" % restore[2] if restore else "scratch")
+        flush_log()   # at once: `bench failover` reads workload starts from the log of a node it kills
 
     async def _stop_workload(self, job_id: bytes, why: str, hand_over: bool = False) -> None:
         """``hand_over``: the core ordered the stop; if a move took the job away (SPEC.md R2),
