@@ -574,7 +574,10 @@ class Node:
 
     async def submit(self, job_envelope: bytes) -> bytes:
         self._refuse_if_evicted()
-        envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True)
+        # With the core's caches: its own decode of these bytes is then a hit, not a second
+        # signature check (issue 18: every submit verified the owner's signature twice).
+        envelope, job = decode_message(job_envelope, self.genesis.mesh_id, JobManifest, allow_any_mesh=True,
+                                       caches=self.core.ctx.caches)
         await self._handle(self.core.submit(job_envelope, now_ms(), self.config.max_undecided_submits))
         return compute_job_id(job)
 
