@@ -21,14 +21,12 @@ MAX_FENCES_REMEMBERED = 32       # per job: which node was primary at each of it
 MAX_RECENT_OUTCOMES = 64         # exits, refusals and cancels re-sent by sync answers (F6)
 
 # The fields that say whether and how this node runs a job (JobTable.mine, workload_orders.py).
-# Assigning one, or adding or dropping a record, bumps ``changes`` below: what reads only these
-# may keep its last answer while ``changes[0]`` stands still (issue 18: the workload orders
-# scanned every job a node is primary of after every input; 27% of a 4-node slot bench's
-# busiest node). One counter for every table in the process: a bump only costs a recount.
-# A record in a table also names its job id to that table (``JobTable.mine_version``), so what
-# reads only this node's own jobs recounts when one of those changed, not when any job did.
+# Assigning one names the record's job id to its table (as adding or dropping a record does),
+# and what reads only these fields of this node's jobs recounts just the jobs named
+# (``JobTable.mine_version``, ``take_changes``; issue 18: the workload orders scanned every
+# job a node is primary of after every input, 27% of a 4-node slot bench's busiest node, and
+# then after any job's change anywhere).
 WATCHED_FIELDS = frozenset(("state", "primary", "fence", "gpus", "attempt", "checkpoint_fence"))
-changes = [0]
 
 
 @dataclass
@@ -103,7 +101,6 @@ class JobRecord:
 
     def __setattr__(self, name: str, value) -> None:
         if name in WATCHED_FIELDS:
-            changes[0] += 1
             touched = self.__dict__.get("_touched")   # set by JobTable.add: its table's set
             if touched is not None:
                 touched.add(self.job_id)
@@ -164,7 +161,6 @@ class JobTable:
                 self.remember_primary(record, fence, primary)
         if primary == self.me:
             self._touched.add(record.job_id)   # made primary again with the same fields: still a change
-            changes[0] += 1
 
     @staticmethod
     def remember_primary(record: JobRecord, fence: int, primary: bytes) -> None:
@@ -246,7 +242,6 @@ class JobTable:
         if len(self.records) >= MAX_JOBS:
             for old in [k for k, r in self.records.items() if r.state in TERMINAL][:1024]:
                 del self.records[old]
-                changes[0] += 1
                 self._touched.add(old)
                 self._reflex_jobs.discard(old)
         record = JobRecord(jid, data, job, now_ms)
@@ -254,7 +249,6 @@ class JobTable:
         if jid in self._mine_ids:
             self._mine_stale = True   # mine() held the record this one replaces
         self.records[jid] = record
-        changes[0] += 1
         self._touched.add(jid)
         if job.reflexes or job.service.min_replicas > 1:   # R3, R4: watched as their primary's vectors come
             self._reflex_jobs.add(jid)

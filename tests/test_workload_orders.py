@@ -3,7 +3,8 @@
 protocol/workload_orders.py compares the jobs this node runs with what it ordered after
 every input; with hundreds of jobs here that scan was 27% of the busiest node's CPU in
 the 4-node slot bench. It now keeps its last quiet answer while none of its inputs moved
-(job_table.changes, the ledger's allocations, the waits, membership, halts, replicas).
+(this node's jobs' watched fields, the ledger's allocations, the waits, membership, halts,
+replicas).
 These tests hold both halves: no recount on inputs that change nothing, and every kind of
 change still seen, however it was made (a plain field assignment, the ledger alone).
 """
