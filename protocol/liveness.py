@@ -466,8 +466,10 @@ class Liveness:
         return SyncRequest(epoch=self.epochs.epoch, have=tuple(iid[:SYNC_HAVE_PREFIX_BYTES] for iid in newest))
 
     def answer_sync(self, peer: bytes, since_epoch: int, now_ms: int, out: Ready,
-                    have: frozenset = frozenset()) -> None:
-        """``have``: the instance id prefixes the peer says it applied (F6d): not sent again."""
+                    have: frozenset | None = None) -> None:
+        """``have``: the instance id prefixes the peer's request says it applied (F6d): not
+        sent again. None: an answer nobody asked for (a stale heartbeat's), never continued:
+        its peer asks once it is in our epoch, saying what it has."""
         last = self.sync_answered_ms.get(peer)
         if last is not None and now_ms - last < SYNC_ANSWER_GAP_MS:
             return
@@ -478,9 +480,9 @@ class Liveness:
         if peer in self.epochs.view.stakes:
             # A member that was down may have missed placements too: the newest certificates we
             # applied, however they reached us (our own instance, a broadcast or a catch-up).
-            decisions = self._decisions_to_resend(peer, set(certificates), now_ms, have)
+            decisions = self._decisions_to_resend(peer, set(certificates), now_ms, have or frozenset())
             certificates.extend(decisions)
-            if len(decisions) == MAX_SYNC_DECISIONS:
+            if len(decisions) == MAX_SYNC_DECISIONS and have is not None:
                 self.sync_continuations[peer] = (since_epoch, have)
             else:
                 self.sync_continuations.pop(peer, None)

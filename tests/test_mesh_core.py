@@ -1122,6 +1122,30 @@ def test_f6d_anti_entropy_answers_leave_out_the_decisions_the_requester_applied(
     assert SYNC_HAVE_MAX == MAX_DECIDED_KEPT   # a request names every decision an answer may hold
 
 
+def test_f6d_only_an_answer_to_a_request_is_continued_unasked():
+    # A stale heartbeat's answer (F6) was continued every 200 ms while full, and its sender,
+    # behind by an epoch, could not say what it had: after the evictions at a testnet's
+    # teardown, 19,000 certificates in a few seconds. Now only a request's answer goes on.
+    from protocol.liveness import MAX_SYNC_DECISIONS, SYNC_ANSWER_GAP_MS
+    net = Net()
+    jobs = [make_job(nonce=n, gpus=0, backups=0) for n in range(1, 41)]
+    for _job, envelope in jobs:
+        net.submit(KEYS[0], envelope)
+    net.run(3000)
+    core = net.cores[KEYS[0]]
+    assert len(core.instance_table.recent_certificates) > MAX_SYNC_DECISIONS
+
+    def decisions_sent(have, peer, at) -> list[int]:
+        """Certificates sent ``peer`` by an answer at ``at``, then by the next two ticks."""
+        answer = Ready()
+        core.liveness.answer_sync(peer, 0, at, answer, have)
+        readies = [answer, core.tick(at + SYNC_ANSWER_GAP_MS), core.tick(at + 2 * SYNC_ANSWER_GAP_MS)]
+        return [sum(m.to == peer and codec.unpack(m.data)[2] == "commit" for m in r.messages) for r in readies]
+
+    assert decisions_sent(None, KEYS[1], net.now) == [MAX_SYNC_DECISIONS, 0, 0]   # unasked: not continued
+    assert decisions_sent(frozenset(), KEYS[2], net.now + 1000) == [MAX_SYNC_DECISIONS, 40 - MAX_SYNC_DECISIONS, 0]
+
+
 def test_f6d_a_sync_request_names_what_it_has_by_8_byte_prefixes_and_leaves_an_empty_list_out():
     from protocol.messages import SyncRequest, decode_message
     plain = encode_message(IDS[1], MESH, SyncRequest(epoch=3))
