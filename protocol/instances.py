@@ -167,9 +167,10 @@ class InstanceTable:
         params = self.ctx.params
         validate, other_kinds = flow.validators(iid)
         round_timeout_ms = params.round_timeout_ms
-        if flow.adapts_round_timeout:
-            round_timeout_ms = self.decision_times_of(flow).round_timeout_ms(round_timeout_ms,
-                                                                             flow.adapted_timeout_max_factor)
+        timing = flow.timed_as(subject)
+        if timing.adapts_round_timeout:
+            round_timeout_ms = self.decision_times_of(timing).round_timeout_ms(round_timeout_ms,
+                                                                               timing.adapted_timeout_max_factor)
         inst = ConsensusInstance(instance_id=iid, value_kind=flow.value_kind, view=view, identity=self.ctx.identity,
                                  mesh_id=self.ctx.mesh_id,
                                  round_timeout_ms=round_timeout_ms + flow.round_timeout_extra_ms,
@@ -266,10 +267,11 @@ class InstanceTable:
         self.rounds.pop(iid, None)
         role = self.roles.pop(iid)
         entered_ms = self.round_entered_ms.pop(iid, now_ms)
-        if role.flow.adapts_round_timeout and inst.decision is not None and inst.decision.round == inst.round:
+        timing = role.flow.timed_as(role.subject)
+        if timing.adapts_round_timeout and inst.decision is not None and inst.decision.round == inst.round:
             # Timed from the start of the round that decided (round 0: the creation): under
             # load most slots decided in a later round, so round-0 samples alone never came.
-            self.decision_times_of(role.flow).add(now_ms - entered_ms)
+            self.decision_times_of(timing).add(now_ms - entered_ms)
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).

@@ -113,3 +113,26 @@ def test_slots_that_take_long_lengthen_the_next_slots_round_timeout_also_when_de
     net.submit(KEYS[0], envelope)
     slot = next(i for i in table.instances.values() if i.value_kind == "placement_slot")
     assert slot.round_timeout_ms == adapted + SLOT_MS   # the slot window on top, as before (P7b)
+
+
+def test_6_12b_a_late_jobs_own_instance_is_timed_as_the_slots_are():
+    # Issue 18 (wide18): on a loaded n = 16 mesh with slots, a job that missed its slot's
+    # proposal is placed by its own instance (P7c), which timed out at a placement's cap (2 G):
+    # 1,419 round changes in 63 of 65 such instances in one 27 s run, rounds 1-3, each re-sending
+    # the job and its bids to the next leader. It now takes the slots' timeout and samples.
+    net = Net(genesis=SLOT_GENESIS)
+    table = net.cores[KEYS[0]].instance_table
+    first_slot_ms = net.now
+    for nonce in (1, 2, 3):
+        place_slot_slowly(net, nonce, hop_ms=45)
+    slot_times = table.decision_times["placement_slot"]
+    adapted = slot_times.round_timeout_ms(GENESIS_TIMEOUT_MS, 8)
+    assert adapted > 2 * GENESIS_TIMEOUT_MS            # a placement's cap would have cut it
+    late, envelope = make_job(nonce=99, gpus=0, created_ms=first_slot_ms, mesh=SLOT_GENESIS.mesh_id)
+    net.submit(KEYS[0], envelope)                      # its slot was decided long ago: P7c
+    inst = table.instances[job_id(late)]
+    assert inst.value_kind == "placement" and inst.round_timeout_ms == adapted   # no slot window on top
+    samples = len(slot_times.samples)
+    net.run(2000)
+    assert all(net.cores[k].job_view(job_id(late))["state"] == "placed" for k in KEYS)
+    assert len(slot_times.samples) == samples + 1 and "placement" not in table.decision_times
