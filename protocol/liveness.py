@@ -171,11 +171,13 @@ class Liveness:
         primaries.discard(self.ctx.me)
         return sorted(primaries)[:MAX_PRIMARIES_SYNCED]
 
-    def sync(self, now_ms: int, out: Ready, peers_asked: int, also: list[bytes] = ()) -> None:
+    def sync(self, now_ms: int, out: Ready, peers_asked: int, also: list[bytes] = (),
+             anti_entropy: bool = False) -> None:
         """SPEC F6: a (re)started node asks a few random members for what it missed while down,
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
         not all, so this costs O(n) messages mesh-wide, not O(n^2). ``also``: members asked
-        besides (F6c: a restarted node's primaries, whose answers carry their vectors, F6a)."""
+        besides (F6c: a restarted node's primaries, whose answers carry their vectors, F6a).
+        ``anti_entropy``: the periodic one, the only request that names what we have (F6d)."""
         self.sync_sent_ms = now_ms
         peers = self.epochs.broadcast_targets()
         if not self.epochs.is_member() or not peers:
@@ -183,7 +185,8 @@ class Liveness:
         # A silent member answers nothing: ask among the others (all, if none is left).
         unresponsive = self.unresponsive_members(now_ms)
         peers = [peer for peer in peers if peer not in unresponsive] or peers
-        data = self.ctx.sign(self.sync_request())
+        request = self.anti_entropy_request() if anti_entropy else SyncRequest(epoch=self.epochs.epoch)
+        data = self.ctx.sign(request)
         chosen = self.ctx.rng.sample(peers, min(peers_asked, len(peers)))
         chosen += [peer for peer in also if peer not in chosen and peer in self.epochs.view.stakes]
         out.messages.extend(Outbound(peer, data) for peer in chosen)
@@ -202,7 +205,7 @@ class Liveness:
             self._hold_restarted_jobs(now_ms, out)
             self.sync(now_ms, out, STARTUP_SYNC_PEERS, also=self._primaries_of_live_jobs())
         elif now_ms - self.sync_sent_ms >= ANTI_ENTROPY_MS:
-            self.sync(now_ms, out, 1)
+            self.sync(now_ms, out, 1, anti_entropy=True)
         if self.joins.evicted_at_epoch is not None and not epochs.is_member():
             self.joins.maybe_rejoin(now_ms, out)
         for peer, (since_epoch, have) in list(self.sync_continuations.items()):
@@ -419,7 +422,7 @@ class Liveness:
             # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
             # either side missed meanwhile (decisions, exits) is asked for now, not at the
             # next anti-entropy round.
-            out.messages.append(Outbound(signer, self.ctx.sign(self.sync_request())))
+            out.messages.append(Outbound(signer, self.ctx.sign(SyncRequest(epoch=epochs.epoch))))
         fresh = self.halted and self._fresh_after_halt(signer, beat.sent_ms)
         # The latest, not the greatest: a restarted peer's clock may start anywhere.
         self.peer_beat_sent_ms[signer] = beat.sent_ms
@@ -454,9 +457,12 @@ class Liveness:
             beat = Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(envelope.signer, self.ctx.unsigned(beat)))
 
-    def sync_request(self) -> SyncRequest:
-        """Our sync request: our epoch and, F6d, what we applied last, so that an answer
-        brings only what we lack. Without it every anti-entropy answer re-sent the answerer's
+    def anti_entropy_request(self) -> SyncRequest:
+        """Our periodic sync request: our epoch and, F6d, what we applied last, so that an
+        answer brings only what we lack. (A restart's, a self-fence's, a rejoin's and a heal's
+        requests name nothing: they are answered in full as before, the order of an answer's
+        certificates and heartbeat that F3 and F6 rely on unchanged; node-mode simulator seed
+        34 double-ran when a restart's answer was cut short.) Without it every anti-entropy answer re-sent the answerer's
         newest 32 decisions, and went on unasked 200 ms later while its answers were full:
         with decisions coming faster than they expire from its resend memory, for ever (n = 16
         with jobs in flight: 120,000 certificates re-sent to nodes that held them, against
