@@ -177,7 +177,7 @@ class Liveness:
         and every ANTI_ENTROPY_MS one random member (a lost certificate is found again); a few,
         not all, so this costs O(n) messages mesh-wide, not O(n^2). ``also``: members asked
         besides (F6c: a restarted node's primaries, whose answers carry their vectors, F6a).
-        ``anti_entropy``: the periodic one, the only request that names what we have (F6d)."""
+        ``anti_entropy``: the periodic one, which names what we have (F6d)."""
         self.sync_sent_ms = now_ms
         peers = self.epochs.broadcast_targets()
         if not self.epochs.is_member() or not peers:
@@ -185,7 +185,7 @@ class Liveness:
         # A silent member answers nothing: ask among the others (all, if none is left).
         unresponsive = self.unresponsive_members(now_ms)
         peers = [peer for peer in peers if peer not in unresponsive] or peers
-        request = self.anti_entropy_request() if anti_entropy else SyncRequest(epoch=self.epochs.epoch)
+        request = self.naming_request() if anti_entropy else SyncRequest(epoch=self.epochs.epoch)
         data = self.ctx.sign(request)
         chosen = self.ctx.rng.sample(peers, min(peers_asked, len(peers)))
         chosen += [peer for peer in also if peer not in chosen and peer in self.epochs.view.stakes]
@@ -422,7 +422,7 @@ class Liveness:
             # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
             # either side missed meanwhile (decisions, exits) is asked for now, not at the
             # next anti-entropy round.
-            out.messages.append(Outbound(signer, self.ctx.sign(SyncRequest(epoch=epochs.epoch))))
+            out.messages.append(Outbound(signer, self.ctx.sign(self.naming_request())))
         fresh = self.halted and self._fresh_after_halt(signer, beat.sent_ms)
         # The latest, not the greatest: a restarted peer's clock may start anywhere.
         self.peer_beat_sent_ms[signer] = beat.sent_ms
@@ -457,12 +457,12 @@ class Liveness:
             beat = Heartbeat(epoch=self.epochs.epoch, seq=self.heartbeat_seq, sent_ms=now_ms)
             out.messages.append(Outbound(envelope.signer, self.ctx.unsigned(beat)))
 
-    def anti_entropy_request(self) -> SyncRequest:
-        """Our periodic sync request: our epoch and, F6d, what we applied last, so that an
-        answer brings only what we lack. (A restart's, a self-fence's, a rejoin's and a heal's
-        requests name nothing: they are answered in full as before, the order of an answer's
-        certificates and heartbeat that F3 and F6 rely on unchanged; node-mode simulator seed
-        34 double-ran when a restart's answer was cut short.) Without it every anti-entropy answer re-sent the answerer's
+    def naming_request(self) -> SyncRequest:
+        """The sync request of a live member (anti-entropy, and on hearing a flagged member
+        again): our epoch and, F6d, what we applied last, so that an answer brings only what
+        we lack. (A restart's, a self-fence's and a rejoin's requests name nothing: their
+        answers' heartbeat ends a hold on our jobs, F3, and comes after the certificates as
+        before; node-mode simulator seed 34 double-ran when a restart's answer was cut short.) Without it every anti-entropy answer re-sent the answerer's
         newest 32 decisions, and went on unasked 200 ms later while its answers were full:
         with decisions coming faster than they expire from its resend memory, for ever (n = 16
         with jobs in flight: 120,000 certificates re-sent to nodes that held them, against
