@@ -460,13 +460,14 @@ class Liveness:
     def naming_request(self) -> SyncRequest:
         """The sync request of a live member (anti-entropy, and on hearing a flagged member
         again): our epoch and, F6d, what we applied last, so that an answer brings only what
-        we lack. (A restart's, a self-fence's and a rejoin's requests name nothing: their
-        answers' heartbeat ends a hold on our jobs, F3, and comes after the certificates as
-        before; node-mode simulator seed 34 double-ran when a restart's answer was cut short.) Without it every anti-entropy answer re-sent the answerer's
-        newest 32 decisions, and went on unasked 200 ms later while its answers were full:
-        with decisions coming faster than they expire from its resend memory, for ever (n = 16
-        with jobs in flight: 120,000 certificates re-sent to nodes that held them, against
-        4,000 broadcast, in 25 s)."""
+        we lack. Without it every anti-entropy answer re-sent the answerer's newest 32
+        decisions and went on unasked 200 ms later while its answers were full: with decisions
+        coming faster than they expire from its resend memory, for ever (n = 16 with jobs in
+        flight: 120,000 certificates re-sent to nodes that held them, against 4,000
+        broadcast, in 25 s). A restart's, a self-fence's and a rejoin's requests name nothing:
+        their answers' heartbeat ends a hold on our jobs (F3) and comes after the
+        certificates as before (node-mode simulator seed 34 double-ran when a restart's
+        answer was cut short)."""
         recent = self.instances.recent_certificates
         newest = itertools.islice(reversed(recent), SYNC_HAVE_MAX)
         return SyncRequest(epoch=self.epochs.epoch, have=tuple(iid[:SYNC_HAVE_PREFIX_BYTES] for iid in newest))
