@@ -167,9 +167,10 @@ class InstanceTable:
         params = self.ctx.params
         validate, other_kinds = flow.validators(iid)
         round_timeout_ms = params.round_timeout_ms
-        if flow.adapts_round_timeout:
-            round_timeout_ms = self.decision_times_of(flow).round_timeout_ms(round_timeout_ms,
-                                                                             flow.adapted_timeout_max_factor)
+        timing = flow.timed_as(subject)
+        if timing.adapts_round_timeout:
+            round_timeout_ms = self.decision_times_of(timing).round_timeout_ms(round_timeout_ms,
+                                                                               timing.adapted_timeout_max_factor)
         inst = ConsensusInstance(instance_id=iid, value_kind=flow.value_kind, view=view, identity=self.ctx.identity,
                                  mesh_id=self.ctx.mesh_id,
                                  round_timeout_ms=round_timeout_ms + flow.round_timeout_extra_ms,
@@ -209,6 +210,10 @@ class InstanceTable:
             out.events.append(event)
             if event.kind == "evidence" and inst.evidence:
                 self._remember_evidence(inst.evidence[-1], event)
+        if inst.decision is not None and self.instances.get(iid) is inst:
+            # Before applying: applying a slot starts its late jobs' instances, timed by these
+            # samples (6.12b), and a mesh's first slot would otherwise leave them at G.
+            self._sample_decision_time(inst, now_ms)
         for decision in ready.decisions:
             self.apply_decision(decision.value_kind, iid, decision.value, decision.certificate, inst.view.epoch,
                                 now_ms, out)
@@ -259,17 +264,23 @@ class InstanceTable:
         kept.update(((r.table, r.key), r) for r in records)
         self.restored_votes[iid] = list(kept.values())
 
+    def _sample_decision_time(self, inst: ConsensusInstance, now_ms: int) -> None:
+        """SPEC.md 6.12, 6.12a: a decision in the round this node was in is a sample of its flow's
+        decision time (6.12b: of the flow it is timed as)."""
+        role = self.roles[inst.instance_id]
+        timing = role.flow.timed_as(role.subject)
+        if timing.adapts_round_timeout and inst.decision.round == inst.round:
+            # Timed from the start of the round that decided (round 0: the creation): under
+            # load most slots decided in a later round, so round-0 samples alone never came.
+            self.decision_times_of(timing).add(now_ms - self.round_entered_ms.get(inst.instance_id, now_ms))
+
     def retire(self, inst: ConsensusInstance, now_ms: int, out: Ready) -> None:
         iid = inst.instance_id
         if self.instances.pop(iid, None) is None:
             return
         self.rounds.pop(iid, None)
         role = self.roles.pop(iid)
-        entered_ms = self.round_entered_ms.pop(iid, now_ms)
-        if role.flow.adapts_round_timeout and inst.decision is not None and inst.decision.round == inst.round:
-            # Timed from the start of the round that decided (round 0: the creation): under
-            # load most slots decided in a later round, so round-0 samples alone never came.
-            self.decision_times_of(role.flow).add(now_ms - entered_ms)
+        self.round_entered_ms.pop(iid, None)
         if inst.gave_up and inst.decision is None:
             # Undecided: should it be created again once it left `decided` (a proposal, a
             # resubmit), it must resume from what it signed, as after a restart (SPEC.md 6.9).

@@ -113,3 +113,58 @@ def test_slots_that_take_long_lengthen_the_next_slots_round_timeout_also_when_de
     net.submit(KEYS[0], envelope)
     slot = next(i for i in table.instances.values() if i.value_kind == "placement_slot")
     assert slot.round_timeout_ms == adapted + SLOT_MS   # the slot window on top, as before (P7b)
+
+
+def test_6_12b_a_late_jobs_own_instance_is_timed_as_the_slots_are():
+    # Issue 18 (wide18): on a loaded n = 16 mesh with slots, a job that missed its slot's
+    # proposal is placed by its own instance (P7c), which timed out at a placement's cap (2 G):
+    # 1,419 round changes in 63 of 65 such instances in one 27 s run, rounds 1-3, each re-sending
+    # the job and its bids to the next leader. It now takes the slots' timeout and samples.
+    net = Net(genesis=SLOT_GENESIS)
+    table = net.cores[KEYS[0]].instance_table
+    first_slot_ms = net.now
+    for nonce in (1, 2, 3):
+        place_slot_slowly(net, nonce, hop_ms=45)
+    slot_times = table.decision_times["placement_slot"]
+    adapted = slot_times.round_timeout_ms(GENESIS_TIMEOUT_MS, 8)
+    assert adapted > 2 * GENESIS_TIMEOUT_MS            # a placement's cap would have cut it
+    late, envelope = make_job(nonce=99, gpus=0, created_ms=first_slot_ms, mesh=SLOT_GENESIS.mesh_id)
+    net.submit(KEYS[0], envelope)                      # its slot was decided long ago: P7c
+    inst = table.instances[job_id(late)]
+    assert inst.value_kind == "placement" and inst.round_timeout_ms == adapted   # no slot window on top
+    samples = len(slot_times.samples)
+    net.run(2000)
+    assert all(net.cores[k].job_view(job_id(late))["state"] == "placed" for k in KEYS)
+    assert len(slot_times.samples) == samples + 1 and "placement" not in table.decision_times
+
+
+def test_6_12b_the_late_jobs_of_a_meshs_first_slot_are_timed_by_that_slots_decision():
+    # Applying a slot starts its late jobs' own instances; the slot's decision time was sampled
+    # only after that, so the late jobs of a mesh's first slot (every node had no sample yet)
+    # started at G: on a loaded n = 16 testnet, 435 round changes in 13 such instances in the
+    # first 2 s of a run (wide18). The sample is now taken before the decision is applied.
+    net = Net(genesis=SLOT_GENESIS)
+    created = net.now
+    first, envelope = make_job(nonce=1, gpus=0, created_ms=created, mesh=SLOT_GENESIS.mesh_id)
+    late, late_envelope = make_job(nonce=2, gpus=0, created_ms=created, mesh=SLOT_GENESIS.mesh_id)
+    net.submit(KEYS[1], envelope)
+    for _ in range(60):   # one wave per 45 ms; the second job comes once the slot is proposed
+        wave, net.queue = list(net.queue), type(net.queue)()
+        proposed = any(isinstance(decode_message(data, SLOT_GENESIS.mesh_id, channel_sender=src)[1], Proposal)
+                       for src, _target, data in wave)
+        for src, target, data in wave:
+            net.emit(target, net.cores[target].step(data, net.now, src))
+        if proposed and late_envelope is not None:
+            net.submit(KEYS[2], late_envelope)
+            late_envelope = None
+        net.now += 45
+        for key, core in net.cores.items():
+            net.emit(key, core.tick(net.now))
+        if job_id(late) in net.cores[KEYS[2]].instance_table.instances:
+            break
+    table = net.cores[KEYS[2]].instance_table
+    inst = table.instances[job_id(late)]          # started by applying the slot (P7c)
+    assert net.cores[KEYS[2]].job_view(job_id(first))["state"] == "placed"
+    sampled = table.decision_times["placement_slot"].samples
+    assert len(sampled) == 1 and sampled[0] > GENESIS_TIMEOUT_MS // 4
+    assert inst.round_timeout_ms == min(4 * sampled[0], 8 * GENESIS_TIMEOUT_MS) > GENESIS_TIMEOUT_MS

@@ -289,3 +289,17 @@ def test_f6c_a_restarted_member_asks_its_jobs_primaries_and_shows_their_jobs_run
     assert result.ok, [v.line() for v in result.violations]
     restarted = [e for e in result.episodes if e.kind == "crash" and e.nodes == (2,) and e.end_ms == 4000]
     assert restarted   # the seed still restarts node 2 at the heal
+
+
+def test_f6d_a_restarts_sync_answer_is_not_cut_short_by_what_the_node_has():
+    # Seed 34: node 4 restarts at 2288 ms while the eviction moving its jobs is decided. With
+    # every sync request naming what its sender has (F6d), the answers to its restart sync held
+    # fewer certificates before their heartbeat, which ended its restart hold (F3) first: it
+    # ran fence 1 from 2290 ms beside fence 2 on node 5 since 2289 ms (double_run). Only a
+    # live member's requests (anti-entropy, a heal's) name what it has now; a restart's,
+    # whose answers' heartbeat ends the hold, is answered in full.
+    result = run_node_simulation(seed=34, nodes=8, jobs=4)
+    assert result.ok, [v.line() for v in result.violations]
+    assert any(e.kind == "crash" and e.nodes == (4,) and e.end_ms == 2288 for e in result.episodes)
+    moved = [r for r in result.runs if r.node == 5 and r.fence == 2]
+    assert moved and moved[0].start_ms == 2289   # the seed still races the restart and the move

@@ -28,6 +28,11 @@ class ValueFlow:
     def round_timeout_extra_ms(self) -> int:
         return 0
 
+    def timed_as(self, subject) -> "ValueFlow":
+        """The flow whose decision times (6.12) set the round timeout of this flow's instance
+        deciding ``subject``, and take its samples: itself, but for 6.12b."""
+        return self
+
     def validators(self, iid: bytes) -> tuple:
         """(validate, {other kind: validate} or None) for a new instance ``iid``."""
         raise NotImplementedError

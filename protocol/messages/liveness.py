@@ -10,6 +10,9 @@ from typing import ClassVar
 from protocol.messages.fields import MAX_STATE_BYTES, record
 from protocol.schema import Bytes, Int, Key, List, Nested, Record
 
+SYNC_HAVE_PREFIX_BYTES = 8   # of an instance id: a sync request names what it has by these (F6d)
+SYNC_HAVE_MAX = 256          # the requester's newest applied decisions it names (= MAX_DECIDED_KEPT)
+
 
 # --- eviction (SPEC.md F4-F7) ------------------------------------------------------------------
 
@@ -81,7 +84,12 @@ class CheckpointAck(Record):
 
 @record
 class SyncRequest(Record):
-    """Ask peers for the epoch-change certificates from ``epoch`` on (a paused or rejoining node)."""
+    """Ask peers for the epoch-change certificates from ``epoch`` on (a paused or rejoining node).
+    ``have``: the first 8 bytes of the instance ids of the decisions the requester applied
+    last (SPEC.md F6d), which the answer leaves out; left out when empty."""
     KIND: ClassVar = "sync_request"
     epoch: int
-    SCHEMA: ClassVar = {"epoch": Int()}
+    have: tuple = ()
+    SCHEMA: ClassVar = {"epoch": Int(), "have": List(Bytes(SYNC_HAVE_PREFIX_BYTES, SYNC_HAVE_PREFIX_BYTES),
+                                                     SYNC_HAVE_MAX)}
+    LEFT_OUT_AT_DEFAULT: ClassVar = {"have": ()}   # F6d: a request without it keeps its bytes
