@@ -315,6 +315,17 @@ class MeshCore:
             self.counters["rejected_" + envelope.kind] += 1
         return self._with_orders(out)
 
+    def take_heartbeat(self, data: bytes, now_ms: int, sender: bytes) -> bool:
+        """A heartbeat frame taken where the transport reads it (SPEC F1d): True when it only
+        fed the failure detector, so there is no Ready and no input to drain; False, with
+        nothing done, for any other frame or a heartbeat that may have more effect (the
+        driver then ``step``s it, which also counts a bad one)."""
+        try:
+            envelope, beat = decode_message(data, self.mesh_id, Heartbeat, channel_sender=sender)
+        except RemoteProtocolError:
+            return False
+        return self.liveness.take_quiet_heartbeat(envelope, beat, now_ms)
+
     def _with_orders(self, out: Ready) -> Ready:
         """Every input's Ready ends with the workload orders it implies (workload_orders.py),
         the reservations it made or dropped (R1: persisted before its bids are sent) and,

@@ -299,3 +299,53 @@ async def test_a_replaced_frame_stream_leaves_no_task_behind():
             for _ in range(50):
                 await trio.lowlevel.checkpoint()
             assert _tasks_named("_handle_muxed_stream") == handlers
+
+
+def _muxer_of(transport, peer_key):
+    """Our yamux muxer of the one connection to ``peer_key``."""
+    network = transport._host.get_network()
+    (connection,) = network.get_connections(transport._links[peer_key].peer_id)
+    return connection.muxed_conn
+
+
+async def test_whole_data_frames_of_our_streams_skip_yamuxs_loop():
+    """A DATA frame of a peer's frame stream, whole in a decrypted Noise message, is taken
+    before yamux's per-frame loop (issue 18: two read_exactly calls through four layers, a
+    fail_after, the streams lock and five debug lines per frame, 32% of an idle node).
+    Control frames (the stream's SYN, window credit) still pass through it."""
+    frames = 50
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with quiet_connected_pair() as (a, b):
+            await a.send(KEY_PEER, b"open the stream")   # the SYN and this: yamux's loop
+            assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
+            reader = _muxer_of(b, KEY_NODE).secured_conn
+            before = reader.frames_taken
+            for index in range(frames):
+                await a.send(KEY_PEER, b"frame %d" % index)
+                assert await b.incoming.receive() == (KEY_NODE, b"frame %d" % index)
+            assert reader.frames_taken - before == frames
+            # Large frames still flow, in order: whole ones taken here, split ones by yamux.
+            big = [bytes([index]) * 100_000 for index in range(4)]
+            for payload in big:
+                await a.send(KEY_PEER, payload)
+            assert [(await b.incoming.receive())[1] for _ in big] == big
+
+
+async def test_a_frame_the_node_takes_where_read_is_not_queued():
+    """SPEC F1d: the node's ``take_where_read`` sees each DATA frame in yamux's reader; a frame
+    it takes never reaches the incoming queue (nor wakes the node's receive loop)."""
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with quiet_connected_pair() as (a, b):
+            offered = []
+
+            def take(peer_key: bytes, data: bytes) -> bool:
+                offered.append((peer_key, data))
+                return data.startswith(b"beat")
+
+            b.take_where_read = take
+            for data in (b"beat 1", b"vote 1", b"beat 2", b"vote 2"):
+                await a.send(KEY_PEER, data)
+            assert await b.incoming.receive() == (KEY_NODE, b"vote 1")
+            assert await b.incoming.receive() == (KEY_NODE, b"vote 2")
+            assert offered == [(KEY_NODE, d) for d in (b"beat 1", b"vote 1", b"beat 2", b"vote 2")]
+            assert b.counters["frames_taken_where_read"] == 2 and b.counters["frames_received"] == 4

@@ -49,7 +49,7 @@ import math
 import os
 import random
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import multiaddr
@@ -327,6 +327,7 @@ class _BoundedYamux(Yamux):
         self.stream_buffers = _BoundedStreamBuffers(self)
         self._peer_key = _ed25519_key(self.peer_id) or b""
         self._refused = False
+        self.secured_conn = _DataFramesFirst(self, self.secured_conn)
 
     def _is_member(self) -> bool:
         return self.transport.is_member(self._peer_key)
@@ -351,6 +352,77 @@ class _BoundedYamux(Yamux):
         # Not in the muxer's own nursery: yamux cancels that one as soon as its reader
         # stops, which would cut the swarm's clean-up (and its "disconnected") short.
         self.transport._nursery.start_soon(self.close)
+
+
+class _DataFramesFirst:
+    """The secured connection as yamux's connection reader reads it: a DATA frame of one of
+    our frame streams that is whole in the decrypted bytes goes straight to the stream's
+    reader (``_InboundFrames.take``); yamux's loop sees only the other frames.
+
+    py-libp2p 0.8.1's loop (``Yamux.handle_incoming``) spends per frame two ``read_exactly``
+    calls through four layers, a ``fail_after`` scope, the streams lock and five debug lines
+    formatted whatever the log level; on an idle node (heartbeats only) that loop was 32% of
+    the process's CPU (issue 18). A frame taken here is handled as yamux would handle it:
+    the stream's receive window is debited and its buffer, whose sink is our reader, gets
+    the bytes. Everything else passes through unchanged, whole frames in order: control
+    frames (SYN, ACK, FIN, RST, window updates, pings, GO_AWAY), DATA of streams that are
+    not ours (requests, identify), a DATA frame not yet whole (yamux reads its body with
+    its own timeout) and any frame while another task holds the streams lock. Bytes are
+    read one Noise message at a time, only when none are left to route or hand out, so at
+    most one message and a partial header are held here."""
+
+    def __init__(self, muxer: "_BoundedYamux", session):
+        self._muxer = muxer
+        self._session = session
+        self._buffer = b""
+        self._offset = 0
+        self._handing = 0          # bytes at the buffer's head that belong to yamux's current frame
+        self.frames_taken = 0      # DATA frames routed here (tests count them)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    async def write(self, data: bytes) -> None:
+        await self._session.write(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        while True:
+            if not self._handing:
+                self._take_whole_frames()
+            available = len(self._buffer) - self._offset
+            if self._handing and available:
+                size = min(self._handing, available) if n is None else min(self._handing, available, n)
+                start = self._offset
+                self._offset += size
+                self._handing -= size
+                return self._buffer[start:self._offset]
+            message = await self._session.read(None)   # one decrypted Noise message; raises at the end
+            self._buffer = self._buffer[self._offset:] + message
+            self._offset = 0
+
+    def _take_whole_frames(self) -> None:
+        """Route the whole DATA frames of our streams at the buffer's head; stop at the first
+        frame yamux must see (``_handing`` is then its size, header and body)."""
+        buffer, muxer = self._buffer, self._muxer
+        while len(buffer) - self._offset >= YAMUX_HEADER_BYTES:
+            header_end = self._offset + YAMUX_HEADER_BYTES
+            _version, kind, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, buffer[self._offset:header_end])
+            body_size = length if kind == YAMUX_TYPE_DATA else 0
+            if kind != YAMUX_TYPE_DATA or flags or len(buffer) - header_end < length or muxer.streams_lock.locked():
+                self._handing = YAMUX_HEADER_BYTES + body_size
+                return
+            stream = muxer.streams.get(stream_id)
+            target = muxer.stream_buffers.get(stream_id)
+            if stream is None or not isinstance(target, _BoundedBuffer) or target.sink is None:
+                self._handing = YAMUX_HEADER_BYTES + body_size
+                return
+            self._offset = header_end + length
+            self.frames_taken += 1
+            stream.recv_window = max(0, stream.recv_window - length)
+            target.extend(buffer[header_end:self._offset])
+            event = muxer.stream_events.get(stream_id)
+            if event is not None:
+                event.set()
 
 
 def _bounded_yamux_for(transport: "Libp2pTransport") -> type[_BoundedYamux]:
@@ -654,6 +726,10 @@ class Libp2pTransport:
                                                   limits.addresses_tracked_max)
         self._request_handler: RequestHandler | None = None
         self._inbound_requests = 0
+        self.take_where_read: Callable[[bytes, bytes], bool] | None = None
+        """Set by the node: offered each DATA frame that passed the limits, in yamux's
+        connection reader, before it is queued; True: taken (a heartbeat that only fed the
+        failure detector, SPEC F1d), not queued. It must not wait or raise on bad input."""
 
     @property
     def listen_addrs(self) -> list[str]:
@@ -1001,6 +1077,10 @@ class Libp2pTransport:
                 self.counters["dropped_nonmember_share"] += 1
                 return
         if kind == FRAME_KIND_DATA:
+            if self.take_where_read is not None and self.take_where_read(peer_key, payload):
+                self.counters["frames_received"] += 1
+                self.counters["frames_taken_where_read"] += 1
+                return
             try:
                 self._incoming_send.send_nowait((peer_key, payload))
             except trio.WouldBlock:
