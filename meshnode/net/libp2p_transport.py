@@ -34,6 +34,10 @@ that handles it:
   (``_InboundFrames``), not read by a task woken per frame; our frames are written as
   one yamux DATA frame per batch (``_write_frames_to``), not through libp2p's four locks
   per write. Both were task switches per frame (issue 18).
+- A whole DATA frame of a peer's frame stream is taken before yamux's per-frame loop
+  (``_DataFramesFirst``), the socket is read and written directly where it would not block
+  (``_DirectSocket``), and the node may take a frame where it is read (``take_where_read``:
+  heartbeats, SPEC F1d): an idle node's heartbeats were most of its CPU (issue 18).
 
 Concurrency: each connected peer has a ``_PeerLink`` whose tasks (frame writer,
 pinger, pong reader) run under the link's cancel scope and end with the connection.
@@ -61,6 +65,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
+from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.stream.exceptions import StreamEOF
@@ -200,27 +205,44 @@ def _release_window_in_batches(stream: INetStream) -> None:
     muxed._auto_tune_and_send_window_update = release_after_read
 
 
-class _BufferedReads:
-    """A raw TCP connection whose reads take everything the socket holds (up to
-    READ_CHUNK_BYTES) and serve the next small reads from it.
+class _DirectSocket:
+    """A raw TCP connection whose reads and writes go to its socket directly, through
+    libp2p's and trio's stream layers only where the socket would block.
 
-    py-libp2p 0.8.1's Noise reads each message as two exact reads, its 2-byte length and
-    then its body, and each read of the raw connection is a lock, a trio checkpoint and a
-    recv syscall: with several frames in the socket, one recv now serves all of them.
-    ``read(n)`` still returns at most n bytes (what every caller asks of a reader). Every
-    other attribute is the wrapped connection's."""
+    Reads take everything the socket holds (up to READ_CHUNK_BYTES) and serve the next
+    small reads from it: py-libp2p 0.8.1's Noise reads each message as two exact reads,
+    its 2-byte length and then its body, so one recv serves several messages.
+
+    Each read or write through libp2p's stack (RawConnection, TrioTCPStream's read or write
+    lock, trio's SocketStream and socket wrappers) took two locks and two or three trio
+    checkpoints, each a pass through the scheduler, before its syscall: 15% of an idle
+    node's CPU (issue 18). Here a recv or send the socket can serve at once is made at
+    once; one that would block waits in ``trio.lowlevel.wait_readable`` / ``wait_writable``
+    (where it can be cancelled, as before), and every READS_BEFORE_YIELD-th read in a row
+    that did not wait yields, so a peer that floods the socket cannot starve the node's
+    other tasks. One task reads (the handshake's, then yamux's connection reader) and
+    writes go under yamux's connection write lock (both its own and ours,
+    ``_write_frames_to``), so nothing interleaves. Errors are what libp2p's stack raises:
+    a reset or broken connection raises ``ConnectionClosedError``; a socket closed here
+    reads as the end (b"") and takes writes silently. Without a trio socket underneath
+    (a test double) everything goes to the wrapped connection, as every other attribute does."""
+
+    READS_BEFORE_YIELD = 16
 
     def __init__(self, conn):
         self._conn = conn
         self._chunk = b""
         self._offset = 0
+        trio_socket = getattr(getattr(getattr(conn, "stream", None), "stream", None), "socket", None)
+        self._socket = getattr(trio_socket, "_sock", None) if isinstance(trio_socket, trio.socket.SocketType) else None
+        self._reads_without_wait = 0
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
 
     async def read(self, n: int | None = None) -> bytes:
         if self._offset >= len(self._chunk):
-            chunk = await self._conn.read(READ_CHUNK_BYTES)
+            chunk = await self._receive()
             if n is None or len(chunk) <= n:
                 return chunk
             self._chunk, self._offset = chunk, 0
@@ -229,15 +251,59 @@ class _BufferedReads:
         self._offset = end
         return self._chunk[start:end]
 
+    async def _receive(self) -> bytes:
+        sock = self._socket
+        if sock is None:
+            return await self._conn.read(READ_CHUNK_BYTES)
+        while True:
+            if self._reads_without_wait >= self.READS_BEFORE_YIELD:
+                self._reads_without_wait = 0
+                await trio.lowlevel.checkpoint()
+            try:
+                data = sock.recv(READ_CHUNK_BYTES)
+            except BlockingIOError:
+                self._reads_without_wait = 0
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    return b""
+                continue
+            except OSError as error:
+                if sock.fileno() == -1:
+                    return b""
+                raise ConnectionClosedError("TCP connection reset by remote peer: %r" % error, transport="tcp") from error
+            self._reads_without_wait += 1
+            return data
+
+    async def write(self, data: bytes) -> None:
+        sock = self._socket
+        if sock is None:
+            await self._conn.write(data)
+            return
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += sock.send(view[sent:])
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_writable(sock)
+                except trio.ClosedResourceError:
+                    return
+            except OSError as error:
+                if sock.fileno() == -1:
+                    return
+                raise ConnectionClosedError("TCP connection reset by remote peer: %r" % error, transport="tcp") from error
+
 
 class _BufferedNoise(NoiseTransport):
-    """Noise over ``_BufferedReads`` (a handshake and every message after it)."""
+    """Noise over ``_DirectSocket`` (a handshake and every message after it)."""
 
     async def secure_inbound(self, conn):
-        return await super().secure_inbound(_BufferedReads(conn))
+        return await super().secure_inbound(_DirectSocket(conn))
 
     async def secure_outbound(self, conn, peer_id):
-        return await super().secure_outbound(_BufferedReads(conn), peer_id)
+        return await super().secure_outbound(_DirectSocket(conn), peer_id)
 
 
 class _BoundedBuffer(bytearray):
@@ -366,10 +432,12 @@ class _DataFramesFirst:
     the stream's receive window is debited and its buffer, whose sink is our reader, gets
     the bytes. Everything else passes through unchanged, whole frames in order: control
     frames (SYN, ACK, FIN, RST, window updates, pings, GO_AWAY), DATA of streams that are
-    not ours (requests, identify), a DATA frame not yet whole (yamux reads its body with
-    its own timeout) and any frame while another task holds the streams lock. Bytes are
-    read one Noise message at a time, only when none are left to route or hand out, so at
-    most one message and a partial header are held here."""
+    not ours (requests, identify) and a DATA frame not yet whole (yamux reads its body with
+    its own timeout). Yamux takes its streams lock for a frame; this needs none: nothing
+    here waits between looking the stream up and handing the bytes over, and a stream
+    being reset by another task (under that lock) has had its reader ended first, which
+    drops what still comes. Bytes are read one Noise message at a time, only when none are
+    left to route or hand out, so at most one message and a partial header are held here."""
 
     def __init__(self, muxer: "_BoundedYamux", session):
         self._muxer = muxer
@@ -408,7 +476,7 @@ class _DataFramesFirst:
             header_end = self._offset + YAMUX_HEADER_BYTES
             _version, kind, flags, stream_id, length = struct.unpack(YAMUX_HEADER_FORMAT, buffer[self._offset:header_end])
             body_size = length if kind == YAMUX_TYPE_DATA else 0
-            if kind != YAMUX_TYPE_DATA or flags or len(buffer) - header_end < length or muxer.streams_lock.locked():
+            if kind != YAMUX_TYPE_DATA or flags or len(buffer) - header_end < length:
                 self._handing = YAMUX_HEADER_BYTES + body_size
                 return
             stream = muxer.streams.get(stream_id)
@@ -620,7 +688,8 @@ async def _write_frames_to(stream: INetStream, data: bytes) -> None:
     level: eight task steps per frame sent, measured (issue 18). Here the window is
     checked and debited and the header built with no await in between (trio runs one
     task at a time, so a WINDOW_UPDATE cannot interleave), and the frame goes out under
-    the connection's write lock, which keeps yamux frames whole on the connection."""
+    the connection's write lock, which keeps yamux frames whole on the connection: one
+    task step per batch, with the socket written directly (_DirectSocket)."""
     muxed = getattr(stream, "muxed_stream", None)
     size = len(data)
     if (not isinstance(muxed, YamuxStream) or getattr(stream, "_state", None) is not StreamState.OPEN
@@ -630,9 +699,17 @@ async def _write_frames_to(stream: INetStream, data: bytes) -> None:
         return
     muxed.send_window -= size
     frame = struct.pack(YAMUX_HEADER_FORMAT, 0, YAMUX_TYPE_DATA, 0, muxed.stream_id, size) + data
-    connection = muxed.conn
-    async with connection._write_lock:
-        await connection.secured_conn.write(frame)
+    lock = muxed.conn._write_lock
+    # A free lock is taken without trio's fairness checkpoint (a pass through the scheduler
+    # per frame): this task has just been woken for this batch and yields when it waits.
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+    try:
+        await muxed.conn.secured_conn.write(frame)
+    finally:
+        lock.release()
 
 
 def _discard(_data: bytes) -> None:
