@@ -431,7 +431,7 @@ class Liveness:
             if signer in self.watched_on_suspicion:
                 self.refuted.add(signer)   # F4a: alive since the suspicion; its monitors watch on
 
-    def take_quiet_heartbeat(self, envelope, beat: Heartbeat, now_ms: int) -> bool:
+    def take_quiet_heartbeat(self, signer: bytes, beat: Heartbeat, now_ms: int) -> bool:
         """SPEC F1d: take a heartbeat whose only effect is on the detector, as ``on_heartbeat``
         would, and return True; False (nothing done) when it may have more: a stale sender or
         epoch (answered with a sync), a sender this node suspects (a sync request, F6), or this
@@ -440,7 +440,7 @@ class Liveness:
         here brings no deadline of ``next_tick_ms`` earlier (its sender's flag time moves on by
         the time since it was last heard, its threshold stays suspect_by_ms, the health score
         only rises), so the driver need not ask for the next tick again."""
-        signer, epochs, detector = envelope.signer, self.epochs, self.detector
+        epochs, detector = self.epochs, self.detector
         if (self.halted or beat.epoch < epochs.epoch or signer not in epochs.view.stakes
                 or detector.min_silence_ms < detector.suspect_by_ms
                 or (self.ctx.heartbeats and detector.is_suspected(signer, now_ms))):
