@@ -380,6 +380,8 @@ class Liveness:
         """SPEC F4: waiting for an unresponsive leader's proposal would only cost its round's
         timeout; entering the next round is always safe (it signs nothing), and the
         announcement counts towards the next leader's quorum of round changes (6.5)."""
+        if not self.instances.instances:
+            return   # no round to skip (an idle node ticked this every heartbeat period)
         unresponsive = self.unresponsive_members(now_ms)
         epochs = self.epochs
         if self.halted or not epochs.is_member():

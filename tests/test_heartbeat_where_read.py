@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from protocol.envelope import seal_unsigned
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Heartbeat, decode_heartbeat, decode_message, encode_message, encode_unsigned
 from tests.test_monitors import PERIOD, Mesh
@@ -145,6 +146,8 @@ def test_the_heartbeat_reader_accepts_exactly_what_the_full_decoder_accepts():
              for _ in range(60)]
     for beat in beats:
         data = encode_unsigned(sender, mesh_id, beat)
+        # Put together from its parts, the bytes are the envelope's canonical encoding.
+        assert data == seal_unsigned(sender, mesh_id, Heartbeat.KIND, beat.to_body()).encode()
         assert decode_heartbeat(data, mesh_id, sender) == beat == _full_decode(data, mesh_id, sender)
         assert decode_heartbeat(data, mesh_id, other) is None is _full_decode(data, mesh_id, other)
         assert decode_heartbeat(data, bytes(32), sender) is None

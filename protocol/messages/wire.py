@@ -55,7 +55,14 @@ def encode_message(identity, mesh_id: bytes, message: Record, *, caches: CoreCac
 
 
 def encode_unsigned(public_key: bytes, mesh_id: bytes, message: Record) -> bytes:
-    """A channel-authenticated message (a heartbeat, SPEC.md F1): no signature."""
+    """A channel-authenticated message (a heartbeat, SPEC.md F1): no signature. A heartbeat's
+    bytes are put together from its fixed parts and three integers (a node sends k of them
+    every period): the same bytes as the envelope's canonical encoding, tested."""
+    if type(message) is Heartbeat and len(mesh_id) == len(public_key) == 32:
+        return b"".join((_ENVELOPE_PREFIX, _UNSIGNED_KEY_HEAD, mesh_id, _HEARTBEAT_KIND, b"\x83",
+                         _HEARTBEAT_KEYS[0], codec.pack(message.epoch), _HEARTBEAT_KEYS[1],
+                         codec.pack(message.sent_ms), _HEARTBEAT_KEYS[2], codec.pack(message.seq),
+                         _UNSIGNED_KEY_HEAD, public_key, b"\xc4\x00"))
     return seal_unsigned(public_key, mesh_id, type(message).KIND, message.to_body()).encode()
 
 
