@@ -324,11 +324,13 @@ async def test_whole_data_frames_of_our_streams_skip_yamuxs_loop():
             await a.send(KEY_PEER, b"open the stream")   # the SYN and this: yamux's loop
             assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
             reader = _muxer_of(b, KEY_NODE).secured_conn
-            before = reader.frames_taken
+            before, messages_before = reader.frames_taken, reader.messages_read
             for index in range(frames):
                 await a.send(KEY_PEER, b"frame %d" % index)
                 assert await b.incoming.receive() == (KEY_NODE, b"frame %d" % index)
             assert reader.frames_taken - before == frames
+            # Their Noise messages were read off the socket here, not through the session's layers.
+            assert reader.messages_read - messages_before >= frames
             # Large frames still flow, in order: whole ones taken here, split ones by yamux.
             big = [bytes([index]) * 100_000 for index in range(4)]
             for payload in big:

@@ -71,6 +71,9 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.io.utils import read_exactly
+from libp2p.security.noise.io import SIZE_NOISE_MESSAGE_LEN as NOISE_LENGTH_BYTES
+from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -236,6 +239,7 @@ class _DirectSocket:
         trio_socket = getattr(getattr(getattr(conn, "stream", None), "stream", None), "socket", None)
         self._socket = getattr(trio_socket, "_sock", None) if isinstance(trio_socket, trio.socket.SocketType) else None
         self._reads_without_wait = 0
+        self._probably_empty = False
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
@@ -256,23 +260,30 @@ class _DirectSocket:
         if sock is None:
             return await self._conn.read(READ_CHUNK_BYTES)
         while True:
-            if self._reads_without_wait >= self.READS_BEFORE_YIELD:
-                self._reads_without_wait = 0
-                await trio.lowlevel.checkpoint()
-            try:
-                data = sock.recv(READ_CHUNK_BYTES)
-            except BlockingIOError:
+            if self._probably_empty:
+                # The last recv took less than a chunk, so the socket held no more then: wait
+                # for it first rather than make a recv that fails (a syscall and an exception
+                # per wake-up, most of them for one heartbeat).
+                self._probably_empty = False
                 self._reads_without_wait = 0
                 try:
                     await trio.lowlevel.wait_readable(sock)
                 except trio.ClosedResourceError:
                     return b""
+            elif self._reads_without_wait >= self.READS_BEFORE_YIELD:
+                self._reads_without_wait = 0
+                await trio.lowlevel.checkpoint()
+            try:
+                data = sock.recv(READ_CHUNK_BYTES)
+            except BlockingIOError:
+                self._probably_empty = True
                 continue
             except OSError as error:
                 if sock.fileno() == -1:
                     return b""
                 raise ConnectionClosedError("TCP connection reset by remote peer: %r" % error, transport="tcp") from error
             self._reads_without_wait += 1
+            self._probably_empty = len(data) < READ_CHUNK_BYTES
             return data
 
     async def write(self, data: bytes) -> None:
@@ -442,10 +453,18 @@ class _DataFramesFirst:
     def __init__(self, muxer: "_BoundedYamux", session):
         self._muxer = muxer
         self._session = session
+        # Noise messages are read here, off our socket, when the session is libp2p's Noise over
+        # _DirectSocket (always, but for test doubles): its read path added three layers of
+        # calls and three debug lines per message.
+        noise = getattr(session, "conn", None)
+        socket_reader = getattr(getattr(noise, "read_writer", None), "read_write_closer", None)
+        direct = isinstance(noise, NoiseTransportReadWriter) and isinstance(socket_reader, _DirectSocket)
+        self._noise, self._socket_reader = (noise, socket_reader) if direct else (None, None)
         self._buffer = b""
         self._offset = 0
         self._handing = 0          # bytes at the buffer's head that belong to yamux's current frame
         self.frames_taken = 0      # DATA frames routed here (tests count them)
+        self.messages_read = 0     # Noise messages read off the socket here (and these)
 
     def __getattr__(self, name):
         return getattr(self._session, name)
@@ -464,9 +483,22 @@ class _DataFramesFirst:
                 self._offset += size
                 self._handing -= size
                 return self._buffer[start:self._offset]
-            message = await self._session.read(None)   # one decrypted Noise message; raises at the end
+            message = await self._next_message()
             self._buffer = self._buffer[self._offset:] + message
             self._offset = 0
+
+    async def _next_message(self) -> bytes:
+        """One decrypted Noise message (2-byte length, then the ciphertext); raises at the end
+        of the connection (IncompleteReadError) or on a message that fails to decrypt, as the
+        session's own read does. What the session still holds (read before yamux started) is
+        taken from it first."""
+        session, noise = self._session, self._noise
+        if noise is None or getattr(session, "low_watermark", 0) != getattr(session, "high_watermark", 0):
+            return await session.read(None)
+        length = int.from_bytes(await read_exactly(self._socket_reader, NOISE_LENGTH_BYTES), "big")
+        message = noise.decrypt(await read_exactly(self._socket_reader, length))
+        self.messages_read += 1
+        return message
 
     def _take_whole_frames(self) -> None:
         """Route the whole DATA frames of our streams at the buffer's head; stop at the first
