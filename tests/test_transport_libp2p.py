@@ -323,14 +323,15 @@ async def test_whole_data_frames_of_our_streams_skip_yamuxs_loop():
         async with quiet_connected_pair() as (a, b):
             await a.send(KEY_PEER, b"open the stream")   # the SYN and this: yamux's loop
             assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
-            reader = _muxer_of(b, KEY_NODE).secured_conn
-            before, messages_before = reader.frames_taken, reader.messages_read
+            reader, writer = _muxer_of(b, KEY_NODE).secured_conn, _muxer_of(a, KEY_PEER).secured_conn
+            before, messages_before, writes_before = reader.frames_taken, reader.messages_read, writer.writes
             for index in range(frames):
                 await a.send(KEY_PEER, b"frame %d" % index)
                 assert await b.incoming.receive() == (KEY_NODE, b"frame %d" % index)
             assert reader.frames_taken - before == frames
-            # Their Noise messages were read off the socket here, not through the session's layers.
-            assert reader.messages_read - messages_before >= frames
+            # Their Noise messages were written and read on the socket directly, not through the
+            # session's layers.
+            assert reader.messages_read - messages_before >= frames and writer.writes - writes_before >= frames
             # Large frames still flow, in order: whole ones taken here, split ones by yamux.
             big = [bytes([index]) * 100_000 for index in range(4)]
             for payload in big:

@@ -72,6 +72,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.io.utils import read_exactly
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH as NOISE_MAX_PLAINTEXT_BYTES
 from libp2p.security.noise.io import SIZE_NOISE_MESSAGE_LEN as NOISE_LENGTH_BYTES
 from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -453,24 +454,37 @@ class _DataFramesFirst:
     def __init__(self, muxer: "_BoundedYamux", session):
         self._muxer = muxer
         self._session = session
-        # Noise messages are read here, off our socket, when the session is libp2p's Noise over
-        # _DirectSocket (always, but for test doubles): its read path added three layers of
-        # calls and three debug lines per message.
+        # Noise messages are read and written here, on our socket, when the session is libp2p's
+        # Noise over _DirectSocket (always, but for test doubles): its paths added three layers
+        # of calls and three debug lines per message.
         noise = getattr(session, "conn", None)
-        socket_reader = getattr(getattr(noise, "read_writer", None), "read_write_closer", None)
-        direct = isinstance(noise, NoiseTransportReadWriter) and isinstance(socket_reader, _DirectSocket)
-        self._noise, self._socket_reader = (noise, socket_reader) if direct else (None, None)
+        socket = getattr(getattr(noise, "read_writer", None), "read_write_closer", None)
+        direct = isinstance(noise, NoiseTransportReadWriter) and isinstance(socket, _DirectSocket)
+        self._noise, self._socket = (noise, socket) if direct else (None, None)
         self._buffer = b""
         self._offset = 0
         self._handing = 0          # bytes at the buffer's head that belong to yamux's current frame
         self.frames_taken = 0      # DATA frames routed here (tests count them)
         self.messages_read = 0     # Noise messages read off the socket here (and these)
+        self.writes = 0            # writes encrypted and written on the socket here
 
     def __getattr__(self, name):
         return getattr(self._session, name)
 
     async def write(self, data: bytes) -> None:
-        await self._session.write(data)
+        """Every write of the connection (yamux's and ours, under its write lock): encrypted
+        here and written on our socket in one call, as the session would (Noise messages of
+        at most NOISE_MAX_PLAINTEXT_BYTES, each behind its 2-byte length), without its layers."""
+        noise = self._noise
+        if noise is None:
+            await self._session.write(data)
+            return
+        messages = []
+        for start in range(0, max(len(data), 1), NOISE_MAX_PLAINTEXT_BYTES):
+            encrypted = noise.encrypt(data[start:start + NOISE_MAX_PLAINTEXT_BYTES])
+            messages += (len(encrypted).to_bytes(NOISE_LENGTH_BYTES, "big"), encrypted)
+        self.writes += 1
+        await self._socket.write(b"".join(messages))
 
     async def read(self, n: int | None = None) -> bytes:
         while True:
@@ -495,8 +509,8 @@ class _DataFramesFirst:
         session, noise = self._session, self._noise
         if noise is None or getattr(session, "low_watermark", 0) != getattr(session, "high_watermark", 0):
             return await session.read(None)
-        length = int.from_bytes(await read_exactly(self._socket_reader, NOISE_LENGTH_BYTES), "big")
-        message = noise.decrypt(await read_exactly(self._socket_reader, length))
+        length = int.from_bytes(await read_exactly(self._socket, NOISE_LENGTH_BYTES), "big")
+        message = noise.decrypt(await read_exactly(self._socket, length))
         self.messages_read += 1
         return message
 
