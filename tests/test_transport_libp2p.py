@@ -357,3 +357,49 @@ async def test_a_frame_the_node_takes_where_read_is_not_queued():
             assert await b.incoming.receive() == (KEY_NODE, b"vote 2")
             assert offered == [(KEY_NODE, d) for d in (b"beat 1", b"vote 1", b"beat 2", b"vote 2")]
             assert b.counters["frames_taken_where_read"] == 2 and b.counters["frames_received"] == 4
+
+
+async def test_a_frame_to_an_idle_link_is_written_at_once_without_waking_its_writer():
+    """Issue 18: each heartbeat woke the link's writer task (a pass through trio's scheduler)
+    to write one small frame; a frame with nothing queued before it is now written by the
+    sending task, and the writer sleeps."""
+    frames = 50
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with quiet_connected_pair() as (a, b):
+            await a.send(KEY_PEER, b"open the stream")
+            assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
+            counter = _TaskSteps()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                for index in range(frames):
+                    a.send_nowait(KEY_PEER, b"frame %d" % index)
+                    assert await b.incoming.receive() == (KEY_NODE, b"frame %d" % index)
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            # A frame finds the link busy only when another write holds the connection then (a
+            # window update, a pong): then it is queued, as before.
+            assert a.counters["frames_written_at_once"] >= frames * 9 // 10
+            assert counter.steps.get("_write_frames", 0) <= 10, counter.steps
+
+
+async def test_a_frame_the_socket_takes_in_part_is_finished_by_the_writer_before_the_next():
+    """A frame written at once that the socket takes only in part: its encrypted rest is
+    written by the link's writer, under the connection's write lock, before any later frame,
+    so every frame arrives whole and in order."""
+    with trio.fail_after(TEST_TIMEOUT_S):
+        async with quiet_connected_pair() as (a, b):
+            await a.send(KEY_PEER, b"open the stream")
+            assert await b.incoming.receive() == (KEY_NODE, b"open the stream")
+            socket = _muxer_of(a, KEY_PEER).secured_conn._socket
+            whole_send = socket.send_now
+            socket.send_now = lambda data: whole_send(data[:3])   # a nearly full socket buffer
+            payloads = [b"frame %d " % index * (index + 1) for index in range(30)]
+            for payload in payloads:
+                a.send_nowait(KEY_PEER, payload)
+                await trio.lowlevel.checkpoint()
+            received = [await b.incoming.receive() for _ in payloads]
+            assert received == [(KEY_NODE, payload) for payload in payloads]
+            socket.send_now = whole_send
+            await a.send(KEY_PEER, b"after")
+            assert await b.incoming.receive() == (KEY_NODE, b"after")
+            assert a.counters["send_failed"] == 0

@@ -128,6 +128,7 @@ WRITE_TIMEOUT_MS = 2000
 SHUTDOWN_TIMEOUT_MS = 3000
 READ_CHUNK_BYTES = 64 * 1024
 WRITE_BATCH_BYTES = 64 * 1024  # queued frames coalesced into one write, up to this size
+_UNSENT_MARKER = -1   # an outbox item (never on the wire): finish the frame written at once in part
 # Receive-window credit is returned to the peer once this much has been read (go-yamux's
 # rule: half the window), not after every read; see _release_window_in_batches.
 WINDOW_RELEASE_BYTES = YAMUX_WINDOW_BYTES // 2
@@ -287,6 +288,18 @@ class _DirectSocket:
             self._probably_empty = len(data) < READ_CHUNK_BYTES
             return data
 
+    def send_now(self, data: bytes) -> int:
+        """As much of ``data`` as the socket takes without waiting (0: none, or no socket)."""
+        sock = self._socket
+        if sock is None:
+            return 0
+        try:
+            return sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as error:
+            raise ConnectionClosedError("TCP connection reset by remote peer: %r" % error, transport="tcp") from error
+
     async def write(self, data: bytes) -> None:
         sock = self._socket
         if sock is None:
@@ -406,6 +419,11 @@ class _BoundedYamux(Yamux):
         self._peer_key = _ed25519_key(self.peer_id) or b""
         self._refused = False
         self.secured_conn = _DataFramesFirst(self, self.secured_conn)
+        # Yamux's connection write lock (py-libp2p 0.8.1 takes it only as ``async with``), as a
+        # semaphore: a frame the node's task wrote in part at once (``_write_at_once``) holds it
+        # until the link's writer task has written the rest; a trio.Lock is released only by
+        # the task that took it.
+        self._write_lock = trio.Semaphore(1)
 
     def _is_member(self) -> bool:
         return self.transport.is_member(self._peer_key)
@@ -475,16 +493,33 @@ class _DataFramesFirst:
         """Every write of the connection (yamux's and ours, under its write lock): encrypted
         here and written on our socket in one call, as the session would (Noise messages of
         at most NOISE_MAX_PLAINTEXT_BYTES, each behind its 2-byte length), without its layers."""
-        noise = self._noise
-        if noise is None:
+        if self._noise is None:
             await self._session.write(data)
             return
+        await self._socket.write(self._encrypt(data))
+
+    @property
+    def writes_direct(self) -> bool:
+        return self._noise is not None
+
+    def _encrypt(self, data: bytes) -> bytes:
         messages = []
         for start in range(0, max(len(data), 1), NOISE_MAX_PLAINTEXT_BYTES):
-            encrypted = noise.encrypt(data[start:start + NOISE_MAX_PLAINTEXT_BYTES])
+            encrypted = self._noise.encrypt(data[start:start + NOISE_MAX_PLAINTEXT_BYTES])
             messages += (len(encrypted).to_bytes(NOISE_LENGTH_BYTES, "big"), encrypted)
         self.writes += 1
-        await self._socket.write(b"".join(messages))
+        return b"".join(messages)
+
+    def write_now(self, data: bytes) -> bytes:
+        """Encrypt ``data`` and write what the socket takes now, without waiting; the rest,
+        already encrypted, is returned: it must be written (``write_encrypted``) before
+        anything else on the connection. Only under the connection's write lock, and only
+        where ``writes_direct``."""
+        encrypted = self._encrypt(data)
+        return encrypted[self._socket.send_now(encrypted):]
+
+    async def write_encrypted(self, data: bytes) -> None:
+        await self._socket.write(data)
 
     async def read(self, n: int | None = None) -> bytes:
         while True:
@@ -610,6 +645,13 @@ class _PeerLink:
         self.lost = trio.Event()
         self.rtt = RttEstimator()
         self.last_active_s = trio.current_time()  # last frame received: idle non-members go first
+        # Frames in the outbox or in the writer's hands, not yet written: a frame is written at
+        # once only when there are none (a memory channel hands an item straight to a waiting
+        # receiver, so the channel's own count misses the one the writer is about to write).
+        self.queued = 0
+        # A frame written at once in part: (connection's reader-writer, its write lock, the
+        # encrypted rest), for the writer task to finish before anything else.
+        self.unsent: tuple | None = None
 
 
 class _InboundFrames:
@@ -736,15 +778,11 @@ async def _write_frames_to(stream: INetStream, data: bytes) -> None:
     task at a time, so a WINDOW_UPDATE cannot interleave), and the frame goes out under
     the connection's write lock, which keeps yamux frames whole on the connection: one
     task step per batch, with the socket written directly (_DirectSocket)."""
-    muxed = getattr(stream, "muxed_stream", None)
-    size = len(data)
-    if (not isinstance(muxed, YamuxStream) or getattr(stream, "_state", None) is not StreamState.OPEN
-            or muxed.send_closed or muxed.closed or size > muxed.send_window
-            or size > YAMUX_MAX_MESSAGE_BYTES - YAMUX_HEADER_BYTES):
+    muxed = _fits_one_data_frame(stream, len(data))
+    if muxed is None:
         await stream.write(data)   # waits for window, splits, raises on a closed stream
         return
-    muxed.send_window -= size
-    frame = struct.pack(YAMUX_HEADER_FORMAT, 0, YAMUX_TYPE_DATA, 0, muxed.stream_id, size) + data
+    frame = _data_frame(muxed, data)
     lock = muxed.conn._write_lock
     # A free lock is taken without trio's fairness checkpoint (a pass through the scheduler
     # per frame): this task has just been woken for this batch and yields when it waits.
@@ -756,6 +794,24 @@ async def _write_frames_to(stream: INetStream, data: bytes) -> None:
         await muxed.conn.secured_conn.write(frame)
     finally:
         lock.release()
+
+
+def _fits_one_data_frame(stream: INetStream, size: int) -> YamuxStream | None:
+    """The yamux stream under ``stream`` when ``size`` bytes go out on it as one DATA frame
+    now (open, within the peer's window and one yamux message), else None."""
+    muxed = getattr(stream, "muxed_stream", None)
+    if (not isinstance(muxed, YamuxStream) or getattr(stream, "_state", None) is not StreamState.OPEN
+            or muxed.send_closed or muxed.closed or size > muxed.send_window
+            or size > YAMUX_MAX_MESSAGE_BYTES - YAMUX_HEADER_BYTES):
+        return None
+    return muxed
+
+
+def _data_frame(muxed: YamuxStream, data: bytes) -> bytes:
+    """``data`` as a yamux DATA frame of ``muxed``, the peer's window debited (no await
+    between the check and this: trio runs one task at a time)."""
+    muxed.send_window -= len(data)
+    return struct.pack(YAMUX_HEADER_FORMAT, 0, YAMUX_TYPE_DATA, 0, muxed.stream_id, len(data)) + data
 
 
 def _discard(_data: bytes) -> None:
@@ -1057,46 +1113,121 @@ class Libp2pTransport:
     # -- outbound direction -----------------------------------------------------------
 
     def _enqueue(self, link: _PeerLink, kind: int, payload: bytes) -> None:
+        wire = encode_frame(kind, payload)
+        if kind == FRAME_KIND_DATA and self._write_at_once(link, wire):
+            return
         try:
-            link.outbox_send.send_nowait((kind, encode_frame(kind, payload)))
+            link.outbox_send.send_nowait((kind, wire))
+            link.queued += 1
         except trio.WouldBlock:
             self.counters["dropped_send_queue_full"] += 1
         except trio.ClosedResourceError:  # the link was just lost
             self.counters["send_failed"] += 1
 
+    def _write_at_once(self, link: _PeerLink, wire: bytes) -> bool:
+        """Write a frame in the sending task, without waking the link's writer, when nothing
+        waits to go before it (no queued frame, no batch in the writer's hands) and it fits
+        one yamux DATA frame of the open stream: the frame is encrypted and the socket takes
+        what it can now. A rest the socket did not take is the writer's to finish, first,
+        holding the connection's write lock until then (so nothing interleaves). False: not
+        written, queue it. Why (issue 18): a heartbeat to each of k monitors per period woke k
+        writer tasks, a pass through trio's scheduler each, on an otherwise idle node."""
+        stream = link.outbound_stream
+        if stream is None or link.queued or link.unsent is not None:
+            return False
+        muxed = _fits_one_data_frame(stream, len(wire))
+        secured = muxed.conn.secured_conn if muxed is not None else None
+        if not isinstance(secured, _DataFramesFirst) or not secured.writes_direct:
+            return False
+        lock = muxed.conn._write_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        try:
+            rest = secured.write_now(_data_frame(muxed, wire))
+        except _NETWORK_ERRORS as error:
+            lock.release()
+            self.counters["send_failed"] += 1   # lost with its connection, whose end comes next
+            log.debug("write to %s failed: %r", link.peer_id, error)
+            return True
+        self.counters["frames_sent"] += 1
+        self.counters["frames_written_at_once"] += 1
+        if not rest:
+            lock.release()
+            return True
+        link.unsent = (secured, lock, rest)
+        link.outbox_send.send_nowait((_UNSENT_MARKER, b""))   # wakes the writer; the outbox was empty
+        link.queued += 1
+        return True
+
+    async def _finish_unsent(self, link: _PeerLink) -> None:
+        secured, lock, rest = link.unsent
+        link.unsent = None
+        try:
+            with trio.move_on_after(WRITE_TIMEOUT_MS / 1000) as scope:
+                await secured.write_encrypted(rest)
+            failed = scope.cancelled_caught
+        except _NETWORK_ERRORS:
+            failed = True
+        finally:
+            lock.release()
+        if failed and link.outbound_stream is not None:
+            # A Noise message cut short corrupts what follows on the connection, as a batch
+            # written in part does (_write_frames): counted, and the stream reset.
+            self.counters["send_failed"] += 1
+            await self._discard_outbound_stream(link, link.outbound_stream)
+
     async def _write_frames(self, link: _PeerLink, nursery: trio.Nursery) -> None:
-        async for kind, wire in link.outbox_receive:
-            batch = [(kind, wire)]
-            batch_bytes = len(wire)
-            while batch_bytes < WRITE_BATCH_BYTES:
+        try:
+            async for kind, wire in link.outbox_receive:
+                batch = [(kind, wire)]
                 try:
-                    kind, wire = link.outbox_receive.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):  # EndOfChannel: the link closed meanwhile
-                    break
-                batch.append((kind, wire))
-                batch_bytes += len(wire)
-            data_frames = sum(1 for kind, _ in batch if kind == FRAME_KIND_DATA)
-            stream = link.outbound_stream or await self._open_outbound_stream(link, nursery)
-            if stream is None:
-                self.counters["send_failed"] += data_frames
-                continue
-            now_s = trio.current_time()
-            for kind, wire in batch:
-                if kind == FRAME_KIND_PING:
-                    link.rtt.ping_written(wire[-PING_TOKEN_BYTES:], now_s)
+                    await self._write_batch(link, nursery, batch)
+                finally:
+                    link.queued -= len(batch)
+        finally:
+            if link.unsent is not None:   # the link is gone, and its connection with it
+                link.unsent[1].release()
+                link.unsent = None
+
+    async def _write_batch(self, link: _PeerLink, nursery: trio.Nursery, batch: list) -> None:
+        """The frames queued for ``link`` from ``batch``'s first on (taken into ``batch``), up
+        to WRITE_BATCH_BYTES, in one write; first the rest of a frame written at once in part."""
+        if link.unsent is not None:
+            await self._finish_unsent(link)
+        if batch[0][0] == _UNSENT_MARKER:
+            return
+        batch_bytes = len(batch[0][1])
+        while batch_bytes < WRITE_BATCH_BYTES:
             try:
-                with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT_MS / 1000) as write_scope:
-                    await _write_frames_to(stream, b"".join(wire for _, wire in batch))
-                if write_scope.cancelled_caught:
-                    raise trio.TooSlowError
-            except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
-                # A partly written frame corrupts the stream: reset it, the next frame
-                # opens a new one.
-                self.counters["send_failed"] += data_frames
-                log.debug("write to %s failed: %r", link.peer_id, error)
-                await self._discard_outbound_stream(link, stream)
-                continue
-            self.counters["frames_sent"] += data_frames
+                kind, wire = link.outbox_receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):  # EndOfChannel: the link closed meanwhile
+                break
+            batch.append((kind, wire))
+            batch_bytes += len(wire)
+        data_frames = sum(1 for kind, _ in batch if kind == FRAME_KIND_DATA)
+        stream = link.outbound_stream or await self._open_outbound_stream(link, nursery)
+        if stream is None:
+            self.counters["send_failed"] += data_frames
+            return
+        now_s = trio.current_time()
+        for kind, wire in batch:
+            if kind == FRAME_KIND_PING:
+                link.rtt.ping_written(wire[-PING_TOKEN_BYTES:], now_s)
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + WRITE_TIMEOUT_MS / 1000) as write_scope:
+                await _write_frames_to(stream, b"".join(wire for _, wire in batch))
+            if write_scope.cancelled_caught:
+                raise trio.TooSlowError
+        except (*_NETWORK_ERRORS, trio.TooSlowError) as error:
+            # A partly written frame corrupts the stream: reset it, the next frame
+            # opens a new one.
+            self.counters["send_failed"] += data_frames
+            log.debug("write to %s failed: %r", link.peer_id, error)
+            await self._discard_outbound_stream(link, stream)
+            return
+        self.counters["frames_sent"] += data_frames
 
     async def _open_outbound_stream(self, link: _PeerLink, nursery: trio.Nursery) -> INetStream | None:
         try:
