@@ -387,6 +387,8 @@ class Liveness:
         """SPEC F4: waiting for an unresponsive leader's proposal would only cost its round's
         timeout; entering the next round is always safe (it signs nothing), and the
         announcement counts towards the next leader's quorum of round changes (6.5)."""
+        if not self.instances.instances:
+            return   # no round to skip (an idle node ticked this every heartbeat period)
         unresponsive = self.unresponsive_members(now_ms)
         epochs = self.epochs
         if self.halted or not epochs.is_member():
@@ -410,14 +412,7 @@ class Liveness:
             self.answer_sync(signer, beat.epoch, now_ms, out)  # tell it what it missed (maybe its eviction)
             return
         was_silent = self.ctx.heartbeats and self.detector.is_suspected(signer, now_ms)
-        if self.detector.is_watched(signer) or signer in self.subjects():
-            # Only those we watch: another member's heartbeat (a sync answer, a refutation after
-            # its suspicions lapsed) would start a watch that its silence then turns into suspicion.
-            self.detector.heartbeat(signer, now_ms)
-            if self.detector.note_read_delay(signer, beat.sent_ms, beat.seq, now_ms):
-                self.ctx.counters["late_heartbeats"] += 1   # F2a: it waited in queues, ours or the host's
-            if signer in self.watched_on_suspicion:
-                self.refuted.add(signer)   # F4a: alive since the suspicion; its monitors watch on
+        self._note_heartbeat(signer, beat, now_ms)
         if was_silent and epochs.is_member() and not self.halted:
             # SPEC F6: heard again after a silence (a partition healed, a crash ended): what
             # either side missed meanwhile (decisions, exits) is asked for now, not at the
@@ -433,6 +428,35 @@ class Liveness:
             self.halt_gap_ms = None
             out.decisions.append(local_decision("resume", self._my_live_jobs()))
             out.events.append(self.ctx.event("self_fence_clear", now_ms, epoch=epochs.epoch))
+
+    def _note_heartbeat(self, signer: bytes, beat: Heartbeat, now_ms: int) -> None:
+        """What any heartbeat from a current member tells the detector."""
+        if self.detector.is_watched(signer) or signer in self.subjects():
+            # Only those we watch: another member's heartbeat (a sync answer, a refutation after
+            # its suspicions lapsed) would start a watch that its silence then turns into suspicion.
+            self.detector.heartbeat(signer, now_ms)
+            if self.detector.note_read_delay(signer, beat.sent_ms, beat.seq, now_ms):
+                self.ctx.counters["late_heartbeats"] += 1   # F2a: it waited in queues, ours or the host's
+            if signer in self.watched_on_suspicion:
+                self.refuted.add(signer)   # F4a: alive since the suspicion; its monitors watch on
+
+    def take_quiet_heartbeat(self, signer: bytes, beat: Heartbeat, now_ms: int) -> bool:
+        """SPEC F1d: take a heartbeat whose only effect is on the detector, as ``on_heartbeat``
+        would, and return True; False (nothing done) when it may have more: a stale sender or
+        epoch (answered with a sync), a sender this node suspects (a sync request, F6), or this
+        node halted (the heartbeat may end the halt, F3), or a detector whose thresholds adapt
+        (min_silence_ms below suspect_by_ms: a new sample may lower one). A heartbeat taken
+        here brings no deadline of ``next_tick_ms`` earlier (its sender's flag time moves on by
+        the time since it was last heard, its threshold stays suspect_by_ms, the health score
+        only rises), so the driver need not ask for the next tick again."""
+        epochs, detector = self.epochs, self.detector
+        if (self.halted or beat.epoch < epochs.epoch or signer not in epochs.view.stakes
+                or detector.min_silence_ms < detector.suspect_by_ms
+                or (self.ctx.heartbeats and detector.is_suspected(signer, now_ms))):
+            return False
+        self._note_heartbeat(signer, beat, now_ms)
+        self.peer_beat_sent_ms[signer] = beat.sent_ms
+        return True
 
     def _fresh_after_halt(self, member: bytes, sent_ms: int) -> bool:
         """SPEC F3: whether a heartbeat read while halted was sent after we resumed. A member

@@ -61,8 +61,8 @@ from protocol.liveness import Liveness
 from protocol.messages import (MAX_BIDS_PER_PROPOSAL, Bid, Cancel, CapabilityVector, Checkpoint, CheckpointAck,
                                CommitCertificate, Decline, Heartbeat, JobExit, JobManifest, JobRefusal, Join,
                                MoveRequest, Precommit, Prevote, PrevoteCertificate, Proposal, RoundChange, RoundSync,
-                               QuotaGrant, Resources, RunStopped, Suspicion, SyncRequest, decode_message,
-                               decode_value)
+                               QuotaGrant, Resources, RunStopped, Suspicion, SyncRequest, decode_heartbeat,
+                               decode_message, decode_value)
 from protocol.policy import LocalCapacity, NodePolicy
 from protocol.ready import Decision, PersistRecord, Ready
 from protocol.replicas import endpoint_table
@@ -314,6 +314,14 @@ class MeshCore:
         except RemoteProtocolError:
             self.counters["rejected_" + envelope.kind] += 1
         return self._with_orders(out)
+
+    def take_heartbeat(self, data: bytes, now_ms: int, sender: bytes) -> bool:
+        """A heartbeat frame taken where the transport reads it (SPEC F1d): True when it only
+        fed the failure detector, so there is no Ready and no input to drain; False, with
+        nothing done, for any other frame or a heartbeat that may have more effect (the
+        driver then ``step``s it, which also counts a bad one)."""
+        beat = decode_heartbeat(data, self.mesh_id, sender)
+        return beat is not None and self.liveness.take_quiet_heartbeat(sender, beat, now_ms)
 
     def _with_orders(self, out: Ready) -> Ready:
         """Every input's Ready ends with the workload orders it implies (workload_orders.py),

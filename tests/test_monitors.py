@@ -15,7 +15,7 @@ from keys.genesis import DEFAULT_PARAMS, Genesis
 from keys.identity import SigningIdentity
 from protocol.drain import ReadyDrain
 from protocol.mesh import MeshCore
-from protocol.messages import Heartbeat, Member, Suspicion, decode_message, encode_message
+from protocol.messages import Heartbeat, Member, Suspicion, decode_message, encode_message, is_heartbeat_frame
 from protocol.monitors import MONITORS_PER_MEMBER, monitor_assignment, subjects_in
 from protocol.policy import LocalCapacity, NodePolicy
 
@@ -32,11 +32,15 @@ class Mesh:
     """n equal-stake cores. ``down``: crashed (sends and reads nothing); ``paused``: stopped
     (no ticks; what it is sent waits, as in its sockets, and is read on ``resume``)."""
 
-    def __init__(self, n: int, sparse_ticks: bool = False):
+    def __init__(self, n: int, sparse_ticks: bool = False, take_where_read: bool = False):
         # sparse_ticks: tick as the node driver does (meshnode/node/driver.py), only when
         # MeshCore.next_tick_ms says (at least every 5 ms, at most every 50 ms), asking
         # again after every input; otherwise every 5 ms.
         self.sparse_ticks = sparse_ticks
+        # take_where_read: offer each heartbeat to MeshCore.take_heartbeat before stepping it,
+        # as the node's transport reader does (SPEC F1d).
+        self.take_where_read = take_where_read
+        self.heartbeats_taken = 0
         self.wake = {}
         self.ticks = {}
         self.ids = identities(n)
@@ -83,6 +87,9 @@ class Mesh:
                 continue
             if target in self.paused:
                 self.held[target].append((src, data))
+            elif (self.take_where_read and is_heartbeat_frame(data)
+                  and self.cores[target].take_heartbeat(data, self.now, src)):
+                self.heartbeats_taken += 1   # no Ready, and no earlier deadline: the wake stands
             else:
                 self.drains[target].drain(self.cores[target].step(data, self.now, src))
                 self.wake[target] = min(self.wake.get(target, 0), self._next_wake(target))

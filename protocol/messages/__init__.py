@@ -54,8 +54,8 @@ from protocol.messages.replicas import (MAX_REPLICAS, REPLICA_WEIGHT, ReplicaAct
 from protocol.messages.slots import slot_binding_error, slot_placements
 from protocol.messages.votes import (CommitCertificate, Evidence, Precommit, Prevote, PrevoteCertificate, Proposal,
                                      RoundChange, RoundSync, value_hash)
-from protocol.messages.wire import (MESSAGE_TYPES, decode_message, decode_value, encode_message, encode_unsigned,
-                                   is_heartbeat_frame, sign_message)
+from protocol.messages.wire import (MESSAGE_TYPES, decode_heartbeat, decode_message, decode_value, encode_message,
+                                   encode_unsigned, is_heartbeat_frame, sign_message)
 
 __all__ = [
     # fields
@@ -91,6 +91,6 @@ __all__ = [
     "CommitCertificate", "Evidence", "Precommit", "Prevote", "PrevoteCertificate", "Proposal", "RoundChange",
     "RoundSync", "value_hash",
     # wire
-    "MESSAGE_TYPES", "decode_message", "decode_value", "encode_message", "encode_unsigned",
+    "MESSAGE_TYPES", "decode_heartbeat", "decode_message", "decode_value", "encode_message", "encode_unsigned",
     "is_heartbeat_frame", "sign_message",
 ]

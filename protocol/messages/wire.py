@@ -55,7 +55,14 @@ def encode_message(identity, mesh_id: bytes, message: Record, *, caches: CoreCac
 
 
 def encode_unsigned(public_key: bytes, mesh_id: bytes, message: Record) -> bytes:
-    """A channel-authenticated message (a heartbeat, SPEC.md F1): no signature."""
+    """A channel-authenticated message (a heartbeat, SPEC.md F1): no signature. A heartbeat's
+    bytes are put together from its fixed parts and three integers (a node sends k of them
+    every period): the same bytes as the envelope's canonical encoding, tested."""
+    if type(message) is Heartbeat and len(mesh_id) == len(public_key) == 32:
+        return b"".join((_ENVELOPE_PREFIX, _UNSIGNED_KEY_HEAD, mesh_id, _HEARTBEAT_KIND, b"\x83",
+                         _HEARTBEAT_KEYS[0], codec.pack(message.epoch), _HEARTBEAT_KEYS[1],
+                         codec.pack(message.sent_ms), _HEARTBEAT_KEYS[2], codec.pack(message.seq),
+                         _UNSIGNED_KEY_HEAD, public_key, b"\xc4\x00"))
     return seal_unsigned(public_key, mesh_id, type(message).KIND, message.to_body()).encode()
 
 
@@ -76,6 +83,58 @@ def is_heartbeat_frame(data: bytes) -> bool:
     gains nothing). No decoding: every frame a node receives passes here."""
     return (len(data) <= HEARTBEAT_FRAME_MAX_BYTES and data[:len(_ENVELOPE_PREFIX)] == _ENVELOPE_PREFIX
             and data[_KIND_AT:_KIND_AT + len(_HEARTBEAT_KIND)] == _HEARTBEAT_KIND)
+
+
+_UINT_FORMATS = {0xcc: (1, 0x80), 0xcd: (2, 0x100), 0xce: (4, 0x1_0000), 0xcf: (8, 0x1_0000_0000)}
+_INT_MAX = (1 << 63) - 1   # schema.Int()'s default bound, every heartbeat field's
+_HEARTBEAT_KEYS = tuple(codec.pack(name) for name in sorted(Heartbeat.SCHEMA))   # epoch, sent_ms, seq
+_UNSIGNED_KEY_HEAD = codec.pack(bytes(32))[:2]    # bin8, 32 bytes
+
+
+def _canonical_uint(data: bytes, at: int) -> tuple[int, int]:
+    """The non-negative integer msgpack encodes at ``at`` in its shortest form, and where it
+    ends; (-1, at) for anything else (a negative, a longer form than needed, not an int)."""
+    if at >= len(data):
+        return -1, at
+    first = data[at]
+    if first < 0x80:
+        return first, at + 1
+    form = _UINT_FORMATS.get(first)
+    if form is None:
+        return -1, at
+    size, least = form
+    end = at + 1 + size
+    value = int.from_bytes(data[at + 1:end], "big")
+    if end > len(data) or value < least or value > _INT_MAX:
+        return -1, at
+    return value, end
+
+
+def decode_heartbeat(data: bytes, mesh_id: bytes, sender: bytes) -> Heartbeat | None:
+    """The heartbeat in ``data`` when ``data`` is, byte for byte, the canonical unsigned
+    heartbeat envelope that ``sender`` makes for ``mesh_id`` (``encode_unsigned``); None
+    for anything else. It accepts exactly the frames ``decode_message(data, mesh_id,
+    Heartbeat, channel_sender=sender)`` accepts, with the same result, reading their fixed
+    bytes and three integers instead of unpacking, re-encoding and checking a schema: a
+    node reads k of them every period (SPEC F1d, issue 18)."""
+    prefix_end = _KIND_AT + len(_HEARTBEAT_KIND)
+    if (len(data) > HEARTBEAT_FRAME_MAX_BYTES or data[:len(_ENVELOPE_PREFIX)] != _ENVELOPE_PREFIX
+            or data[len(_ENVELOPE_PREFIX):_KIND_AT] != _UNSIGNED_KEY_HEAD + mesh_id
+            or data[_KIND_AT:prefix_end] != _HEARTBEAT_KIND or data[prefix_end:prefix_end + 1] != b"\x83"):
+        return None
+    at = prefix_end + 1
+    values = []
+    for key in _HEARTBEAT_KEYS:
+        if data[at:at + len(key)] != key:
+            return None
+        value, at = _canonical_uint(data, at + len(key))
+        if value < 0:
+            return None
+        values.append(value)
+    if len(sender) != 32 or data[at:] != _UNSIGNED_KEY_HEAD + sender + b"\xc4\x00":
+        return None
+    epoch, sent_ms, seq = values
+    return Heartbeat(epoch=epoch, seq=seq, sent_ms=sent_ms)
 
 
 def decode_message(data: bytes, mesh_id: bytes, expect: type | None = None,
