@@ -175,7 +175,7 @@ class InstanceTable:
                                  mesh_id=self.ctx.mesh_id,
                                  round_timeout_ms=round_timeout_ms + flow.round_timeout_extra_ms,
                                  round_timeout_max_ms=params.round_timeout_max_ms,
-                                 max_rounds=flow.max_rounds or params.max_rounds, validate=validate, now_ms=now_ms,
+                                 max_rounds=flow.max_rounds_for(iid) or params.max_rounds, validate=validate, now_ms=now_ms,
                                  other_kinds=other_kinds, caches=self.ctx.caches)
         inst.dropped = self.ctx.counters  # one Counter of drop reasons for the whole node
         inst.other_views = self.epochs.views  # other epochs' equivocation is evidence too (SPEC.md 6.10)

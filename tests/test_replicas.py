@@ -413,3 +413,28 @@ def test_r4h_a_replica_with_no_room_on_its_node_is_placed_on_another_node_with_r
         assert [e.detail["why"] for e in replica_events(net, key, "replace")] == ["no_room"]
     holder = net.cores[primary].job_table.get(jid).replicas[2].node
     assert net.cores[holder].ledger.allocated(replica_key(jid, 2)) is not None   # it runs there, once
+
+
+def test_r4h_a_replacement_with_no_target_gives_up_soon_and_leaves_the_jobs_other_actions_free():
+    # min_replicas 4 on 4 nodes (the primary counts): the primary and its 3 replicas fill the mesh, so when a
+    # replica fails no member is left that does not run the job already: no leader has a value.
+    net, jid, primary = running_replicated_job(rule("reroute", 50, cooldown_ms=60_000),
+                                               service=Service(port=9000, min_replicas=4, max_replicas=4))
+    readings(net, 3)
+    record = net.cores[primary].job_table.get(jid)
+    assert sorted(record.replicas) == [1, 2, 3]
+    crashed = record.replicas[1].node
+    net.emit(crashed, net.cores[crashed].job_exited(replica_key(jid, 1), 137, net.now))
+    net.run(4000)   # REPLACEMENT_MAX_ROUNDS rounds of growing timeouts (200 + 400 + 800 ms)
+    for key in KEYS:
+        assert any(e.kind == "replica_action_gave_up" for e in net.events[key]), key
+        assert jid not in net.cores[key].replicas.noticing, key
+    assert replica_events(net, KEYS[0], "replace") == []
+    # The job's other actions are not held behind the end that found no target: the reroute
+    # rule still acts (on main it waited the replacement's 64 rounds, then forever).
+    seen = {key: len(net.events[key]) for key in KEYS}
+    hold_on(net, {primary}, HOT, 3000)
+    net.run(300)
+    for key in KEYS:
+        kinds = [e.detail["action"] for e in net.events[key][seen[key]:] if e.kind == "replica_action"]
+        assert kinds == ["reroute"], (key, kinds)

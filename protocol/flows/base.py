@@ -28,6 +28,10 @@ class ValueFlow:
     def round_timeout_extra_ms(self) -> int:
         return 0
 
+    def max_rounds_for(self, iid: bytes) -> int | None:
+        """Rounds before this node gives up instance ``iid`` (None: the genesis' max_rounds)."""
+        return self.max_rounds
+
     def timed_as(self, subject) -> "ValueFlow":
         """The flow whose decision times (6.12) set the round timeout of this flow's instance
         deciding ``subject``, and take its samples: itself, but for 6.12b."""

@@ -48,6 +48,9 @@ MAX_PARKED = 1024                       # decided actions held until their prede
 # R4h: a replacement's anchor is this + the ended replica's index (never a vector's seq in practice),
 # so each replica's end has its own instance at each action number.
 REPLACEMENT_ANCHOR = 1 << 48
+# R4h: a replacement no leader can fill (no member is free of the job) gives up after this many
+# rounds instead of the genesis' max_rounds (64, minutes): while open it holds the job's other actions.
+REPLACEMENT_MAX_ROUNDS = 4
 MAX_REPLICA_RESTARTS = 16               # replacements after failed exits, per job (a crash loop ends)
 
 
@@ -101,12 +104,21 @@ class ReplicaFlow(SharedStateFlow):
 
     # --- a replica's end (SPEC.md R4h) ----------------------------------------------------------
     def _held_end(self, record) -> tuple | None:
-        """(index, signed end) of the first of the job's replicas whose end this node holds."""
+        """(index, signed end) of the first of the job's replicas whose end this node holds and
+        whose replacement at the job's action number is not over (one that gave up is tried
+        again at the next number, R4h; meanwhile the job's other actions go on)."""
         for index, replica in sorted(record.replicas.items()):
             data = self.ends.get(replica_key(record.job_id, index))
-            if data is not None:
+            iid = replica_instance_id(record.job_id, record.replica_seq, REPLACEMENT_ANCHOR + index)
+            if data is not None and not self.instances.is_done(iid):
                 return index, data
         return None
+
+    def max_rounds_for(self, iid: bytes) -> int | None:
+        held = self.pending.get(iid)
+        if held is not None and held[2] >= REPLACEMENT_ANCHOR:
+            return REPLACEMENT_MAX_ROUNDS
+        return self.max_rounds
 
     def _report_end(self, record, index: int, message, now_ms: int, out: Ready) -> bytes:
         """This node's replica ``index`` ended (``message``: a JobExit or JobRefusal of its key):
