@@ -570,3 +570,10 @@ def test_the_tuis_data_tables_fit_80_columns_in_the_worst_case():
     for columns, row in ((MESH_COLUMNS, mesh_row(hot)), (JOB_COLUMNS, job_row(job))):
         width = sum(max(len(header), len(cell)) + 2 for header, cell in zip(columns, row))
         assert width <= 80, (width, row)
+
+
+def test_the_consensus_table_says_gave_up_for_an_instance_given_up_here():
+    row = {"instance": "cd" * 32, "kind": "replica_action", "round": 3, "leader": None}
+    assert consensus_row({**row, "decided": True})[4] == "yes"
+    assert consensus_row({**row, "decided": False, "gave_up": True})[4] == "gave up"
+    assert consensus_row({**row, "decided": False, "gave_up": False})[4] == "no"

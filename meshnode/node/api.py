@@ -214,7 +214,8 @@ class ControlApi:
     async def consensus(self, args) -> dict:
         view = self.node.core.consensus_view()
         return {"instances": [{"instance": i["instance"].hex(), "kind": i["kind"], "round": i["round"],
-                               "leader": _hex(i["leader"]), "decided": i["decided"], "applied": i["applied"]}
+                               "leader": _hex(i["leader"]), "decided": i["decided"], "applied": i["applied"],
+                               "gave_up": i["gave_up"]}
                               for i in view["instances"]],
                 "certificates": view["certificates"],
                 "evidence": [{"offender": e["offender"].hex(), "kind": e["kind"], "at_ms": e["at_ms"]}

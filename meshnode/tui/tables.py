@@ -199,7 +199,14 @@ def job_row(job: dict) -> tuple[str, ...]:
 
 def consensus_row(instance: dict) -> tuple[str, ...]:
     return (short_job_id(instance.get("instance")), instance.get("kind", "?"), str(instance.get("round", 0)),
-            node_label(instance.get("leader")), "yes" if instance.get("decided") else "no")
+            node_label(instance.get("leader")), decided_cell(instance))
+
+
+def decided_cell(instance: dict) -> str:
+    """An instance this node gave up (max_rounds, SPEC 6.5) will not decide here: say so."""
+    if instance.get("decided"):
+        return "yes"
+    return "gave up" if instance.get("gave_up") else "no"
 
 
 def evidence_row(item: dict) -> tuple[str, ...]:
