@@ -109,8 +109,8 @@ class ReplicaFlow(SharedStateFlow):
         again at the next number, R4h; meanwhile the job's other actions go on)."""
         for index, replica in sorted(record.replicas.items()):
             data = self.ends.get(replica_key(record.job_id, index))
-            iid = replica_instance_id(record.job_id, record.replica_seq, REPLACEMENT_ANCHOR + index)
-            if data is not None and not self.instances.is_done(iid):
+            if data is not None and not self.instances.is_done(
+                    replica_instance_id(record.job_id, record.replica_seq, REPLACEMENT_ANCHOR + index)):
                 return index, data
         return None
 
