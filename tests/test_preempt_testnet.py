@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,13 @@ def test_a_high_priority_job_preempts_a_victim_that_resumes_from_its_checkpoint(
     def inspect(layout, run):
         row = run.per_round[0]
         node_dir = layout["nodes"][0]["dir"]
-        said["why"] = json.loads(meshnode("why", row["preempted"], "--node", node_dir, "--json"))
+        # `why` names the preemptor once node 0 applied the victim's resumed attempt (P8): the
+        # bench saw it resume at its own node, node 0 may apply it a moment later. Bounded.
+        for _ in range(20):
+            said["why"] = json.loads(meshnode("why", row["preempted"], "--node", node_dir, "--json"))
+            if said["why"]["preempted_by"] is not None:
+                break
+            time.sleep(0.25)
         out = tmp_path / "certs"
         meshnode("cert", "export", "--node", node_dir, "--job", row["preempted"], "--out", str(out), "--json")
         said["certificates"] = sorted(p.name for p in out.glob("*.cert"))
